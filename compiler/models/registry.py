@@ -1,0 +1,32 @@
+"""Model families keyed on the Hugging Face `model_type`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..errors import MobilecError
+from .llama import LlamaConfig, LlamaForCausalLM
+from .qwen2 import Qwen2Config, Qwen2ForCausalLM
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    config_class: type[LlamaConfig]
+    model_class: type[LlamaForCausalLM]
+
+
+FAMILIES: dict[str, ModelFamily] = {
+    "llama": ModelFamily("llama", LlamaConfig, LlamaForCausalLM),
+    "qwen2": ModelFamily("qwen2", Qwen2Config, Qwen2ForCausalLM),
+}
+
+
+def family_for(hf_config: dict[str, Any]) -> ModelFamily:
+    model_type = hf_config.get("model_type")
+    if model_type not in FAMILIES:
+        raise MobilecError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
+        )
+    return FAMILIES[model_type]

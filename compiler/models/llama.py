@@ -30,7 +30,8 @@ class LlamaConfig:
     rope_theta: float
     tie_word_embeddings: bool
     max_position_embeddings: int
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on q/k/v
+    attention_out_bias: bool = False  # bias on o_proj
     context_window_size: int = 2048
     prefill_chunk_size: int = 2048
 
@@ -43,6 +44,8 @@ class LlamaConfig:
             if rope_theta is None:  # transformers 5 nests it under rope_parameters
                 rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
             scaling = hf.get("rope_scaling") or {}
+            if hf.get("mlp_bias"):
+                raise MobilecError("MLP biases (mlp_bias=true) are not supported yet")
             if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
                 raise MobilecError(
                     f"rope scaling {scaling.get('rope_type', scaling.get('type'))!r} is not supported yet; "
@@ -64,6 +67,7 @@ class LlamaConfig:
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 max_position_embeddings=max_pos,
                 attention_bias=bool(hf.get("attention_bias", False)),
+                attention_out_bias=bool(hf.get("attention_out_bias", hf.get("attention_bias", False))),
                 context_window_size=window,
                 prefill_chunk_size=min(window, 2048),
             )
@@ -80,6 +84,8 @@ class LlamaConfig:
             if self.attention_bias:
                 src[f"{attn}.qkv_proj.bias"] = [f"{attn}.{x}_proj.bias" for x in "qkv"]
             src[f"{attn}.o_proj.weight"] = [f"{attn}.o_proj.weight"]
+            if self.attention_out_bias:
+                src[f"{attn}.o_proj.bias"] = [f"{attn}.o_proj.bias"]
             src[f"{p}.mlp.gate_up_proj.weight"] = [f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"]
             src[f"{p}.mlp.down_proj.weight"] = [f"{p}.mlp.down_proj.weight"]
             for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -115,7 +121,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         qkv_rows = (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_rows, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.num_q_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.num_q_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
         b, s, _ = x.shape

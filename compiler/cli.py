@@ -47,8 +47,11 @@ def targets():
 @click.option("--output", "-o", default=None, help="Artifact directory (default: build/<model>-<quant>-<target>).")
 @click.option("--context-window", type=int, default=None,
               help="Longest sequence (prompt + output) the KV cache holds; default min(model max, 2048).")
+@click.option("--quant-skip", multiple=True, metavar="PATTERN",
+              help="Keep layers matching this glob in float (repeatable), e.g. lm_head, model.layers.0, "
+                   "'model.layers.*.mlp.down_proj'.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress text.")
-def compile(model, target, quant, output, context_window, as_json):  # pylint: disable=redefined-builtin
+def compile(model, target, quant, output, context_window, quant_skip, as_json):  # pylint: disable=redefined-builtin
     """Compile MODEL for TARGET into an artifact directory (library, weight shards, tokenizer, config).
 
     The artifact is written to a temporary directory and renamed at the end:
@@ -56,7 +59,8 @@ def compile(model, target, quant, output, context_window, as_json):  # pylint: d
     """
     from .compile_model import compile_model  # pylint: disable=import-outside-toplevel
 
-    summary = compile_model(model, target, quant, output, context_window, progress=not as_json)
+    summary = compile_model(model, target, quant, output, context_window, progress=not as_json,
+                            quant_skip=list(quant_skip))
     if as_json:
         click.echo(json.dumps(summary))
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tvm
 from tqdm import tqdm
 
 from . import pipeline
@@ -18,7 +19,9 @@ from .errors import MobilecError
 from .export import ShardWriter, atomic_directory
 from .loaders import Checkpoint, open_checkpoint
 from .loaders.default_model import default_model_path
-from .models.registry import family_for
+from .models.llama import LlamaConfig
+from .models.registry import ModelFamily, family_for
+from .quantization.quantize_model import WeightPlan, quantize_model
 from .quantization.schemes import Scheme, get_scheme
 from .targets import TargetSpec, load_target
 
@@ -39,25 +42,53 @@ def default_output(model_path: Path, quant: str, target: str) -> Path:
     return Path("build") / f"{model_name(model_path)}-{quant}-{target}"
 
 
-def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_window: int | None):
-    """Build the nn.Module for the checkpoint's family and export it to a Relax IRModule."""
+@dataclasses.dataclass
+class ImportedModel:
+    family: ModelFamily
+    cfg: LlamaConfig
+    mod: tvm.IRModule
+    params: list  # (name, nn.Parameter) in the order the compiled functions take them
+    sources: dict[str, list[str]]  # float parameter -> checkpoint tensors
+    plan: WeightPlan  # quantized layer -> how to make its stored arrays
+
+
+def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_window: int | None,
+                 quant_skip: list[str] = ()) -> ImportedModel:
+    """Build the nn.Module for the checkpoint's family, quantize its layers, export it to a Relax IRModule."""
     family = family_for(ckpt.hf_config)
     cfg = family.config_class.from_hf(ckpt.hf_config, context_window)
     if cfg.context_window_size <= 0:
         raise MobilecError(f"--context-window must be positive, got {cfg.context_window_size}")
     model = family.model_class(cfg)
-    model.to(scheme.model_dtype)
+    dtype = scheme.float_dtype or spec.device["compute_dtype"]
+    model.to(dtype)
+    sources = cfg.param_sources()
+    plan = quantize_model(model, scheme, ckpt, sources, list(quant_skip), dtype)
     with spec.tvm_target():
         mod, params = model.export_tvm(spec=model.get_default_spec())
-    return family, cfg, mod, params
+    return ImportedModel(family, cfg, mod, params, sources, plan)
 
 
-def write_params(ckpt: Checkpoint, sources: dict[str, list[str]], params, scheme: Scheme, out: Path, progress: bool):
-    """Convert weights one parameter at a time, so only one tensor is in memory beyond the checkpoint's map."""
+def _stored_array(ckpt: Checkpoint, imported: ImportedModel, name: str, made: dict[str, dict[str, np.ndarray]]):
+    """The array to store for parameter `name`: from a quantized layer's plan, or checkpoint tensors as they are."""
+    layer, _, suffix = name.rpartition(".")
+    if layer in imported.plan and suffix != "bias":
+        if layer not in made:
+            made[layer] = imported.plan[layer]()
+        array = made[layer].pop(suffix)
+        if not made[layer]:
+            del made[layer]
+        return array
+    parts = [ckpt.get(src) for src in imported.sources[name]]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
+
+def write_params(ckpt: Checkpoint, imported: ImportedModel, out: Path, progress: bool):
+    """Convert weights one layer at a time, so only one layer is in memory beyond the checkpoint's map."""
     writer = ShardWriter(out / PARAMS_DIR)
-    for name, param in tqdm(params, desc="weights", unit="tensor", disable=not progress, file=sys.stderr):
-        parts = [ckpt.get(src) for src in sources[name]]
-        array = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    made: dict[str, dict[str, np.ndarray]] = {}
+    for name, param in tqdm(imported.params, desc="weights", unit="tensor", disable=not progress, file=sys.stderr):
+        array = _stored_array(ckpt, imported, name, made)
         if tuple(array.shape) != tuple(int(d) for d in param.shape):
             raise MobilecError(
                 f"tensor {name} has shape {tuple(array.shape)} in the checkpoint but the config implies "
@@ -74,6 +105,7 @@ def compile_model(
     output: str | None = None,
     context_window: int | None = None,
     progress: bool = True,
+    quant_skip: list[str] = (),
 ) -> dict[str, Any]:
     """Compile and write the artifact; returns a summary (path, timings, sizes)."""
     spec = load_target(target)
@@ -84,15 +116,16 @@ def compile_model(
     t_start = time.perf_counter()
     with open_checkpoint(model_path) as ckpt, atomic_directory(out_dir) as tmp:
         log(f"importing {ckpt.description}")
-        family, cfg, mod, params = import_model(ckpt, scheme, spec, context_window)
+        imported = import_model(ckpt, scheme, spec, context_window, quant_skip)
+        family, cfg = imported.family, imported.cfg
         log(f"compiling {family.name} for {spec.name} ({scheme.name})")
         t_build = time.perf_counter()
-        executable = pipeline.build(mod, spec)
+        executable = pipeline.build(imported.mod, spec)
         (tmp / LIBRARY_DIR).mkdir()
         library = f"{LIBRARY_DIR}/model.so"
         executable.export_library(str(tmp / library))
         build_seconds = time.perf_counter() - t_build
-        index = write_params(ckpt, cfg.param_sources(), params, scheme, tmp, progress)
+        index = write_params(ckpt, imported, tmp, progress)
         ckpt.save_tokenizer(tmp / TOKENIZER_DIR)
         config = {
             "format_version": FORMAT_VERSION,
@@ -102,7 +135,8 @@ def compile_model(
                 "source": ckpt.description,
                 "config": dataclasses.asdict(cfg),
             },
-            "quantization": dataclasses.asdict(scheme),
+            "quantization": {**scheme.to_json(), "skip": list(quant_skip), "quantized_layers": sorted(imported.plan)},
+            "compute_dtype": scheme.float_dtype or spec.device["compute_dtype"],
             "target": {
                 "name": spec.name,
                 "description": spec.description,

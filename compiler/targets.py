@@ -15,7 +15,13 @@ from .errors import MobilecError
 TARGETS_DIR = Path(__file__).resolve().parent.parent / "targets"
 LINK_METHODS = ("native",)
 SCHEDULE_RULES = ("cpu",)
-REQUIRED_DEVICE_FIELDS = ("memory_bandwidth_gbs", "ram_gb", "max_alloc_gb", "default_quant")
+REQUIRED_DEVICE_FIELDS = {
+    "memory_bandwidth_gbs": float,
+    "ram_gb": float,
+    "max_alloc_gb": float,
+    "default_quant": str,
+    "compute_dtype": str,  # activations of quantized models
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +80,8 @@ def load_target(name_or_path: str) -> TargetSpec:
     tvm_json = _field(table, "tvm.target", path, dict)
     _field(table, "tvm.target.kind", path, str)
     device = _field(table, "device", path, dict)
-    for key in REQUIRED_DEVICE_FIELDS:
-        _field(table, f"device.{key}", path, str if key == "default_quant" else float)
+    for key, kind in REQUIRED_DEVICE_FIELDS.items():
+        _field(table, f"device.{key}", path, kind)
     spec = TargetSpec(
         name=_field(table, "name", path, str),
         description=_field(table, "description", path, str),

@@ -101,6 +101,13 @@ def _take_last_token(x: te.Tensor) -> te.Tensor:
     return te.compute((b, 1, h), lambda i, _, k: x[i, s - 1, k], name="take_last_token")
 
 
+class Embedding(nn.Embedding):
+    """Token embedding that also serves as the output projection when the model ties them."""
+
+    def project(self, hidden: Tensor) -> Tensor:
+        return op.matmul(hidden, op.permute_dims(self.weight))
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         self.intermediate_size = cfg.intermediate_size
@@ -146,7 +153,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig):
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
 
@@ -173,7 +180,7 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
 
     def _logits(self, hidden: Tensor) -> Tensor:
         if self.cfg.tie_word_embeddings:
-            logits = op.matmul(hidden, op.permute_dims(self.model.embed_tokens.weight))
+            logits = self.model.embed_tokens.project(hidden)
         else:
             logits = self.lm_head(hidden)
         return logits.astype("float32") if logits.dtype != "float32" else logits

@@ -1,25 +1,46 @@
-"""Quantization schemes by name: what each stores per weight and in which dtype the model computes."""
+"""Quantization schemes by name: how weights are stored, and which dtype the model computes in."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from ..errors import MobilecError
+from .group import GroupLayout
 
 
 @dataclasses.dataclass(frozen=True)
 class Scheme:
+    """kind "float": the whole model in `float_dtype`. kind "group": linear and embedding weights in `layout`,
+    activations in the target's compute dtype. kind "gguf": each GGUF tensor keeps its own block format."""
+
     name: str
-    model_dtype: str  # activations, norms, KV cache
-    weight_bits: int  # 32/16 for float schemes
-    description: str
+    kind: str
+    float_dtype: str | None = None
+    layout: GroupLayout | None = None
+
+    def describe(self) -> str:
+        if self.kind == "float":
+            return f"no quantization, {self.float_dtype} weights and activations"
+        if self.kind == "gguf":
+            return "keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks bit for bit (GGUF input only)"
+        return self.layout.describe()
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "float_dtype": self.float_dtype,
+                "layout": dataclasses.asdict(self.layout) if self.layout else None, "description": self.describe()}
 
 
 SCHEMES: dict[str, Scheme] = {
     s.name: s
     for s in (
-        Scheme("q0f32", "float32", 32, "no quantization; float32 weights and activations"),
-        Scheme("q0f16", "float16", 16, "no quantization; float16 weights and activations"),
+        Scheme("q0f32", "float", float_dtype="float32"),
+        Scheme("q0f16", "float", float_dtype="float16"),
+        Scheme("q4f16_g32", "group", layout=GroupLayout(4, 32, True, "float16")),
+        Scheme("q4f16_g128", "group", layout=GroupLayout(4, 128, True, "float16")),
+        Scheme("q4f32_g32", "group", layout=GroupLayout(4, 32, True, "float32")),
+        Scheme("q4f16_g32_asym", "group", layout=GroupLayout(4, 32, False, "float16")),
+        Scheme("q8f16_g128", "group", layout=GroupLayout(8, 128, True, "float16")),
+        Scheme("gguf", "gguf"),
     )
 }
 
@@ -31,4 +52,4 @@ def get_scheme(name: str) -> Scheme:
 
 
 def schemes_help() -> str:
-    return "; ".join(f"{s.name}: {s.description}" for s in SCHEMES.values())
+    return "; ".join(f"{s.name}: {s.describe()}" for s in SCHEMES.values())

@@ -1,0 +1,241 @@
+"""GGUF files (llama.cpp's format): HF names, HF layout and an HF-style config from GGUF metadata.
+
+gguf's GGUFReader memory-maps the file; tensors are dequantized one at a time on request.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, LlamaFileType
+from gguf.gguf_reader import ReaderTensor
+from gguf.quants import dequantize
+
+from ..errors import MobilecError
+from . import Checkpoint, _one_line, _save_auto_tokenizer
+
+_TOP_LEVEL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# llama.cpp's convert script reorders q/k rows (see _unpermute_order) only for these architectures.
+_PERMUTED_ARCHS = {"llama"}
+# rope_freqs holds Llama 3 RoPE scaling factors; it is described by hf_config["rope_scaling"], not a weight.
+_NOT_WEIGHTS = {"rope_freqs.weight"}
+
+
+def _hf_name(gguf_name: str) -> str:
+    """HF name of a GGUF tensor; names with no HF counterpart are kept as they are."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem in _TOP_LEVEL_NAMES:
+        return f"{_TOP_LEVEL_NAMES[stem]}.{suffix}"
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return gguf_name
+
+
+def _unpermute_order(n_rows: int, n_head: int) -> np.ndarray:
+    """Row order that turns llama.cpp's q/k rows back into HF's.
+
+    llama.cpp interleaves the two rotate-half halves of each head (rows reshaped (heads, 2, d/2) -> (heads, d/2, 2));
+    HF row i of a head is GGUF row `order[i]`, as in transformers' `_reverse_permute_weights`.
+    """
+    return np.arange(n_rows).reshape(n_head, n_rows // n_head // 2, 2).swapaxes(1, 2).reshape(-1)
+
+
+def _f32(value: Any) -> float:
+    # GGUF stores eps/theta as float32: 1e-5 reads back as 9.999999747378752e-06; keep the value that was meant.
+    return float(str(np.float32(value)))
+
+
+class GGUFCheckpoint(Checkpoint):
+    def __init__(self, path: Path):
+        self._path = path
+        try:
+            self._reader = GGUFReader(path)
+        except Exception as e:  # GGUFReader reports truncation as shape/dtype ValueErrors
+            raise MobilecError(
+                f"GGUF file {str(path)!r} is truncated or corrupt ({_one_line(e)}); re-download or re-convert it"
+            ) from e
+        size = path.stat().st_size
+        for t in self._reader.tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise MobilecError(
+                    f"GGUF file {str(path)!r} is truncated (tensor {t.name} ends at byte {t.data_offset + t.n_bytes}, "
+                    f"file has {size}); re-download or re-convert it"
+                )
+        self._arch = self._field("general.architecture")
+        if not isinstance(self._arch, str):
+            raise MobilecError(f"GGUF file {str(path)!r} has no general.architecture; re-convert it with llama.cpp")
+        self._tensors = {_hf_name(t.name): t for t in self._reader.tensors if t.name not in _NOT_WEIGHTS}
+        self.hf_config = self._config()
+        self.description = f"GGUF {path.name} ({self._file_type()})"
+
+    def _field(self, key: str, default: Any = None) -> Any:
+        field = self._reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def _config(self) -> dict[str, Any]:
+        a = self._arch
+        gguf_names = {t.name for t in self._reader.tensors}
+
+        def need(key: str) -> Any:
+            value = self._field(f"{a}.{key}")
+            if value is None:
+                raise MobilecError(f"GGUF file {str(self._path)!r} lacks metadata {a}.{key}; re-convert it with llama.cpp")
+            return value
+
+        hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+        # llama.cpp's own default for the head size when key_length is absent; rope.dimension_count may be partial.
+        head_dim = int(self._field(f"{a}.attention.key_length", hidden // heads))
+        # Older converters omit vocab_size; then the tokenizer's token list has the count.
+        tokens = self._reader.fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None and f"{a}.vocab_size" not in self._reader.fields else None
+        cfg: dict[str, Any] = {
+            "model_type": a,
+            "vocab_size": int(vocab if vocab is not None else need("vocab_size")),
+            "hidden_size": hidden,
+            "intermediate_size": int(need("feed_forward_length")),
+            "num_hidden_layers": int(need("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self._field(f"{a}.attention.head_count_kv", heads)),
+            "head_dim": head_dim,
+            "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
+            "rope_theta": _f32(self._field(f"{a}.rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self._field(f"{a}.context_length", 2048)),
+            # Converters drop output.weight exactly when the model ties it to the embedding.
+            "tie_word_embeddings": "output.weight" not in gguf_names,
+            "attention_bias": "blk.0.attn_q.bias" in gguf_names,
+        }
+        rope_dims = self._field(f"{a}.rope.dimension_count")
+        if rope_dims is not None and int(rope_dims) != head_dim:
+            cfg["partial_rotary_factor"] = int(rope_dims) / head_dim
+        rope_scaling = self._rope_scaling(gguf_names)
+        if rope_scaling:
+            cfg["rope_scaling"] = rope_scaling
+        for gguf_key, hf_key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
+            token_id = self._field(f"tokenizer.ggml.{gguf_key}_token_id")
+            if token_id is not None:
+                cfg[hf_key] = int(token_id)
+        return cfg
+
+    def _rope_scaling(self, gguf_names: set[str]) -> dict[str, Any] | None:
+        """RoPE scaling as HF's rope_scaling dict, so consumers that do not support it can refuse the model."""
+        a = self._arch
+        kind = self._field(f"{a}.rope.scaling.type")
+        if kind not in (None, "none"):
+            scaling: dict[str, Any] = {"rope_type": kind}
+            factor = self._field(f"{a}.rope.scaling.factor")
+            if factor is not None:
+                scaling["factor"] = _f32(factor)
+            original = self._field(f"{a}.rope.scaling.original_context_length")
+            if original is not None:
+                scaling["original_max_position_embeddings"] = int(original)
+            return scaling
+        if "rope_freqs.weight" in gguf_names:
+            # llama.cpp bakes Llama 3 scaling into per-dimension factors and drops its parameters.
+            return {"rope_type": "llama3"}
+        return None
+
+    def _file_type(self) -> str:
+        file_type = self._field("general.file_type")
+        if file_type is not None:
+            try:
+                return re.sub(r"^(MOSTLY|ALL)_", "", LlamaFileType(int(file_type)).name)
+            except ValueError:
+                pass  # a newer llama.cpp file type: describe the tensors instead
+        matrices = [t.tensor_type.name for t in self._reader.tensors if len(t.shape) >= 2]
+        return Counter(matrices).most_common(1)[0][0] if matrices else "unknown"
+
+    def _tensor(self, name: str) -> ReaderTensor:
+        t = self._tensors.get(name)
+        if t is None:
+            raise self._missing(name)
+        return t
+
+    def _row_order(self, name: str, n_rows: int) -> np.ndarray | None:
+        """HF row order of a q/k weight or bias stored permuted by llama.cpp; None for every other tensor."""
+        if self._arch not in _PERMUTED_ARCHS or ".self_attn." not in name:
+            return None
+        if ".q_proj." in name:
+            n_head = self.hf_config["num_attention_heads"]
+        elif ".k_proj." in name:
+            n_head = self.hf_config["num_key_value_heads"]
+        else:
+            return None
+        if n_rows % (2 * n_head):
+            raise MobilecError(
+                f"{name} has {n_rows} rows, not a multiple of 2 x {n_head} heads; the GGUF metadata is inconsistent"
+            )
+        return _unpermute_order(n_rows, n_head)
+
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def get(self, name: str) -> np.ndarray:
+        t = self._tensor(name)
+        try:
+            values = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise MobilecError(
+                f"{name} is stored as {t.tensor_type.name}, which cannot be dequantized; "
+                "use a GGUF quantized as Q4_0, Q4_1, Q8_0, F16 or F32"
+            ) from e
+        order = self._row_order(name, values.shape[0])
+        if order is not None:
+            values = values[order]
+        # np.require copies views of the read-only mapping, so callers get an array they own.
+        return np.require(values, np.float32, ["C", "W", "O"])
+
+    def get_gguf_blocks(self, name: str) -> tuple[str, np.ndarray, tuple[int, int]]:
+        """(ggml type name, raw bytes [rows, bytes_per_row], (rows, cols)); q/k rows put in HF order.
+
+        Only whole rows move, so every quantization block along K is untouched. The array may be a
+        read-only view of the file. A 1-D tensor is one row.
+        """
+        t = self._tensor(name)
+        cols = int(t.shape[0])  # ggml lists dimensions innermost first
+        rows = int(np.prod(t.shape[1:], dtype=np.int64))
+        raw = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
+        is_vector = len(t.shape) == 1
+        order = self._row_order(name, cols if is_vector else rows)
+        if order is not None:
+            if not is_vector:
+                raw = raw[order]
+            else:  # a q/k bias: its elements move, which only works for unblocked types
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(t.tensor_type)]
+                if block != 1:
+                    raise MobilecError(f"{name} is a {t.tensor_type.name} bias; re-convert the GGUF with F32 biases")
+                raw = raw.reshape(cols, type_size)[order].reshape(1, -1)
+        return t.tensor_type.name, raw, (rows, cols)
+
+    def save_tokenizer(self, out_dir: str | os.PathLike) -> None:
+        if "tokenizer.ggml.model" not in self._reader.fields:
+            raise MobilecError(f"{self.description} carries no tokenizer; use a GGUF converted with its tokenizer")
+        _save_auto_tokenizer(self._path.parent, out_dir, self.description, gguf_file=self._path.name)
+
+    def close(self) -> None:
+        # Dropping the reader drops its memory map; returned arrays own their data (see get).
+        self._tensors = {}
+        self._reader = None

@@ -1,0 +1,88 @@
+"""Swap a model's linear and embedding layers for quantized ones, and plan how each stored array is made."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable
+
+import numpy as np
+from tvm.relax.frontend import nn
+
+from ..errors import MobilecError
+from ..loaders import Checkpoint
+from .gguf_blocks import convert_blocks, layout_for
+from .group import GroupLayout, quantize
+from .modules import QuantizedEmbedding, QuantizedLinear
+from .schemes import Scheme
+
+# module path -> () -> {param suffix: array}
+WeightPlan = dict[str, Callable[[], dict[str, np.ndarray]]]
+
+
+def _weight_layers(module: nn.Module, prefix: str = ""):
+    """(path, parent, attribute, layer) for every nn.Linear / nn.Embedding, in parameter order."""
+    for attr, child in vars(module).items():
+        path = f"{prefix}{attr}"
+        if isinstance(child, nn.Linear | nn.Embedding):
+            yield path, module, attr, child
+        elif isinstance(child, nn.ModuleList):
+            for i, item in enumerate(child):
+                yield from _weight_layers(item, f"{path}.{i}.")
+        elif isinstance(child, nn.Module):
+            yield from _weight_layers(child, f"{path}.")
+
+
+def _skipped(path: str, patterns: list[str], tied: bool) -> bool:
+    names = {path}
+    if tied and path == "model.embed_tokens":
+        names.add("lm_head")  # with tied embeddings the embedding table is the output layer
+    return any(fnmatch.fnmatch(n, p) or fnmatch.fnmatch(n, f"{p}.*") for n in names for p in patterns)
+
+
+def _concat(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {k: np.concatenate([p[k] for p in parts], axis=0) for k in parts[0]}
+
+
+def quantize_model(
+    model: nn.Module, scheme: Scheme, ckpt: Checkpoint, sources: dict[str, list[str]], skip: list[str], dtype: str
+) -> WeightPlan:
+    """Replace layers in place per `scheme` (except those matching `skip`); return how to make their arrays."""
+    plan: WeightPlan = {}
+    if scheme.kind == "float":
+        if skip:
+            raise MobilecError(f"--quant-skip has no effect with the float scheme {scheme.name}; drop it")
+        return plan
+    tied = "lm_head.weight" not in sources
+    layers = list(_weight_layers(model))
+    for pattern in skip:
+        if not any(_skipped(path, [pattern], tied) for path, *_ in layers):
+            raise MobilecError(
+                f"--quant-skip {pattern!r} matches no layer; layers are named like {layers[0][0]}, "
+                f"model.layers.0.mlp.down_proj, {layers[-1][0]}"
+            )
+    for path, parent, attr, layer in layers:
+        if _skipped(path, skip, tied):
+            continue
+        weight_sources = sources[f"{path}.weight"]
+        if scheme.kind == "gguf":
+            typed = [ckpt.get_gguf_blocks(src) for src in weight_sources]
+            types = {t for t, _, _ in typed}
+            if len(types) != 1:
+                raise MobilecError(f"{path} joins GGUF tensors of types {sorted(types)}; --quant gguf needs one type")
+            layout = layout_for(types.pop(), weight_sources[0])
+            if layout is None:
+                continue
+            plan[path] = lambda s=weight_sources: _concat([convert_blocks(*ckpt.get_gguf_blocks(x)[:2]) for x in s])
+        else:
+            layout = scheme.layout
+            plan[path] = lambda s=weight_sources, lay=layout: quantize(
+                np.concatenate([ckpt.get(x) for x in s], axis=0), lay
+            )
+        setattr(parent, attr, _replacement(layer, layout, dtype))
+    return plan
+
+
+def _replacement(layer: nn.Module, layout: GroupLayout, dtype: str) -> nn.Module:
+    if isinstance(layer, nn.Embedding):
+        return QuantizedEmbedding(int(layer.num), int(layer.dim), layout, dtype)
+    return QuantizedLinear(int(layer.in_features), int(layer.out_features), layout, layer.bias is not None, dtype)

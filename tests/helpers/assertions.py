@@ -1,0 +1,20 @@
+"""Assertions shared by tests of user-facing errors."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+from compiler.errors import MobilecError
+
+
+def assert_mobilec_error(fn: Callable[[], Any], *fragments: str) -> str:
+    """`fn()` must raise MobilecError with a one-line message containing every fragment (case-insensitive)."""
+    with pytest.raises(MobilecError) as info:
+        fn()
+    message = str(info.value)
+    assert message and "\n" not in message, f"not one line: {message!r}"
+    for fragment in fragments:
+        assert fragment.lower() in message.lower(), f"{fragment!r} not in {message!r}"
+    return message

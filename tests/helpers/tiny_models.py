@@ -1,0 +1,151 @@
+"""Seeded tiny random transformers models, written as HF directories and as GGUF files.
+
+Every parameter (norms included) is drawn from a seeded normal distribution, so two loaders that agree on
+these weights agree on layout, names and permutations, not just on ones and zeros.
+
+    model = build_model("llama_gqa")
+    save_hf(model, tmp / "hf")                      # model.safetensors + config.json
+    save_hf(model, tmp / "bin", fmt="bin_sharded")  # pytorch_model-0000X-of-00002.bin + index
+    write_gguf(model, tmp / "m.gguf")                # F32 tensors, llama.cpp names and q/k order
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+
+# name -> (model class, config class, config kwargs)
+SPECS: dict[str, tuple[type, type, dict[str, Any]]] = {
+    # GQA (4 query heads share 2 kv heads) with tied embeddings, the SmolLM2 shape in miniature.
+    "llama_gqa": (
+        LlamaForCausalLM,
+        LlamaConfig,
+        dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    ),
+    # MHA, untied lm_head, and q/k/v/o biases: llama.cpp permutes the q/k biases too.
+    "llama_mha_untied": (
+        LlamaForCausalLM,
+        LlamaConfig,
+        dict(vocab_size=128, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False, attention_bias=True),
+    ),
+    # Awkward sizes: vocab not a multiple of anything, hidden 72 = 4 heads x 18 (even, as RoPE needs).
+    "llama_odd": (
+        LlamaForCausalLM,
+        LlamaConfig,
+        dict(vocab_size=32003, hidden_size=72, intermediate_size=136, num_hidden_layers=1,
+             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    ),
+    # Qwen2: q/k/v biases, no o bias, and llama.cpp leaves its q/k rows unpermuted.
+    "qwen2_bias": (
+        Qwen2ForCausalLM,
+        Qwen2Config,
+        dict(vocab_size=192, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    ),
+}
+_COMMON = dict(max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=50000.0)
+
+HF_FORMATS = ("safetensors", "safetensors_sharded", "bin", "bin_sharded")
+
+
+def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A tiny random model from SPECS; the same (name, seed) always gives the same weights."""
+    model_cls, config_cls, kwargs = SPECS[name]
+    config = config_cls(**_COMMON, **kwargs)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():  # tied weights are one parameter, so they stay tied
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    return model.to(dtype)
+
+
+def state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint of `model` holds: no lm_head when it is tied, as save_pretrained writes it."""
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+def save_hf(model: PreTrainedModel, out_dir: str | Path, fmt: str = "safetensors") -> Path:
+    """Write `model` as an HF directory in one of HF_FORMATS; the sharded ones have exactly two shards."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = state_dict(model)
+    if fmt == "safetensors":
+        model.save_pretrained(out)
+        return out
+    model.config.save_pretrained(out)
+    names = list(sd)
+    shards = [names[: len(names) // 2], names[len(names) // 2 :]] if fmt.endswith("_sharded") else [names]
+    ext, stem = (".safetensors", "model") if fmt.startswith("safetensors") else (".bin", "pytorch_model")
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"{stem}{ext}" if len(shards) == 1 else f"{stem}-{i + 1:05d}-of-{len(shards):05d}{ext}"
+        tensors = {k: sd[k] for k in shard}
+        if ext == ".safetensors":
+            from safetensors.torch import save_file
+
+            save_file(tensors, out / file, metadata={"format": "pt"})
+        else:
+            torch.save(tensors, out / file)
+        weight_map.update(dict.fromkeys(shard, file))
+    if len(shards) > 1:
+        index = {"metadata": {}, "weight_map": weight_map}
+        (out / f"{stem}{ext}.index.json").write_text(json.dumps(index, indent=2))
+    return out
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute: HF q/k rows -> GGUF order (weights and biases)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model: PreTrainedModel, path: str | Path) -> Path:
+    """Write `model` as an F32 GGUF the way llama.cpp's converter lays it out (names, metadata, q/k order).
+
+    No tokenizer is written: tiny models have none; tokenizer round trips are tested on SmolLM2's GGUF.
+    """
+    cfg = model.config
+    arch = cfg.model_type
+    gguf_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope_theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_rope_dimension_count(head_dim)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+    name_map = gguf.get_tensor_name_map(gguf_arch, cfg.num_hidden_layers)
+    for hf_name, t in state_dict(model).items():
+        data = t.to(torch.float32).numpy()
+        if arch == "llama" and ".q_proj." in hf_name:
+            data = llama_cpp_permute(data, cfg.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in hf_name:
+            data = llama_cpp_permute(data, cfg.num_key_value_heads)
+        gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        w.add_tensor(gguf_name, np.ascontiguousarray(data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)

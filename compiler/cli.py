@@ -66,6 +66,69 @@ def compile(model, target, quant, output, context_window, quant_skip, as_json): 
 
 
 @main.command()
+@click.option("--model", default="default", show_default=True, help="As for `compile`.")
+@click.option("--target", default="host", show_default=True, help="As for `compile`.")
+@click.option("--quant", default=None, help="As for `compile`.")
+@click.option("--quant-skip", multiple=True, metavar="PATTERN", help="As for `compile`.")
+@click.option("--context-window", type=int, default=None, help="As for `compile`.")
+@click.option("--dump", default=None, type=click.Path(file_okay=False),
+              help="Write the IR after each step as NN-step.py TVMScript files here.")
+@click.option("--pass", "only_step", default=None, metavar="NAME", help="Only write the IR after this step.")
+@click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
+def inspect(model, target, quant, quant_skip, context_window, dump, only_step, as_json):
+    """Show what each pipeline step does: Relax functions, TIR kernels and parameter bytes after it."""
+    from .inspect_ir import inspect_model  # pylint: disable=import-outside-toplevel
+
+    rows = inspect_model(model, target, quant, dump, only_step, context_window, list(quant_skip))
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    click.echo(f"{'#':>2s}  {'step':28s} {'relax funcs':>11s} {'TIR kernels':>11s} {'param MB':>9s}")
+    for r in rows:
+        click.echo(f"{r['index']:2d}  {r['step']:28s} {r['relax_functions']:11d} {r['tir_kernels']:11d} "
+                   f"{r['param_bytes'] / 1e6:9.1f}")
+    if dump:
+        click.echo(f"IR written to {dump}/")
+
+
+@main.command(name="eval")
+@click.argument("artifact", type=click.Path())
+@click.option("--text", "text_file", required=True, type=click.Path(dir_okay=False),
+              help="A UTF-8 text file to measure perplexity on (e.g. CPython's LICENSE).")
+@click.option("--reference", default=None, help="The float checkpoint to compare with (default: the one compiled).")
+@click.option("--max-tokens", type=int, default=1024, show_default=True, help="Evaluate the first N tokens.")
+@click.option("--window", type=int, default=512, show_default=True, help="Tokens per window (capped by the artifact).")
+@click.option("--threads", type=int, default=None, help="CPU threads for the compiled model.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def evaluate(artifact, text_file, reference, max_tokens, window, threads, as_json):
+    """Perplexity of ARTIFACT vs its float reference, and per-layer cosine similarity of hidden states."""
+    # pylint: disable=import-outside-toplevel
+    from pathlib import Path
+
+    from .artifact import load_artifact
+    from .runtime.evaluate import evaluate as run_eval
+    from .runtime.evaluate import load_reference
+    from .runtime.session import set_threads
+
+    set_threads(threads)
+    art = load_artifact(artifact)
+    try:
+        text = Path(text_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise MobilecError(f"cannot read --text {text_file}: {err}") from None
+    ref = load_reference(reference or art.config["model"]["path"])
+    result = run_eval(art, text, ref, max_tokens, window)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    click.echo(f"perplexity {result['ppl']:.3f} vs float reference {result['ref_ppl']:.3f} "
+               f"({result['ppl_delta_pct']:+.2f}%) over {result['tokens']} tokens, {result['quant']}")
+    click.echo("layer  cosine(compiled, reference)")
+    for i, cos in enumerate(result["layer_cosine"]):
+        click.echo(f"{i:5d}  {cos:.6f}")
+
+
+@main.command()
 @click.argument("artifact", type=click.Path())
 @click.option("--prompt", required=True, help="The prompt text.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)

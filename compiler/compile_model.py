@@ -53,8 +53,9 @@ class ImportedModel:
 
 
 def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_window: int | None,
-                 quant_skip: list[str] = ()) -> ImportedModel:
-    """Build the nn.Module for the checkpoint's family, quantize its layers, export it to a Relax IRModule."""
+                 quant_skip: list[str] = (), quantize: bool = True) -> ImportedModel:
+    """Build the nn.Module for the checkpoint's family, quantize its layers (unless told not to: `inspect`
+    shows the float import first), and export it to a Relax IRModule."""
     family = family_for(ckpt.hf_config)
     cfg = family.config_class.from_hf(ckpt.hf_config, context_window)
     if cfg.context_window_size <= 0:
@@ -63,7 +64,7 @@ def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_win
     dtype = scheme.float_dtype or spec.device["compute_dtype"]
     model.to(dtype)
     sources = cfg.param_sources()
-    plan = quantize_model(model, scheme, ckpt, sources, list(quant_skip), dtype)
+    plan = quantize_model(model, scheme, ckpt, sources, list(quant_skip), dtype) if quantize else {}
     with spec.tvm_target():
         mod, params = model.export_tvm(spec=model.get_default_spec())
     return ImportedModel(family, cfg, mod, params, sources, plan)
@@ -131,6 +132,7 @@ def compile_model(
             "format_version": FORMAT_VERSION,
             "model": {
                 "name": model_name(model_path),
+                "path": str(model_path.resolve()),
                 "family": family.name,
                 "source": ckpt.description,
                 "config": dataclasses.asdict(cfg),

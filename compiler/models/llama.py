@@ -164,7 +164,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attributes
-    """The exported functions: embed, prefill, prefill_logits, decode, create_tir_paged_kv_cache."""
+    """The exported functions: embed, prefill, prefill_logits, prefill_hidden_states, decode, create_tir_paged_kv_cache."""
 
     def __init__(self, cfg: LlamaConfig):
         self.cfg = cfg
@@ -198,6 +198,14 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
     def prefill_logits(self, input_embed: Tensor, kv_cache: PagedKVCache):
         """Run the prompt; return the logits of every position (for perplexity and tests)."""
         return self._logits(self.model(input_embed, kv_cache)), kv_cache
+
+    def prefill_hidden_states(self, input_embed: Tensor, kv_cache: PagedKVCache):
+        """Run the prompt; return every decoder block's output [num_layers, seq_len, hidden] (per-layer accuracy)."""
+        hidden, outputs = input_embed, []
+        for layer_id, layer in enumerate(self.model.layers):
+            hidden = layer(hidden, kv_cache, layer_id)
+            outputs.append(hidden)
+        return op.concat(outputs, dim=0), kv_cache
 
     def decode(self, input_embed: Tensor, kv_cache: PagedKVCache):
         return self._logits(self.model(input_embed, kv_cache)), kv_cache
@@ -246,6 +254,7 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
                 "embed": {"input_ids": nn.spec.Tensor(["seq_len"], "int32"), "$": packed},
                 "prefill": {"input_embed": nn.spec.Tensor([1, "seq_len", hidden], self.dtype), "kv_cache": kv, "$": packed},
                 "prefill_logits": {"input_embed": nn.spec.Tensor([1, "seq_len", hidden], self.dtype), "kv_cache": kv, "$": packed},
+                "prefill_hidden_states": {"input_embed": nn.spec.Tensor([1, "seq_len", hidden], self.dtype), "kv_cache": kv, "$": packed},
                 "decode": {"input_embed": nn.spec.Tensor([1, 1, hidden], self.dtype), "kv_cache": kv, "$": packed},
                 "create_tir_paged_kv_cache": {
                     "max_batch_size": int,

@@ -44,6 +44,7 @@ class Session:
         self._embed = self.vm["embed"]
         self._prefill = self.vm["prefill"]
         self._prefill_logits = self.vm["prefill_logits"]
+        self._prefill_hidden_states = self.vm["prefill_hidden_states"]
         self._decode = self.vm["decode"]
         self._begin = tvm.get_global_func("vm.builtin.kv_state_begin_forward")
         self._end = tvm.get_global_func("vm.builtin.kv_state_end_forward")
@@ -91,6 +92,12 @@ class Session:
             for start in range(0, len(token_ids), self.prefill_chunk)
         ]
         return np.concatenate(chunks, axis=0)
+
+    def prefill_hidden_states(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        """Append the tokens (one chunk); every decoder block's output [num_layers, n, hidden]."""
+        if len(token_ids) > self.prefill_chunk:
+            raise MobilecError(f"at most {self.prefill_chunk} tokens per call, got {len(token_ids)}")
+        return self._forward(self._prefill_hidden_states, token_ids).numpy()
 
     def decode(self, token_id: int) -> np.ndarray:
         """Append one token; the logits [vocab] after it."""

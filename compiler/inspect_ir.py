@@ -1,0 +1,79 @@
+"""`mobilec inspect`: the IR after every pipeline step, as numbered TVMScript files and a summary table."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import tvm
+from tvm import relax, tirx
+
+from . import pipeline
+from .compile_model import import_model, resolve_model_path
+from .errors import MobilecError
+from .loaders import open_checkpoint
+from .quantization.schemes import get_scheme
+from .targets import load_target
+
+
+def _summary(index: int, step: str, mod: tvm.IRModule, param_bytes: int) -> dict[str, Any]:
+    funcs = mod.functions.values()
+    return {
+        "index": index,
+        "step": step,
+        "relax_functions": sum(isinstance(f, relax.Function) for f in funcs),
+        "tir_kernels": sum(isinstance(f, tirx.PrimFunc) for f in funcs),
+        "param_bytes": param_bytes,
+    }
+
+
+def _param_bytes(params) -> int:
+    total = 0
+    for _, p in params:
+        n = 1
+        for d in p.shape:
+            n *= int(d)
+        total += n * tvm.DataType(p.dtype).bits // 8
+    return total
+
+
+def step_names(target: str) -> list[str]:
+    return ["import", "quantize"] + [name for name, _ in pipeline.steps(load_target(target))]
+
+
+def inspect_model(
+    model: str | None,
+    target: str,
+    quant: str | None,
+    dump: str | None = None,
+    only_step: str | None = None,
+    context_window: int | None = None,
+    quant_skip: list[str] = (),
+) -> list[dict[str, Any]]:
+    """Run import, quantization and every pipeline step; write `NN-step.py` files into `dump` (all, or `only_step`)."""
+    spec = load_target(target)
+    scheme = get_scheme(quant or spec.device["default_quant"])
+    names = step_names(target)
+    if only_step is not None and only_step not in names:
+        raise MobilecError(f"unknown step {only_step!r}; the steps for {spec.name} are: {', '.join(names)}")
+    out = Path(dump) if dump else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        for old in out.glob("[0-9][0-9]-*.py"):
+            old.unlink()
+    rows: list[dict[str, Any]] = []
+
+    def record(index: int, step: str, mod: tvm.IRModule, param_bytes: int) -> None:
+        rows.append(_summary(index, step, mod, param_bytes))
+        if out is not None and only_step in (None, step):
+            (out / f"{index:02d}-{re.sub(r'[^a-z0-9-]', '-', step)}.py").write_text(mod.script())
+
+    with open_checkpoint(resolve_model_path(model)) as ckpt:
+        float_model = import_model(ckpt, scheme, spec, context_window, quant_skip, quantize=False)
+        record(0, "import", float_model.mod, _param_bytes(float_model.params))
+        imported = import_model(ckpt, scheme, spec, context_window, quant_skip)
+    quant_bytes = _param_bytes(imported.params)
+    record(1, "quantize", imported.mod, quant_bytes)
+    pipeline.run_steps(imported.mod, spec, lambda i, step, mod: record(i + 2, step, mod, quant_bytes))
+    return rows

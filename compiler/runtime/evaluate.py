@@ -1,0 +1,94 @@
+"""`mobilec eval`: perplexity of a compiled model against its float reference, and per-layer cosine similarity."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..artifact import Artifact
+from ..errors import MobilecError
+from .generate import load_tokenizer
+from .session import Session
+
+
+def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Negative log-likelihood of each target under the logits [n, vocab] (float64 for a stable log-sum-exp)."""
+    logits = logits.astype(np.float64)
+    top = logits.max(axis=1, keepdims=True)
+    log_z = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
+    return log_z - logits[np.arange(len(targets)), targets]
+
+
+def load_reference(path: str | Path):
+    """The float model transformers builds from the checkpoint (dequantized if it is a GGUF)."""
+    import torch  # pylint: disable=import-outside-toplevel
+    from transformers import AutoModelForCausalLM  # pylint: disable=import-outside-toplevel
+
+    path = Path(path)
+    if not path.exists():
+        raise MobilecError(f"reference model {path} not found; pass --reference with the checkpoint the artifact was built from")
+    kwargs = {"gguf_file": path.name} if path.is_file() else {}
+    root = path.parent if path.is_file() else path
+    return AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32, **kwargs).eval()
+
+
+def _reference_logits_and_layers(model, ids: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+    import torch  # pylint: disable=import-outside-toplevel
+
+    captured: list[np.ndarray] = []
+    hooks = [layer.register_forward_hook(lambda _m, _i, out: captured.append(
+        (out[0] if isinstance(out, tuple) else out)[0].float().numpy())) for layer in model.model.layers]
+    try:
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids])).logits[0].float().numpy()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return logits, captured
+
+
+def _mean_token_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    dots = (a * b).sum(axis=-1)
+    norms = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
+    return float(np.mean(dots / np.maximum(norms, 1e-30)))
+
+
+def evaluate(artifact: Artifact, text: str, reference, max_tokens: int = 1024, window: int = 512,
+             progress=lambda done, total: None) -> dict[str, Any]:
+    """Perplexity over non-overlapping windows of the text, compiled vs reference; layer cosines on window one."""
+    session = Session(artifact)
+    window = min(window, session.context_window, session.prefill_chunk)
+    if window < 2:
+        raise MobilecError(f"--window must be at least 2, got {window}")
+    ids = load_tokenizer(artifact.tokenizer_dir).encode(text)[:max_tokens]
+    if len(ids) < 2:
+        raise MobilecError("the text has fewer than 2 tokens; pass a longer --text file")
+    windows = [ids[i : i + window] for i in range(0, len(ids), window) if len(ids[i : i + window]) >= 2]
+    nll, ref_nll, layer_cosine = [], [], []
+    for n, chunk in enumerate(windows):
+        targets = np.asarray(chunk[1:])
+        session.reset()
+        if n == 0:
+            hidden = session.prefill_hidden_states(chunk)
+            session.reset()
+        logits = session.prefill_all_logits(chunk)
+        ref_logits, ref_layers = _reference_logits_and_layers(reference, chunk)
+        if n == 0:
+            layer_cosine = [_mean_token_cosine(h, r) for h, r in zip(hidden, ref_layers)]
+        nll.append(_nll(logits[:-1], targets))
+        ref_nll.append(_nll(ref_logits[:-1], targets))
+        progress(n + 1, len(windows))
+    ppl = float(np.exp(np.concatenate(nll).mean()))
+    ref_ppl = float(np.exp(np.concatenate(ref_nll).mean()))
+    return {
+        "ppl": ppl,
+        "ref_ppl": ref_ppl,
+        "ppl_delta_pct": 100.0 * (ppl - ref_ppl) / ref_ppl,
+        "layer_cosine": layer_cosine,
+        "tokens": sum(len(w) for w in windows),
+        "window": window,
+        "quant": artifact.config["quantization"]["name"],
+    }

@@ -18,3 +18,18 @@ def reference_greedy(model, prompt_ids: list[int], n_tokens: int) -> tuple[list[
             tok = int(out.logits[0, -1].argmax())
             tokens.append(tok)
     return tokens, prefill_logits, decode_logits
+
+
+def fake_quantized(model, layout):
+    """A copy of `model` whose linear and embedding weights went through quantize + dequantize (numpy reference)."""
+    import copy
+
+    from compiler.quantization import group
+
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in clone.modules():
+            if isinstance(module, torch.nn.Linear | torch.nn.Embedding):
+                w = module.weight.numpy()
+                module.weight.copy_(torch.from_numpy(group.dequantize(group.quantize(w, layout), layout, w.shape[1])))
+    return clone

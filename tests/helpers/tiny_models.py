@@ -111,10 +111,24 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model: PreTrainedModel, path: str | Path) -> Path:
+def _add_char_tokenizer(w: gguf.GGUFWriter, vocab_size: int) -> None:
+    """A character-level "gpt2" tokenizer padded to the vocabulary: enough for transformers to build one."""
+    tokens = ["<unk>", "</s>", " "] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    tokens += [f"<x{i}>" for i in range(vocab_size - len(tokens))]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_merges([])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(1)
+
+
+def write_gguf(model: PreTrainedModel, path: str | Path, tokenizer: bool = False) -> Path:
     """Write `model` as an F32 GGUF the way llama.cpp's converter lays it out (names, metadata, q/k order).
 
-    No tokenizer is written: tiny models have none; tokenizer round trips are tested on SmolLM2's GGUF.
+    With `tokenizer`, a character-level tokenizer is included (compiling needs one); tokenizer round trips
+    of real vocabularies are tested on SmolLM2's GGUF.
     """
     cfg = model.config
     arch = cfg.model_type
@@ -134,6 +148,8 @@ def write_gguf(model: PreTrainedModel, path: str | Path) -> Path:
     w.add_vocab_size(cfg.vocab_size)
     w.add_rope_dimension_count(head_dim)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if tokenizer:
+        _add_char_tokenizer(w, cfg.vocab_size)
 
     name_map = gguf.get_tensor_name_map(gguf_arch, cfg.num_hidden_layers)
     for hf_name, t in state_dict(model).items():

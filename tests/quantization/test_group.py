@@ -1,0 +1,82 @@
+"""Group-wise packing and dequantization: numpy reference, the TE kernel, padding, and GGUF blocks."""
+
+import gguf
+import numpy as np
+import pytest
+import tvm
+from tvm import te
+
+from compiler.quantization import group as G
+from compiler.quantization.gguf_blocks import LAYOUTS, convert_blocks
+from compiler.quantization.schemes import SCHEMES
+
+LAYOUTS_UNDER_TEST = [s.layout for s in SCHEMES.values() if s.layout is not None]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_unpack_round_trip(bits):
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 1 << bits, size=(5, 64), dtype=np.uint32)
+    words = G.pack_codes(codes, bits)
+    assert words.shape == (5, 64 * bits // 32) and words.dtype == np.uint32
+    assert np.array_equal(G.unpack_codes(words, bits), codes)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS_UNDER_TEST, ids=lambda l: l.describe())
+@pytest.mark.parametrize("k", [576, 72, 100])  # 576 % 128 != 0 and 100 % 32 != 0: padded, not refused
+def test_quantize_error_is_bounded_by_half_a_step(layout, k):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((16, k)).astype(np.float32)
+    stored = G.quantize(w, layout)
+    for suffix, (shape, dtype) in layout.shapes(16, k).items():
+        assert stored[suffix].shape == shape and stored[suffix].dtype == np.dtype(dtype), suffix
+    back = G.dequantize(stored, layout, k)
+    assert back.shape == w.shape
+    step = np.repeat(stored["q_scale"].astype(np.float32), layout.group, axis=1)[:, :k]
+    # half a quantization step, plus the scale's own rounding to its dtype
+    assert np.all(np.abs(back - w) <= 0.5 * step + 2e-3 * np.abs(w) + 1e-6)
+    # negative control: a different layout's dequantization of the same words is far off
+    other = G.GroupLayout(layout.bits, layout.group, not layout.symmetric, layout.scale_dtype)
+    if other.symmetric:
+        assert np.abs(G.dequantize({"q_weight": stored["q_weight"], "q_scale": stored["q_scale"]}, other, k) - w).max() > 0.1
+
+
+@pytest.mark.parametrize("layout", LAYOUTS_UNDER_TEST, ids=lambda l: l.describe())
+def test_te_dequantize_matches_numpy(layout):
+    n, k = 8, 100
+    rng = np.random.default_rng(2)
+    stored = G.quantize(rng.standard_normal((n, k)).astype(np.float32), layout)
+    names = ["q_weight", "q_scale"] + ([] if layout.symmetric else ["q_min"])
+    placeholders = [te.placeholder(stored[x].shape, str(stored[x].dtype), x) for x in names]
+    out = G.dequantize_te(layout, k, "float32")(*placeholders)
+    lib = tvm.compile(te.create_prim_func([*placeholders, out]), target="llvm")
+    result = tvm.runtime.tensor(np.zeros((n, k), np.float32))
+    lib(*[tvm.runtime.tensor(stored[x]) for x in names], result)
+    np.testing.assert_array_equal(result.numpy(), G.dequantize(stored, layout, k))
+
+
+def test_take_dequantize_gathers_rows():
+    layout = SCHEMES["q4f16_g32"].layout
+    rng = np.random.default_rng(3)
+    stored = G.quantize(rng.standard_normal((10, 64)).astype(np.float32), layout)
+    ids = np.array([7, 0, 7, 3], dtype=np.int32)
+    ph_ids = te.placeholder((4,), "int32", "ids")
+    ph = [te.placeholder(stored[x].shape, str(stored[x].dtype), x) for x in ("q_weight", "q_scale")]
+    out = G.take_dequantize_te(layout, 64, "float32")(ph_ids, *ph)
+    lib = tvm.compile(te.create_prim_func([ph_ids, *ph, out]), target="llvm")
+    result = tvm.runtime.tensor(np.zeros((4, 64), np.float32))
+    lib(tvm.runtime.tensor(ids), tvm.runtime.tensor(stored["q_weight"]), tvm.runtime.tensor(stored["q_scale"]), result)
+    np.testing.assert_array_equal(result.numpy(), G.dequantize(stored, layout, 64)[ids])
+
+
+@pytest.mark.parametrize("ggml_type", sorted(LAYOUTS))
+def test_gguf_blocks_keep_exact_values(ggml_type):
+    """Our re-layout of Q4_0/Q4_1/Q8_0 dequantizes to exactly what ggml's reference dequantizer gives."""
+    qtype = gguf.GGMLQuantizationType[ggml_type]
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((6, 96)).astype(np.float32)
+    raw = gguf.quants.quantize(w, qtype)
+    want = gguf.quants.dequantize(raw, qtype).reshape(6, 96)
+    layout = LAYOUTS[ggml_type][0]
+    got = G.dequantize(convert_blocks(ggml_type, raw.reshape(6, -1)), layout, 96)
+    np.testing.assert_array_equal(got, want)

@@ -61,6 +61,14 @@ def unpack_codes(words: np.ndarray, bits: int) -> np.ndarray:
     return codes.reshape(words.shape[0], -1)
 
 
+def _symmetric_scale(g: np.ndarray, layout: GroupLayout) -> np.ndarray:
+    """As ggml's Q4_0: the largest-magnitude value maps exactly onto the code range's longer (negative) end,
+    so the grid spends all 2^bits levels; clipping outliers instead costs LLMs more than it gains."""
+    idx = np.abs(g).argmax(axis=2)[:, :, None]
+    extreme = np.take_along_axis(g, idx, axis=2)[:, :, 0]
+    return (extreme / -layout.offset).astype(layout.scale_dtype)
+
+
 def quantize(w: np.ndarray, layout: GroupLayout) -> dict[str, np.ndarray]:
     """Float [n, k] -> the stored arrays. Codes are computed from the scale as stored (after dtype rounding)."""
     n, k = w.shape
@@ -70,7 +78,7 @@ def quantize(w: np.ndarray, layout: GroupLayout) -> dict[str, np.ndarray]:
     g = wp.reshape(n, kp // layout.group, layout.group)
     qmax = (1 << layout.bits) - 1
     if layout.symmetric:
-        scale = (np.abs(g).max(axis=2) / (layout.offset - 1)).astype(layout.scale_dtype)
+        scale = _symmetric_scale(g, layout)
         s = scale.astype(np.float32)[:, :, None]
         codes = np.clip(np.round(np.divide(g, s, out=np.zeros_like(g), where=s != 0)) + layout.offset, 0, qmax)
         out = {"q_scale": scale}

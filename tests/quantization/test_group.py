@@ -32,9 +32,16 @@ def test_quantize_error_is_bounded_by_half_a_step(layout, k):
         assert stored[suffix].shape == shape and stored[suffix].dtype == np.dtype(dtype), suffix
     back = G.dequantize(stored, layout, k)
     assert back.shape == w.shape
-    step = np.repeat(stored["q_scale"].astype(np.float32), layout.group, axis=1)[:, :k]
-    # half a quantization step, plus the scale's own rounding to its dtype
-    assert np.all(np.abs(back - w) <= 0.5 * step + 2e-3 * np.abs(w) + 1e-6)
+    step = np.abs(np.repeat(stored["q_scale"].astype(np.float32), layout.group, axis=1)[:, :k])
+    err = np.abs(back - w) - 2e-3 * np.abs(w) - 1e-6  # allow for the scale's own rounding to its dtype
+    # Half a step, except that a symmetric grid's short positive end may clip a value by up to one step.
+    assert np.all(err <= (1.0 if layout.symmetric else 0.5) * step)
+    assert np.mean(err <= 0.5 * step) > 0.99
+    # The largest magnitude in each group is represented (almost) exactly: outliers matter most in LLMs.
+    groups = np.pad(w, ((0, 0), (0, layout.padded_k(k) - k))).reshape(16, -1, layout.group)
+    peak = np.abs(groups).argmax(axis=2)
+    cols = (np.arange(groups.shape[1])[None, :] * layout.group + peak).clip(max=k - 1)
+    np.testing.assert_allclose(np.take_along_axis(back, cols, 1), np.take_along_axis(w, cols, 1), rtol=2e-3, atol=1e-6)
     # negative control: a different layout's dequantization of the same words is far off
     other = G.GroupLayout(layout.bits, layout.group, not layout.symmetric, layout.scale_dtype)
     if other.symmetric:

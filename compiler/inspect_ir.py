@@ -28,7 +28,7 @@ def _summary(index: int, step: str, mod: tvm.IRModule, param_bytes: int) -> dict
     }
 
 
-def _param_bytes(params) -> int:
+def param_bytes(params) -> int:
     total = 0
     for _, p in params:
         n = 1
@@ -71,9 +71,9 @@ def inspect_model(
 
     with open_checkpoint(resolve_model_path(model)) as ckpt:
         float_model = import_model(ckpt, scheme, spec, context_window, quant_skip, quantize=False)
-        record(0, "import", float_model.mod, _param_bytes(float_model.params))
+        record(0, "import", float_model.mod, param_bytes(float_model.params))
         imported = import_model(ckpt, scheme, spec, context_window, quant_skip)
-    quant_bytes = _param_bytes(imported.params)
+    quant_bytes = param_bytes(imported.params)
     record(1, "quantize", imported.mod, quant_bytes)
     pipeline.run_steps(imported.mod, spec, lambda i, step, mod: record(i + 2, step, mod, quant_bytes))
     return rows

@@ -13,7 +13,8 @@ class GroupLayout:
     """`bits`-bit codes packed little-end-first into uint32 words along K; one scale (and min) per `group` values.
 
     Symmetric: w = (code - 2^(bits-1)) * scale.  Asymmetric: w = code * scale + min.
-    K is zero-padded up to a multiple of `group` (e.g. K=576 with group 128), so any K is accepted.
+    Any K is accepted: a K that `group` does not divide (576 with group 128) ends in a shorter group, and
+    codes are stored only up to the next whole word, so padding costs no bytes per token.
     """
 
     bits: int
@@ -30,14 +31,19 @@ class GroupLayout:
         return 1 << (self.bits - 1)
 
     def padded_k(self, k: int) -> int:
+        """K rounded up to whole groups: the zero-padded width used while computing scales."""
         return -(-k // self.group) * self.group
+
+    def stored_k(self, k: int) -> int:
+        """K rounded up to whole uint32 words: the codes actually stored."""
+        return -(-k // self.per_word) * self.per_word
 
     def shapes(self, n: int, k: int) -> dict[str, tuple[tuple[int, int], str]]:
         """Parameter suffix -> (shape, dtype) of the stored arrays for an [n, k] weight."""
-        kp = self.padded_k(k)
-        out = {"q_weight": ((n, kp // self.per_word), "uint32"), "q_scale": ((n, kp // self.group), self.scale_dtype)}
+        groups = self.padded_k(k) // self.group
+        out = {"q_weight": ((n, self.stored_k(k) // self.per_word), "uint32"), "q_scale": ((n, groups), self.scale_dtype)}
         if not self.symmetric:
-            out["q_min"] = ((n, kp // self.group), self.scale_dtype)
+            out["q_min"] = ((n, groups), self.scale_dtype)
         return out
 
     def describe(self) -> str:
@@ -89,20 +95,19 @@ def quantize(w: np.ndarray, layout: GroupLayout) -> dict[str, np.ndarray]:
         s = scale.astype(np.float32)[:, :, None]
         codes = np.clip(np.round(np.divide(g - minv.astype(np.float32)[:, :, None], s, out=np.zeros_like(g), where=s != 0)), 0, qmax)
         out = {"q_scale": scale, "q_min": minv}
-    out["q_weight"] = pack_codes(codes.reshape(n, kp).astype(np.uint32), layout.bits)
+    out["q_weight"] = pack_codes(codes.reshape(n, kp)[:, : layout.stored_k(k)].astype(np.uint32), layout.bits)
     return out
 
 
 def dequantize(arrays: dict[str, np.ndarray], layout: GroupLayout, k: int) -> np.ndarray:
     """The stored arrays -> float32 [n, k]: the numpy reference of `dequantize_te`."""
-    codes = unpack_codes(arrays["q_weight"], layout.bits).astype(np.float32)
-    n, kp = codes.shape
-    scale = np.repeat(arrays["q_scale"].astype(np.float32), layout.group, axis=1)
+    codes = unpack_codes(arrays["q_weight"], layout.bits).astype(np.float32)[:, :k]
+    scale = np.repeat(arrays["q_scale"].astype(np.float32), layout.group, axis=1)[:, :k]
     if layout.symmetric:
         w = (codes - layout.offset) * scale
     else:
-        w = codes * scale + np.repeat(arrays["q_min"].astype(np.float32), layout.group, axis=1)
-    return w[:, :k]
+        w = codes * scale + np.repeat(arrays["q_min"].astype(np.float32), layout.group, axis=1)[:, :k]
+    return w
 
 
 def _code(q: te.Tensor, row, col, layout: GroupLayout):

@@ -113,6 +113,7 @@ def compile_model(
     scheme = get_scheme(quant or spec.device["default_quant"])
     model_path = resolve_model_path(model)
     out_dir = Path(output) if output else default_output(model_path, scheme.name, spec.name)
+    progress = progress and sys.stderr.isatty()  # progress text is for people; logs and pipes stay clean
     log = (lambda msg: print(msg, file=sys.stderr)) if progress else (lambda msg: None)
     t_start = time.perf_counter()
     with open_checkpoint(model_path) as ckpt, atomic_directory(out_dir) as tmp:

@@ -9,7 +9,11 @@ from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 from tvm.s_tir import dlight
 
+from .passes.fuse_add_rmsnorm import FuseAddRMSNorm
+from .passes.fuse_dequantize_matmul import FuseDequantizeMatmul
+from .passes.fuse_swiglu import FuseSwiGLU
 from .passes.fuse_transpose_matmul import FuseTransposeMatmul
+from .passes.verify_alignment import VerifyAlignment
 from .schedules import cpu as cpu_schedules
 from .targets import TargetSpec
 
@@ -25,6 +29,11 @@ def steps(spec: TargetSpec) -> list[Step]:
     target = spec.tvm_target()
     return [
         ("fuse-transpose-matmul", FuseTransposeMatmul()),
+        # Needs the NT_matmul calls above; before FuseOps, so bias/residual adds still fuse into the fused kernel.
+        ("fuse-dequantize-matmul", FuseDequantizeMatmul()),
+        # On high-level ops, before LegalizeOps; takes the residual add that FuseOps would put in the matmul epilogue.
+        ("fuse-add-rmsnorm", FuseAddRMSNorm()),
+        ("fuse-swiglu", FuseSwiGLU()),
         ("dispatch-library", _seq(cpu_generic.library_dispatch_passes(target))),
         ("legalize", relax.transform.LegalizeOps()),
         ("annotate-op-pattern", relax.transform.AnnotateTIROpPattern()),
@@ -35,6 +44,7 @@ def steps(spec: TargetSpec) -> list[Step]:
         ("schedule", dlight.ApplyDefaultSchedule(*cpu_schedules.rules())),
         ("lower-dataflow", _seq(cpu_generic.dataflow_lower_passes(target))),
         ("plan-memory-and-lower", _seq(cpu_generic.finalize_passes(target))),
+        ("verify-alignment", VerifyAlignment()),
     ]
 
 

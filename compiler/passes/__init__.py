@@ -1,0 +1,3 @@
+"""Relax/TIR passes of the mobilec pipeline."""
+
+from .fuse_transpose_matmul import FuseTransposeMatmul

@@ -1,0 +1,70 @@
+"""The 64-byte alignment policy, and where to find the buffers and offsets it covers; no rewrite is needed.
+
+What must hold, and how it already holds with TVM 0.27 (checked in its sources; VerifyAlignment enforces it):
+- PrimFunc buffers declare data_alignment 64: decl_buffer's default (-1) becomes runtime::kAllocAlignment = 64, and
+  every kernel here (TE, TVMScript KV-cache kernels, FuseTIR, dlight) uses that default. MakePackedAPI turns it into
+  an unchecked `storage_alignment` assumption on each argument's data pointer, so the pointers must really be aligned:
+- they are: CPU tensors, VM storage (`vm.builtin.alloc_storage`) and the paged KV cache's pages (Tensor::Empty in
+  paged_kv_cache.cc) all come from DeviceAPI::AllocDataSpace with alignment max(64, element size); weights are
+  copied into such tensors (tvm.runtime.tensor). A page is page_size x head_dim elements, 4 KiB for SmolLM2 in fp32.
+- Relax's StaticPlanBlockMemory gives every memory.alloc_tensor offset 0 inside its own storage; on CPU an offset
+  would travel as DLTensor.byte_offset, which a buffer with elem_offset 0 rejects at call time anyway.
+- Scratch buffers inside kernels: LLVM codegen sizes each alloca's alignment itself (at most 16 bytes) and emits
+  loads at the alignment it actually has, so nothing assumes more; heap scratch comes from the 64-aligned pool.
+Padding rows to 64-byte multiples is not done: float rows here are already multiples (hidden 576 x 4 B = 2304 B),
+while q4 weight rows at K=576 are 288 B and their fp16 scale rows 36 B. Vector loads across those boundaries are
+legal on x86 and AArch64 (an occasional cache-line split); padding them would add ~11% to the weight bytes that
+bandwidth-bound decode reads, and change the stored layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import tvm
+from tvm import relax, tirx
+
+ALIGNMENT = 64
+_CHILDREN = ("body", "seq", "block", "then_case", "else_case", "init")
+# Calls that place a tensor at a byte offset: (op name, index of the offset argument).
+OFFSET_OPS = {"relax.memory.alloc_tensor": 1, "relax.vm.alloc_tensor": 1, "relax.memory.view": 3}
+
+
+def _stmts(node) -> Iterator:
+    """Pre-order walk over a (flat, 0.27-style) TIR statement tree."""
+    if node is None:
+        return
+    if isinstance(node, (list, tvm.ir.Array)) or type(node).__name__ == "Array":
+        for item in node:
+            yield from _stmts(item)
+        return
+    yield node
+    for field in _CHILDREN:
+        if hasattr(node, field):
+            yield from _stmts(getattr(node, field))
+
+
+def declared_buffers(func: tirx.PrimFunc) -> Iterator:
+    """Every buffer a PrimFunc declares: parameters, block allocations and match_buffers, AllocBuffer/DeclBuffer."""
+    for param in func.params:
+        if hasattr(param, "data_alignment"):
+            yield param
+    for stmt in _stmts(func.body):
+        if hasattr(stmt, "buffer") and hasattr(stmt.buffer, "data_alignment"):
+            yield stmt.buffer
+        for buffer in getattr(stmt, "alloc_buffers", ()):
+            yield buffer
+        for match in getattr(stmt, "match_buffers", ()):
+            yield match.buffer
+
+
+def placement_offsets(func: relax.Function) -> list[tuple[relax.Call, relax.Expr]]:
+    """(call, offset argument) for every Relax call that places a tensor at a byte offset in storage."""
+    found: list[tuple[relax.Call, relax.Expr]] = []
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in OFFSET_OPS:
+            found.append((expr, expr.args[OFFSET_OPS[expr.op.name]]))
+
+    relax.analysis.post_order_visit(func, visit)
+    return found

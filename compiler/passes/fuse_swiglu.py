@@ -1,0 +1,96 @@
+"""FuseSwiGLU: rewrite g, u = split(x, 2, axis=-1); silu(g) * u as one elementwise call_tir over x, no split copies."""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, te, tirx
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+_SPLIT = tvm.ir.Op.get("relax.split")
+_SILU = tvm.ir.Op.get("relax.nn.silu")
+_MULTIPLY = tvm.ir.Op.get("relax.multiply")
+# OpPatternKind::kInjective, as FuseOps treated the split it replaces: it is not fused into the matmuls around it.
+_INJECTIVE = 2
+
+
+def _swiglu(x: te.Tensor) -> te.Tensor:
+    """out[..., i] = silu(x[..., i]) * x[..., i + d]; silu(g) = g * sigmoid(g), TOPI's order of operations."""
+    d = x.shape[-1] // 2
+
+    def value(*i):
+        gate = x(*i[:-1], i[-1])
+        return gate * tirx.sigmoid(gate) * x(*i[:-1], i[-1] + d)
+
+    return te.compute((*x.shape[:-1], d), value, name="swiglu")
+
+
+def _uses(func: relax.Function) -> dict[relax.Var, int]:
+    counts: dict[relax.Var, int] = {}
+    for block in func.body.blocks:
+        if isinstance(block, relax.DataflowBlock):
+            for var, users in relax.analysis.udchain(block).items():
+                counts[var] = counts.get(var, 0) + len(users)
+    return counts
+
+
+@mutator
+class _Rewriter(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule):
+        super().__init__(mod)
+        self.uses: dict[relax.Var, int] = {}
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = self.visit_expr_post_order(call)
+        x = self._match(call)
+        if x is None:
+            return call
+        return self.builder_.call_te(_swiglu, x, primfunc_name_hint="swiglu", primfunc_attrs={"op_pattern": _INJECTIVE})
+
+    def _binding(self, expr: relax.Expr, op=None):
+        """The value bound to `expr` if it is a single-use dataflow var (and a call to `op`, if given)."""
+        if not isinstance(expr, relax.DataflowVar) or self.uses.get(expr, 0) != 1:
+            return None
+        value = self.lookup_binding(expr)
+        if op is not None and not (isinstance(value, relax.Call) and value.op == op):
+            return None
+        return value
+
+    def _match(self, call: relax.Call):
+        """x if `call` is multiply(silu(split(x)[0]), split(x)[1]), either order, and nothing else reads the parts."""
+        if call.op != _MULTIPLY:
+            return None
+        for silu_var, up_var in (call.args, list(reversed(call.args))):
+            silu = self._binding(silu_var, _SILU)
+            gate = self._binding(silu.args[0]) if silu is not None else None
+            up = self._binding(up_var)
+            if not (isinstance(gate, relax.TupleGetItem) and isinstance(up, relax.TupleGetItem)):
+                continue
+            parts = gate.tuple_value
+            if gate.index != 0 or up.index != 1 or not parts.same_as(up.tuple_value):
+                continue
+            if not isinstance(parts, relax.DataflowVar) or self.uses.get(parts, 0) != 2:
+                continue
+            split = self.lookup_binding(parts)
+            if isinstance(split, relax.Call) and split.op == _SPLIT and self._halves_last_axis(split):
+                return split.args[0]
+        return None
+
+    @staticmethod
+    def _halves_last_axis(split: relax.Call) -> bool:
+        sections, axis, ndim = split.attrs.indices_or_sections, int(split.attrs.axis), split.args[0].ty.ndim
+        return isinstance(sections, tirx.IntImm) and int(sections) == 2 and axis in (-1, ndim - 1)
+
+
+@tvm.transform.module_pass(opt_level=0, name="FuseSwiGLU")
+class FuseSwiGLU:  # pylint: disable=too-few-public-methods
+    """Replace the split / silu / multiply chain of a SwiGLU MLP by one kernel; run before LegalizeOps."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        rewriter = _Rewriter(mod)
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                rewriter.uses = _uses(func)
+                func = rewriter.visit_expr(func)
+                # The split, its items and the silu are dead once the multiply is replaced.
+                rewriter.builder_.update_func(gv, relax.analysis.remove_all_unused(func))
+        return rewriter.builder_.get()

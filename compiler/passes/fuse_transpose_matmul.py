@@ -1,0 +1,65 @@
+"""FuseTransposeMatmul: rewrite Relax matmul(x, permute_dims(w)) with a 2-D w into one NT_matmul call_tir."""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, te
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+_MATMUL = tvm.ir.Op.get("relax.matmul")
+_PERMUTE_DIMS = tvm.ir.Op.get("relax.permute_dims")
+# relax OpPatternKind::kOutEWiseFusable: FuseOps may fuse elementwise epilogues into it.
+_OUT_EWISE_FUSABLE = 4
+
+
+def _nt_matmul(x: te.Tensor, w: te.Tensor, out_dtype: str) -> te.Tensor:
+    """x [..., K] times w [N, K] -> [..., N]; reading w row-major avoids a transposed copy."""
+    k = te.reduce_axis((0, w.shape[1]), name="k")
+    return te.compute(
+        (*x.shape[:-1], w.shape[0]),
+        lambda *i: te.sum(x[(*i[:-1], k)].astype(out_dtype) * w[i[-1], k].astype(out_dtype), axis=k),
+        name="NT_matmul",
+    )
+
+
+@mutator
+class _Rewriter(PyExprMutator):
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = self.visit_expr_post_order(call)
+        if call.op != _MATMUL:
+            return call
+        arg = call.args[1]
+        transposed = self.lookup_binding(arg) if isinstance(arg, relax.Var) else arg
+        if not isinstance(transposed, relax.Call) or transposed.op != _PERMUTE_DIMS:
+            return call
+        x, w = call.args[0], transposed.args[0]
+        # te needs known shapes and dtype; only a plain 2-D transpose reads as W[N, K].
+        if not all(isinstance(t, relax.TensorType) and t.shape is not None for t in (x.ty, w.ty, call.ty)):
+            return call
+        if w.ty.ndim != 2:
+            return call
+        axes = transposed.attrs.axes
+        if axes is not None and [int(a) for a in axes] != [1, 0]:
+            return call
+        return self.builder_.call_te(
+            _nt_matmul,
+            x,
+            w,
+            str(call.ty.dtype),
+            primfunc_name_hint="NT_matmul",
+            primfunc_attrs={"op_pattern": _OUT_EWISE_FUSABLE},
+        )
+
+
+@tvm.transform.module_pass(opt_level=0, name="FuseTransposeMatmul")
+class FuseTransposeMatmul:  # pylint: disable=too-few-public-methods
+    """Replace matmul(x, permute_dims(w)) by NT_matmul(x, w) in every Relax function; run before LegalizeOps."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        rewriter = _Rewriter(mod)
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                func = rewriter.visit_expr(func)
+                # The permute_dims bindings that fed only the rewritten matmuls are now dead.
+                rewriter.builder_.update_func(gv, relax.analysis.remove_all_unused(func))
+        return rewriter.builder_.get()

@@ -1,0 +1,193 @@
+"""dlight schedule rules for LLM kernels on CPUs (decode GEMV, prefill matmul, norms, elementwise).
+
+Apply after LegalizeOps/FuseOps/FuseTIR, inside ``with target:``:
+``tvm.s_tir.dlight.ApplyDefaultSchedule(*rules())``. Weights are expected as W[N, K] row-major
+(FuseTransposeMatmul produces that), so every matmul reduces along a contiguous axis.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.analysis import SBlockInfo, collect_vars_used_in_prim_expr, normalize_prim_func
+from tvm.s_tir.dlight.analysis.gemv import get_reduction_expr
+from tvm.s_tir.dlight.base import get_extent, try_inline, try_inline_contiguous_spatial
+from tvm.s_tir.dlight.cpu import Reduction
+from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
+from tvm.target import Target
+from tvm.target.codegen import llvm_get_vector_width
+
+
+def _lanes(target: Target, dtype_bits: int) -> int:
+    bits = llvm_get_vector_width(target)
+    return max((bits if bits > 0 else 128) // dtype_bits, 1)
+
+
+def _write_bits(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> int:
+    return sch.get(block).writes[0].source.dtype.bits
+
+
+def _divisor_tile(sch: s_tir.Schedule, loop: s_tir.schedule.LoopRV, tile: int) -> int:
+    """A tile that divides N: a ragged split adds a predicate, which keeps the accumulators out of registers."""
+    return math.gcd(get_extent(sch, loop), tile)
+
+
+def _match_nt_matmul(sch: s_tir.Schedule):
+    """Inline prologue/epilogue chains; return (main, epilogue or None) if the func is out[.., n] = sum_k a[.., k] * b[n, k]."""
+    infos = normalize_prim_func(sch)
+    infos = try_inline_contiguous_spatial(sch, infos)
+    if not infos or not 1 <= len(infos) <= 2 or infos[0].is_injective():
+        return None
+    main, epilogue = infos[0], (infos[1] if len(infos) == 2 else None)
+    if main.dom_kind()[-1:] != "R" or "R" in main.dom_kind()[:-1] or len(main.iters) < 2:
+        return None
+    if epilogue is not None and not epilogue.is_injective():
+        return None
+    block = sch.get(main.block_rv)
+    if get_reduction_expr(block) is None or len(block.writes) != 1:
+        return None
+    ivars = [iv.var for iv in block.iter_vars]
+    *lead, n, k = ivars
+    # normalize_prim_func drops unit iters, so the output may carry constant indices.
+    out_idx = [r.min for r in block.writes[0].region if not isinstance(r.min, tirx.IntImm)]
+    if len(out_idx) != len(lead) + 1 or not all(a.same_as(b) for a, b in zip(out_idx, lead + [n])):
+        return None
+    # Every operand must be contiguous along k (k only in its last index), so loads along k vectorize.
+    kinds = set()
+    for read in block.reads:
+        used = [collect_vars_used_in_prim_expr(r.min) for r in read.region]
+        if not used or k not in used[-1] or any(k in u for u in used[:-1]):
+            return None
+        flat = set().union(*used)
+        if n in flat and flat & set(lead):
+            return None
+        kinds.add("weight" if n in flat else "act")
+    if kinds != {"weight", "act"}:
+        return None
+    return main, epilogue
+
+
+def _rfactor_k(sch: s_tir.Schedule, main: SBlockInfo, lanes: int) -> s_tir.schedule.SBlockRV:
+    """Split k by the vector width and rfactor the inner part: the new block accumulates rf[..., n, ki]
+    (contiguous in ki, so it vectorizes) under the original loops; the main block then sums over ki."""
+    k = main.iters[-1].loop_rv
+    _, ki = sch.split(k, [None, lanes])
+    rf = sch.rfactor(ki, factor_axis=len(sch.get(main.block_rv).writes[0].region))
+    # A small stack buffer once compacted to its tile: LLVM can keep the partial sums in registers.
+    sch.set_scope(rf, 0, "local")
+    return rf
+
+
+class _NTMatmulRule(CPUScheduleRule):
+    """Shared matching; subclasses schedule the decode (M == 1) and prefill (M > 1 or dynamic) cases."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        sch = s_tir.Schedule(func)
+        matched = _match_nt_matmul(sch)
+        if matched is None:
+            return None
+        main, epilogue = matched
+        m_ext = [get_extent(sch, it.loop_rv) for it in main.iters[:-2]]
+        is_gemv = all(isinstance(e, int) and e == 1 for e in m_ext)
+        if is_gemv != self.for_gemv:
+            return None
+        # Vector width along k: the widest power-of-two share of the target's width that divides K.
+        k_ext, lanes = get_extent(sch, main.iters[-1].loop_rv), _lanes(target, _write_bits(sch, main.block_rv))
+        while isinstance(k_ext, int) and lanes > 1 and k_ext % lanes:
+            lanes //= 2
+        if not isinstance(k_ext, int) or lanes < 2:
+            return None
+        self.schedule(sch, main, epilogue, lanes)
+        return sch
+
+
+class DecodeGEMV(_NTMatmulRule):
+    """y[n] = sum_k x[k] * W[n, k]: a vector of partial sums along the contiguous k axis per row, threads over rows."""
+
+    for_gemv = True
+    rows_per_task = 16  # interleaving 2-4 rows per k step measured slower; one row streams at ~85% of DRAM bandwidth
+
+    def schedule(self, sch: s_tir.Schedule, main: SBlockInfo, epilogue: SBlockInfo | None, lanes: int):
+        rf = _rfactor_k(sch, main, lanes)
+        n, ko, ki = sch.get_loops(rf)
+        no, ni = sch.split(n, [None, _divisor_tile(sch, n, self.rows_per_task)])
+        sch.parallel(no)
+        sch.vectorize(ki)
+        sch.vectorize(sch.get_loops(sch.decompose_reduction(rf, ko))[-1])
+        # The horizontal sum of each row's vector, then the fused epilogue, stay inside the thread's task.
+        sch.reverse_compute_at(main.block_rv, ni)
+        if epilogue is not None:
+            sch.reverse_compute_at(epilogue.block_rv, no)
+
+
+class PrefillMatmul(_NTMatmulRule):
+    """Y[m, n] = sum_k X[m, k] * W[n, k] for any (dynamic) m: per row of X, a register tile of NR k-vectors.
+
+    m is not tiled: a split of a dynamic m needs a predicate, which stops the partial sums from being
+    compacted to a register-sized buffer (measured: 2x slower). One X load feeds NR FMAs, enough here.
+    """
+
+    for_gemv = False
+    tile_n = 8
+
+    def schedule(self, sch: s_tir.Schedule, main: SBlockInfo, epilogue: SBlockInfo | None, lanes: int):
+        rf = _rfactor_k(sch, main, lanes)
+        *lead, n, ko, ki = sch.get_loops(rf)
+        m = sch.fuse(*lead) if len(lead) > 1 else lead[0]
+        no, ni = sch.split(n, [None, _divisor_tile(sch, n, self.tile_n)])
+        # Threads split the rows of W; a thread keeps its W tile in L1 while it walks all rows of X.
+        sch.reorder(no, m, ko, ni, ki)
+        sch.parallel(no)
+        sch.unroll(ni)
+        sch.vectorize(ki)
+        sch.vectorize(sch.get_loops(sch.decompose_reduction(rf, ko))[-1])
+        sch.reverse_compute_at(main.block_rv, m)
+        if epilogue is not None:
+            sch.reverse_compute_at(epilogue.block_rv, m)
+
+
+class Elementwise(CPUScheduleRule):
+    """Injective kernels (activations, residual adds, reshapes, take, rope): vectorize the innermost axis
+    and, when the kernel is big enough to repay a parallel launch (~us), spread the rest over threads."""
+
+    min_parallel_elems = 1 << 14
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if infos is None:
+            return None
+        infos = try_inline(sch, infos)
+        if len(infos) != 1 or not infos[0].is_injective():
+            return None
+        block = infos[0].block_rv
+        loops = list(sch.get_loops(block))
+        if not loops:
+            return None
+        extents = [get_extent(sch, loop) for loop in loops]
+        lanes = _lanes(target, _write_bits(sch, block))
+        inner = extents[-1]
+        outer = loops[:-1]
+        if isinstance(inner, int) and inner > lanes and inner % lanes == 0:
+            rest, vec = sch.split(loops[-1], [None, lanes])
+            sch.vectorize(vec)
+            outer.append(rest)
+        elif isinstance(inner, int) and 2 <= inner <= lanes:
+            sch.vectorize(loops[-1])
+        else:
+            outer.append(loops[-1])
+        dynamic = any(not isinstance(e, int) for e in extents)
+        if outer and (dynamic or math.prod(extents) >= self.min_parallel_elems):
+            sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+        return sch
+
+
+def rules() -> list:
+    """The CPU rules in the order ApplyDefaultSchedule should try them; the first that applies wins."""
+    # Stock cpu.Reduction covers rms_norm/softmax-like kernels (rows over threads, vectorized ewise parts).
+    return [DecodeGEMV(), PrefillMatmul(), Reduction(), Elementwise()]

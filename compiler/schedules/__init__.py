@@ -1,0 +1,1 @@
+"""Schedule rules per target family (dlight ScheduleRule lists)."""

@@ -147,3 +147,17 @@ def test_decode_gemv_inlines_a_dequantize_prologue():
     ss = rng.random((N, K // group), dtype="float32")
     ref = xs @ (qs.astype("float32") * np.repeat(ss, group, axis=1)).T
     np.testing.assert_allclose(_run(scheduled, xs, qs, ss, out_shape=(1, 1, N)), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_single_row_rms_norm_is_not_threaded_over_hidden():
+    """Decode's rms_norm has one row: threading over the hidden axis would redo the reduction per element."""
+    func = _fused_kernel(
+        lambda x, g: relax.op.nn.rms_norm(x, g, axes=[-1], epsilon=1e-5), ([1, 1, K], "float32"), ([K], "float32")
+    )
+    assert cpu.RowReduction().apply(func, TARGET, False) is None
+    scheduled = _schedule(func)
+    assert "T.parallel(" not in scheduled.script()
+    rng = np.random.default_rng(6)
+    x, g = rng.standard_normal((1, 1, K), dtype="float32"), rng.standard_normal(K, dtype="float32")
+    ref = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * g
+    np.testing.assert_allclose(_run(scheduled, x, g, out_shape=(1, 1, K)), ref, rtol=1e-4, atol=1e-4)

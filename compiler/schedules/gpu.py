@@ -1,0 +1,147 @@
+"""dlight GPU rules with their tile parameters taken from the target file's [schedule.gemv] / [schedule.matmul].
+
+dlight chooses parameters inside its rules by looking at the target: any OpenCL target whose host triple
+contains "android" gets Adreno's settings, so an Android Mali target never reaches the Mali ones (the cause
+of slow Mali prefill in MLC-LLM issue #2762). Here every GPU target states its own numbers, and the rules are
+handed the target without its host so dlight's remaining device checks go by the device ("adreno"/"mali").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tvm import s_tir, tirx
+from tvm.s_tir import dlight
+from tvm.s_tir.dlight.analysis import SBlockInfo, is_broadcast_epilogue
+from tvm.s_tir.dlight.base import get_extent
+from tvm.target import Target
+
+# Each section's fields and their types; compiler/targets.py validates target files against these.
+PARAMETERS: dict[str, dict[str, type]] = {
+    "gemv": {"ts": int, "tr": int, "vec": int, "unroll": int, "row_threads": str},
+    "matmul": {
+        "block_size_x": int, "block_size_y": int, "micro_size_x": int, "micro_size_y": int,
+        "micro_size_k": int, "vector_size": int, "unroll": int, "use_shared": bool, "inner_x": bool,
+    },
+}
+ROW_THREAD_TAGS = ("threadIdx.x", "threadIdx.y")
+
+
+def _device_only(target: Target) -> Target:
+    return Target(target.export() | {"host": None}) if target.host is not None else target
+
+
+class Matmul(dlight.gpu.Matmul):
+    """dlight's gpu.Matmul with the tile configuration from the target file."""
+
+    def __init__(self, params: dict[str, Any]):
+        self.config = dlight.gpu.Matmul.Config(**params)
+
+    def get_configs(self, target: Target) -> dlight.gpu.Matmul.Config:
+        return self.config
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        return super().apply(func, _device_only(target), tunable)
+
+
+class GEMV(dlight.gpu.GEMV):
+    """dlight's gpu.GEMV; rows x K reductions (the decode matmuls) get the target file's tiles.
+
+    dlight's inner-reduction schedule takes its tiles as arguments of a nested function it calls with
+    per-vendor constants; this is that schedule for the case our kernels take (vector operand read from
+    global memory, cross-thread reduction through local memory), with the constants from the file."""
+
+    def __init__(self, params: dict[str, Any]):
+        self.params = params
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        return super().apply(func, _device_only(target), tunable)
+
+    def sch_inner_reduction(  # pylint: disable=too-many-arguments,too-many-locals
+        self, sch: s_tir.Schedule, target: Target, block, vector_input_buffers, epilogue_info: SBlockInfo | None
+    ):
+        p = self.params
+        ts, tr, unroll, tag_s = p["ts"], p["tr"], p["unroll"], p["row_threads"]
+        tag_r = ROW_THREAD_TAGS[1 - ROW_THREAD_TAGS.index(tag_s)]
+        _, _, r, c = sch.get_loops(block)
+        len_r, len_c = (get_extent(sch, loop) for loop in (r, c))
+        tile_r = len_c if len_c > 1 else max(_max_factor(len_r, [tr, tr * 2, tr * 4, tr * 8]) // tr, 1)
+        vec = min(_max_factor(tile_r, [1, 2, 4, 8]), p["vec"])
+
+        # As dlight: each thread sums `vec` lanes of its share of K (rf), then the lanes (rf2), then the threads.
+        batch, s, r, c = sch.get_loops(block)
+        s = sch.fuse(batch, s)
+        r = sch.fuse(r, c)
+        bx, t_s, tile_s = sch.split(s, factors=[None, ts, 1], preserve_unit_iters=True)
+        r, t_r, tile_r_vec_n, v = sch.split(r, factors=[None, tr, tile_r // vec, vec], preserve_unit_iters=True)
+        sch.reorder(r, tile_r_vec_n, t_r, v)
+        rf = sch.rfactor(sch.fuse(t_r, v), 0)
+        bx, t_s, tile_s, t_r_v = sch.get_loops(block)
+        t_r, v = sch.split(t_r_v, factors=[tr, None], preserve_unit_iters=True)
+        rf2 = sch.rfactor(t_r, 0)
+
+        bx, t_s, tile_s, r, tile_r_vec_n, t_r_v = sch.get_loops(rf)
+        t_r, v = sch.split(t_r_v, factors=[tr, None], preserve_unit_iters=True)
+        sch.reorder(bx, t_s, t_r, r, tile_s, tile_r_vec_n, v)
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(t_s, tag_s)
+        sch.bind(t_r, tag_r)
+        sch.vectorize(v)
+        weights = sch.cache_read(rf, read_buffer_index=1, storage_scope="local")
+        sch.compute_at(weights, r, preserve_unit_loops=True)
+
+        sch.reverse_compute_at(rf2, bx, preserve_unit_loops=True)
+        t_r, v, *rows = sch.get_loops(rf2)[1:]
+        outer, t_s, tile_s = sch.split(sch.fuse(*rows), factors=[None, ts, 1], preserve_unit_iters=True)
+        assert sch.get(outer).extent.value == 1
+        t_s = sch.fuse(outer, t_s)
+        sch.reorder(t_s, t_r, tile_s, v)
+        sch.bind(t_s, tag_s)
+        sch.bind(t_r, tag_r)
+
+        sch.reverse_compute_at(block, bx, preserve_unit_loops=True)
+        t_r, *rows = sch.get_loops(block)[1:]
+        outer, t_s, tile_s = sch.split(sch.fuse(*rows), factors=[None, ts, 1], preserve_unit_iters=True)
+        assert sch.get(outer).extent.value == 1
+        t_s = sch.fuse(outer, t_s)
+        sch.reorder(tile_s, t_s, t_r)
+        sch.bind(t_s, tag_s)
+        sch.bind(t_r, tag_r)
+
+        sch.decompose_reduction(rf, sch.get_loops(rf)[3])
+        sch.decompose_reduction(rf2, sch.get_loops(rf2)[-1])
+        for b in (rf, rf2):
+            sch.set_scope(b, 0, "local")
+            sch.annotate(sch.get_loops(b)[3], "pragma_auto_unroll_max_step", unroll)
+            sch.annotate(sch.get_loops(b)[3], "pragma_unroll_explicit", 1)
+
+        if epilogue_info is not None:
+            epilogue = epilogue_info.block_rv
+            if is_broadcast_epilogue(sch, block, epilogue):
+                sch.reverse_compute_at(epilogue, bx)
+                sch.set_scope(block, 0, "shared")
+                _, t_r = sch.split(sch.fuse(*sch.get_loops(epilogue)[2:]), factors=[None, tr])
+                sch.bind(t_r, "threadIdx.x")
+            else:
+                sch.reverse_compute_at(epilogue, bx, preserve_unit_loops=True)
+                sch.fuse(*sch.get_loops(epilogue)[1:])
+                outer, t_s, _ = sch.split(sch.get_loops(epilogue)[-1], factors=[None, ts, 1], preserve_unit_iters=True)
+                assert sch.get(outer).extent.value == 1
+                sch.bind(sch.fuse(outer, t_s), tag_s)
+                sch.set_scope(block, 0, "local")
+        return sch
+
+
+def _max_factor(n: int, factors: list[int]) -> int:
+    return next((f for f in sorted(factors, reverse=True) if n % f == 0), 1)
+
+
+def rules(schedule: dict[str, Any]) -> list:
+    """The GPU rules in the order ApplyDefaultSchedule should try them; the first that applies wins."""
+    return [
+        Matmul(schedule["matmul"]),
+        GEMV(schedule["gemv"]),
+        dlight.gpu.Reduction(),
+        dlight.gpu.GeneralReduction(),
+        dlight.gpu.Fallback(),
+    ]

@@ -114,3 +114,21 @@ def test_real_entry_point_prints_no_traceback(tmp_path):
                           capture_output=True, text=True, check=False)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_corrupted_weight_shard_at_generate_time(tmp_path):
+    from compiler.compile_model import compile_model
+    from tests.helpers.tiny_models import build_model, save_hf
+    from tests.helpers.tiny_tokenizer import save_tiny_tokenizer
+
+    save_hf(build_model("llama_gqa"), tmp_path / "hf")
+    save_tiny_tokenizer(tmp_path / "hf")
+    art = tmp_path / "art"
+    compile_model(str(tmp_path / "hf"), "host", "q0f32", str(art), context_window=32, progress=False)
+    ok = _run(["generate", str(art), "--prompt", "the cat", "--max-new-tokens", "2", "--json"])
+    assert ok.exit_code == 0, ok.output
+    shard = art / "params" / "shard_000.bin"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0x01
+    shard.write_bytes(bytes(data))
+    _assert_one_line_error(_run(["generate", str(art), "--prompt", "the cat"]), "shard_000.bin", "sha256")

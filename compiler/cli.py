@@ -50,8 +50,14 @@ def targets():
 @click.option("--quant-skip", multiple=True, metavar="PATTERN",
               help="Keep layers matching this glob in float (repeatable), e.g. lm_head, model.layers.0, "
                    "'model.layers.*.mlp.down_proj'.")
+@click.option("--calibrate", default=None, metavar="awq",
+              help="Activation-aware int4 rounding (symmetric int4 schemes): AWQ channel scales, then GPTQ, "
+                   "calibrated by running the float model on --calib-text.")
+@click.option("--calib-text", default=None, type=click.Path(dir_okay=False),
+              help="UTF-8 text for --calibrate (default: CPython's pydoc topics, pydoc_data/topics.py).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress text.")
-def compile(model, target, quant, output, context_window, quant_skip, as_json):  # pylint: disable=redefined-builtin
+def compile(model, target, quant, output, context_window, quant_skip,  # pylint: disable=redefined-builtin
+            calibrate, calib_text, as_json):
     """Compile MODEL for TARGET into an artifact directory (library, weight shards, tokenizer, config).
 
     The artifact is written to a temporary directory and renamed at the end:
@@ -60,9 +66,16 @@ def compile(model, target, quant, output, context_window, quant_skip, as_json): 
     from .compile_model import compile_model  # pylint: disable=import-outside-toplevel
 
     summary = compile_model(model, target, quant, output, context_window, progress=not as_json,
-                            quant_skip=list(quant_skip))
+                            quant_skip=list(quant_skip), calibrate=calibrate, calib_text=calib_text)
     if as_json:
         click.echo(json.dumps(summary))
+        return
+    if "npu_coverage" in summary:
+        from .hexagon import format_coverage  # pylint: disable=import-outside-toplevel
+
+        click.echo(format_coverage(summary["npu_coverage"]))
+    if "note" in summary:
+        click.echo(f"note: {summary['note']}")
 
 
 @main.command()

@@ -13,7 +13,7 @@ import numpy as np
 import tvm
 from tqdm import tqdm
 
-from . import pipeline
+from . import hexagon, link, pipeline
 from .artifact import CONFIG_FILE, FORMAT_VERSION, LIBRARY_DIR, PARAMS_DIR, TOKENIZER_DIR, installed_versions
 from .errors import MobilecError
 from .export import ShardWriter, atomic_directory
@@ -21,6 +21,7 @@ from .loaders import Checkpoint, open_checkpoint
 from .loaders.default_model import default_model_path
 from .models.llama import LlamaConfig
 from .models.registry import ModelFamily, family_for
+from .quantization import awq
 from .quantization.quantize_model import WeightPlan, quantize_model
 from .quantization.schemes import Scheme, get_scheme
 from .targets import TargetSpec, load_target
@@ -50,10 +51,12 @@ class ImportedModel:
     params: list  # (name, nn.Parameter) in the order the compiled functions take them
     sources: dict[str, list[str]]  # float parameter -> checkpoint tensors
     plan: WeightPlan  # quantized layer -> how to make its stored arrays
+    calibration: awq.Calibration | None = None  # --calibrate: scales folded into the float parameters
 
 
 def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_window: int | None,
-                 quant_skip: list[str] = (), quantize: bool = True) -> ImportedModel:
+                 quant_skip: list[str] = (), quantize: bool = True,
+                 calibration: awq.Calibration | None = None) -> ImportedModel:
     """Build the nn.Module for the checkpoint's family, quantize its layers (unless told not to: `inspect`
     shows the float import first), and export it to a Relax IRModule."""
     family = family_for(ckpt.hf_config)
@@ -64,10 +67,10 @@ def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_win
     dtype = scheme.float_dtype or spec.device["compute_dtype"]
     model.to(dtype)
     sources = cfg.param_sources()
-    plan = quantize_model(model, scheme, ckpt, sources, list(quant_skip), dtype) if quantize else {}
-    with spec.tvm_target():
+    plan = quantize_model(model, scheme, ckpt, sources, list(quant_skip), dtype, calibration) if quantize else {}
+    with spec.model_target():
         mod, params = model.export_tvm(spec=model.get_default_spec())
-    return ImportedModel(family, cfg, mod, params, sources, plan)
+    return ImportedModel(family, cfg, mod, params, sources, plan, calibration)
 
 
 def _stored_array(ckpt: Checkpoint, imported: ImportedModel, name: str, made: dict[str, dict[str, np.ndarray]]):
@@ -81,7 +84,8 @@ def _stored_array(ckpt: Checkpoint, imported: ImportedModel, name: str, made: di
             del made[layer]
         return array
     parts = [ckpt.get(src) for src in imported.sources[name]]
-    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    array = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    return imported.calibration.float_param(name, array) if imported.calibration else array
 
 
 def write_params(ckpt: Checkpoint, imported: ImportedModel, out: Path, progress: bool):
@@ -107,10 +111,14 @@ def compile_model(
     context_window: int | None = None,
     progress: bool = True,
     quant_skip: list[str] = (),
+    calibrate: str | None = None,
+    calib_text: str | None = None,
 ) -> dict[str, Any]:
     """Compile and write the artifact; returns a summary (path, timings, sizes)."""
     spec = load_target(target)
+    link.check_toolchain(spec)  # before the build, not after it
     scheme = get_scheme(quant or spec.device["default_quant"])
+    awq.check_options(calibrate, calib_text, scheme.layout)
     model_path = resolve_model_path(model)
     out_dir = Path(output) if output else default_output(model_path, scheme.name, spec.name)
     progress = progress and sys.stderr.isatty()  # progress text is for people; logs and pipes stay clean
@@ -118,14 +126,19 @@ def compile_model(
     t_start = time.perf_counter()
     with open_checkpoint(model_path) as ckpt, atomic_directory(out_dir) as tmp:
         log(f"importing {ckpt.description}")
-        imported = import_model(ckpt, scheme, spec, context_window, quant_skip)
+        calibration = awq.calibrate(ckpt, scheme.layout, calib_text, log) if calibrate else None
+        imported = import_model(ckpt, scheme, spec, context_window, quant_skip, calibration=calibration)
         family, cfg = imported.family, imported.cfg
         log(f"compiling {family.name} for {spec.name} ({scheme.name})")
         t_build = time.perf_counter()
-        executable = pipeline.build(imported.mod, spec)
         (tmp / LIBRARY_DIR).mkdir()
-        library = f"{LIBRARY_DIR}/model.so"
-        executable.export_library(str(tmp / library))
+        npu = None
+        if spec.link["method"] == "hexagon":
+            name, npu = hexagon.build_kernels(pipeline.run_steps(imported.mod, spec), spec, tmp / LIBRARY_DIR)
+            note = npu.get("note")
+        else:
+            name, note = link.export_library(pipeline.build(imported.mod, spec), spec, tmp / LIBRARY_DIR)
+        library = f"{LIBRARY_DIR}/{name}"
         build_seconds = time.perf_counter() - t_build
         index = write_params(ckpt, imported, tmp, progress)
         ckpt.save_tokenizer(tmp / TOKENIZER_DIR)
@@ -138,7 +151,8 @@ def compile_model(
                 "source": ckpt.description,
                 "config": dataclasses.asdict(cfg),
             },
-            "quantization": {**scheme.to_json(), "skip": list(quant_skip), "quantized_layers": sorted(imported.plan)},
+            "quantization": {**scheme.to_json(), "skip": list(quant_skip), "quantized_layers": sorted(imported.plan),
+                             "calibration": calibration.summary if calibration else None},
             "compute_dtype": scheme.float_dtype or spec.device["compute_dtype"],
             "target": {
                 "name": spec.name,
@@ -147,6 +161,7 @@ def compile_model(
                 "file_sha256": spec.sha256,
             },
             "library": library,
+            **({"npu_coverage": npu} if npu else {}),
             "context_window": cfg.context_window_size,
             "prefill_chunk": cfg.prefill_chunk_size,
             "page_size": PAGE_SIZE,
@@ -162,6 +177,8 @@ def compile_model(
         "build_seconds": round(build_seconds, 2),
         "total_seconds": round(time.perf_counter() - t_start, 2),
         "param_bytes": config["param_bytes"],
+        **({"note": note} if note else {}),
+        **({"npu_coverage": npu} if npu else {}),
     }
     log(f"wrote {out_dir} in {summary['total_seconds']:.1f} s (library built in {build_seconds:.1f} s)")
     return summary

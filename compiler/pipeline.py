@@ -14,7 +14,9 @@ from .passes.fuse_dequantize_matmul import FuseDequantizeMatmul
 from .passes.fuse_swiglu import FuseSwiGLU
 from .passes.fuse_transpose_matmul import FuseTransposeMatmul
 from .passes.verify_alignment import VerifyAlignment
+from .passes.verify_device_limits import VerifyDeviceLimits
 from .schedules import cpu as cpu_schedules
+from .schedules import gpu as gpu_schedules
 from .targets import TargetSpec
 
 Step = tuple[str, tvm.transform.Pass]
@@ -27,12 +29,17 @@ def _seq(passes: list[tvm.transform.Pass]) -> tvm.transform.Pass:
 def steps(spec: TargetSpec) -> list[Step]:
     """The ordered steps for `spec`; each runs inside `with target:`."""
     target = spec.tvm_target()
+    gpu = spec.schedule["rules"] == "gpu"
+    # FuseAddRMSNorm schedules its kernel for CPU threads itself; on a GPU the add and the norm are left to
+    # FuseOps and dlight instead.
+    add_rmsnorm = [] if gpu else [("fuse-add-rmsnorm", FuseAddRMSNorm())]
+    schedule_rules = gpu_schedules.rules(spec.schedule) if gpu else cpu_schedules.rules()
     return [
         ("fuse-transpose-matmul", FuseTransposeMatmul()),
         # Needs the NT_matmul calls above; before FuseOps, so bias/residual adds still fuse into the fused kernel.
         ("fuse-dequantize-matmul", FuseDequantizeMatmul()),
         # On high-level ops, before LegalizeOps; takes the residual add that FuseOps would put in the matmul epilogue.
-        ("fuse-add-rmsnorm", FuseAddRMSNorm()),
+        *add_rmsnorm,
         ("fuse-swiglu", FuseSwiGLU()),
         ("dispatch-library", _seq(cpu_generic.library_dispatch_passes(target))),
         ("legalize", relax.transform.LegalizeOps()),
@@ -41,9 +48,11 @@ def steps(spec: TargetSpec) -> list[Step]:
         ("fuse-ops", relax.transform.FuseOps()),
         ("fuse-tir", relax.transform.FuseTIR()),
         ("dead-code-elimination", relax.transform.DeadCodeElimination()),
-        ("schedule", dlight.ApplyDefaultSchedule(*cpu_schedules.rules())),
+        ("schedule", dlight.ApplyDefaultSchedule(*schedule_rules)),
         ("lower-dataflow", _seq(cpu_generic.dataflow_lower_passes(target))),
         ("plan-memory-and-lower", _seq(cpu_generic.finalize_passes(target))),
+        # Buffers here; kernels' threads, local memory and arguments again in build(), once split from the host.
+        ("verify-device-limits", VerifyDeviceLimits(spec.device["max_alloc_gb"])),
         ("verify-alignment", VerifyAlignment()),
     ]
 
@@ -60,7 +69,23 @@ def run_steps(
     return mod
 
 
+@tvm.instrument.pass_instrument
+class _CheckKernels:
+    """Runs VerifyDeviceLimits on the device kernels as SplitHostDevice leaves them: the exact arguments,
+    threads and local memory (cross-thread reductions included) each kernel launch will have."""
+
+    def __init__(self, spec: TargetSpec):
+        self.verify = VerifyDeviceLimits(spec.device["max_alloc_gb"])
+
+    def run_after_pass(self, mod: tvm.IRModule, info: tvm.transform.PassInfo) -> None:
+        if info.name == "tirx.SplitHostDevice":
+            self.verify(mod)
+
+
 def build(mod: tvm.IRModule, spec: TargetSpec) -> tvm.runtime.Executable:
     """Run the pipeline and generate code; the Relax passes are all ours, so TVM's default list is off."""
     lowered = run_steps(mod, spec)
-    return tvm.compile(lowered, target=spec.tvm_target(), relax_pipeline=None)
+    current = tvm.transform.PassContext.current()
+    with tvm.transform.PassContext(opt_level=current.opt_level, config=current.config,
+                                   instruments=[*current.instruments, _CheckKernels(spec)]):
+        return tvm.compile(lowered, target=spec.tvm_target(), relax_pipeline=None)

@@ -11,16 +11,27 @@ from typing import Any
 import tvm
 
 from .errors import MobilecError
+from .schedules import gpu as gpu_schedules
 
 TARGETS_DIR = Path(__file__).resolve().parent.parent / "targets"
-LINK_METHODS = ("native",)
-SCHEDULE_RULES = ("cpu",)
+# native: this machine's C compiler; cross: a cross compiler on PATH; ndk: the Android NDK, or a .tar of
+# objects without one; hexagon: Hexagon DSP objects, linked only with the Hexagon SDK.
+LINK_METHODS = ("native", "cross", "ndk", "hexagon")
+LINK_FIELDS = {"cross": {"compiler": str, "package": str}, "ndk": {"ndk_api": int}}
+SCHEDULE_RULES = ("cpu", "gpu")
 REQUIRED_DEVICE_FIELDS = {
     "memory_bandwidth_gbs": float,
     "ram_gb": float,
-    "max_alloc_gb": float,
+    "max_alloc_gb": float,  # largest single buffer
     "default_quant": str,
     "compute_dtype": str,  # activations of quantized models
+}
+# GPU limits, and the TVM target attribute each becomes: the file states a limit once, dlight sizes kernels
+# by the attribute, and passes/verify_device_limits.py checks every kernel against it.
+GPU_LIMIT_FIELDS = {
+    "max_threads_per_group": "max_num_threads",
+    "local_memory_bytes": "max_shared_memory_per_block",
+    "max_kernel_args": "max_function_args",
 }
 
 
@@ -31,12 +42,18 @@ class TargetSpec:
     path: Path
     sha256: str  # of the file's bytes: an artifact records exactly what it was built for
     tvm_target_json: dict[str, Any]
-    link_method: str
+    link: dict[str, Any]  # method, and that method's fields
     schedule: dict[str, Any]
     device: dict[str, Any]
 
     def tvm_target(self) -> tvm.target.Target:
         return tvm.target.Target(self.tvm_target_json)
+
+    def model_target(self) -> tvm.target.Target:
+        """The target a model is exported under, which picks the KV cache's attention kernels: on Hexagon
+        those run on the host CPU (the KV cache's C++ code launches them), so they are made for the host."""
+        target = self.tvm_target()
+        return target.host if target.kind.name == "hexagon" else target
 
 
 def available_targets() -> dict[str, Path]:
@@ -51,7 +68,7 @@ def _field(table: dict[str, Any], dotted: str, path: Path, kind: type) -> Any:
         node = node[part]
     if kind is float and isinstance(node, int):
         node = float(node)
-    if not isinstance(node, kind):
+    if not isinstance(node, kind) or (kind is int and isinstance(node, bool)):
         raise MobilecError(f"target file {path}: field '{dotted}' must be a {kind.__name__}, got {node!r}")
     return node
 
@@ -60,6 +77,21 @@ def _choice(value: str, choices: tuple[str, ...], dotted: str, path: Path) -> st
     if value not in choices:
         raise MobilecError(f"target file {path}: '{dotted}' is {value!r}; valid: {', '.join(choices)}")
     return value
+
+
+def _check_gpu_fields(table: dict[str, Any], path: Path) -> None:
+    for key in GPU_LIMIT_FIELDS:
+        if _field(table, f"device.{key}", path, int) <= 0:
+            raise MobilecError(f"target file {path}: field 'device.{key}' must be positive")
+    for section, fields in gpu_schedules.PARAMETERS.items():
+        given = _field(table, f"schedule.{section}", path, dict)
+        unknown = sorted(set(given) - set(fields))
+        if unknown:
+            raise MobilecError(f"target file {path}: unknown field 'schedule.{section}.{unknown[0]}'; "
+                               f"valid: {', '.join(fields)}")
+        for key, kind in fields.items():
+            _field(table, f"schedule.{section}.{key}", path, kind)
+    _choice(table["schedule"]["gemv"]["row_threads"], gpu_schedules.ROW_THREAD_TAGS, "schedule.gemv.row_threads", path)
 
 
 def load_target(name_or_path: str) -> TargetSpec:
@@ -77,22 +109,28 @@ def load_target(name_or_path: str) -> TargetSpec:
         table = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise MobilecError(f"target file {path} is not valid TOML: {err}") from None
-    tvm_json = _field(table, "tvm.target", path, dict)
+    tvm_json = dict(_field(table, "tvm.target", path, dict))
     _field(table, "tvm.target.kind", path, str)
     device = _field(table, "device", path, dict)
     for key, kind in REQUIRED_DEVICE_FIELDS.items():
         _field(table, f"device.{key}", path, kind)
+    link_method = _choice(_field(table, "link.method", path, str), LINK_METHODS, "link.method", path)
+    for key, kind in LINK_FIELDS.get(link_method, {}).items():
+        _field(table, f"link.{key}", path, kind)
+    rules = _choice(_field(table, "schedule.rules", path, str), SCHEDULE_RULES, "schedule.rules", path)
+    if rules == "gpu":
+        _check_gpu_fields(table, path)
+        tvm_json.update({attr: device[key] for key, attr in GPU_LIMIT_FIELDS.items()})
     spec = TargetSpec(
         name=_field(table, "name", path, str),
         description=_field(table, "description", path, str),
         path=path,
         sha256=hashlib.sha256(raw).hexdigest(),
         tvm_target_json=tvm_json,
-        link_method=_choice(_field(table, "link.method", path, str), LINK_METHODS, "link.method", path),
+        link=_field(table, "link", path, dict),
         schedule=_field(table, "schedule", path, dict),
         device=device,
     )
-    _choice(_field(table, "schedule.rules", path, str), SCHEDULE_RULES, "schedule.rules", path)
     try:
         spec.tvm_target()
     except Exception as err:  # TVM raises several error types for bad target JSON

@@ -7,6 +7,10 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
   echo "mobilec needs Python 3.11 (apache-tvm 0.27 wheels); set PYTHON=/path/to/python3.11" >&2
   exit 2
 fi
+# linux-arm64 artifacts link with Debian's cross compiler; tests check OpenCL kernels with clang.
+if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v clang >/dev/null; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu clang >/dev/null
+fi
 stamp=.venv/.mobilec-setup
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

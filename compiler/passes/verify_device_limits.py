@@ -77,7 +77,7 @@ def _tensor_sizes(ty) -> list[int]:
 def _check_buffers(name: str, func: relax.Function, max_bytes: int) -> None:
     sizes: list[tuple[int, str]] = []
     for param in func.params:
-        sizes += [(s, f"parameter {param.name_hint}") for s in _tensor_sizes(param.ty)]
+        sizes += [(s, f"parameter {param.name}") for s in _tensor_sizes(param.ty)]
 
     def visit(expr):
         if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in _ALLOC_STORAGE:

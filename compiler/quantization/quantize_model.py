@@ -10,6 +10,7 @@ from tvm.relax.frontend import nn
 
 from ..errors import MobilecError
 from ..loaders import Checkpoint
+from .awq import Calibration
 from .gguf_blocks import convert_blocks, layout_for
 from .group import GroupLayout, quantize
 from .modules import QuantizedEmbedding, QuantizedLinear
@@ -44,9 +45,11 @@ def _concat(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 
 def quantize_model(
-    model: nn.Module, scheme: Scheme, ckpt: Checkpoint, sources: dict[str, list[str]], skip: list[str], dtype: str
+    model: nn.Module, scheme: Scheme, ckpt: Checkpoint, sources: dict[str, list[str]], skip: list[str], dtype: str,
+    calibration: Calibration | None = None,
 ) -> WeightPlan:
-    """Replace layers in place per `scheme` (except those matching `skip`); return how to make their arrays."""
+    """Replace layers in place per `scheme` (except those matching `skip`); return how to make their arrays.
+    With a `calibration`, group-quantized layers are scaled and rounded by it (--calibrate awq)."""
     plan: WeightPlan = {}
     if scheme.kind == "float":
         if skip:
@@ -75,8 +78,9 @@ def quantize_model(
             plan[path] = lambda s=weight_sources: _concat([convert_blocks(*ckpt.get_gguf_blocks(x)[:2]) for x in s])
         else:
             layout = scheme.layout
-            plan[path] = lambda s=weight_sources, lay=layout: quantize(
-                np.concatenate([ckpt.get(x) for x in s], axis=0), lay
+            quantizer = calibration.quantize if calibration else lambda _path, w, lay: quantize(w, lay)
+            plan[path] = lambda p=path, s=weight_sources, lay=layout, q=quantizer: q(
+                p, np.concatenate([ckpt.get(x) for x in s], axis=0), lay
             )
         setattr(parent, attr, _replacement(layer, layout, dtype))
     return plan

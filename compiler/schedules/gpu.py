@@ -28,7 +28,7 @@ ROW_THREAD_TAGS = ("threadIdx.x", "threadIdx.y")
 
 
 def _device_only(target: Target) -> Target:
-    return Target(target.export() | {"host": None}) if target.host is not None else target
+    return Target({key: value for key, value in target.export().items() if key != "host"})
 
 
 class Matmul(dlight.gpu.Matmul):
@@ -57,7 +57,7 @@ class GEMV(dlight.gpu.GEMV):
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
         return super().apply(func, _device_only(target), tunable)
 
-    def sch_inner_reduction(  # pylint: disable=too-many-arguments,too-many-locals
+    def sch_inner_reduction(  # pylint: disable=too-many-arguments,too-many-locals,unused-argument
         self, sch: s_tir.Schedule, target: Target, block, vector_input_buffers, epilogue_info: SBlockInfo | None
     ):
         p = self.params

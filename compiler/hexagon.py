@@ -1,0 +1,162 @@
+"""The NPU path: the model's kernels as Hexagon (HVX) object code, and which operators stay on the ARM CPU.
+
+`tvm.compile` with a Hexagon target emits host (x86) code, and a Hexagon host target fails on
+`tvm_call_packed`; so the device kernels go through the TIR default pipeline and `target.build.hexagon`
+directly. That codegen always asks `tvm.contrib.hexagon.link_shared` for a .so: the hook below keeps the
+object it is handed, and links only when the Hexagon SDK is there (HEXAGON_TOOLCHAIN).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import tvm
+import tvm_ffi
+from tvm import relax, tirx
+
+from .errors import MobilecError
+from .passes.align import _stmts  # pylint: disable=protected-access
+from .targets import TargetSpec
+
+OBJECT = "hexagon/kernels.o"
+SHARED = "hexagon/kernels.so"
+_LINK_HOOK = "tvm.contrib.hexagon.link_shared"
+# LLVM's Hexagon backend in this TVM has no lowering for these float math intrinsics ("Cannot find intrinsic
+# declaration: llvm.sqrt"); kernels that use them run on the CPU.
+_NO_NPU_MATH = {"tirx.exp", "tirx.exp2", "tirx.sqrt", "tirx.rsqrt", "tirx.pow", "tirx.log", "tirx.tanh",
+                "tirx.erf", "tirx.sigmoid"}
+
+
+def sdk_linker() -> Path | None:
+    linker = Path(os.environ.get("HEXAGON_TOOLCHAIN", "")) / "bin" / "hexagon-link"
+    return linker if os.environ.get("HEXAGON_TOOLCHAIN") and os.access(linker, os.X_OK) else None
+
+
+def _called_kernels(mod: tvm.IRModule) -> set[str]:
+    """Kernels a Relax function calls itself; the others are handed to the KV cache, whose C++ code runs
+    them on the CPU, or are the VM's shape functions."""
+    called: set[str] = set()
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.GlobalVar):
+            if isinstance(mod[expr.op], tirx.PrimFunc) and not mod[expr.op].attrs.get("tirx.is_host_func", False):
+                called.add(expr.op.name_hint)
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)
+    return called
+
+
+def _math_ops(func: tirx.PrimFunc) -> set[str]:
+    ops: set[str] = set()
+    stack = list(_stmts(func.body))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, tvm.ir.expr.Call) and isinstance(node.op, tvm.ir.Op) and node.op.name in _NO_NPU_MATH:
+            ops.add(node.op.name)
+        for field in ("value", "args", "a", "b", "condition", "true_value", "false_value", "indices"):
+            child = getattr(node, field, None)
+            children = child if child is not None and type(child).__name__ == "Array" else [child]
+            stack.extend(c for c in children if isinstance(c, tirx.Expr))
+    return ops
+
+
+def partition(mod: tvm.IRModule) -> tuple[dict[str, tirx.PrimFunc], dict[str, str]]:
+    """(kernels for the NPU, {kernel: why it stays on the CPU})."""
+    called = _called_kernels(mod)
+    npu, cpu = {}, {}
+    for gv, func in mod.functions_items():
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+        name = gv.name_hint
+        if name not in called:
+            cpu[name] = "not called by the model's functions: run by the KV cache or the VM on the CPU"
+        elif math := _math_ops(func):
+            cpu[name] = f"uses {', '.join(sorted(op.split('.')[-1] for op in math))} (no Hexagon lowering)"
+        else:
+            npu[name] = func
+    return npu, cpu
+
+
+@contextlib.contextmanager
+def _keep_object(lib_dir: Path, link: bool):
+    """While building, stand in for TVM's link_shared: keep the object; link only with the SDK."""
+    previous = tvm_ffi.get_global_func(_LINK_HOOK, allow_missing=True)
+
+    def hook(so_name, objs, extra_args=None):
+        obj = str(getattr(objs[0], "value", objs[0]))
+        shutil.copyfile(obj, lib_dir / OBJECT)
+        if link:
+            from tvm.contrib.hexagon import tools  # pylint: disable=import-outside-toplevel
+
+            tools.link_shared(so_name, objs, extra_args)
+            shutil.copyfile(so_name, lib_dir / SHARED)
+        else:
+            shutil.copyfile(obj, so_name)  # the codegen reads "the .so" back; the object stands in
+        return 0
+
+    tvm_ffi.register_global_func(_LINK_HOOK, hook, override=True)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            tvm_ffi.register_global_func(_LINK_HOOK, previous, override=True)
+
+
+def build_kernels(lowered: tvm.IRModule, spec: TargetSpec, lib_dir: Path) -> tuple[str, dict[str, Any]]:
+    """Compile the NPU kernels into lib_dir/hexagon/; returns (library path under lib/, coverage report)."""
+    npu, cpu = partition(lowered)
+    if not npu:
+        raise MobilecError(f"no kernel of this model can run on {spec.name}; use an android-* target")
+    device = {key: value for key, value in spec.tvm_target_json.items() if key != "host"}
+    target = tvm.target.Target(device, host=device)  # the kernels' own entry code runs on the DSP too
+    mod = tirx.transform.BindTarget(target)(tvm.IRModule({tvm.ir.GlobalVar(n): f for n, f in npu.items()}))
+    lower, finalize_host, _ = tirx.get_default_tir_pipeline(target)
+    (lib_dir / OBJECT).parent.mkdir(parents=True, exist_ok=True)
+    link = sdk_linker() is not None
+    with target, _keep_object(lib_dir, link):
+        tvm.get_global_func("target.build.hexagon")(finalize_host()(lower(mod)), target)
+    report = coverage(lowered, set(npu), cpu)
+    report["library"] = SHARED if link else OBJECT
+    if not link:
+        report["note"] = ("no Hexagon SDK linker (HEXAGON_TOOLCHAIN/bin/hexagon-link): the NPU kernels are left as "
+                          f"the object lib/{OBJECT}; set HEXAGON_TOOLCHAIN and recompile for lib/{SHARED}")
+    return report["library"], report
+
+
+def coverage(mod: tvm.IRModule, npu: set[str], cpu: dict[str, str]) -> dict[str, Any]:
+    """Which operators run where, and how often one decode step crosses between NPU and CPU (the VM starts
+    and ends the step on the CPU; memory bookkeeping is not counted)."""
+    sequence: list[str] = []
+
+    def visit(expr):
+        if not isinstance(expr, relax.Call):
+            return
+        if isinstance(expr.op, tvm.ir.GlobalVar) and expr.op.name_hint in npu | set(cpu):
+            sequence.append("npu" if expr.op.name_hint in npu else "cpu")
+        elif isinstance(expr.op, relax.ExternFunc):
+            sequence.append("cpu")  # VM builtins: attention over the paged KV cache, sampling helpers
+
+    relax.analysis.post_order_visit(mod["decode"], visit)
+    steps = ["cpu", *sequence, "cpu"]
+    return {
+        "npu_kernels": sorted(npu),
+        "cpu_kernels": dict(sorted(cpu.items())),
+        "decode_npu_calls": sequence.count("npu"),
+        "decode_cpu_calls": sequence.count("cpu"),
+        "decode_crossings": sum(a != b for a, b in zip(steps, steps[1:])),
+    }
+
+
+def format_coverage(report: dict[str, Any]) -> str:
+    lines = [f"NPU (Hexagon HVX): {len(report['npu_kernels'])} kernels: {', '.join(report['npu_kernels'])}",
+             f"CPU fallback: {len(report['cpu_kernels'])} kernels, plus the VM builtins (paged-KV-cache attention):"]
+    lines += [f"  {name}: {why}" for name, why in report["cpu_kernels"].items()]
+    lines.append(f"one decode step: {report['decode_npu_calls']} NPU kernel calls, {report['decode_cpu_calls']} CPU "
+                 f"calls, {report['decode_crossings']} NPU<->CPU crossings")
+    return "\n".join(lines)

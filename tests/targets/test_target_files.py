@@ -1,0 +1,110 @@
+"""Target files: every shipped one loads; a bad or incomplete one fails with one line naming the field."""
+
+import shutil
+import tomllib
+
+import pytest
+
+from compiler import link
+from compiler.errors import MobilecError
+from compiler.targets import TARGETS_DIR, available_targets, load_target
+
+SHIPPED = ["android-adreno", "android-arm64", "android-mali", "hexagon-npu", "host", "linux-arm64"]
+
+
+def test_every_target_loads():
+    assert sorted(available_targets()) == SHIPPED
+    for name in SHIPPED:
+        spec = load_target(name)
+        assert spec.name == name and len(spec.sha256) == 64
+
+
+def test_gpu_limits_become_tvm_attributes():
+    target = load_target("android-adreno").tvm_target()
+    assert int(target.attrs["max_function_args"]) == 128
+    assert int(target.attrs["max_num_threads"]) == 1024
+    assert "android" in str(target.host)
+    assert load_target("android-adreno").device["max_alloc_gb"] == 1.0
+
+
+def test_mali_has_its_own_tiles():
+    adreno, mali = load_target("android-adreno").schedule, load_target("android-mali").schedule
+    assert mali["gemv"] != adreno["gemv"] and mali["matmul"] != adreno["matmul"]
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def _edited(tmp_path, source, old, new):
+    text = (TARGETS_DIR / f"{source}.toml").read_text()
+    assert old in text
+    return _write(tmp_path, "edited", text.replace(old, new))
+
+
+@pytest.mark.parametrize("old,new,needle", [
+    ("max_kernel_args = 128\n", "", "device.max_kernel_args"),
+    ("ts = 2\n", "", "schedule.gemv.ts"),
+    ("ts = 2\n", "ts = \"two\"\n", "schedule.gemv.ts"),
+    ("unroll = 8\n", "unroll = 8\nunrol = 8\n", "schedule.gemv.unrol"),
+    ('method = "ndk"', 'method = "fax"', "link.method"),
+    ("ndk_api = 28\n", "", "link.ndk_api"),
+    ('row_threads = "threadIdx.x"', 'row_threads = "threadIdx.q"', "schedule.gemv.row_threads"),
+    ("use_shared = false", "use_shared = 0", "schedule.matmul.use_shared"),
+])
+def test_bad_field_is_named(tmp_path, old, new, needle):
+    with pytest.raises(MobilecError) as err:
+        load_target(_edited(tmp_path, "android-adreno", old, new))
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_not_toml(tmp_path):
+    with pytest.raises(MobilecError, match="not valid TOML"):
+        load_target(_write(tmp_path, "broken", "name = [\n"))
+
+
+def test_unknown_target_lists_valid_ones():
+    with pytest.raises(MobilecError) as err:
+        load_target("android-toaster")
+    for name in SHIPPED:
+        assert name in str(err.value)
+
+
+def test_a_new_target_is_just_a_file(tmp_path):
+    path = _edited(tmp_path, "android-mali", 'name = "android-mali"', 'name = "my-phone"')
+    spec = load_target(path)
+    assert spec.name == "my-phone" and spec.tvm_target().kind.name == "opencl"
+    assert tomllib.loads((TARGETS_DIR / "android-mali.toml").read_text())["schedule"] == spec.schedule
+
+
+def test_missing_cross_compiler_says_how_to_install(tmp_path):
+    path = _edited(tmp_path, "linux-arm64", 'compiler = "aarch64-linux-gnu-g++"', 'compiler = "no-such-g++"')
+    with pytest.raises(MobilecError) as err:
+        link.check_toolchain(load_target(path))
+    assert "no-such-g++" in str(err.value) and "apt-get install g++-aarch64-linux-gnu" in str(err.value)
+
+
+def test_android_ndk_without_compiler(tmp_path, monkeypatch):
+    monkeypatch.delenv("TVM_NDK_CC", raising=False)
+    monkeypatch.setenv("ANDROID_NDK", str(tmp_path))
+    with pytest.raises(MobilecError, match="aarch64-linux-android28-clang\\+\\+"):
+        link.check_toolchain(load_target("android-arm64"))
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None, reason="scripts/setup.sh installs it")
+def test_cross_compiler_present():
+    link.check_toolchain(load_target("linux-arm64"))
+
+
+def test_cli_bad_target_file_is_one_line(tmp_path):
+    from click.testing import CliRunner  # pylint: disable=import-outside-toplevel
+
+    from compiler.cli import main  # pylint: disable=import-outside-toplevel
+
+    path = _edited(tmp_path, "linux-arm64", 'compiler = "aarch64-linux-gnu-g++"', 'compiler = "no-such-g++"')
+    result = CliRunner().invoke(main, ["compile", "--target", path, "--output", str(tmp_path / "out")])
+    assert result.exit_code == 2 and not (tmp_path / "out").exists()
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "apt-get install g++-aarch64-linux-gnu" in lines[0]

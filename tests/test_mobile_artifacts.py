@@ -1,0 +1,95 @@
+"""SmolLM2 compiled for every mobile target, once per session: library kinds, artifact contents, OpenCL source."""
+
+import json
+import shutil
+import struct
+import subprocess
+import tarfile
+
+import pytest
+
+from compiler.artifact import CONFIG_FILE, PARAMS_INDEX
+from compiler.compile_model import compile_model
+from compiler.targets import load_target
+
+EM_AARCH64, EM_HEXAGON = 183, 164
+# One build per mobile target (q4f16_g32, the default for all of them) plus one float build on a GPU target.
+BUILDS = [("android-adreno", "q4f16_g32"), ("android-mali", "q4f16_g32"), ("android-arm64", "q4f16_g32"),
+          ("linux-arm64", "q4f16_g32"), ("hexagon-npu", "q4f16_g32"), ("android-mali", "q0f16")]
+
+
+@pytest.fixture(scope="session")
+def mobile_artifacts(tmp_path_factory, smollm2_gguf):
+    root = tmp_path_factory.mktemp("mobile")
+    built = {}
+    for target, quant in BUILDS:
+        out = root / f"{target}-{quant}"
+        built[target, quant] = (out, compile_model(str(smollm2_gguf), target, quant, str(out), context_window=512,
+                                                   progress=False))
+    return built
+
+
+def _e_machine(data: bytes) -> int:
+    assert data[:4] == b"\x7fELF"
+    return struct.unpack("<H", data[18:20])[0]
+
+
+def _tar_objects(path):
+    with tarfile.open(path) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.name.endswith(".o")}
+
+
+@pytest.mark.parametrize("target,quant", BUILDS)
+def test_artifact_contents(mobile_artifacts, target, quant):
+    out, summary = mobile_artifacts[target, quant]
+    config = json.loads((out / CONFIG_FILE).read_text())
+    spec = load_target(target)
+    assert config["target"]["name"] == target and config["target"]["file_sha256"] == spec.sha256
+    assert config["quantization"]["name"] == quant
+    index = json.loads((out / PARAMS_INDEX).read_text())
+    assert index["tensors"] and all((out / "params" / s["file"]).stat().st_size == s["nbytes"] for s in index["shards"])
+    assert (out / "tokenizer").is_dir()
+    assert (out / config["library"]).is_file() and summary["build_seconds"] > 0
+
+
+@pytest.mark.parametrize("target", ["android-adreno", "android-mali", "android-arm64"])
+def test_android_without_ndk_is_objects_and_how_to_link(mobile_artifacts, target, monkeypatch):
+    out, summary = mobile_artifacts[target, "q4f16_g32"]
+    config = json.loads((out / CONFIG_FILE).read_text())
+    if config["library"].endswith(".so"):
+        pytest.skip("an NDK was configured (TVM_NDK_CC / ANDROID_NDK)")
+    assert config["library"] == "lib/model.tar"
+    objects = _tar_objects(out / config["library"])
+    assert objects and {_e_machine(o) for o in objects.values()} == {EM_AARCH64}
+    assert "TVM_NDK_CC" in summary["note"] and "TVM_NDK_CC" in (out / "lib" / "README.txt").read_text()
+
+
+def test_linux_arm64_library_is_aarch64(mobile_artifacts):
+    out, _ = mobile_artifacts["linux-arm64", "q4f16_g32"]
+    lib = out / "lib" / "model.so"
+    assert _e_machine(lib.read_bytes()[:64]) == EM_AARCH64
+    if shutil.which("file"):
+        assert "ARM aarch64" in subprocess.run(["file", str(lib)], capture_output=True, text=True).stdout
+
+
+def test_hexagon_objects_and_coverage(mobile_artifacts):
+    out, summary = mobile_artifacts["hexagon-npu", "q4f16_g32"]
+    config = json.loads((out / CONFIG_FILE).read_text())
+    assert config["library"] == "lib/hexagon/kernels.o"
+    assert _e_machine((out / config["library"]).read_bytes()[:64]) == EM_HEXAGON
+    coverage = config["npu_coverage"]
+    assert any("NT_matmul" in k for k in coverage["npu_kernels"])
+    assert any("paged_kv" in k for k in coverage["cpu_kernels"])
+    assert coverage["decode_crossings"] >= 2 * 30  # at least into and out of attention in each of the 30 layers
+    assert "HEXAGON_TOOLCHAIN" in summary["note"]
+
+
+@pytest.mark.parametrize("target,quant", [("android-adreno", "q4f16_g32"), ("android-mali", "q0f16")])
+def test_opencl_source_compiles(mobile_artifacts, target, quant):
+    out, _ = mobile_artifacts[target, quant]
+    source = out / "lib" / "kernels.cl"
+    assert source.read_text().count("__kernel void") > 10
+    if shutil.which("clang") is None:
+        pytest.skip("clang not installed (apt-get install clang)")
+    result = subprocess.run(["clang", "-x", "cl", "-fsyntax-only", str(source)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

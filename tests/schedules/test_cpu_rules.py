@@ -3,11 +3,13 @@
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from tvm import relax, s_tir, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cp
 from tvm.s_tir import dlight as dl
 
 from compiler.passes import FuseTransposeMatmul
+from compiler.quantization import group
 from compiler.schedules import cpu
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
@@ -161,3 +163,140 @@ def test_single_row_rms_norm_is_not_threaded_over_hidden():
     x, g = rng.standard_normal((1, 1, K), dtype="float32"), rng.standard_normal(K, dtype="float32")
     ref = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * g
     np.testing.assert_allclose(_run(scheduled, x, g, out_shape=(1, 1, K)), ref, rtol=1e-4, atol=1e-4)
+
+
+# Packed (quantized) weights: the kernels FuseDequantizeMatmul produces, a `dequantize` block over uint32 words
+# and per-group scales (and mins), then the NT matmul, optionally a residual add.
+SYM4_G32 = group.GroupLayout(bits=4, group=32, symmetric=True, scale_dtype="float16")
+ASYM4_G32 = group.GroupLayout(bits=4, group=32, symmetric=False, scale_dtype="float16")
+SYM4_G128 = group.GroupLayout(bits=4, group=128, symmetric=True, scale_dtype="float16")
+SYM8_G32_F32 = group.GroupLayout(bits=8, group=32, symmetric=True, scale_dtype="float32")
+ASYM8_G32 = group.GroupLayout(bits=8, group=32, symmetric=False, scale_dtype="float16")
+PACKED_CASES = [  # (layout, K, residual epilogue); K=192 with group 128 ends in a 64-value group
+    (SYM4_G32, 64, False), (ASYM4_G32, 64, True), (SYM4_G128, 192, True), (SYM8_G32_F32, 96, False),
+    (ASYM8_G32, 96, True),
+]
+PACKED_IDS = ["int4-sym-g32", "int4-asym-g32-residual", "int4-sym-g128-partial-residual", "int8-sym-g32-f32",
+              "int8-asym-g32-residual"]
+
+
+def _packed_linear(layout, k, m, residual):
+    """y = x @ dequantize(q).T (+ r), as te.create_prim_func lays out the fused dequantize + NT_matmul kernel."""
+    x = tvm.te.placeholder((1, m, k), "float32", name="x")
+    stored = [tvm.te.placeholder(shape, dtype, name=name) for name, (shape, dtype) in layout.shapes(N, k).items()]
+    w = group.dequantize_te(layout, k, "float32")(*stored)
+    kr = tvm.te.reduce_axis((0, k), name="k")
+    y = tvm.te.compute((1, m, N), lambda b, s, n: tvm.te.sum(x[b, s, kr] * w[n, kr], axis=kr), name="NT_matmul")
+    tensors = [x, *stored]
+    if residual:
+        r = tvm.te.placeholder((1, m, N), "float32", name="r")
+        y = tvm.te.compute((1, m, N), lambda b, s, n: y[b, s, n] + r[b, s, n], name="T_add")
+        tensors.append(r)
+    return tvm.te.create_prim_func([*tensors, y])
+
+
+def _packed_inputs(layout, k, m, residual, seed):
+    rng = np.random.default_rng(seed)
+    arrays = group.quantize(rng.standard_normal((N, k), dtype="float32"), layout)
+    x = rng.standard_normal((1, m, k), dtype="float32")
+    args = [x, *(arrays[name] for name in layout.shapes(N, k))]
+    ref = x @ group.dequantize(arrays, layout, k).T
+    if residual:
+        r = rng.standard_normal((1, m, N), dtype="float32")
+        args.append(r)
+        ref = ref + r
+    return args, ref
+
+
+def _vector_loads(func):
+    """{buffer name: index types of its loads} once blocks are lowered and loops vectorized, as codegen sees them.
+    A vector index that is not a stride-1 ramp is a per-lane gather."""
+    st, tt = s_tir.transform, tirx.transform
+    lower = tvm.transform.Sequential([
+        st.LowerInitBlock(), st.PlanAndUpdateBufferAllocationLocation(), st.ConvertBlocksToOpaque(),
+        st.CompactBufferAllocation(), st.StmtSimplify(), st.LowerOpaqueBlock(), tt.FlattenBuffer(),
+        tt.VectorizeLoop(), tt.StmtSimplify(),
+    ])
+    loads = []
+    tvm_ffi.structural_walk(lower(tvm.IRModule({"main": func}))["main"].body, (tvm.ir.expr.TensorLoad, loads.append))
+    found = {}
+    for load in loads:
+        index = load.indices[-1]
+        ramp = isinstance(index, tirx.Ramp) and isinstance(index.stride, tirx.IntImm) and index.stride.value == 1
+        found.setdefault(load.source.name, set()).add("ramp" if ramp else "scalar" if "x" not in str(index.ty) else "gather")
+    return found
+
+
+def _assert_words_and_scales_broadcast(func, layout):
+    """Every lane of a vector reads the same word and scale: the packed loads are scalar (broadcast), x is a ramp."""
+    loads = _vector_loads(func)
+    for name in layout.shapes(N, 1):
+        assert loads[name] == {"scalar"}, (name, loads)
+    assert loads["x"] == {"ramp"}, loads
+
+
+@pytest.mark.parametrize(("layout", "k", "residual"), PACKED_CASES, ids=PACKED_IDS)
+def test_decode_gemv_on_packed_weights(layout, k, residual):
+    func = _packed_linear(layout, k, 1, residual)
+    assert cpu.DecodeGEMV().apply(func, TARGET, False) is not None
+    assert cpu.PrefillMatmul().apply(func, TARGET, False) is None
+    scheduled = _schedule(func)
+    _assert_parallel_and_vectorized(scheduled)
+    assert 'T.sblock("dequantize")' not in scheduled.script()
+    _assert_words_and_scales_broadcast(scheduled, layout)
+    args, ref = _packed_inputs(layout, k, 1, residual, seed=7)
+    np.testing.assert_allclose(_run(scheduled, *args, out_shape=(1, 1, N)), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_gather_check_catches_a_vector_spanning_two_words():
+    """Negative control for the check above: 16 lanes over int4 codes read two words, a per-lane gather."""
+    func = _packed_linear(SYM4_G32, 64, 1, False)
+    sch = s_tir.Schedule(func)
+    sch.compute_inline(sch.get_sblock("dequantize"))
+    *_, k = sch.get_loops(sch.get_sblock("NT_matmul"))
+    rf = sch.rfactor(sch.split(k, [None, 16])[1], factor_axis=3)
+    *_, ko, ki = sch.get_loops(rf)
+    sch.vectorize(ki)
+    sch.decompose_reduction(rf, ko)
+    assert "gather" in _vector_loads(sch.mod["main"])["q_weight"]
+
+
+@pytest.mark.parametrize("m", [1, 7, 33])
+@pytest.mark.parametrize(("layout", "k", "residual"), PACKED_CASES, ids=PACKED_IDS)
+def test_prefill_matmul_dequantizes_each_weight_tile_once(layout, k, residual, m):
+    func = _packed_linear(layout, k, _seq(), residual)
+    assert cpu.PrefillMatmul().apply(func, TARGET, False) is not None
+    assert cpu.DecodeGEMV().apply(func, TARGET, False) is None
+    scheduled = _schedule(func)
+    _assert_parallel_and_vectorized(scheduled)
+    # The dequantize stays a block, in task-local memory under the parallel tile loop and outside the loop
+    # over rows of X (no dynamic extent among its loops), with its words and scales broadcast.
+    sch = s_tir.Schedule(scheduled)
+    dequantize = sch.get_sblock("dequantize")
+    loops = sch.get_loops(dequantize)
+    assert sch.get(loops[0]).kind == tirx.ForKind.PARALLEL
+    assert all(isinstance(sch.get(loop).extent, tirx.IntImm) for loop in loops)
+    assert sch.get(dequantize).writes[0].source.scope() == "local"
+    loads = _vector_loads(scheduled)
+    for name in layout.shapes(N, 1):
+        assert loads[name] == {"scalar"}, (name, loads)
+    args, ref = _packed_inputs(layout, k, m, residual, seed=m)
+    np.testing.assert_allclose(_run(scheduled, *args, out_shape=(1, m, N)), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_inlines_a_producer_of_the_activation():
+    """Negative control: only the weight's producer is hoisted to the tile loop; one of x (a scale of the
+    activation) is inlined into the matmul, as before."""
+    x = tvm.te.placeholder((1, _seq(), K), "float32", name="x")
+    w = tvm.te.placeholder((N, K), "float32", name="w")
+    xs = tvm.te.compute(x.shape, lambda b, s, k: x[b, s, k] * tirx.const(0.5, "float32"), name="T_multiply")
+    kr = tvm.te.reduce_axis((0, K), name="k")
+    y = tvm.te.compute((1, x.shape[1], N), lambda b, s, n: tvm.te.sum(xs[b, s, kr] * w[n, kr], axis=kr), name="NT_matmul")
+    func = tvm.te.create_prim_func([x, w, y])
+    assert cpu.PrefillMatmul().apply(func, TARGET, False) is not None
+    scheduled = _schedule(func)
+    _assert_parallel_and_vectorized(scheduled)
+    assert "T_multiply" not in scheduled.script()
+    rng = np.random.default_rng(8)
+    x, w = rng.standard_normal((1, 5, K), dtype="float32"), rng.standard_normal((N, K), dtype="float32")
+    np.testing.assert_allclose(_run(scheduled, x, w, out_shape=(1, 5, N)), 0.5 * x @ w.T, rtol=1e-4, atol=1e-4)

@@ -11,6 +11,10 @@ fi
 if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v clang >/dev/null; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu clang >/dev/null
 fi
+# tests/targets/test_pocl_kernels.py runs the OpenCL kernels on the CPU with PoCL (Debian's, 3.1: fp32 only).
+if ! dpkg -s pocl-opencl-icd >/dev/null 2>&1; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pocl-opencl-icd >/dev/null
+fi
 stamp=.venv/.mobilec-setup
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

@@ -1,0 +1,1 @@
+"""Test harnesses (PoCL OpenCL runs)."""

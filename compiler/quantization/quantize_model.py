@@ -40,6 +40,16 @@ def _skipped(path: str, patterns: list[str], tied: bool) -> bool:
     return any(fnmatch.fnmatch(n, p) or fnmatch.fnmatch(n, f"{p}.*") for n in names for p in patterns)
 
 
+def output_layer_layout(layout: GroupLayout) -> GroupLayout:
+    """The token table and output projection keep 8 bits in groups of 32, as llama.cpp's 4-bit files do: int4
+    there alone cost SmolLM2 +3.6% perplexity. An untied table costs nothing per token (decode reads one row)."""
+    return GroupLayout(8, 32, True, layout.scale_dtype)
+
+
+def _is_output_layer(path: str, layer: nn.Module) -> bool:
+    return path == "lm_head" or isinstance(layer, nn.Embedding)
+
+
 def _concat(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {k: np.concatenate([p[k] for p in parts], axis=0) for k in parts[0]}
 
@@ -77,7 +87,7 @@ def quantize_model(
                 continue
             plan[path] = lambda s=weight_sources: _concat([convert_blocks(*ckpt.get_gguf_blocks(x)[:2]) for x in s])
         else:
-            layout = scheme.layout
+            layout = output_layer_layout(scheme.layout) if _is_output_layer(path, layer) else scheme.layout
             quantizer = calibration.quantize if calibration else lambda _path, w, lay: quantize(w, lay)
             plan[path] = lambda p=path, s=weight_sources, lay=layout, q=quantizer: q(
                 p, np.concatenate([ckpt.get(x) for x in s], axis=0), lay

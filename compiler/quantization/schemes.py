@@ -23,7 +23,7 @@ class Scheme:
             return f"no quantization, {self.float_dtype} weights and activations"
         if self.kind == "gguf":
             return "keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks bit for bit (GGUF input only)"
-        return self.layout.describe()
+        return f"{self.layout.describe()} (embedding and lm_head: int8, group 32)"
 
     def to_json(self) -> dict:
         return {"name": self.name, "kind": self.kind, "float_dtype": self.float_dtype,

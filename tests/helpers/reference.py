@@ -21,15 +21,19 @@ def reference_greedy(model, prompt_ids: list[int], n_tokens: int) -> tuple[list[
 
 
 def fake_quantized(model, layout):
-    """A copy of `model` whose linear and embedding weights went through quantize + dequantize (numpy reference)."""
+    """A copy of `model` whose linear and embedding weights went through quantize + dequantize (numpy reference);
+    the embedding and output layer use the 8-bit layout mobilec keeps for them."""
     import copy
 
     from compiler.quantization import group
+    from compiler.quantization.quantize_model import output_layer_layout
 
     clone = copy.deepcopy(model)
+    output_layers = {id(clone.get_input_embeddings()), id(clone.get_output_embeddings())}
     with torch.no_grad():
         for module in clone.modules():
             if isinstance(module, torch.nn.Linear | torch.nn.Embedding):
+                lay = output_layer_layout(layout) if id(module) in output_layers else layout
                 w = module.weight.numpy()
-                module.weight.copy_(torch.from_numpy(group.dequantize(group.quantize(w, layout), layout, w.shape[1])))
+                module.weight.copy_(torch.from_numpy(group.dequantize(group.quantize(w, lay), lay, w.shape[1])))
     return clone

@@ -19,7 +19,7 @@ import tvm_ffi
 from tvm import relax, tirx
 
 from .errors import MobilecError
-from .passes.align import _stmts  # pylint: disable=protected-access
+from .passes.ir_walk import tir_statements
 from .targets import TargetSpec
 
 OBJECT = "hexagon/kernels.o"
@@ -54,7 +54,7 @@ def _called_kernels(mod: tvm.IRModule) -> set[str]:
 
 def _math_ops(func: tirx.PrimFunc) -> set[str]:
     ops: set[str] = set()
-    stack = list(_stmts(func.body))
+    stack = list(tir_statements(func.body))
     while stack:
         node = stack.pop()
         if isinstance(node, tvm.ir.expr.Call) and isinstance(node.op, tvm.ir.Op) and node.op.name in _NO_NPU_MATH:

@@ -24,24 +24,11 @@ from collections.abc import Iterator
 import tvm
 from tvm import relax, tirx
 
+from .ir_walk import tir_statements
+
 ALIGNMENT = 64
-_CHILDREN = ("body", "seq", "block", "then_case", "else_case", "init")
 # Calls that place a tensor at a byte offset: (op name, index of the offset argument).
 OFFSET_OPS = {"relax.memory.alloc_tensor": 1, "relax.vm.alloc_tensor": 1, "relax.memory.view": 3}
-
-
-def _stmts(node) -> Iterator:
-    """Pre-order walk over a (flat, 0.27-style) TIR statement tree."""
-    if node is None:
-        return
-    if isinstance(node, (list, tvm.ir.Array)) or type(node).__name__ == "Array":
-        for item in node:
-            yield from _stmts(item)
-        return
-    yield node
-    for field in _CHILDREN:
-        if hasattr(node, field):
-            yield from _stmts(getattr(node, field))
 
 
 def declared_buffers(func: tirx.PrimFunc) -> Iterator:
@@ -49,7 +36,7 @@ def declared_buffers(func: tirx.PrimFunc) -> Iterator:
     for param in func.params:
         if hasattr(param, "data_alignment"):
             yield param
-    for stmt in _stmts(func.body):
+    for stmt in tir_statements(func.body):
         if hasattr(stmt, "buffer") and hasattr(stmt.buffer, "data_alignment"):
             yield stmt.buffer
         for buffer in getattr(stmt, "alloc_buffers", ()):

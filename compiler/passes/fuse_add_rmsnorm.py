@@ -7,6 +7,8 @@ import tvm_ffi
 from tvm import relax, s_tir, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .ir_walk import use_counts
+
 _ADD = tvm.ir.Op.get("relax.add")
 _RMS_NORM = tvm.ir.Op.get("relax.nn.rms_norm")
 # OpPatternKind::kOpaque: FuseOps leaves the two-output kernel alone instead of fusing it with a matmul.
@@ -46,15 +48,6 @@ def _schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
     for block in rest:
         sch.reverse_compute_at(block, rows)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
-
-
-def _uses(func: relax.Function) -> dict[relax.Var, int]:
-    counts: dict[relax.Var, int] = {}
-    for block in func.body.blocks:
-        if isinstance(block, relax.DataflowBlock):
-            for var, users in relax.analysis.udchain(block).items():
-                counts[var] = counts.get(var, 0) + len(users)
-    return counts
 
 
 def _is_last_axis(axes, ndim: int) -> bool:
@@ -117,7 +110,7 @@ class FuseAddRMSNorm:  # pylint: disable=too-few-public-methods
         rewriter = _Rewriter(mod)
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function):
-                rewriter.uses = _uses(func)
+                rewriter.uses = use_counts(func)
                 func = rewriter.visit_expr(func)
                 # The add bindings whose every reader moved to the fused kernel are dead.
                 rewriter.builder_.update_func(gv, relax.analysis.remove_all_unused(func))

@@ -6,6 +6,8 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .ir_walk import use_counts
+
 _SPLIT = tvm.ir.Op.get("relax.split")
 _SILU = tvm.ir.Op.get("relax.nn.silu")
 _MULTIPLY = tvm.ir.Op.get("relax.multiply")
@@ -22,15 +24,6 @@ def _swiglu(x: te.Tensor) -> te.Tensor:
         return gate * tirx.sigmoid(gate) * x(*i[:-1], i[-1] + d)
 
     return te.compute((*x.shape[:-1], d), value, name="swiglu")
-
-
-def _uses(func: relax.Function) -> dict[relax.Var, int]:
-    counts: dict[relax.Var, int] = {}
-    for block in func.body.blocks:
-        if isinstance(block, relax.DataflowBlock):
-            for var, users in relax.analysis.udchain(block).items():
-                counts[var] = counts.get(var, 0) + len(users)
-    return counts
 
 
 @mutator
@@ -89,7 +82,7 @@ class FuseSwiGLU:  # pylint: disable=too-few-public-methods
         rewriter = _Rewriter(mod)
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function):
-                rewriter.uses = _uses(func)
+                rewriter.uses = use_counts(func)
                 func = rewriter.visit_expr(func)
                 # The split, its items and the silu are dead once the multiply is replaced.
                 rewriter.builder_.update_func(gv, relax.analysis.remove_all_unused(func))

@@ -17,7 +17,7 @@ import tvm
 from tvm import relax, tirx
 
 from ..errors import MobilecError
-from .align import _stmts  # pylint: disable=protected-access
+from .ir_walk import tir_statements
 
 _KERNEL_LAUNCH = 2  # CallingConv::kDeviceKernelLaunch
 _LOCAL_SCOPES = ("shared", "shared.dyn")
@@ -35,7 +35,7 @@ def kernel_usage(func: tirx.PrimFunc) -> dict[str, int]:
     """threads (per work group), local_bytes and args of one device kernel."""
     extents: dict[str, int] = {}
     local = 0
-    for stmt in _stmts(func.body):
+    for stmt in tir_statements(func.body):
         if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == "thread_extent":
             tag = stmt.node.thread_tag
             if tag.startswith("threadIdx") and isinstance(stmt.value, tirx.IntImm):

@@ -23,7 +23,7 @@ import tvm
 from tvm import tirx
 from tvm.sym.analyzer import Analyzer
 
-from ..passes.align import _stmts  # pylint: disable=protected-access
+from ..passes.ir_walk import tir_statements
 
 
 class Unsupported(Exception):
@@ -77,7 +77,7 @@ def build_opencl(func: tirx.PrimFunc, target: tvm.target.Target) -> OpenCLBuild:
         raise Unsupported(f"expected one OpenCL module under the host module, found {len(sources)}")
     host = captured["host"]["main"]
     launches = []
-    for stmt in _stmts(host.body):
+    for stmt in tir_statements(host.body):
         if not isinstance(stmt, tirx.Evaluate) or not isinstance(stmt.value, tvm.ir.Call):
             continue
         call = stmt.value
@@ -206,7 +206,7 @@ def run_pocl(build: OpenCLBuild, args: Sequence, bindings: Mapping[str, int],
                                   size=max(host.nbytes, 4), hostbuf=host if host.nbytes else np.zeros(1, "int32"))
         else:
             ana.bind(param, tirx.const(value, str(param.ty.dtype)))
-    for stmt in _stmts(build.host.body):  # host-side lets (common subexpressions of launch extents)
+    for stmt in tir_statements(build.host.body):  # host-side lets (common subexpressions of launch extents)
         if isinstance(stmt, (tirx.Bind, tirx.LetStmt)):
             try:
                 ana.bind(stmt.var, tirx.const(_const(ana, stmt.value), str(stmt.var.ty.dtype)))

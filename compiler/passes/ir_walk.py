@@ -1,0 +1,34 @@
+"""Small IR walks shared by several passes and checks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import tvm
+from tvm import relax
+
+_CHILDREN = ("body", "seq", "block", "then_case", "else_case", "init")
+
+
+def tir_statements(node) -> Iterator:
+    """Pre-order walk over a (flat, 0.27-style) TIR statement tree."""
+    if node is None:
+        return
+    if isinstance(node, (list, tvm.ir.Array)) or type(node).__name__ == "Array":
+        for item in node:
+            yield from tir_statements(item)
+        return
+    yield node
+    for field in _CHILDREN:
+        if hasattr(node, field):
+            yield from tir_statements(getattr(node, field))
+
+
+def use_counts(func: relax.Function) -> dict[relax.Var, int]:
+    """How many bindings read each dataflow variable (a fusion may only absorb a value nothing else reads)."""
+    counts: dict[relax.Var, int] = {}
+    for block in func.body.blocks:
+        if isinstance(block, relax.DataflowBlock):
+            for var, users in relax.analysis.udchain(block).items():
+                counts[var] = counts.get(var, 0) + len(users)
+    return counts

@@ -83,3 +83,16 @@ def test_generate_cli_streams_and_reports(smollm2_q0f32):
     result = CliRunner().invoke(main, ["generate", str(smollm2_q0f32), "--prompt", "Hi", "--chat", "--max-new-tokens", "6"])
     assert result.exit_code == 0, result.output
     assert "TTFT" in result.stdout and "decode" in result.stdout and "peak RSS" in result.stdout
+
+
+def test_gguf_scheme_keeps_the_checkpoint_exactly(smollm2_gguf_exact, prompt_ids, smollm2_reference):
+    """--quant gguf keeps the Q4_1/Q8_0 blocks: greedy output equals the float model dequantized from them."""
+    art = load_artifact(smollm2_gguf_exact)
+    assert art.config["quantization"]["name"] == "gguf"
+    assert {t["dtype"] for t in art.index["tensors"]} >= {"uint32", "float16"}  # packed codes and scales
+    assert art.config["param_bytes"] < 100e6  # ~96.6 MB, as the GGUF's own blocks
+    session = Session(art)
+    ref_tokens, ref_prefill, _ = reference_greedy(smollm2_reference, prompt_ids, 32)
+    assert generate(session, prompt_ids, 32).token_ids == ref_tokens
+    session.reset()
+    assert np.abs(session.prefill(prompt_ids) - ref_prefill[-1]).max() < 1e-3

@@ -1,3 +1,1 @@
-"""Relax/TIR passes of the mobilec pipeline."""
-
-from .fuse_transpose_matmul import FuseTransposeMatmul
+"""Relax/TIR passes of the mobilec pipeline, one per module; compiler/pipeline.py orders them."""

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import tvm
-from tvm import relax, s_tir, te, tirx
+from tvm import relax, s_tir, tirx
 
 from compiler import pipeline
 from compiler.compile_model import import_model

@@ -6,7 +6,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cp
 
-from compiler.passes import FuseTransposeMatmul
+from compiler.passes.fuse_transpose_matmul import FuseTransposeMatmul
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 

@@ -8,7 +8,7 @@ from tvm import relax, s_tir, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cp
 from tvm.s_tir import dlight as dl
 
-from compiler.passes import FuseTransposeMatmul
+from compiler.passes.fuse_transpose_matmul import FuseTransposeMatmul
 from compiler.quantization import group
 from compiler.schedules import cpu
 

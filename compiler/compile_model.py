@@ -51,6 +51,7 @@ class ImportedModel:
     params: list  # (name, nn.Parameter) in the order the compiled functions take them
     sources: dict[str, list[str]]  # float parameter -> checkpoint tensors
     plan: WeightPlan  # quantized layer -> how to make its stored arrays
+    dtype: str  # activations: the float scheme's dtype, or the target's compute dtype
     calibration: awq.Calibration | None = None  # --calibrate: scales folded into the float parameters
 
 
@@ -70,7 +71,7 @@ def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_win
     plan = quantize_model(model, scheme, ckpt, sources, list(quant_skip), dtype, calibration) if quantize else {}
     with spec.model_target():
         mod, params = model.export_tvm(spec=model.get_default_spec())
-    return ImportedModel(family, cfg, mod, params, sources, plan, calibration)
+    return ImportedModel(family, cfg, mod, params, sources, plan, dtype, calibration)
 
 
 def _stored_array(ckpt: Checkpoint, imported: ImportedModel, name: str, made: dict[str, dict[str, np.ndarray]]):
@@ -153,7 +154,7 @@ def compile_model(
             },
             "quantization": {**scheme.to_json(), "skip": list(quant_skip), "quantized_layers": sorted(imported.plan),
                              "calibration": calibration.summary if calibration else None},
-            "compute_dtype": scheme.float_dtype or spec.device["compute_dtype"],
+            "compute_dtype": imported.dtype,
             "target": {
                 "name": spec.name,
                 "description": spec.description,

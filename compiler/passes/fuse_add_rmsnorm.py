@@ -7,7 +7,7 @@ import tvm_ffi
 from tvm import relax, s_tir, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .ir_walk import use_counts
+from .ir_walk import rewrite_relax_functions
 
 _ADD = tvm.ir.Op.get("relax.add")
 _RMS_NORM = tvm.ir.Op.get("relax.nn.rms_norm")
@@ -108,13 +108,8 @@ class FuseAddRMSNorm:  # pylint: disable=too-few-public-methods
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         rewriter = _Rewriter(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                rewriter.uses = use_counts(func)
-                func = rewriter.visit_expr(func)
-                # The add bindings whose every reader moved to the fused kernel are dead.
-                rewriter.builder_.update_func(gv, relax.analysis.remove_all_unused(func))
-        mod = rewriter.builder_.get()
+        # The add bindings whose every reader moved to the fused kernel are dropped as dead.
+        mod = rewrite_relax_functions(mod, rewriter, track_uses=True)
         for gv in rewriter.kernels:
             mod[gv] = _schedule(mod[gv])
         return mod

@@ -6,7 +6,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .ir_walk import use_counts
+from .ir_walk import rewrite_relax_functions
 
 _SPLIT = tvm.ir.Op.get("relax.split")
 _SILU = tvm.ir.Op.get("relax.nn.silu")
@@ -79,11 +79,5 @@ class FuseSwiGLU:  # pylint: disable=too-few-public-methods
     """Replace the split / silu / multiply chain of a SwiGLU MLP by one kernel; run before LegalizeOps."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        rewriter = _Rewriter(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                rewriter.uses = use_counts(func)
-                func = rewriter.visit_expr(func)
-                # The split, its items and the silu are dead once the multiply is replaced.
-                rewriter.builder_.update_func(gv, relax.analysis.remove_all_unused(func))
-        return rewriter.builder_.get()
+        # The split, its items and the silu are dropped as dead once the multiply is replaced.
+        return rewrite_relax_functions(mod, _Rewriter(mod), track_uses=True)

@@ -6,6 +6,8 @@ import tvm
 from tvm import relax, te
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .ir_walk import rewrite_relax_functions
+
 _MATMUL = tvm.ir.Op.get("relax.matmul")
 _PERMUTE_DIMS = tvm.ir.Op.get("relax.permute_dims")
 # relax OpPatternKind::kOutEWiseFusable: FuseOps may fuse elementwise epilogues into it.
@@ -56,10 +58,5 @@ class FuseTransposeMatmul:  # pylint: disable=too-few-public-methods
     """Replace matmul(x, permute_dims(w)) by NT_matmul(x, w) in every Relax function; run before LegalizeOps."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        rewriter = _Rewriter(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                func = rewriter.visit_expr(func)
-                # The permute_dims bindings that fed only the rewritten matmuls are now dead.
-                rewriter.builder_.update_func(gv, relax.analysis.remove_all_unused(func))
-        return rewriter.builder_.get()
+        # The permute_dims bindings that fed only the rewritten matmuls are dropped as dead.
+        return rewrite_relax_functions(mod, _Rewriter(mod))

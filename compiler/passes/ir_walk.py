@@ -32,3 +32,14 @@ def use_counts(func: relax.Function) -> dict[relax.Var, int]:
             for var, users in relax.analysis.udchain(block).items():
                 counts[var] = counts.get(var, 0) + len(users)
     return counts
+
+
+def rewrite_relax_functions(mod: tvm.IRModule, rewriter, track_uses: bool = False) -> tvm.IRModule:
+    """Run `rewriter` (a PyExprMutator built over `mod`) on every Relax function and drop the bindings the
+    rewrite left unread. With `track_uses`, `rewriter.uses` holds each function's use counts while it runs."""
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            if track_uses:
+                rewriter.uses = use_counts(func)
+            rewriter.builder_.update_func(gv, relax.analysis.remove_all_unused(rewriter.visit_expr(func)))
+    return rewriter.builder_.get()

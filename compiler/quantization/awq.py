@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import MobilecError
 from ..loaders import Checkpoint
-from .group import GroupLayout, pack_codes, quantize
+from .group import SCALE_CANDIDATES, GroupLayout, pack_codes, quantize, stored_codes
 
 METHODS = ("awq",)
 CALIB_WINDOWS, CALIB_WINDOW = 8, 512  # windows spread over the text: GPTQ overfits fewer tokens (K is 576-1536)
@@ -54,11 +54,20 @@ def check_options(method: str | None, calib_text: str | None, layout: GroupLayou
 # ---------------------------------------------------------------- quantization in torch (search and GPTQ)
 
 def _group_scale(g, layout: GroupLayout):
-    """torch version of group._symmetric_scale on [..., group] values, rounded through the stored dtype."""
+    """torch version of group._symmetric_scale on [..., group] values: the same candidates, the same choice."""
     import torch  # pylint: disable=import-outside-toplevel
 
-    extreme = torch.gather(g, -1, g.abs().argmax(dim=-1, keepdim=True))[..., 0]
-    return (extreme / -layout.offset).to(getattr(torch, layout.scale_dtype)).float()
+    dtype = getattr(torch, layout.scale_dtype)
+    base = torch.gather(g, -1, g.abs().argmax(dim=-1, keepdim=True))[..., 0] / -layout.offset
+    best_err = torch.full_like(base, math.inf)
+    best = torch.zeros_like(base)
+    for t in SCALE_CANDIDATES:
+        s = (base * float(t)).to(dtype).float()
+        err = ((_codes(g, s[..., None], layout) - layout.offset) * s[..., None] - g).square().sum(dim=-1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better, s, best)
+    return best
 
 
 def _codes(w, scale, layout: GroupLayout):
@@ -76,7 +85,7 @@ def fake_quantize(w, layout: GroupLayout):
     kp = layout.padded_k(k)
     g = torch.nn.functional.pad(w, (0, kp - k)).view(n, kp // layout.group, layout.group)
     scale = _group_scale(g, layout)[..., None]
-    return ((_codes(g, scale, layout) - layout.offset) * scale).view(n, kp)[:, :k]
+    return (_codes(g, scale, layout) * scale + scale * -layout.offset).view(n, kp)[:, :k]  # as group.dequantize
 
 
 def search_scale(w, xs, mean_abs, layout: GroupLayout, heads: tuple[int, int, int] | None = None):
@@ -134,7 +143,7 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, layout: GroupLayout) -> di
             errors[:, j] = err
         weights[:, b1:] -= errors @ u[b0:b1, b1:]
     return {"q_scale": scales.numpy().astype(layout.scale_dtype),
-            "q_weight": pack_codes(codes[:, : layout.stored_k(k)].numpy().astype(np.uint32), layout.bits)}
+            "q_weight": pack_codes(stored_codes(codes.numpy(), layout.stored_k(k)), layout.bits)}
 
 
 # ---------------------------------------------------------------- the calibration result

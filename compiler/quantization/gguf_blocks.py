@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import MobilecError
-from .group import GroupLayout, pack_codes
+from .group import GroupLayout
 
 # ggml type -> (our layout, bytes per 32-value block)
 LAYOUTS: dict[str, tuple[GroupLayout, int]] = {
@@ -36,14 +36,13 @@ def convert_blocks(ggml_type: str, raw: np.ndarray) -> dict[str, np.ndarray]:
     d = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0]
     out = {"q_scale": d}
     if ggml_type == "Q8_0":
-        codes = (blocks[:, :, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint32)
+        codes = (blocks[:, :, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
     else:
         start = 2
         if ggml_type == "Q4_1":
             out["q_min"] = blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0]
             start = 4
-        qs = blocks[:, :, start:]
-        # ggml puts value j in the low nibble of byte j and value j+16 in the high nibble.
-        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.uint32)
-    out["q_weight"] = pack_codes(codes.reshape(rows, -1), layout.bits)
+        # ggml's nibble order (value j low, j+16 high in byte j) is our 4-bit layout: the bytes are kept as they are.
+        codes = blocks[:, :, start:]
+    out["q_weight"] = np.ascontiguousarray(codes).reshape(rows, -1)
     return out

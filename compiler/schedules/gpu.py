@@ -8,6 +8,7 @@ handed the target without its host so dlight's remaining device checks go by the
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from tvm import s_tir, tirx
@@ -35,12 +36,17 @@ class Matmul(dlight.gpu.Matmul):
     """dlight's gpu.Matmul with the tile configuration from the target file."""
 
     def __init__(self, params: dict[str, Any]):
-        self.config = dlight.gpu.Matmul.Config(**params)
+        self.config = self._config = dlight.gpu.Matmul.Config(**params)
 
     def get_configs(self, target: Target) -> dlight.gpu.Matmul.Config:
-        return self.config
+        return self._config
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        self._config = self.config
+        if any(getattr(p, "dtype", None) == "uint8" for p in func.params):
+            # Packed codes: the inner loop runs over weight rows, so a vector would gather bytes, and TVM's
+            # OpenCL codegen emits invalid C for an 8-bit vector gather (convert_int8 of a scalar).
+            self._config = dataclasses.replace(self.config, vector_size=1)
         return super().apply(func, _device_only(target), tunable)
 
 

@@ -133,7 +133,7 @@ def concrete_shape(param, ana: Analyzer) -> tuple[int, ...]:
 def random_args(func: tirx.PrimFunc, bindings: Mapping[str, int], rng: np.random.Generator,
                 int_high: int = 64) -> list[np.ndarray | int | float]:
     """One argument per PrimFunc parameter: random normal floats, random ints in [0, int_high), random
-    uint32 bits (packed weights); scalar parameters from `bindings` (default 1)."""
+    uint8 bytes (packed weights); scalar parameters from `bindings` (default 1)."""
     ana = _analyzer(func, bindings)
     out = []
     for param in func.params:
@@ -144,8 +144,8 @@ def random_args(func: tirx.PrimFunc, bindings: Mapping[str, int], rng: np.random
         shape, dtype = concrete_shape(param, ana), str(param.dtype)
         if dtype.startswith("float"):
             out.append(rng.standard_normal(shape).astype(dtype))
-        elif dtype == "uint32":
-            out.append(rng.integers(0, 2**32, size=shape, dtype=np.uint64).astype(np.uint32))
+        elif dtype == "uint8":
+            out.append(rng.integers(0, 256, size=shape).astype(np.uint8))
         elif dtype.startswith(("int", "uint")):
             out.append(rng.integers(0, int_high, size=shape).astype(dtype))
         else:

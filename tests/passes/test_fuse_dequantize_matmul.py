@@ -142,7 +142,7 @@ def test_tiny_model_has_no_standalone_dequantize_kernel(tmp_path, quant):
     pipeline.run_steps(mod, spec, lambda _i, name, m: seen.__setitem__(name, m))
     kernels = _prim_funcs(seen["dead-code-elimination"])
     readers = {n: f for n, f in kernels.items()
-               if any(getattr(p, "dtype", None) == "uint32" and len(p.shape) == 2 for p in f.params)}
+               if any(getattr(p, "dtype", None) == "uint8" and len(p.shape) == 2 for p in f.params)}
     gathers = {n for n, f in readers.items() if f.params[0].dtype == "int32"}  # take_dequantize(ids, ...)
     assert readers and gathers == {"take_dequantize"}
     assert all(_has_reduction(f) for n, f in readers.items() if n not in gathers)

@@ -165,7 +165,7 @@ def test_single_row_rms_norm_is_not_threaded_over_hidden():
     np.testing.assert_allclose(_run(scheduled, x, g, out_shape=(1, 1, K)), ref, rtol=1e-4, atol=1e-4)
 
 
-# Packed (quantized) weights: the kernels FuseDequantizeMatmul produces, a `dequantize` block over uint32 words
+# Packed (quantized) weights: the kernels FuseDequantizeMatmul produces, a `dequantize` block over uint8 codes
 # and per-group scales (and mins), then the NT matmul, optionally a residual add.
 SYM4_G32 = group.GroupLayout(bits=4, group=32, symmetric=True, scale_dtype="float16")
 ASYM4_G32 = group.GroupLayout(bits=4, group=32, symmetric=False, scale_dtype="float16")
@@ -227,11 +227,11 @@ def _vector_loads(func):
     return found
 
 
-def _assert_words_and_scales_broadcast(func, layout):
-    """Every lane of a vector reads the same word and scale: the packed loads are scalar (broadcast), x is a ramp."""
+def _assert_contiguous_codes_broadcast_scales(func, layout):
+    """A vector's codes are one contiguous load (no per-lane gather), every lane reads the same scale (and min)."""
     loads = _vector_loads(func)
     for name in layout.shapes(N, 1):
-        assert loads[name] == {"scalar"}, (name, loads)
+        assert loads[name] == ({"ramp"} if name == "q_weight" else {"scalar"}), (name, loads)
     assert loads["x"] == {"ramp"}, loads
 
 
@@ -243,18 +243,18 @@ def test_decode_gemv_on_packed_weights(layout, k, residual):
     scheduled = _schedule(func)
     _assert_parallel_and_vectorized(scheduled)
     assert 'T.sblock("dequantize")' not in scheduled.script()
-    _assert_words_and_scales_broadcast(scheduled, layout)
+    _assert_contiguous_codes_broadcast_scales(scheduled, layout)
     args, ref = _packed_inputs(layout, k, 1, residual, seed=7)
     np.testing.assert_allclose(_run(scheduled, *args, out_shape=(1, 1, N)), ref, rtol=1e-4, atol=1e-4)
 
 
-def test_gather_check_catches_a_vector_spanning_two_words():
-    """Negative control for the check above: 16 lanes over int4 codes read two words, a per-lane gather."""
+def test_gather_check_catches_a_vector_spanning_both_nibbles():
+    """Negative control for the check above: 32 lanes over int4 codes read each byte twice, a per-lane gather."""
     func = _packed_linear(SYM4_G32, 64, 1, False)
     sch = s_tir.Schedule(func)
     sch.compute_inline(sch.get_sblock("dequantize"))
     *_, k = sch.get_loops(sch.get_sblock("NT_matmul"))
-    rf = sch.rfactor(sch.split(k, [None, 16])[1], factor_axis=3)
+    rf = sch.rfactor(sch.split(k, [None, 32])[1], factor_axis=3)
     *_, ko, ki = sch.get_loops(rf)
     sch.vectorize(ki)
     sch.decompose_reduction(rf, ko)
@@ -270,16 +270,14 @@ def test_prefill_matmul_dequantizes_each_weight_tile_once(layout, k, residual, m
     scheduled = _schedule(func)
     _assert_parallel_and_vectorized(scheduled)
     # The dequantize stays a block, in task-local memory under the parallel tile loop and outside the loop
-    # over rows of X (no dynamic extent among its loops), with its words and scales broadcast.
+    # over rows of X (no dynamic extent among its loops), its codes loaded contiguously and scales broadcast.
     sch = s_tir.Schedule(scheduled)
     dequantize = sch.get_sblock("dequantize")
     loops = sch.get_loops(dequantize)
     assert sch.get(loops[0]).kind == tirx.ForKind.PARALLEL
     assert all(isinstance(sch.get(loop).extent, tirx.IntImm) for loop in loops)
     assert sch.get(dequantize).writes[0].source.scope() == "local"
-    loads = _vector_loads(scheduled)
-    for name in layout.shapes(N, 1):
-        assert loads[name] == {"scalar"}, (name, loads)
+    _assert_contiguous_codes_broadcast_scales(scheduled, layout)
     args, ref = _packed_inputs(layout, k, m, residual, seed=m)
     np.testing.assert_allclose(_run(scheduled, *args, out_shape=(1, m, N)), ref, rtol=1e-4, atol=1e-4)
 

@@ -15,6 +15,10 @@ fi
 if ! dpkg -s pocl-opencl-icd >/dev/null 2>&1; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pocl-opencl-icd >/dev/null
 fi
+# tests/targets/test_emulated_arm.py runs aarch64 code on an emulated device (compiler/testing/emulated_arm.py).
+if ! dpkg -s qemu-user-static binfmt-support debootstrap >/dev/null 2>&1; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user-static binfmt-support debootstrap >/dev/null
+fi
 stamp=.venv/.mobilec-setup
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

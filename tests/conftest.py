@@ -39,3 +39,21 @@ def smollm2_gguf_exact(tmp_path_factory, smollm2_gguf) -> Path:
     out = tmp_path_factory.mktemp("artifacts") / "smollm2-gguf"
     compile_model(str(smollm2_gguf), "host", "gguf", str(out), context_window=512, progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def emulated_arm_device(pytestconfig):
+    """An emulated arm64 device (compiler/testing/emulated_arm.py): a handle with tracker_host, tracker_port, key
+    and request(). The image is built on first use (about 7 minutes) and cached; the device starts in ~10 s."""
+    from compiler.errors import MobilecError
+    from compiler.testing.emulated_arm import build_image, prepare_host, start_device
+
+    try:
+        prepare_host()
+    except MobilecError as err:
+        pytest.skip(f"no emulated arm64 device on this host: {err}")
+    # Show the build's progress lines: minutes of silence look like a hang.
+    with pytestconfig.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+        image = build_image()
+    with start_device(image=image) as device:
+        yield device

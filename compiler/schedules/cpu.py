@@ -155,15 +155,16 @@ class _NTMatmulRule(CPUScheduleRule):
 class DecodeGEMV(_NTMatmulRule):
     """y[n] = sum_k x[k] * W[n, k]: a vector of partial sums along the contiguous k axis per row, threads over rows.
 
-    Packed weights (an inlined dequantize) are compute-bound, not memory-bound: a vector spans one word's codes
-    (word and scale loads broadcast, shifts constant per lane), and a thread interleaves `packed_rows` rows x
-    `packed_vectors` vectors of k, so one x load feeds several rows and 16 independent accumulators hide the
-    FMA latency (measured 1.6-1.9x over one row, one vector)."""
+    Each row is read front to back, so the weights stream as one sequence the hardware prefetcher follows.
+    Packed weights (an inlined dequantize) cost several instructions per vector: a row takes `packed_vectors`
+    vectors of k per step, independent accumulators that hide the FMA latency. Interleaving 4 rows per step
+    (which wins when the weights sit in cache) made 4 short streams per row block that the prefetcher did not
+    follow: in SmolLM2's decode, weights coming from DRAM, the int8 lm_head took 8.6 ms instead of 3.7 ms and
+    a whole q4f16_g32 step 25.7 ms instead of 19.6 ms."""
 
     for_gemv = True
-    rows_per_task = 16  # interleaving 2-4 rows per k step measured slower for float weights; one row streams at ~85% of DRAM bandwidth
-    packed_rows = 4
-    packed_vectors = 4
+    rows_per_task = 16  # one row streams at ~85% of DRAM bandwidth for float weights
+    packed_vectors = 2  # SmolLM2 q4f16_g32 decode step: 27.4 ms with 1, 19.6 ms with 2; 4 made gate_up 30% slower
 
     def schedule(self, sch: s_tir.Schedule, main: SBlockInfo, epilogue: SBlockInfo | None,
                  _producer: SBlockInfo | None, lanes: int, k_ext: int, packed: bool):
@@ -172,15 +173,9 @@ class DecodeGEMV(_NTMatmulRule):
             vectors //= 2
         rf = _rfactor_k(sch, main, lanes * vectors)
         n, ko, kc = sch.get_loops(rf)
-        no, ni = sch.split(n, [None, _divisor_tile(sch, n, self.rows_per_task)])
+        no, row_loop = sch.split(n, [None, _divisor_tile(sch, n, self.rows_per_task)])
         sch.parallel(no)
         kv, ki = sch.split(kc, [None, lanes])
-        rows = math.gcd(get_extent(sch, ni), self.packed_rows) if packed else 1
-        row_loop = ni
-        if rows > 1:
-            row_loop, nr = sch.split(ni, [None, rows])
-            sch.reorder(row_loop, ko, nr, kv, ki)
-            sch.unroll(nr)
         sch.unroll(kv)
         sch.vectorize(ki)
         sch.vectorize(sch.get_loops(sch.decompose_reduction(rf, ko))[-1])

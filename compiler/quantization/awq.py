@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import MobilecError
 from ..loaders import Checkpoint
-from .group import SCALE_CANDIDATES, GroupLayout, pack_codes, quantize, stored_codes
+from .group import GroupLayout, pack_codes, quantize, scale_candidates, stored_codes
 
 METHODS = ("awq",)
 CALIB_WINDOWS, CALIB_WINDOW = 8, 512  # windows spread over the text: GPTQ overfits fewer tokens (K is 576-1536)
@@ -61,7 +61,7 @@ def _group_scale(g, layout: GroupLayout):
     base = torch.gather(g, -1, g.abs().argmax(dim=-1, keepdim=True))[..., 0] / -layout.offset
     best_err = torch.full_like(base, math.inf)
     best = torch.zeros_like(base)
-    for t in SCALE_CANDIDATES:
+    for t in scale_candidates(layout):
         s = (base * float(t)).to(dtype).float()
         err = ((_codes(g, s[..., None], layout) - layout.offset) * s[..., None] - g).square().sum(dim=-1)
         better = err < best_err

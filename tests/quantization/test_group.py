@@ -41,8 +41,8 @@ def test_quantize_error_is_bounded_by_half_a_step(layout, k):
         inside = (np.abs(w) <= (layout.offset - 1) * step)
         assert np.all(err[inside] <= 0.5 * step[inside])
         assert inside.mean() > 0.9
-        # The search never loses to the plain rule (largest magnitude onto -2^(bits-1)), and on Gaussian
-        # weights it wins on some groups (the search may widen the grid; clipping costs LLMs more than it gains).
+        # The search never loses to the plain rule (largest magnitude onto -2^(bits-1)); at 8 bits it wins on
+        # some Gaussian groups by widening the grid.
         groups = np.pad(w, ((0, 0), (0, layout.padded_k(k) - k))).reshape(16, -1, layout.group)
         peak = np.take_along_axis(groups, np.abs(groups).argmax(axis=2)[:, :, None], axis=2)
         s = (peak / -layout.offset).astype(layout.scale_dtype).astype(np.float32)
@@ -50,7 +50,10 @@ def test_quantize_error_is_bounded_by_half_a_step(layout, k):
         plain_back = ((codes - layout.offset) * s).reshape(16, -1)[:, :k]
         per_group = lambda x: np.pad(np.square(x - w), ((0, 0), (0, layout.padded_k(k) - k))).reshape(16, -1, layout.group).sum(2)
         assert np.all(per_group(back) <= per_group(plain_back) * (1 + 1e-5) + 1e-9)
-        assert (per_group(back) < 0.99 * per_group(plain_back)).any()
+        if layout.bits == 8:
+            assert (per_group(back) < 0.99 * per_group(plain_back)).any()
+        else:  # 4 bits keep the plain rule (see group.scale_candidates)
+            np.testing.assert_allclose(back, plain_back, rtol=1e-6, atol=1e-7)
     else:
         assert np.all(err <= 0.5 * step)
         # The extremes of each group are represented (almost) exactly: outliers matter most in LLMs.

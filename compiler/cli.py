@@ -55,9 +55,13 @@ def targets():
                    "calibrated by running the float model on --calib-text.")
 @click.option("--calib-text", default=None, type=click.Path(dir_okay=False),
               help="UTF-8 text for --calibrate (default: CPython's pydoc topics, pydoc_data/topics.py).")
+@click.option("--force", is_flag=True,
+              help="Compile even when `mobilec estimate` says the model does not fit the target's memory.")
+@click.option("--no-tuning", is_flag=True,
+              help="Ignore tuning_logs/<target>/ (`mobilec tune`): every kernel gets the default schedule rules.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress text.")
 def compile(model, target, quant, output, context_window, quant_skip,  # pylint: disable=redefined-builtin
-            calibrate, calib_text, as_json):
+            calibrate, calib_text, force, no_tuning, as_json):
     """Compile MODEL for TARGET into an artifact directory (library, weight shards, tokenizer, config).
 
     The artifact is written to a temporary directory and renamed at the end:
@@ -66,7 +70,8 @@ def compile(model, target, quant, output, context_window, quant_skip,  # pylint:
     from .compile_model import compile_model  # pylint: disable=import-outside-toplevel
 
     summary = compile_model(model, target, quant, output, context_window, progress=not as_json,
-                            quant_skip=list(quant_skip), calibrate=calibrate, calib_text=calib_text)
+                            quant_skip=list(quant_skip), calibrate=calibrate, calib_text=calib_text, force=force,
+                            no_tuning=no_tuning)
     if as_json:
         click.echo(json.dumps(summary))
         return
@@ -76,6 +81,37 @@ def compile(model, target, quant, output, context_window, quant_skip,  # pylint:
         click.echo(format_coverage(summary["npu_coverage"]))
     if "note" in summary:
         click.echo(f"note: {summary['note']}")
+
+
+@main.command()
+@click.option("--model", default="default", show_default=True, help="As for `compile`.")
+@click.option("--target", default="host", show_default=True, help="As for `compile`.")
+@click.option("--quant", default=None, help="As for `compile`.")
+@click.option("--tracker", "tracker_address", default=None, metavar="HOST:PORT",
+              help="Measure on the devices a TVM RPC tracker has under --key (all of them in parallel).")
+@click.option("--key", default=None, help="The tracker key of the devices, e.g. rk3588.")
+@click.option("--trials", type=int, default=64, show_default=True,
+              help="Measured schedules per kernel, counting those already in the log.")
+@click.option("--only", type=click.Choice(["decode", "prefill", "all"]), default="decode", show_default=True,
+              help="Tune the kernels of this function (prefill's dynamic-length kernels cannot be tuned).")
+@click.option("--kernel", "kernel_patterns", multiple=True, metavar="GLOB",
+              help="Only kernels whose name matches (repeatable), e.g. 'fused_dequantize*'.")
+@click.option("--max-seconds", type=float, default=None,
+              help="Start no new round of trials after this long; rerunning continues where it stopped.")
+@click.option("--json", "as_json", is_flag=True, help="Print the per-kernel table as JSON.")
+def tune(model, target, quant, tracker_address, key, trials, only, kernel_patterns, max_seconds, as_json):
+    """Tune the kernels of one decode step with MetaSchedule into tuning_logs/<target>/, which compile applies.
+
+    Each kernel is weighted by its calls per decode step; every trial is saved as it is measured, so an
+    interrupted run resumes when rerun. Compile uses a tuned kernel only where it measured faster than the
+    default schedule rules.
+    """
+    # pylint: disable=import-outside-toplevel
+    from .tune import format_table
+    from .tune import tune as run_tune
+
+    summary = run_tune(model, target, quant, trials, tracker_address, key, only, list(kernel_patterns), max_seconds)
+    click.echo(json.dumps(summary) if as_json else format_table(summary))
 
 
 @main.command()
@@ -102,6 +138,24 @@ def inspect(model, target, quant, quant_skip, context_window, dump, only_step, a
                    f"{r['param_bytes'] / 1e6:9.1f}")
     if dump:
         click.echo(f"IR written to {dump}/")
+
+
+@main.command()
+@click.option("--model", default="default", show_default=True,
+              help="As for `compile`, or a directory holding only a config.json (no weights needed).")
+@click.option("--target", default="host", show_default=True, help="As for `compile`.")
+@click.option("--quant", default=None, help="As for `compile`.")
+@click.option("--quant-skip", multiple=True, metavar="PATTERN", help="As for `compile`.")
+@click.option("--context", "--context-window", "context_window", type=int, default=None,
+              help="Tokens the KV cache holds, as `compile --context-window`; default min(model max, 2048).")
+@click.option("--json", "as_json", is_flag=True, help="Print the estimate as one JSON object.")
+def estimate(model, target, quant, quant_skip, context_window, as_json):
+    """Memory MODEL needs on TARGET (weights, KV cache, activations, 20% margin) against its RAM and largest
+    allocation, and the decode speed its memory bandwidth allows; nothing is built."""
+    from .estimate import estimate_memory, format_budget  # pylint: disable=import-outside-toplevel
+
+    est = estimate_memory(model, target, quant, context_window, list(quant_skip))
+    click.echo(json.dumps(est.to_json()) if as_json else format_budget(est))
 
 
 @main.command(name="eval")
@@ -201,3 +255,63 @@ def generate(artifact, prompt, max_new_tokens, temperature, top_p, seed, chat, i
             f"decode {result.decode_tok_s:.1f} tok/s | peak RSS {result.peak_rss_mb:.0f} MB"
         )
 
+
+@main.command()
+@click.argument("artifact", type=click.Path())
+@click.option("--device", "local", type=click.Choice(["local"]), default=None,
+              help="Run in this process (the default without --rpc or --tracker).")
+@click.option("--rpc", "rpc_address", default=None, metavar="HOST:PORT",
+              help="A TVM RPC server (python -m tvm.exec.rpc_server, or the TVM RPC app on a phone).")
+@click.option("--tracker", "tracker_address", default=None, metavar="HOST:PORT",
+              help="A TVM RPC tracker (python -m tvm.exec.rpc_tracker) to get a device from; with --key.")
+@click.option("--key", default=None, help="The tracker key of the device, e.g. android.")
+@click.option("--prompt-len", type=int, default=128, show_default=True,
+              help="Prompt tokens (random ids from the vocabulary, fixed seed).")
+@click.option("--gen-len", type=int, default=64, show_default=True, help="Tokens generated greedily per run.")
+@click.option("--repeat", type=int, default=3, show_default=True, help="Timed runs after one warm-up.")
+@click.option("--sustained", "sustained_s", type=float, default=None, metavar="SECONDS",
+              help="Then decode this long and record tok/s per second (throttling shows as a falling rate).")
+@click.option("--threads", type=int, default=None, help="CPU threads on the device (default: its TVM default).")
+@click.option("--session-timeout", "session_timeout_s", type=float, default=600, show_default=True,
+              help="Seconds an RPC session may last; the device ends it after that.")
+@click.option("--device-ram-mb", type=float, default=None,
+              help="The device's RAM (default: the target's ram_gb); a larger memory estimate is refused before upload.")
+@click.option("--json", "json_file", default=None, type=click.Path(dir_okay=False), help="Write every figure here.")
+@click.option("--plot", "plot_file", default=None, type=click.Path(dir_okay=False),
+              help="With --sustained: save tok/s over time as a PNG.")
+def bench(artifact, local, rpc_address, tracker_address, key, prompt_len, gen_len, repeat, sustained_s, threads,
+          session_timeout_s, device_ram_mb, json_file, plot_file):
+    """Measure ARTIFACT on a device: time to first token, prefill and decode tok/s, memory, bandwidth roofline.
+
+    The library and weight shards are uploaded once; later runs skip shards the device has (same sha256).
+    """
+    # pylint: disable=import-outside-toplevel
+    from pathlib import Path
+
+    from .artifact import load_artifact
+    from .runtime import remote
+    from .runtime.bench import BenchOptions, format_table, plot_sustained, run_bench
+
+    if sum(x is not None for x in (local, rpc_address, tracker_address)) > 1:
+        raise MobilecError("pass only one of --device local, --rpc HOST:PORT and --tracker HOST:PORT")
+    if (tracker_address is None) != (key is None):
+        raise MobilecError("--tracker and --key go together: pass the tracker's address and the device's key")
+    if plot_file and sustained_s is None:
+        raise MobilecError("--plot draws the --sustained run; add --sustained SECONDS")
+    if session_timeout_s <= 0:
+        raise MobilecError(f"--session-timeout must be positive, got {session_timeout_s:g}")
+    art = load_artifact(artifact)
+    options = BenchOptions(prompt_len, gen_len, repeat, sustained_s, threads, device_ram_mb)
+    device = remote.connect(rpc_address, tracker_address, key, session_timeout_s)
+    try:
+        result = run_bench(art, device, options, progress=sys.stderr.isatty())
+    finally:
+        device.close()
+    click.echo(format_table(result))
+    if json_file:
+        try:
+            Path(json_file).write_text(json.dumps(result, indent=1))
+        except OSError as err:
+            raise MobilecError(f"cannot write --json {json_file}: {err.strerror}") from None
+    if plot_file:
+        plot_sustained(result, plot_file)

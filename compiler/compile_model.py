@@ -21,6 +21,7 @@ from .loaders import Checkpoint, open_checkpoint
 from .loaders.default_model import default_model_path
 from .models.llama import LlamaConfig
 from .models.registry import ModelFamily, family_for
+from .passes.apply_tuning_database import tuned_kernels
 from .quantization import awq
 from .quantization.quantize_model import WeightPlan, quantize_model
 from .quantization.schemes import Scheme, get_scheme
@@ -47,7 +48,7 @@ def default_output(model_path: Path, quant: str, target: str) -> Path:
 class ImportedModel:
     family: ModelFamily
     cfg: LlamaConfig
-    mod: tvm.IRModule
+    mod: tvm.IRModule | None  # None when imported with export=False
     params: list  # (name, nn.Parameter) in the order the compiled functions take them
     sources: dict[str, list[str]]  # float parameter -> checkpoint tensors
     plan: WeightPlan  # quantized layer -> how to make its stored arrays
@@ -57,9 +58,10 @@ class ImportedModel:
 
 def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_window: int | None,
                  quant_skip: list[str] = (), quantize: bool = True,
-                 calibration: awq.Calibration | None = None) -> ImportedModel:
+                 calibration: awq.Calibration | None = None, export: bool = True) -> ImportedModel:
     """Build the nn.Module for the checkpoint's family, quantize its layers (unless told not to: `inspect`
-    shows the float import first), and export it to a Relax IRModule."""
+    shows the float import first), and export it to a Relax IRModule (unless told not to: the parameters'
+    shapes and dtypes, all `estimate` needs of another scheme, come without the seconds exporting takes)."""
     family = family_for(ckpt.hf_config)
     cfg = family.config_class.from_hf(ckpt.hf_config, context_window)
     if cfg.context_window_size <= 0:
@@ -69,6 +71,8 @@ def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_win
     model.to(dtype)
     sources = cfg.param_sources()
     plan = quantize_model(model, scheme, ckpt, sources, list(quant_skip), dtype, calibration) if quantize else {}
+    if not export:  # named_parameters() lists them as export_tvm does
+        return ImportedModel(family, cfg, None, list(model.named_parameters()), sources, plan, dtype, calibration)
     with spec.model_target():
         mod, params = model.export_tvm(spec=model.get_default_spec())
     return ImportedModel(family, cfg, mod, params, sources, plan, dtype, calibration)
@@ -114,8 +118,15 @@ def compile_model(
     quant_skip: list[str] = (),
     calibrate: str | None = None,
     calib_text: str | None = None,
+    force: bool = False,
+    no_tuning: bool = False,
 ) -> dict[str, Any]:
-    """Compile and write the artifact; returns a summary (path, timings, sizes)."""
+    """Compile and write the artifact; returns a summary (path, timings, sizes, kernels scheduled from the
+    target's tuning log, which `no_tuning` leaves unread). A model that does not fit the target's memory is
+    refused unless `force`."""
+    # Imported here because estimate imports this module.
+    from .estimate import estimate_imported, over_budget_message  # pylint: disable=import-outside-toplevel
+
     spec = load_target(target)
     link.check_toolchain(spec)  # before the build, not after it
     scheme = get_scheme(quant or spec.device["default_quant"])
@@ -130,15 +141,26 @@ def compile_model(
         calibration = awq.calibrate(ckpt, scheme.layout, calib_text, log) if calibrate else None
         imported = import_model(ckpt, scheme, spec, context_window, quant_skip, calibration=calibration)
         family, cfg = imported.family, imported.cfg
+        memory = estimate_imported(ckpt, imported, scheme, spec, quant_skip)
+        if not memory.fits and not force:
+            raise MobilecError(f"{over_budget_message(memory)}; or --force to compile it anyway")
         log(f"compiling {family.name} for {spec.name} ({scheme.name})")
         t_build = time.perf_counter()
         (tmp / LIBRARY_DIR).mkdir()
+        tuned: list[str] = []
+
+        def note_tuned(_index: int, step: str, mod: tvm.IRModule) -> None:
+            if step == pipeline.APPLY_TUNING_STEP:
+                tuned.extend(tuned_kernels(mod))
+
         npu = None
         if spec.link["method"] == "hexagon":
-            name, npu = hexagon.build_kernels(pipeline.run_steps(imported.mod, spec), spec, tmp / LIBRARY_DIR)
+            lowered = pipeline.run_steps(imported.mod, spec, note_tuned, tuning=not no_tuning)
+            name, npu = hexagon.build_kernels(lowered, spec, tmp / LIBRARY_DIR)
             note = npu.get("note")
         else:
-            name, note = link.export_library(pipeline.build(imported.mod, spec), spec, tmp / LIBRARY_DIR)
+            executable = pipeline.build(imported.mod, spec, tuning=not no_tuning, after_step=note_tuned)
+            name, note = link.export_library(executable, spec, tmp / LIBRARY_DIR)
         library = f"{LIBRARY_DIR}/{name}"
         build_seconds = time.perf_counter() - t_build
         index = write_params(ckpt, imported, tmp, progress)
@@ -167,6 +189,7 @@ def compile_model(
             "prefill_chunk": cfg.prefill_chunk_size,
             "page_size": PAGE_SIZE,
             "param_bytes": sum(t["nbytes"] for t in index["tensors"]),
+            "memory_estimate": memory.to_json(),
             "versions": installed_versions(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
@@ -178,6 +201,7 @@ def compile_model(
         "build_seconds": round(build_seconds, 2),
         "total_seconds": round(time.perf_counter() - t_start, 2),
         "param_bytes": config["param_bytes"],
+        "tuned_kernels": tuned,
         **({"note": note} if note else {}),
         **({"npu_coverage": npu} if npu else {}),
     }

@@ -9,6 +9,7 @@ from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 from tvm.s_tir import dlight
 
+from .passes.apply_tuning_database import ApplyTuningDatabase
 from .passes.fuse_add_rmsnorm import FuseAddRMSNorm
 from .passes.fuse_dequantize_matmul import FuseDequantizeMatmul
 from .passes.fuse_swiglu import FuseSwiGLU
@@ -20,20 +21,24 @@ from .schedules import gpu as gpu_schedules
 from .targets import TargetSpec
 
 Step = tuple[str, tvm.transform.Pass]
+# `mobilec tune` takes its kernels from the IR right before this step, so its database keys match at compile time.
+APPLY_TUNING_STEP = "apply-tuning-database"
 
 
 def _seq(passes: list[tvm.transform.Pass]) -> tvm.transform.Pass:
     return tvm.transform.Sequential(passes)
 
 
-def steps(spec: TargetSpec) -> list[Step]:
-    """The ordered steps for `spec`; each runs inside `with target:`."""
+def steps(spec: TargetSpec, tuning: bool = False) -> list[Step]:
+    """The ordered steps for `spec`; each runs inside `with target:`. With `tuning`, kernels tuned faster in
+    tuning_logs/<target>/ (`mobilec tune`) are scheduled from there (compile asks for that)."""
     target = spec.tvm_target()
     gpu = spec.schedule["rules"] == "gpu"
     # FuseAddRMSNorm schedules its kernel for CPU threads itself; on a GPU the add and the norm are left to
     # FuseOps and dlight instead.
     add_rmsnorm = [] if gpu else [("fuse-add-rmsnorm", FuseAddRMSNorm())]
     schedule_rules = gpu_schedules.rules(spec.schedule) if gpu else cpu_schedules.rules()
+    apply_tuning = [(APPLY_TUNING_STEP, ApplyTuningDatabase(spec.name))] if tuning else []
     return [
         ("fuse-transpose-matmul", FuseTransposeMatmul()),
         # Needs the NT_matmul calls above; before FuseOps, so bias/residual adds still fuse into the fused kernel.
@@ -48,6 +53,8 @@ def steps(spec: TargetSpec) -> list[Step]:
         ("fuse-ops", relax.transform.FuseOps()),
         ("fuse-tir", relax.transform.FuseTIR()),
         ("dead-code-elimination", relax.transform.DeadCodeElimination()),
+        # Kernels that tuned faster than our rules; dlight skips them (tirx.is_scheduled).
+        *apply_tuning,
         ("schedule", dlight.ApplyDefaultSchedule(*schedule_rules)),
         ("lower-dataflow", _seq(cpu_generic.dataflow_lower_passes(target))),
         ("plan-memory-and-lower", _seq(cpu_generic.finalize_passes(target))),
@@ -58,11 +65,12 @@ def steps(spec: TargetSpec) -> list[Step]:
 
 
 def run_steps(
-    mod: tvm.IRModule, spec: TargetSpec, after_step: Callable[[int, str, tvm.IRModule], None] | None = None
+    mod: tvm.IRModule, spec: TargetSpec, after_step: Callable[[int, str, tvm.IRModule], None] | None = None,
+    tuning: bool = False,
 ) -> tvm.IRModule:
     """Apply every step in order; `after_step(index, name, mod)` sees the IR after each (for inspection)."""
     with spec.tvm_target():
-        for index, (name, step) in enumerate(steps(spec)):
+        for index, (name, step) in enumerate(steps(spec, tuning)):
             mod = step(mod)
             if after_step is not None:
                 after_step(index, name, mod)
@@ -82,9 +90,10 @@ class _CheckKernels:
             self.verify(mod)
 
 
-def build(mod: tvm.IRModule, spec: TargetSpec) -> tvm.runtime.Executable:
+def build(mod: tvm.IRModule, spec: TargetSpec, tuning: bool = False,
+          after_step: Callable[[int, str, tvm.IRModule], None] | None = None) -> tvm.runtime.Executable:
     """Run the pipeline and generate code; the Relax passes are all ours, so TVM's default list is off."""
-    lowered = run_steps(mod, spec)
+    lowered = run_steps(mod, spec, after_step, tuning)
     current = tvm.transform.PassContext.current()
     with tvm.transform.PassContext(opt_level=current.opt_level, config=current.config,
                                    instruments=[*current.instruments, _CheckKernels(spec)]):

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import MobilecError
 
-__all__ = ["Checkpoint", "open_checkpoint"]
+__all__ = ["Checkpoint", "ConfigCheckpoint", "open_checkpoint"]
 
 _GGUF_MAGIC = b"GGUF"
 _USAGE = "pass a Hugging Face model directory (config.json + weights) or a .gguf file"
@@ -63,6 +63,21 @@ class Checkpoint:
         return MobilecError(f"tensor {name!r} is not in {self.description}{hint}; check the tensor name")
 
 
+class ConfigCheckpoint(Checkpoint):
+    """A model's config without its weights: enough for shapes and sizes (`mobilec estimate`), not to compile."""
+
+    def __init__(self, hf_config: dict[str, Any], description: str):
+        self.hf_config = hf_config
+        self.description = description
+
+    def tensor_names(self) -> list[str]:
+        return []
+
+    def get(self, name: str) -> np.ndarray:
+        raise MobilecError(f"{self.description} has no weights, so tensor {name!r} cannot be read; "
+                           "pass a model directory with its weight files")
+
+
 def _one_line(e: BaseException) -> str:
     """The first line of a library's error, to quote inside a one-line MobilecError."""
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -79,14 +94,17 @@ def _save_auto_tokenizer(source: Path, out_dir: str | os.PathLike, what: str, **
         raise MobilecError(f"could not build the tokenizer of {what} ({_one_line(e)}); check its tokenizer files") from e
 
 
-def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Open an HF model directory or a GGUF file; anything else raises MobilecError."""
+def open_checkpoint(path: str | os.PathLike, weights_required: bool = True) -> Checkpoint:
+    """Open an HF model directory or a GGUF file; anything else raises MobilecError. Unless `weights_required`,
+    a directory with a config.json and no weight files opens as a ConfigCheckpoint."""
     p = Path(path).expanduser()
     if not p.exists():
         raise MobilecError(f"checkpoint {str(p)!r} does not exist; {_USAGE}")
     if p.is_dir():
-        from .hf import HFCheckpoint  # imported lazily: it pulls in torch
+        from .hf import HFCheckpoint, has_weights, read_config  # imported lazily: it pulls in torch
 
+        if not weights_required and not has_weights(p):
+            return ConfigCheckpoint(read_config(p), f"HF {p.name} (config.json only)")
         return HFCheckpoint(p)
     with open(p, "rb") as f:
         magic = f.read(len(_GGUF_MAGIC))

@@ -85,17 +85,27 @@ class _TorchShard:
         return self._state[name]
 
 
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """The directory's config.json, checked to name a model_type."""
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        ggufs = sorted(model_dir.glob("*.gguf"))
+        fix = f"pass the file {str(ggufs[0])!r}" if ggufs else "pass a Hugging Face model directory"
+        raise MobilecError(f"no config.json in {str(model_dir)!r}; {fix}")
+    config = _read_json(config_path, "config")
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise MobilecError(f"config {str(config_path)!r} has no model_type; re-download config.json")
+    return config
+
+
+def has_weights(model_dir: Path) -> bool:
+    return any((model_dir / name).is_file() for name, _ in _WEIGHT_LAYOUTS)
+
+
 class HFCheckpoint(Checkpoint):
     def __init__(self, model_dir: Path):
         self._dir = model_dir
-        config_path = model_dir / "config.json"
-        if not config_path.is_file():
-            ggufs = sorted(model_dir.glob("*.gguf"))
-            fix = f"pass the file {str(ggufs[0])!r}" if ggufs else "pass a Hugging Face model directory"
-            raise MobilecError(f"no config.json in {str(model_dir)!r}; {fix}")
-        config = _read_json(config_path, "config")
-        if not isinstance(config, dict) or "model_type" not in config:
-            raise MobilecError(f"config {str(config_path)!r} has no model_type; re-download config.json")
+        config = read_config(model_dir)
         files, fmt, label = _weight_files(model_dir)
         shard_type = _SafetensorsShard if fmt == "safetensors" else _TorchShard
         # Every shard is opened now, so a truncated one fails the compile before any work is done.

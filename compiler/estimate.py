@@ -1,0 +1,298 @@
+"""`mobilec estimate`: the memory a compiled model needs on a target, before building it.
+
+Everything is derived from what `compile` itself builds, so the estimate cannot drift from the artifact:
+- weights: the parameters of the family's nn.Module after quantization (shapes and dtypes only, no values
+  read), which are exactly the tensors `compile` writes to params/;
+- KV cache: TVM's paged cache as its runtime allocates it (src/runtime/vm/paged_kv_cache.cc);
+- activations: the storage TVM's static memory planner gives prefill and decode in the compile pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+import os
+from typing import Any
+
+import tvm
+from tvm import relax, tirx
+from tvm.sym.analyzer import Analyzer
+
+from . import pipeline
+from .compile_model import PAGE_SIZE, ImportedModel, import_model, resolve_model_path
+from .errors import MobilecError
+from .inspect_ir import param_bytes
+from .loaders import Checkpoint, ConfigCheckpoint, open_checkpoint
+from .models.llama import LlamaConfig
+from .quantization.schemes import SCHEMES, Scheme, get_scheme
+from .targets import TargetSpec, load_target
+
+MARGIN = 0.2  # the runtime, library, tokenizer and allocator slack the count above does not see
+GIB = 2**30  # target files give ram_gb and max_alloc_gb in GiB, as passes/verify_device_limits.py reads the latter
+PLANNED_FUNCTIONS = ("prefill", "decode")  # what a deployed model runs (prefill_logits serves `eval` only)
+EMBEDDING = "model.embed_tokens."
+MIN_SUGGESTED_CONTEXT = 128  # shorter windows are of no use for a conversation
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:  # pylint: disable=too-many-instance-attributes
+    """Bytes a compiled model needs on a target, against the target's RAM and largest single allocation."""
+
+    model: str
+    target: str
+    quant: str
+    context: int
+    prefill_chunk: int
+    dtype: str  # activations and KV cache
+    weights_bytes: int
+    kv_cache_bytes: int
+    activation_bytes: int
+    margin_bytes: int
+    total_bytes: int
+    ram_bytes: int
+    fits: bool  # the total within RAM and the largest buffer within the largest allocation
+    largest_buffer_name: str
+    largest_buffer_bytes: int
+    max_alloc_bytes: int
+    bytes_per_token: int  # read from memory per decoded token at a full context
+    memory_bandwidth_gbs: float
+    decode_floor_ms: float  # bytes_per_token at the target's memory bandwidth
+    fitting_quant: str | None = None  # when it does not fit: the least quantized smaller scheme that does
+    fitting_quant_total_bytes: int | None = None
+    fitting_context: int | None = None  # when it does not fit: the longest halved context window that does
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@tvm.instrument.pass_instrument
+class _AfterMemoryPlanning:
+    """Keeps the module as LowerAllocTensor leaves it: StaticPlanBlockMemory has assigned the tensors it can
+    plan to storage, and LowerAllocTensor has given every other (dynamic-size) tensor a storage of its own."""
+
+    def __init__(self):
+        self.mod = None
+
+    def run_after_pass(self, mod: tvm.IRModule, info: tvm.transform.PassInfo) -> None:
+        if info.name == "LowerAllocTensor":
+            self.mod = mod
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationPlan:
+    """The storage allocations of each planned function, in bytes, symbolic in the prompt length."""
+
+    sizes: dict[str, list[tirx.PrimExpr]]
+
+    def at(self, prefill_chunk: int) -> tuple[int, int]:
+        """(bytes of the function that allocates most, largest single allocation), every symbolic dimension at
+        the prefill chunk: prefill's seq_len is the only one, and the runtime never passes a longer prompt."""
+        per_function = [[_bound(size, prefill_chunk) for size in sizes] for sizes in self.sizes.values()]
+        return max(map(sum, per_function)), max(max(sizes, default=0) for sizes in per_function)
+
+
+def _bound(size: tirx.PrimExpr, value: int) -> int:
+    analyzer = Analyzer()
+    for var in tirx.analysis.undefined_vars(size):
+        analyzer.bind(var, value)
+    return int(analyzer.simplify(size).value)
+
+
+def _storage_sizes(func: relax.Function) -> list[tirx.PrimExpr]:
+    """The bytes of every storage allocation in `func` (alloc_storage's shape is a byte count)."""
+    sizes = []
+
+    def visit(expr) -> None:
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) \
+                and expr.op.name == "relax.memory.alloc_storage":
+            sizes.append(functools.reduce(operator.mul, expr.args[0].values))
+
+    relax.analysis.post_order_visit(func, visit)
+    return sizes
+
+
+def plan_activations(mod: tvm.IRModule, spec: TargetSpec) -> ActivationPlan:
+    """Run the compile pipeline's steps through memory planning (no code generation) and read the storage
+    that prefill and decode allocate."""
+    after = _AfterMemoryPlanning()
+    current = tvm.transform.PassContext.current()
+    with tvm.transform.PassContext(opt_level=current.opt_level, config=current.config,
+                                   instruments=[*current.instruments, after]), spec.tvm_target():
+        for _, step in pipeline.steps(spec):
+            mod = step(mod)
+            if after.mod is not None:
+                break
+    if after.mod is None:
+        raise RuntimeError("no pipeline step runs LowerAllocTensor, so there is no memory plan to read")
+    return ActivationPlan({name: _storage_sizes(after.mod[name]) for name in PLANNED_FUNCTIONS})
+
+
+def _tensor_bytes(param) -> int:
+    return param_bytes([(None, param)])
+
+
+def _budget(description: str, spec: TargetSpec, quant: str, cfg: LlamaConfig, params: list, dtype: str,
+            plan: ActivationPlan) -> MemoryEstimate:
+    """The estimate of a model with these parameters at `cfg`'s context window and prefill chunk."""
+    weights = {name: _tensor_bytes(p) for name, p in params}
+    # Decode reads every weight once, but of an untied embedding table only the token's row (a tied one is
+    # also the output layer, read in full).
+    weights_per_token = sum(
+        weights[name] // int(p.shape[0]) if name.startswith(EMBEDDING) and not cfg.tie_word_embeddings
+        else weights[name] for name, p in params
+    )
+    size = tvm.DataType(dtype).bits // 8
+    # Per layer the cache holds (pages, 2, kv heads, page size, head dim), one page more than the context needs.
+    pages = -(-cfg.context_window_size // PAGE_SIZE) + 1
+    kv_layer = pages * 2 * cfg.num_key_value_heads * PAGE_SIZE * cfg.head_dim * size
+    kv_read = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * cfg.context_window_size * size
+    planned, largest_planned = plan.at(cfg.prefill_chunk_size)
+    # The cache also allocates attention scratch for one prefill chunk: q, k, v and output, and two float32
+    # log-sum-exp arrays; sized like activations, counted with them.
+    chunk = cfg.prefill_chunk_size
+    scratch = chunk * cfg.head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * size \
+        + 2 * chunk * cfg.num_attention_heads * 4
+    activations = planned + scratch
+    counted = sum(weights.values()) + cfg.num_hidden_layers * kv_layer + activations
+    margin = round(MARGIN * counted)
+    largest_weight = max(weights, key=weights.get)
+    largest_name, largest_bytes = max(
+        [(f"weight {largest_weight}", weights[largest_weight]), ("KV cache pages of one layer", kv_layer),
+         ("activation storage", largest_planned)],
+        key=lambda item: item[1],
+    )
+    ram, max_alloc = int(spec.device["ram_gb"] * GIB), int(spec.device["max_alloc_gb"] * GIB)
+    bandwidth = float(spec.device["memory_bandwidth_gbs"])
+    bytes_per_token = weights_per_token + kv_read
+    return MemoryEstimate(
+        model=description, target=spec.name, quant=quant, context=cfg.context_window_size, prefill_chunk=chunk,
+        dtype=dtype, weights_bytes=sum(weights.values()), kv_cache_bytes=cfg.num_hidden_layers * kv_layer,
+        activation_bytes=activations, margin_bytes=margin, total_bytes=counted + margin, ram_bytes=ram,
+        fits=counted + margin <= ram and largest_bytes <= max_alloc, largest_buffer_name=largest_name,
+        largest_buffer_bytes=largest_bytes, max_alloc_bytes=max_alloc, bytes_per_token=bytes_per_token,
+        memory_bandwidth_gbs=bandwidth, decode_floor_ms=bytes_per_token / (bandwidth * 1e9) * 1e3,
+    )
+
+
+def _fitting_quant(ckpt: Checkpoint, imported: ImportedModel, scheme: Scheme, spec: TargetSpec,
+                   plans: dict[str, ActivationPlan], quant_skip: list[str]) -> MemoryEstimate | None:
+    """The estimate of the least quantized scheme with smaller weights that fits, if any."""
+    context = imported.cfg.context_window_size
+    current = param_bytes(imported.params)
+    smaller = []
+    for candidate in SCHEMES.values():
+        if candidate.name == scheme.name:
+            continue
+        try:
+            shapes = import_model(ckpt, candidate, spec, context, quant_skip, export=False)
+        except MobilecError:
+            continue  # a scheme this input cannot take: gguf without a GGUF file, --quant-skip with a float scheme
+        weights = param_bytes(shapes.params)
+        if weights < current:
+            smaller.append((weights, candidate, shapes))
+    for _, candidate, shapes in sorted(smaller, key=lambda item: -item[0]):
+        # Activations depend on the compute dtype only: every scheme's dequantization happens inside its matmuls.
+        if shapes.dtype not in plans:
+            plans[shapes.dtype] = plan_activations(import_model(ckpt, candidate, spec, context, quant_skip).mod, spec)
+        est = _budget(ckpt.description, spec, candidate.name, shapes.cfg, shapes.params, shapes.dtype,
+                      plans[shapes.dtype])
+        if est.fits:
+            return est
+    return None
+
+
+def _fitting_context(ckpt: Checkpoint, imported: ImportedModel, scheme: Scheme, spec: TargetSpec,
+                     plan: ActivationPlan) -> int | None:
+    """The longest halving of the context window that fits with this scheme, if any."""
+    context = imported.cfg.context_window_size // 2
+    while context >= MIN_SUGGESTED_CONTEXT:
+        cfg = imported.family.config_class.from_hf(ckpt.hf_config, context)
+        if _budget(ckpt.description, spec, scheme.name, cfg, imported.params, imported.dtype, plan).fits:
+            return context
+        context //= 2
+    return None
+
+
+def estimate_imported(ckpt: Checkpoint, imported: ImportedModel, scheme: Scheme, spec: TargetSpec,
+                      quant_skip: list[str] = ()) -> MemoryEstimate:
+    """The estimate of an imported (exported) model; when it does not fit, with the smaller scheme and the
+    shorter context window that would."""
+    plans = {imported.dtype: plan_activations(imported.mod, spec)}
+    est = _budget(ckpt.description, spec, scheme.name, imported.cfg, imported.params, imported.dtype,
+                  plans[imported.dtype])
+    if est.fits:
+        return est
+    by_quant = _fitting_quant(ckpt, imported, scheme, spec, plans, list(quant_skip))
+    return dataclasses.replace(
+        est,
+        fitting_quant=by_quant.quant if by_quant else None,
+        fitting_quant_total_bytes=by_quant.total_bytes if by_quant else None,
+        fitting_context=_fitting_context(ckpt, imported, scheme, spec, plans[imported.dtype]),
+    )
+
+
+def estimate_memory(model: str | os.PathLike | dict[str, Any] | None, target: str, quant: str | None = None,
+                    context_window: int | None = None, quant_skip: list[str] = ()) -> MemoryEstimate:
+    """The estimate for `model`: a checkpoint path, 'default', a directory with only a config.json, or an HF
+    config dict; `target` a target name or .toml path; `quant` by default the target's."""
+    spec = load_target(target)
+    scheme = get_scheme(quant or spec.device["default_quant"])
+    if isinstance(model, dict):
+        ckpt: Checkpoint = ConfigCheckpoint(model, f"a {model.get('model_type')} config")
+    else:
+        ckpt = open_checkpoint(resolve_model_path(model), weights_required=False)
+    with ckpt:
+        imported = import_model(ckpt, scheme, spec, context_window, quant_skip)
+        return estimate_imported(ckpt, imported, scheme, spec, quant_skip)
+
+
+def _size(nbytes: float) -> str:
+    if nbytes >= GIB:
+        return f"{nbytes / GIB:.2f} GiB"
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:.1f} MiB"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
+def over_budget_message(est: MemoryEstimate) -> str:
+    """One line for an estimate that does not fit: by how much, and the nearest options that do."""
+    problems = []
+    if est.total_bytes > est.ram_bytes:
+        problems.append(f"needs {_size(est.total_bytes)} with the {MARGIN:.0%} margin, over the "
+                        f"{_size(est.ram_bytes)} of RAM by {_size(est.total_bytes - est.ram_bytes)}")
+    if est.largest_buffer_bytes > est.max_alloc_bytes:
+        problems.append(f"its largest buffer ({est.largest_buffer_name}, {_size(est.largest_buffer_bytes)}) is over "
+                        f"the largest single allocation ({_size(est.max_alloc_bytes)})")
+    fixes = []
+    if est.fitting_quant:
+        fixes.append(f"--quant {est.fitting_quant} fits ({_size(est.fitting_quant_total_bytes)})")
+    if est.fitting_context:
+        fixes.append(f"--context-window {est.fitting_context} fits")
+    fix = ", or ".join(fixes) or "no smaller --quant or --context-window fits; pick a smaller model or target"
+    return (f"{est.model} as {est.quant} with a {est.context}-token context does not fit {est.target}: "
+            f"{'; '.join(problems)}; {fix}")
+
+
+def format_budget(est: MemoryEstimate) -> str:
+    """The budget as a table, one row per figure."""
+    tok_s = 1e3 / est.decode_floor_ms
+    rows = [
+        ("weights", _size(est.weights_bytes), est.quant),
+        (f"KV cache @ {est.context}", _size(est.kv_cache_bytes), f"{est.dtype}, pages of {PAGE_SIZE} tokens"),
+        ("activations", _size(est.activation_bytes), f"prefill chunk {est.prefill_chunk}, {est.dtype}"),
+        (f"margin {MARGIN:.0%}", _size(est.margin_bytes), ""),
+        ("total", _size(est.total_bytes), f"of {_size(est.ram_bytes)} RAM: "
+                                          f"{'fits' if est.total_bytes <= est.ram_bytes else 'DOES NOT FIT'}"),
+        ("largest buffer", _size(est.largest_buffer_bytes),
+         f"{est.largest_buffer_name}, of {_size(est.max_alloc_bytes)} max alloc: "
+         f"{'fits' if est.largest_buffer_bytes <= est.max_alloc_bytes else 'DOES NOT FIT'}"),
+        ("bytes/token", _size(est.bytes_per_token), f"weights once + KV cache @ {est.context}"),
+        ("decode floor", f"{est.decode_floor_ms:.2f} ms/token",
+         f"{tok_s:.1f} tok/s at {est.memory_bandwidth_gbs:g} GB/s"),
+    ]
+    lines = [f"{est.model} on {est.target}"] + [f"  {label:18s} {value:>16s}  {note}".rstrip()
+                                                for label, value, note in rows]
+    if not est.fits:
+        lines.append(f"does not fit: {over_budget_message(est)}")
+    return "\n".join(lines)

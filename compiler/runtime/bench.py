@@ -1,0 +1,375 @@
+"""`mobilec bench`: time to first token, prefill and decode speed, memory and the share of the memory-bandwidth
+roofline an artifact reaches on a device (this process, or one reached through TVM RPC).
+
+Host timings are wall clock around the calls, RPC round trips included: what an app driving the model from
+another machine would see. The decode step is also timed on the device by TVM's time_evaluator, without
+round trips. Greedy tokens are picked on the host from the logits, whose transfer is timed on its own: the
+runtime's builtins that could pick them on the device (vm.builtin.sample_top_p_from_logits and friends) take
+a Tensor, which RPC cannot pass (a remote tensor arrives as a bare DLTensor*), and the compiled model has no
+argmax function.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tvm
+from tqdm import tqdm
+from tvm import relax
+
+from ..artifact import Artifact
+from ..errors import MobilecError
+from ..targets import load_target
+from .generate import peak_rss_mb
+from .remote import Device, Staged, check_runs_on, last_line
+
+SUSTAINED_INTERVAL_S = 1.0
+DEVICE_TIMING_STEPS = 8  # decode steps time_evaluator averages after each run
+SAVED_DECODE = "mobilec_bench_decode"  # the name the VM keeps the bound decode step under for time_evaluator
+
+
+@dataclasses.dataclass
+class BenchOptions:
+    prompt_len: int = 128
+    gen_len: int = 64
+    repeat: int = 3
+    sustained_s: float | None = None
+    threads: int | None = None
+    device_ram_mb: float | None = None
+    seed: int = 0
+
+    def check(self, context_window: int) -> None:
+        for name, value, least in (("--prompt-len", self.prompt_len, 1), ("--gen-len", self.gen_len, 2),
+                                   ("--repeat", self.repeat, 1),
+                                   ("--threads", 1 if self.threads is None else self.threads, 1)):
+            if value < least:
+                raise MobilecError(f"{name} must be at least {least}, got {value}")
+        if self.prompt_len + self.gen_len > context_window:
+            raise MobilecError(f"--prompt-len {self.prompt_len} + --gen-len {self.gen_len} exceeds the artifact's "
+                               f"context window of {context_window}; shorten them or recompile with a larger --context-window")
+        if self.sustained_s is not None and self.sustained_s <= 0:
+            raise MobilecError(f"--sustained must be a positive number of seconds, got {self.sustained_s:g}")
+
+
+@dataclasses.dataclass
+class Run:
+    tokens: list[int]
+    ttft_s: float  # prefill, logits transfer and the first greedy pick
+    decode_s: float  # the remaining len(tokens) - 1 steps
+    decode_fetch_s: float  # of decode_s: bringing logits to the host
+
+
+def prompt_ids(vocab_size: int, n: int, seed: int) -> np.ndarray:
+    """The benchmark prompt: token ids drawn uniformly from the vocabulary with a fixed seed."""
+    return np.random.default_rng(seed).integers(0, vocab_size, n).astype("int32")
+
+
+class DeviceModel:
+    """The artifact's Relax VM on a device, with one sequence's paged KV cache; greedy tokens picked on the host."""
+
+    def __init__(self, device: Device, artifact: Artifact, staged: Staged):
+        self.device = device
+        with device.errors("loading the library"):
+            try:
+                lib = device.load_module(staged.library)
+            except RuntimeError as err:
+                if "ELF" not in str(err) and "shared object" not in str(err):
+                    raise
+                # The loader rejects a library made for another architecture (not detectable beforehand when
+                # the device's TVM has no LLVM to report its triple).
+                target = artifact.config["target"]
+                raise MobilecError(f"{device.description['name']} cannot load {artifact.library.name} built for "
+                                   f"{target['name']} ({target['tvm_target'].get('mtriple', '')}): {last_line(err)}; "
+                                   f"compile it with a --target for that device") from None
+        device.note_loaded(artifact)
+        with device.errors("loading the weights"):
+            self.vm = relax.VirtualMachine(lib, device.dev)
+            self.params = device.load_params(staged, artifact)
+            cfg = artifact.config
+            self.context_window = int(cfg["context_window"])
+            self.prefill_chunk = int(cfg["prefill_chunk"])
+            self._kv_shapes = [device.shape(n) for n in (1, self.context_window, self.prefill_chunk,
+                                                          int(cfg["page_size"]), 0)]
+            self._seq_ids = device.shape(0)
+            self._one = device.shape(1)
+            self._token = tvm.runtime.tensor(np.zeros(1, "int32"), device.dev)
+            self._embed, self._prefill, self._decode = self.vm["embed"], self.vm["prefill"], self.vm["decode"]
+            self._add_sequence = device.function("vm.builtin.kv_state_add_sequence")
+            self._begin = device.function("vm.builtin.kv_state_begin_forward")
+            self._end = device.function("vm.builtin.kv_state_end_forward")
+            self._item = device.function("ffi.ArrayGetItem")  # a remote tuple comes back as a handle
+        self.kv_cache = None
+        self.length = 0
+        self.fetch_s = 0.0
+
+    def reset(self) -> None:
+        self.kv_cache = self.vm["create_tir_paged_kv_cache"](*self._kv_shapes)
+        self._add_sequence(self.kv_cache, 0)
+        self.length = 0
+
+    def _forward(self, func, tokens, n: int):
+        embed = self._embed(tokens, self.params)
+        self._begin(self.kv_cache, self._seq_ids, self._one if n == 1 else self.device.shape(n))
+        out = func(embed, self.kv_cache, self.params)
+        self._end(self.kv_cache)
+        self.length += n
+        return out
+
+    def _greedy(self, out) -> int:
+        start = time.perf_counter()
+        logits = self._item(out, 0).numpy()
+        self.fetch_s += time.perf_counter() - start
+        return int(np.argmax(logits.reshape(-1)))
+
+    def prefill(self, ids: np.ndarray) -> int:
+        """Append the prompt (in chunks); the greedy token after it."""
+        for start in range(0, len(ids), self.prefill_chunk):
+            chunk = ids[start : start + self.prefill_chunk]
+            out = self._forward(self._prefill, tvm.runtime.tensor(chunk, self.device.dev), len(chunk))
+        return self._greedy(out)
+
+    def decode(self, token: int) -> int:
+        self._token.copyfrom(np.array([token], "int32"))
+        return self._greedy(self._forward(self._decode, self._token, 1))
+
+    def generate(self, ids: np.ndarray, n_tokens: int, on_token=lambda: None) -> Run:
+        self.reset()
+        t0 = time.perf_counter()
+        tokens = [self.prefill(ids)]
+        t1 = time.perf_counter()
+        fetch_before = self.fetch_s
+        on_token()
+        while len(tokens) < n_tokens:
+            tokens.append(self.decode(tokens[-1]))
+            on_token()
+        return Run(tokens, t1 - t0, time.perf_counter() - t1, self.fetch_s - fetch_before)
+
+    def device_decode_s(self, token: int) -> float:
+        """One decode step timed on the device by time_evaluator, RPC round trips excluded. The step repeats
+        at one position, rewriting the same KV entry, and is committed once at the end."""
+        self._token.copyfrom(np.array([token], "int32"))
+        embed = self._embed(self._token, self.params)
+        self._begin(self.kv_cache, self._seq_ids, self._one)
+        self.vm.save_function("decode", SAVED_DECODE, embed, self.kv_cache, self.params, include_return=False)
+        seconds = self.vm.time_evaluator(SAVED_DECODE, self.device.dev, number=DEVICE_TIMING_STEPS)().mean
+        self._end(self.kv_cache)
+        self.length += 1
+        return seconds
+
+    def sustained(self, ids: np.ndarray, seconds: float, progress: bool) -> dict[str, Any]:
+        """Decode for `seconds`; tok/s per interval over decode time only (restarts at the context window and
+        their prefill are left out, so a falling rate means the device slowed down)."""
+        counts: dict[int, int] = collections.Counter()
+        busy: dict[int, float] = collections.defaultdict(float)
+        last = math.ceil(seconds / SUSTAINED_INTERVAL_S) - 1  # the step that ends past the deadline counts here
+        self.reset()
+        token = self.prefill(ids)
+        start = time.perf_counter()
+        with tqdm(total=round(seconds), desc="sustained", bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s",
+                  file=sys.stderr, disable=not progress) as bar:
+            while (now := time.perf_counter()) - start < seconds:
+                if self.length >= self.context_window:
+                    self.reset()
+                    token = self.prefill(ids)
+                    continue
+                token = self.decode(token)
+                end = time.perf_counter()
+                interval = min(int((end - start) // SUSTAINED_INTERVAL_S), last)
+                counts[interval] += 1
+                busy[interval] += end - now
+                bar.update(min(round(end - start), bar.total) - bar.n)
+        intervals = sorted(busy)
+        return {"interval_s": SUSTAINED_INTERVAL_S, "t_s": [i * SUSTAINED_INTERVAL_S for i in intervals],
+                "tok_s": [counts[i] / busy[i] for i in intervals]}
+
+
+def bytes_per_token(artifact: Artifact, position: int) -> tuple[int, str]:
+    """Bytes one decode step reads `position` tokens into the sequence (the weights, then the KV cache so far),
+    and where the figure comes from."""
+    cfg = artifact.config
+    model = cfg["model"]["config"]
+    kv_per_token = (model["num_hidden_layers"] * 2 * model["num_key_value_heads"] * model["head_dim"]
+                    * np.dtype(cfg["compute_dtype"]).itemsize)
+    estimate = cfg.get("memory_estimate", {})
+    if "bytes_per_token" in estimate:
+        # The estimate reads the KV cache of a full context; the benchmark's sequences are shorter.
+        full = int(estimate["context"])
+        return (int(estimate["bytes_per_token"]) - kv_per_token * (full - position),
+                f"memory_estimate.bytes_per_token at {full} tokens, its KV cache part scaled to {position}")
+    tensors = artifact.index["tensors"]
+    weights = sum(t["nbytes"] for t in tensors)
+    if any(t["name"].startswith("lm_head.") for t in tensors):  # else the output layer reads the embedding whole
+        embedding = [t for t in tensors if t["name"].startswith("model.embed_tokens.")]
+        weights -= sum(t["nbytes"] - t["nbytes"] // t["shape"][0] for t in embedding)
+    return (weights + kv_per_token * position,
+            f"params/index.json weights (an untied embedding: one row) + KV cache of {position} tokens")
+
+
+def _target_device_facts(artifact: Artifact) -> dict[str, Any] | None:
+    """The [device] table of the target the artifact was built for, if its file is still in targets/."""
+    try:
+        return load_target(artifact.config["target"]["name"]).device
+    except MobilecError:
+        return None
+
+
+def check_memory(artifact: Artifact, device_ram_mb: float | None, facts: dict[str, Any] | None) -> None:
+    """Refuse, before anything is uploaded, an artifact whose estimated memory exceeds the device's RAM."""
+    needed = artifact.config.get("memory_estimate", {}).get("total_bytes")
+    if device_ram_mb is not None:
+        limit_mb, source = device_ram_mb, "--device-ram-mb"
+    elif facts is not None:
+        limit_mb, source = facts["ram_gb"] * 1024, f"ram_gb of target {artifact.config['target']['name']}"
+    else:
+        return
+    if needed is not None and needed / 2**20 > limit_mb:
+        need_mb = needed / 2**20
+        raise MobilecError(f"{artifact.path} needs an estimated {need_mb:.0f} MB but the device has {limit_mb:g} MB "
+                           f"({source}): {need_mb - limit_mb:.0f} MB too many; use a smaller --quant or "
+                           f"--context-window, or pass the device's real RAM with --device-ram-mb")
+
+
+def _rate(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else float("nan")
+
+
+def run_bench(artifact: Artifact, device: Device, options: BenchOptions, progress: bool) -> dict[str, Any]:
+    """Stage the artifact on the device, then time `repeat` generations (after one warm-up) and, if asked, a
+    sustained decode; returns the figures `mobilec bench --json` writes."""
+    cfg = artifact.config
+    options.check(int(cfg["context_window"]))
+    facts = _target_device_facts(artifact)
+    check_memory(artifact, options.device_ram_mb, facts)
+    check_runs_on(artifact, device)
+    if options.threads is not None:
+        with device.errors("setting the thread count"):
+            device.set_threads(options.threads)
+    t_stage = time.perf_counter()
+    staged = device.stage(artifact, progress)
+    t_load = time.perf_counter()
+    model = DeviceModel(device, artifact, staged)
+    load_s = time.perf_counter() - t_load
+    ids = prompt_ids(int(cfg["model"]["config"]["vocab_size"]), options.prompt_len, options.seed)
+    with device.errors("running the benchmark"):
+        model.generate(ids, 2)  # warm-up: the first calls set up the VM's memory pools
+        with tqdm(total=options.repeat * options.gen_len, desc="bench", unit="tok", file=sys.stderr,
+                  disable=not progress) as bar:
+            runs, device_step_s = [], []
+            for _ in range(options.repeat):
+                runs.append(model.generate(ids, options.gen_len, lambda: bar.update()))
+                device_step_s.append(model.device_decode_s(runs[-1].tokens[-1]))
+        device_tok_s = 1.0 / float(np.median(device_step_s))
+        sustained = model.sustained(ids, options.sustained_s, progress) if options.sustained_s else None
+    steps = options.gen_len - 1
+    decode_rates = [_rate(steps, r.decode_s) for r in runs]
+    decode_tok_s = float(np.median(decode_rates))
+    # decode runs from prompt_len to prompt_len + gen_len tokens: its middle stands for the whole
+    per_token, source = bytes_per_token(artifact, options.prompt_len + options.gen_len // 2)
+    bandwidth = facts["memory_bandwidth_gbs"] if facts else None
+
+    def roofline(rate: float) -> float | None:
+        return per_token * rate / 1e9 / bandwidth if bandwidth else None
+
+    local = device.session is None
+    return {
+        "artifact": str(artifact.path),
+        "model": cfg["model"]["name"],
+        "quant": cfg["quantization"]["name"],
+        "target": cfg["target"]["name"],
+        "device": device.description,
+        "prompt_len": options.prompt_len,
+        "gen_len": options.gen_len,
+        "repeat": options.repeat,
+        "threads": options.threads,
+        "prompt_seed": options.seed,
+        "upload": {"uploaded": len(staged.uploaded), "skipped": len(staged.skipped), "bytes": staged.upload_bytes,
+                   "seconds": round(t_load - t_stage, 3), "uploaded_files": staged.uploaded,
+                   "skipped_files": staged.skipped},
+        "weights_loaded_by": "vm.builtin.tensor_cache.load on the device",
+        "load_s": round(load_s, 3),
+        "ttft_ms": float(np.median([r.ttft_s for r in runs])) * 1e3,
+        "prefill_tok_s": float(np.median([_rate(options.prompt_len, r.ttft_s) for r in runs])),
+        "decode_tok_s": decode_tok_s,
+        # the rate 90% of runs reach: from the 90th percentile of decode time (the slow tail)
+        "decode_tok_s_p90": _rate(steps, float(np.percentile([r.decode_s for r in runs], 90))),
+        "decode_tok_s_device": device_tok_s,
+        "logits_fetch_ms_per_token": float(np.median([r.decode_fetch_s / steps for r in runs])) * 1e3,
+        "peak_mem_mb": peak_rss_mb() if local else None,
+        "peak_mem_note": ("peak RSS of this process (Python and TVM included)" if local else
+                          "not reported: TVM's RPC runtime gives no process memory for a CPU device"),
+        "bytes_per_token": per_token,
+        "bytes_per_token_source": source,
+        "memory_bandwidth_gbs": bandwidth,
+        "achieved_gbs": per_token * decode_tok_s / 1e9,
+        "roofline_fraction": roofline(decode_tok_s),
+        "roofline_fraction_device": roofline(device_tok_s),
+        "tokens": runs[0].tokens,
+        "sustained": sustained,
+    }
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The figures as a table for people; --json has them all."""
+    dev = result["device"]
+    arch = f", {dev['triple'] or dev['arch']}" if dev["arch"] else ""
+    upload = result["upload"]
+    staged = ("weights read in place" if dev["kind"] == "local" else
+              f"upload: {upload['uploaded']} files sent ({upload['bytes'] / 1e6:.1f} MB), "
+              f"{upload['skipped']} already there")
+    lines = [
+        f"{result['artifact']} ({result['model']}, {result['quant']}, target {result['target']}) on {dev['name']}{arch}",
+        f"prompt {result['prompt_len']} tokens, {result['gen_len']} generated, {result['repeat']} runs after a warm-up; "
+        f"{staged}",
+        f"{'time to first token':34s} {result['ttft_ms']:10.1f} ms",
+        f"{'prefill':34s} {result['prefill_tok_s']:10.1f} tok/s",
+        f"{'decode (median / p90)':34s} {result['decode_tok_s']:10.1f} / {result['decode_tok_s_p90']:.1f} tok/s",
+        f"{'decode step on the device':34s} {result['decode_tok_s_device']:10.1f} tok/s (no RPC round trips)",
+        f"{'logits to the host':34s} {result['logits_fetch_ms_per_token']:10.2f} ms/token (part of decode)",
+        f"{'peak memory':34s} {_fmt(result['peak_mem_mb'], '10.0f')} MB ({result['peak_mem_note']})",
+        f"{'weights read per token':34s} {result['bytes_per_token'] / 1e6:10.1f} MB ({result['bytes_per_token_source']})",
+        f"{'achieved bandwidth':34s} {result['achieved_gbs']:10.2f} GB/s = {_fmt(result['roofline_fraction'], '.1%')} "
+        f"of {_fmt(result['memory_bandwidth_gbs'], 'g')} GB/s (device step alone: "
+        f"{_fmt(result['roofline_fraction_device'], '.1%')})",
+    ]
+    if result["sustained"]:
+        rates = result["sustained"]["tok_s"]
+        lines.append(f"{'sustained decode':34s} {len(rates)} intervals: first {rates[0]:.1f}, last {rates[-1]:.1f}, "
+                     f"min {min(rates):.1f} tok/s")
+    return "\n".join(lines)
+
+
+def plot_sustained(result: dict[str, Any], path: str | Path) -> None:
+    """tok/s over time of the sustained run, as a PNG."""
+    try:
+        import matplotlib  # pylint: disable=import-outside-toplevel
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        raise MobilecError("--plot needs matplotlib; install it (pip install matplotlib) or drop --plot") from None
+    sustained = result["sustained"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(sustained["t_s"], sustained["tok_s"], marker="o")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("decode tok/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{result['model']} {result['quant']} on {result['device']['name']}", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except OSError as err:
+        raise MobilecError(f"cannot write --plot {path}: {err.strerror}") from None
+    finally:
+        plt.close(fig)

@@ -1,0 +1,299 @@
+"""The device a benchmark runs on (this process, an RPC server, or one a tracker hands out) and putting an
+artifact there: files uploaded once and skipped by sha256 afterwards, weights loaded by the device itself.
+
+TVM's RPC servers give each session a fresh work directory and delete it when the session ends; they offer
+upload, download and remove but no mkdir. Files that must outlive a session therefore sit next to that
+directory (`../mobilec-<artifact>-<hash>.<file>`), and a manifest there records the sha256 of each one.
+
+Weights are loaded on the device by `vm.builtin.tensor_cache.load`, which reads shards described by a
+`tensor-cache.json` (TVM's tvmjs format). Our shards fit that format as they are (raw little-endian bytes at
+recorded offsets), so the JSON is generated from params/index.json, with data paths pointing at the shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import tvm
+from tqdm import tqdm
+from tvm import rpc
+
+from ..artifact import PARAMS_DIR, Artifact, sha256_file
+from ..errors import MobilecError
+
+TENSOR_CACHE_JSON = "tensor-cache.json"  # the file name vm.builtin.tensor_cache.load reads in its directory
+CONNECT_TIMEOUT_S = 10.0
+
+
+@dataclasses.dataclass
+class Staged:
+    """An artifact's files as the device sees them, and what staging them cost."""
+
+    library: str  # what load_module takes on the device
+    tensor_cache_dir: str  # the directory holding tensor-cache.json, as a path on the device
+    uploaded: list[str]
+    skipped: list[str]
+    upload_bytes: int
+
+
+class Device:
+    """This process (session None) or a TVM RPC session, behind one interface."""
+
+    def __init__(self, session: rpc.RPCSession | None, description: dict[str, Any], session_timeout_s: float):
+        self.session = session
+        self.description = description
+        self.session_timeout_s = session_timeout_s
+        self.started = time.monotonic()
+        self.dev = session.cpu() if session else tvm.cpu()
+        self._work_dir: tempfile.TemporaryDirectory | None = None
+        with self.errors("asking what the device is"):
+            triple = self._triple()
+            total = self.dev.total_global_memory  # RAM for a CPU; None or -1 when the device cannot tell
+        self.description["triple"] = triple
+        # Without a triple, the arch is learnt when the device loads a library (note_loaded).
+        self.description["arch"] = triple.split("-")[0] if triple else None
+        self.description["arch_from"] = "its LLVM target triple" if triple else None
+        self.description["total_ram_mb"] = round(total / 2**20) if total and total > 0 else None
+
+    def _triple(self) -> str | None:
+        """The device's target triple, when its TVM has LLVM (a runtime-only build, as on phones, does not)."""
+        try:
+            return self.function("tvm.codegen.llvm.GetProcessTriple")()
+        except (AttributeError, ValueError):  # how a missing function shows over RPC, and locally
+            return None
+
+    @property
+    def device_type(self) -> int:
+        """The DLPack device type as the device itself knows it (without the RPC session mask)."""
+        return self.dev.dlpack_device_type() % rpc.base.RPC_SESS_MASK
+
+    def note_loaded(self, artifact: Artifact) -> None:
+        """The device loaded the artifact's library: it runs that architecture, if nothing said so before."""
+        if self.description["arch"] is None:
+            self.description["arch"] = artifact_arch(artifact)
+            self.description["arch_from"] = f"it loaded {artifact.library.name} built for that"
+
+    def function(self, name: str):
+        """A global function of the device's runtime."""
+        if self.session is None:
+            return tvm.get_global_func(name)
+        return self.session.get_function(name)
+
+    def shape(self, *dims: int):
+        """A Shape made on the device: RPC cannot send a Shape object, only a handle to a remote one."""
+        return self.function("ffi.Shape")(*dims)
+
+    def load_module(self, path: str):
+        return tvm.runtime.load_module(path) if self.session is None else self.session.load_module(path)
+
+    def set_threads(self, threads: int) -> None:
+        # mode 0 = no core pinning, as session.set_threads (pinning fights other processes)
+        self.function("runtime.config_threadpool")(0, threads)
+
+    def stage(self, artifact: Artifact, progress: bool) -> Staged:
+        """Make the artifact's library and shards available on the device; uploads only what it lacks."""
+        if self.session is None:
+            # Nothing to copy: the JSON goes to a temporary directory and points at the artifact's own shards.
+            self._work_dir = tempfile.TemporaryDirectory(prefix="mobilec-bench-")
+            work = Path(self._work_dir.name)
+            params = (artifact.path / PARAMS_DIR).resolve()
+            paths = {s["file"]: os.path.relpath(params / s["file"], work) for s in artifact.index["shards"]}
+            (work / TENSOR_CACHE_JSON).write_text(tensor_cache_json(artifact, paths))
+            return Staged(str(artifact.library), str(work), [], [], 0)
+        with self.errors("uploading the artifact"):
+            return _stage_remote(self.session, artifact, progress)
+
+    def load_params(self, staged: Staged, artifact: Artifact):
+        """The parameters, read from the shards by the device itself, in the order the compiled functions take
+        them (params/index.json's order, as Artifact.load_params)."""
+        self.function("vm.builtin.tensor_cache.load")(staged.tensor_cache_dir, self.device_type, self.dev.index)
+        names = [t["name"] for t in artifact.index["tensors"]]
+        # RPC cannot send an Array of names, so the unpacked variant takes them as separate arguments.
+        params = self.function("vm.builtin.param_array_from_cache_by_name_unpacked")(*names)
+        # The array holds the tensors; the global cache need not (in this process it would outlive the bench).
+        self.function("vm.builtin.tensor_cache.clear")()
+        return params
+
+    def close(self) -> None:
+        """End the session now (the server serves one at a time; handles left in a traceback would keep this
+        one open until its timeout) and remove local staging files."""
+        if self.session is not None:
+            with contextlib.suppress(RuntimeError):  # the connection may be gone already
+                self.session.get_function("CloseRPCConnection")()
+            self.session = None
+        if self._work_dir is not None:
+            self._work_dir.cleanup()
+            self._work_dir = None
+
+    @contextlib.contextmanager
+    def errors(self, doing: str) -> Iterator[None]:
+        """Turn a failure on the device into one line that says what was happening and what to do."""
+        try:
+            yield
+        except RuntimeError as err:  # TVM raises its errors (RPC ones included) as RuntimeError subclasses
+            raise MobilecError(self._explain(err, doing)) from None
+
+    def _explain(self, err: RuntimeError, doing: str) -> str:
+        where = self.description["name"]
+        first = last_line(err)
+        remote = self.session is not None
+        # The server's timeout message may arrive cut short, or as a bare reset (it closes the socket with
+        # requests unread), so any failure when the session was due to end counts as the timeout.
+        expired = remote and ("SessionTimeout" in str(err)
+                              or time.monotonic() - self.started >= 0.95 * self.session_timeout_s)
+        lost = remote and ("kShutdown" in first or "Socket" in first or "connection" in first.lower())
+        if expired:
+            return (f"the session on {where} ran past --session-timeout {self.session_timeout_s:g} s while {doing}; "
+                    f"raise --session-timeout or bench less (--repeat, --gen-len, --sustained)")
+        if lost:
+            return (f"lost the connection to {where} while {doing} ({first}); check that the device's RPC server "
+                    f"is still running, then rerun")
+        return f"{where} failed while {doing}: {first}"
+
+
+def last_line(err: Exception) -> str:
+    """The line of a TVM error that says what went wrong (its message ends with it, after any context); a
+    message cut short by a dropped connection can end in stray bytes, which are left out."""
+    text = "".join(ch for ch in str(err) if ch.isprintable() or ch == "\n")
+    return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), type(err).__name__)
+
+
+def parse_address(text: str, option: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise MobilecError(f"{option} {text!r} is not HOST:PORT; pass e.g. {option} 127.0.0.1:9190")
+    return host, int(port)
+
+
+def _request_from_tracker(host: str, port: int, key: str, timeout: int) -> rpc.RPCSession:
+    """A session on a device with `key`; an unknown key is refused with the keys the tracker has (a request
+    for it would wait forever)."""
+    try:  # TVM's tracker client retries a refused connection for 60 s: fail fast instead
+        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as err:
+        raise MobilecError(f"cannot reach the RPC tracker at {host}:{port} ({err.strerror or err}); start it with "
+                           f"`python -m tvm.exec.rpc_tracker --host 0.0.0.0 --port {port}` or fix --tracker") from None
+    try:
+        tracker = rpc.connect_tracker(host, port)
+        keys = sorted({info["key"].split(":", 1)[1] for info in tracker.summary()["server_info"]})
+    except (RuntimeError, OSError) as err:
+        raise MobilecError(f"{host}:{port} does not answer as an RPC tracker ({last_line(err)}); "
+                           f"pass the tracker's address to --tracker (an RPC server's goes to --rpc)") from None
+    with contextlib.closing(tracker):
+        if key not in keys:
+            listed = ", ".join(keys) if keys else "none; no RPC server has registered"
+            raise MobilecError(f"the tracker at {host}:{port} has no device with key {key!r}; its keys: {listed}")
+        try:
+            return tracker.request(key, session_timeout=timeout, max_retry=2)
+        except RuntimeError as err:
+            raise MobilecError(f"the tracker at {host}:{port} could not give a {key!r} device "
+                               f"({last_line(err)}); check the device's RPC server, then rerun") from None
+
+
+def connect(rpc_address: str | None, tracker_address: str | None, key: str | None,
+            session_timeout_s: float) -> Device:
+    """This process when neither address is given; else a session on a direct RPC server or one from a tracker."""
+    if rpc_address is None and tracker_address is None:
+        return Device(None, {"kind": "local", "name": "this process"}, session_timeout_s)
+    timeout = math.ceil(session_timeout_s)  # whole seconds, as the server's session option takes them
+    if rpc_address is not None:
+        host, port = parse_address(rpc_address, "--rpc")
+        description = {"kind": "rpc", "name": f"the RPC server at {host}:{port}", "address": f"{host}:{port}"}
+        try:
+            session = rpc.connect(host, port, session_timeout=timeout)
+        except RuntimeError as err:
+            raise MobilecError(f"cannot connect to the RPC server at {host}:{port} ({last_line(err)}); "
+                               f"start one there (python -m tvm.exec.rpc_server --host 0.0.0.0 --port {port}) or fix --rpc") from None
+    else:
+        host, port = parse_address(tracker_address, "--tracker")
+        description = {"kind": "tracker", "name": f"the device with key {key!r} from the tracker at {host}:{port}",
+                       "address": f"{host}:{port}", "key": key}
+        session = _request_from_tracker(host, port, key, timeout)
+    return Device(session, description, session_timeout_s)
+
+
+def artifact_arch(artifact: Artifact) -> str:
+    """The CPU architecture the artifact's library is built for ('' when its target names no triple)."""
+    return artifact.config["target"]["tvm_target"].get("mtriple", "").split("-")[0]
+
+
+def check_runs_on(artifact: Artifact, device: Device) -> None:
+    """Refuse an artifact the device cannot run, when that can be told without uploading it."""
+    target = artifact.config["target"]
+    if target["tvm_target"]["kind"] != "llvm":
+        raise MobilecError(f"{artifact.path} is built for {target['name']} ({target['tvm_target']['kind']}); "
+                           f"bench runs CPU (llvm) artifacts: compile one with --target host or linux-arm64/android-arm64")
+    built_for, device_arch = artifact_arch(artifact), device.description["arch"]
+    if built_for and device_arch and built_for != device_arch:
+        raise MobilecError(f"{artifact.path} is built for {built_for} (target {target['name']}) but "
+                           f"{device.description['name']} is {device_arch}; compile it with a --target for {device_arch}")
+
+
+def tensor_cache_json(artifact: Artifact, data_path: dict[str, str]) -> str:
+    """TVM's tensor-cache.json for the artifact's shards; data_path maps a shard file to its path on the device
+    (relative to the JSON's directory)."""
+    records = []
+    for shard in artifact.index["shards"]:
+        tensors = [t for t in artifact.index["tensors"] if t["shard"] == shard["file"]]
+        records.append({
+            "dataPath": data_path[shard["file"]],
+            "format": "raw-shard",
+            "nbytes": shard["nbytes"],
+            "records": [{"name": t["name"], "shape": t["shape"], "dtype": t["dtype"], "format": "raw-shape-dtype",
+                         "nbytes": t["nbytes"], "byteOffset": t["offset"]} for t in tensors],
+        })
+    return json.dumps({"metadata": {}, "records": records})
+
+
+def slot_name(artifact: Artifact) -> str:
+    """Where an artifact's files live on a device: its name plus a hash of where it is on this machine, so a
+    rebuilt artifact replaces its own files and two artifacts of the same name do not collide."""
+    where = hashlib.sha256(str(artifact.path.resolve()).encode()).hexdigest()[:12]
+    return f"mobilec-{artifact.path.resolve().name}-{where}"
+
+
+def _download_manifest(session: rpc.RPCSession, path: str) -> dict[str, str]:
+    try:
+        return json.loads(bytes(session.download(path)))["files"]
+    except (RuntimeError, ValueError, KeyError):  # first visit (no file yet) or a manifest cut short
+        return {}
+
+
+def _stage_remote(session: rpc.RPCSession, artifact: Artifact, progress: bool) -> Staged:
+    slot = f"../{slot_name(artifact)}"  # beside the session's work directory, which the server deletes
+    manifest_path = f"{slot}.manifest.json"
+    files = {Path(artifact.config["library"]).name: (artifact.library, sha256_file(artifact.library))}
+    for shard in artifact.index["shards"]:
+        files[shard["file"]] = (artifact.path / PARAMS_DIR / shard["file"], shard["sha256"])
+    on_device = _download_manifest(session, manifest_path)
+    stale = [name for name, (_, digest) in files.items() if on_device.get(name) != digest]
+    if stale:
+        # Forget the files about to be replaced first: an upload cut short must not pass for the old file later.
+        kept = {name: digest for name, digest in on_device.items() if name in files and name not in stale}
+        session.upload(bytearray(json.dumps({"files": kept}).encode()), manifest_path)
+    upload_bytes = sum(files[name][0].stat().st_size for name in stale)
+    with tqdm(total=upload_bytes, desc="upload", unit="B", unit_scale=True, file=sys.stderr,
+              disable=not progress or not stale) as bar:
+        for name in stale:
+            session.upload(str(files[name][0]), f"{slot}.{name}")
+            bar.update(files[name][0].stat().st_size)
+    if stale:
+        manifest = {name: digest for name, (_, digest) in files.items()}
+        session.upload(bytearray(json.dumps({"files": manifest}).encode()), manifest_path)
+    paths = {s["file"]: f"{slot}.{s['file']}" for s in artifact.index["shards"]}
+    session.upload(bytearray(tensor_cache_json(artifact, paths).encode()), TENSOR_CACHE_JSON)
+    library = f"{slot}.{Path(artifact.config['library']).name}"
+    skipped = [name for name in files if name not in stale]
+    return Staged(library, session.get_function("tvm.rpc.server.workpath")(""), stale, skipped, upload_bytes)

@@ -15,7 +15,7 @@ from .targets import TargetSpec
 NDK_HOST = "linux-x86_64"
 
 
-def _ndk_compiler(spec: TargetSpec) -> str | None:
+def ndk_compiler(spec: TargetSpec) -> str | None:
     """TVM_NDK_CC, or the API-level clang++ under ANDROID_NDK; None when neither is set."""
     if os.environ.get("TVM_NDK_CC"):
         return os.environ["TVM_NDK_CC"]
@@ -38,7 +38,7 @@ def check_toolchain(spec: TargetSpec) -> None:
         raise MobilecError(f"cross compiler {spec.link['compiler']} for target {spec.name} is not installed; "
                            f"install it with `apt-get install {spec.link['package']}` (scripts/setup.sh does)")
     if method == "ndk":
-        _ndk_compiler(spec)
+        ndk_compiler(spec)
 
 
 OPENCL_SOURCE = "kernels.cl"
@@ -65,7 +65,7 @@ def export_library(executable: tvm.runtime.Executable, spec: TargetSpec, lib_dir
     if method == "cross":
         executable.export_library(str(lib_dir / "model.so"), fcompile=cc.cross_compiler(spec.link["compiler"]))
         return "model.so", None
-    compiler = _ndk_compiler(spec)
+    compiler = ndk_compiler(spec)
     if compiler is not None:
         executable.export_library(str(lib_dir / "model.so"), fcompile=cc.cross_compiler(compiler))
         return "model.so", None

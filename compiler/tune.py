@@ -181,7 +181,7 @@ def _library_compiler(spec: TargetSpec) -> str | None:
     link.check_toolchain(spec)
     if method == "cross":
         return spec.link["compiler"]
-    compiler = link._ndk_compiler(spec)  # pylint: disable=protected-access
+    compiler = link.ndk_compiler(spec)
     if compiler is None:
         raise MobilecError(f"tuning for {spec.name} runs linked kernels on the phone, which needs the Android NDK; "
                            f"set TVM_NDK_CC or ANDROID_NDK")

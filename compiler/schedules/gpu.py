@@ -35,18 +35,17 @@ def _device_only(target: Target) -> Target:
 class Matmul(dlight.gpu.Matmul):
     """dlight's gpu.Matmul with the tile configuration from the target file."""
 
-    def __init__(self, params: dict[str, Any]):
-        self.config = self._config = dlight.gpu.Matmul.Config(**params)
+    def __init__(self, params: dict[str, Any] | dlight.gpu.Matmul.Config):
+        self.config = params if isinstance(params, dlight.gpu.Matmul.Config) else dlight.gpu.Matmul.Config(**params)
 
     def get_configs(self, target: Target) -> dlight.gpu.Matmul.Config:
-        return self._config
+        return self.config
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
-        self._config = self.config
-        if any(getattr(p, "dtype", None) == "uint8" for p in func.params):
+        if self.config.vector_size > 1 and any(getattr(p, "dtype", None) == "uint8" for p in func.params):
             # Packed codes: the inner loop runs over weight rows, so a vector would gather bytes, and TVM's
             # OpenCL codegen emits invalid C for an 8-bit vector gather (convert_int8 of a scalar).
-            self._config = dataclasses.replace(self.config, vector_size=1)
+            return Matmul(dataclasses.replace(self.config, vector_size=1)).apply(func, target, tunable)
         return super().apply(func, _device_only(target), tunable)
 
 

@@ -31,8 +31,7 @@ from compiler.compile_model import compile_model
 from compiler.runtime.bench import prompt_ids
 from compiler.runtime.remote import slot_name
 from compiler.runtime.session import Session
-from tests.helpers.tiny_models import build_model, save_hf
-from tests.helpers.tiny_tokenizer import save_tiny_tokenizer
+from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 PROMPT_LEN, GEN_LEN = 12, 8
 BENCH_ARGS = ["--prompt-len", str(PROMPT_LEN), "--gen-len", str(GEN_LEN), "--repeat", "2"]
@@ -86,8 +85,7 @@ def _start_server(tmp: Path, tracker_port: int | None = None) -> tuple[_Process,
 @pytest.fixture(scope="module")
 def tiny_artifact(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("bench")
-    save_hf(build_model("llama_gqa"), root / "hf")
-    save_tiny_tokenizer(root / "hf")
+    save_compilable_checkpoint(build_model("llama_gqa"), root / "hf")
     compile_model(str(root / "hf"), "host", "q0f32", str(root / "tiny"), context_window=64, progress=False)
     return root / "tiny"
 

@@ -118,11 +118,9 @@ def test_real_entry_point_prints_no_traceback(tmp_path):
 
 def test_corrupted_weight_shard_at_generate_time(tmp_path):
     from compiler.compile_model import compile_model
-    from tests.helpers.tiny_models import build_model, save_hf
-    from tests.helpers.tiny_tokenizer import save_tiny_tokenizer
+    from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
-    save_hf(build_model("llama_gqa"), tmp_path / "hf")
-    save_tiny_tokenizer(tmp_path / "hf")
+    save_compilable_checkpoint(build_model("llama_gqa"), tmp_path / "hf")
     art = tmp_path / "art"
     compile_model(str(tmp_path / "hf"), "host", "q0f32", str(art), context_window=32, progress=False)
     ok = _run(["generate", str(art), "--prompt", "the cat", "--max-new-tokens", "2", "--json"])

@@ -14,8 +14,7 @@ from compiler.compile_model import compile_model
 from compiler.estimate import GIB, estimate_memory
 from compiler.targets import TARGETS_DIR
 from tests.helpers.assertions import assert_mobilec_error
-from tests.helpers.tiny_models import build_model, save_hf
-from tests.helpers.tiny_tokenizer import save_tiny_tokenizer
+from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 LLAMA_7B_CONFIG = Path(__file__).parent / "data" / "llama-2-7b-config.json"
 JSON_KEYS = {"weights_bytes", "kv_cache_bytes", "activation_bytes", "margin_bytes", "total_bytes", "ram_bytes", "fits",
@@ -127,8 +126,7 @@ def test_llama_7b_long_context_names_a_shorter_one(llama_7b_dir):
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("tiny") / "hf"
-    save_hf(build_model("llama_gqa"), d)
-    save_tiny_tokenizer(d)
+    save_compilable_checkpoint(build_model("llama_gqa"), d)
     return d
 
 

@@ -7,8 +7,7 @@ from compiler.artifact import load_artifact
 from compiler.compile_model import compile_model
 from compiler.runtime.session import Session
 from tests.helpers.reference import reference_greedy
-from tests.helpers.tiny_models import SPECS, build_model, save_hf
-from tests.helpers.tiny_tokenizer import save_tiny_tokenizer
+from tests.helpers.tiny_models import SPECS, build_model, save_compilable_checkpoint
 
 PROMPT = [3, 7, 1, 4, 4, 9, 2, 5, 6, 8, 10]
 
@@ -22,8 +21,7 @@ def compiled(request, tmp_path_factory):
     name = request.param
     model = build_model(name)
     root = tmp_path_factory.mktemp(name)
-    save_hf(model, root / "hf")
-    save_tiny_tokenizer(root / "hf")
+    save_compilable_checkpoint(model, root / "hf")
     compile_model(str(root / "hf"), "host", "q0f32", str(root / "artifact"), context_window=64, progress=False)
     return model, Session(load_artifact(root / "artifact"))
 

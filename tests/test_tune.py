@@ -36,8 +36,7 @@ from compiler.runtime.session import Session
 from compiler.targets import load_target
 from compiler.tune import tune
 from tests.helpers.reference import fake_quantized, reference_greedy
-from tests.helpers.tiny_models import build_model, save_hf
-from tests.helpers.tiny_tokenizer import save_tiny_tokenizer
+from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 QUANT = "q4f16_g32"
 TRIALS = 4
@@ -53,8 +52,7 @@ TUNE_TIMEOUT_S = 300  # a tuning subprocess that runs longer is hanging
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tune")
     model = build_model(MODEL)
-    save_hf(model, root / "hf")
-    save_tiny_tokenizer(root / "hf")
+    save_compilable_checkpoint(model, root / "hf")
     return model, root / "hf"
 
 

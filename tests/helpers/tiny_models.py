@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
+from tests.helpers.tiny_tokenizer import save_tiny_tokenizer
+
 # name -> (model class, config class, config kwargs)
 SPECS: dict[str, tuple[type, type, dict[str, Any]]] = {
     # GQA (4 query heads share 2 kv heads) with tied embeddings, the SmolLM2 shape in miniature.
@@ -105,6 +107,13 @@ def save_hf(model: PreTrainedModel, out_dir: str | Path, fmt: str = "safetensors
         (out / f"{stem}{ext}.index.json").write_text(json.dumps(index, indent=2))
     return out
 
+
+
+def save_compilable_checkpoint(model: PreTrainedModel, out_dir: str | Path) -> Path:
+    """An HF directory `mobilec compile` accepts: the model's safetensors and the tiny test tokenizer."""
+    out = save_hf(model, out_dir)
+    save_tiny_tokenizer(out)
+    return out
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute: HF q/k rows -> GGUF order (weights and biases)."""

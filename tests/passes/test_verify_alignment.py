@@ -14,8 +14,7 @@ from compiler.errors import MobilecError
 from compiler.passes.verify_alignment import VerifyAlignment
 from compiler.runtime.session import Session
 from compiler.targets import load_target
-from tests.helpers.tiny_models import build_model, save_hf
-from tests.helpers.tiny_tokenizer import save_tiny_tokenizer
+from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 
 def _kernel_module(align: int) -> tvm.IRModule:
@@ -56,8 +55,7 @@ def test_misaligned_offset_is_named():
 def test_compiled_tiny_model_tensors_are_aligned_at_run_time(tmp_path):
     """The pipeline ends with VerifyAlignment; then every tensor a decode step hands a kernel is 64-byte aligned."""
     assert pipeline.steps(load_target("host"))[-1][0] == "verify-alignment"
-    save_hf(build_model("llama_gqa"), tmp_path / "hf")
-    save_tiny_tokenizer(tmp_path / "hf")
+    save_compilable_checkpoint(build_model("llama_gqa"), tmp_path / "hf")
     compile_model(str(tmp_path / "hf"), "host", "q4f16_g32", str(tmp_path / "art"), context_window=64, progress=False)
     session = Session(load_artifact(tmp_path / "art"))
     session.reset()

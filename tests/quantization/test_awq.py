@@ -14,8 +14,8 @@ from compiler.quantization import awq, group
 from compiler.quantization.schemes import get_scheme
 from compiler.runtime.session import Session
 from tests.helpers.reference import reference_greedy
-from tests.helpers.tiny_models import build_model, save_hf
-from tests.helpers.tiny_tokenizer import WORDS, save_tiny_tokenizer
+from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
+from tests.helpers.tiny_tokenizer import WORDS
 
 PROMPT = [3, 7, 1, 4, 4, 9, 2, 5, 6, 8, 10, 11, 2]
 G32 = get_scheme("q4f32_g32").layout
@@ -25,8 +25,7 @@ G32 = get_scheme("q4f32_g32").layout
 def gqa_model(tmp_path_factory):
     model = build_model("llama_gqa")
     root = tmp_path_factory.mktemp("awq")
-    save_hf(model, root / "hf")
-    save_tiny_tokenizer(root / "hf")
+    save_compilable_checkpoint(model, root / "hf")
     calib = root / "calib.txt"
     rng = np.random.default_rng(0)
     calib.write_text(" ".join(rng.choice(WORDS[2:], 600)))

@@ -11,8 +11,8 @@ from compiler.errors import MobilecError
 from compiler.quantization.schemes import SCHEMES
 from compiler.runtime.session import Session
 from tests.helpers.reference import fake_quantized, reference_greedy
-from tests.helpers.tiny_models import build_model, save_hf, write_gguf
-from tests.helpers.tiny_tokenizer import save_tiny_tokenizer
+from tests.helpers.tiny_models import build_model, save_compilable_checkpoint, write_gguf
+
 
 PROMPT = [3, 7, 1, 4, 4, 9, 2, 5, 6, 8, 10, 11, 2]
 # cosine similarity of all logits with the float model's: int4 on random unstructured weights is coarse
@@ -25,8 +25,7 @@ MIN_COSINE_INT4 = 0.8
 def odd_model(tmp_path_factory):
     model = build_model("llama_odd")
     root = tmp_path_factory.mktemp("odd")
-    save_hf(model, root / "hf")
-    save_tiny_tokenizer(root / "hf")
+    save_compilable_checkpoint(model, root / "hf")
     write_gguf(model, root / "hf" / "odd.gguf", tokenizer=True)  # F32: K=72 has no whole 32-blocks, as llama.cpp would keep it
     _, ref_logits, _ = reference_greedy(model, PROMPT, 1)
     return root, model, ref_logits

@@ -7,6 +7,13 @@ Each round runs every runtime once (A B C A B C ...), so a noisy neighbour slows
 the table shows medians and the ratios of each runtime to llama.cpp and to the first --artifact (pass
 several, e.g. q0f32 then q4f16_g32, to compare schemes). Every runtime gets the same prompt token ids and
 decodes greedily; the token agreement with the first artifact is printed as a sanity check.
+
+Decode is bound by memory bandwidth: the run first measures the read bandwidth at --threads (a TVM kernel
+summing a large array, compiler/runtime/profile.py), and the table shows for each runtime the bytes one
+decode token reads (weights + KV cache at the middle of the generation), the floor tok/s that bandwidth
+allows and the share of it reached. After the table, one decode step of each artifact is profiled: kernels
+by projection, the VM's overhead between them and the host-side Python/FFI. --profile-only skips the peers
+and the rounds (a quick look at the kernels).
 """
 
 from __future__ import annotations
@@ -22,10 +29,22 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from compiler.artifact import load_artifact  # noqa: E402
-from compiler.loaders.default_model import default_model_path  # noqa: E402
-from compiler.runtime.generate import load_tokenizer  # noqa: E402
-from compiler.runtime.session import Session, set_threads  # noqa: E402
+from compiler.artifact import load_artifact
+from compiler.loaders.default_model import default_model_path
+from compiler.runtime.generate import load_tokenizer
+from compiler.runtime.profile import (
+    DEFAULT_STEPS,
+    ReadBytes,
+    artifact_read_bytes,
+    default_bandwidth_mb,
+    floor_figures,
+    format_profile,
+    gguf_read_bytes,
+    measure_read_bandwidth,
+    numpy_read_bandwidth,
+    profile_decode_step,
+)
+from compiler.runtime.session import Session, set_threads
 
 PROMPT_TEXT = (
     "The history of computing is a story of layers. At the bottom, transistors switch on and off; above them, "
@@ -47,9 +66,12 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 
 class MobilecRunner:
     def __init__(self, artifact: str):
-        art = load_artifact(artifact)
-        self.name = f"mobilec {art.config['quantization']['name']}"
-        self.session = Session(art)
+        self.artifact = load_artifact(artifact)
+        self.name = f"mobilec {self.artifact.config['quantization']['name']}"
+        self.session = Session(self.artifact)
+
+    def read_bytes(self, context_len: int) -> ReadBytes:
+        return artifact_read_bytes(self.artifact, context_len)
 
     def run(self, ids, gen_len):
         self.session.reset()
@@ -69,9 +91,13 @@ class LlamaCppRunner:
     def __init__(self, gguf: str, threads: int, n_ctx: int):
         from llama_cpp import Llama  # pylint: disable=import-outside-toplevel
 
+        self.gguf = gguf
         self.llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
                          n_batch=n_ctx, verbose=False)
         self.n_vocab = self.llm.n_vocab()
+
+    def read_bytes(self, context_len: int) -> ReadBytes:
+        return gguf_read_bytes(self.gguf, context_len)  # llama.cpp's default KV cache type is f16
 
     def _argmax(self) -> int:
         return int(np.argmax(np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.n_vocab,))))  # pylint: disable=protected-access
@@ -102,6 +128,20 @@ class TransformersRunner:
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
+    def read_bytes(self, context_len: int) -> ReadBytes:
+        """The float32 parameters (an untied embedding as one row) and a float32 KV cache."""
+        cfg = self.model.config
+        params = {id(p): p for p in self.model.parameters()}.values()  # a tied lm_head is the same tensor
+        weights = sum(p.numel() * p.element_size() for p in params)
+        table = self.model.get_input_embeddings().weight
+        table_bytes = table.numel() * table.element_size()
+        tied = self.model.get_output_embeddings().weight is table
+        read = table_bytes if tied else table_bytes // table.shape[0]
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * table.element_size()
+        return ReadBytes(weights - table_bytes + read, kv_token * context_len, context_len, tied, table_bytes, read,
+                         kv_token, f"torch parameters + float32 KV cache of {context_len} tokens")
+
     def run(self, ids, gen_len):
         torch = self.torch
         with torch.inference_mode():
@@ -117,7 +157,31 @@ class TransformersRunner:
         return t1 - t0, time.perf_counter() - t1, toks
 
 
-def main() -> None:
+def measure_bandwidth(threads: int, size_mb: float | None) -> dict:
+    size_mb = size_mb or default_bandwidth_mb()
+    result = {"gbs": measure_read_bandwidth(threads, size_mb), "size_mb": size_mb, "threads": threads,
+              **numpy_read_bandwidth(size_mb)}
+    print(f"memory read bandwidth at {threads} thread(s): {result['gbs']:.1f} GB/s (TVM kernel summing {size_mb:g} "
+          f"MiB, best of 5; cross-checks on one thread: numpy a.sum() {result['numpy_sum_gbs']:.1f} GB/s, "
+          f"np.copyto read+write {result['numpy_copy_gbs']:.1f} GB/s)")
+    return result
+
+
+def print_profiles(runners, args, bandwidth: float, summary: dict) -> None:
+    """Profile one decode step of every artifact at the prompt's length; print it and keep it in the summary."""
+    summary["profiles"] = {}
+    for runner in runners:
+        if not isinstance(runner, MobilecRunner):
+            continue
+        profile = profile_decode_step(runner.session, args.prompt_len, args.profile_steps)
+        profile.update(bandwidth_gbs=bandwidth, read_bytes=runner.read_bytes(args.prompt_len).to_json(),
+                       **floor_figures(runner.read_bytes(args.prompt_len), bandwidth, profile["tok_s"]))
+        summary["profiles"][runner.name] = profile
+        print()
+        print(format_profile(profile, top=args.profile_top))
+
+
+def main() -> None:  # pylint: disable=too-many-locals,too-many-statements
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--artifact", required=True, action="append",
                         help="a mobilec artifact built from the same model; repeat it to compare schemes in one run")
@@ -128,20 +192,42 @@ def main() -> None:
     parser.add_argument("--gen-len", type=int, default=128)
     parser.add_argument("--skip", action="append", default=[], choices=["llama.cpp", "transformers"])
     parser.add_argument("--json", dest="json_out", default=None, help="also write the results to this file")
+    parser.add_argument("--bandwidth-mb", type=float, default=None,
+                        help="size of the array the bandwidth is measured on (default: 8x the last-level cache, "
+                             "at least 256 MiB)")
+    parser.add_argument("--profile-steps", type=int, default=DEFAULT_STEPS,
+                        help="decode steps per profile (each run three ways: plain, call by call, instrumented)")
+    parser.add_argument("--profile-top", type=int, default=12, help="kernels listed per profile")
+    parser.add_argument("--profile-only", action="store_true",
+                        help="only the bandwidth, bytes per token and the profiles of the --artifact directories: "
+                             "no peers, no rounds")
     args = parser.parse_args()
 
     set_threads(args.threads)
     gguf = args.gguf or str(default_model_path())
-    ids = prompt_ids(load_tokenizer(load_artifact(args.artifact[0], verify_checksums=False).tokenizer_dir), args.prompt_len)
     runners = [MobilecRunner(a) for a in args.artifact]
     if len({r.name for r in runners}) < len(runners):
         parser.error("the --artifact directories must differ in quantization scheme")
+    if args.profile_only:
+        bandwidth = measure_bandwidth(args.threads, args.bandwidth_mb)
+        summary = {"threads": args.threads, "bandwidth": bandwidth, "runtimes": {}}
+        print_profiles(runners, args, bandwidth["gbs"], summary)
+        print(f"\n{'runtime':22s} {'MB/token':>9s} {'floor tok/s':>12s} {'decode tok/s':>13s} {'of floor':>9s}")
+        for name, profile in summary["profiles"].items():
+            summary["runtimes"][name] = {k: profile[k] for k in ("bytes_per_token", "floor_tok_s", "floor_fraction")}
+            print(f"{name:22s} {profile['bytes_per_token'] / 1e6:9.1f} {profile['floor_tok_s']:12.1f} "
+                  f"{profile['tok_s']:13.1f} {profile['floor_fraction']:9.1%}")
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(summary, indent=1))
+        return
+    ids = prompt_ids(load_tokenizer(runners[0].artifact.tokenizer_dir), args.prompt_len)
     if "llama.cpp" not in args.skip:
         runners.append(LlamaCppRunner(gguf, args.threads, args.prompt_len + args.gen_len + 8))
     if "transformers" not in args.skip:
         runners.append(TransformersRunner(gguf, args.threads))
     for runner in runners:  # warm-up: first-call allocations and lazy initialisation
         runner.run(ids[:16], 4)
+    bandwidth = measure_bandwidth(args.threads, args.bandwidth_mb)
 
     results = {r.name: {"prefill": [], "decode": [], "tokens": None} for r in runners}
     for rnd in range(args.rounds):
@@ -157,20 +243,30 @@ def main() -> None:
     # Ratios against the first artifact (tokens too) and against llama.cpp when it ran.
     first = results[runners[0].name]
     peer = results.get("llama.cpp")
-    summary = {"threads": args.threads, "prompt_len": len(ids), "gen_len": args.gen_len, "rounds": args.rounds, "runtimes": {}}
+    summary = {"threads": args.threads, "prompt_len": len(ids), "gen_len": args.gen_len, "rounds": args.rounds,
+               "bandwidth": bandwidth, "runtimes": {}}
+    # decode runs from prompt_len to prompt_len + gen_len tokens: its middle stands for the whole
+    context = len(ids) + args.gen_len // 2
     print(f"\n{'runtime':22s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'vs llama.cpp prefill':>21s} {'decode':>7s}"
-          f" {'vs ' + runners[0].name + ' decode':>26s} {'same greedy tokens':>19s}")
+          f" {'vs ' + runners[0].name + ' decode':>26s} {'same greedy tokens':>19s} {'MB/token':>9s}"
+          f" {'floor tok/s':>12s} {'of floor':>9s}")
     med = {name: (statistics.median(res["prefill"]), statistics.median(res["decode"])) for name, res in results.items()}
-    for name, res in results.items():
+    for runner in runners:
+        name, res = runner.name, results[runner.name]
         prefill, decode = med[name]
         same = next((i for i, (a, b) in enumerate(zip(first["tokens"], res["tokens"])) if a != b), len(res["tokens"]))
         vs_peer = (prefill / med["llama.cpp"][0], decode / med["llama.cpp"][1]) if peer else (float("nan"),) * 2
         vs_first = decode / med[runners[0].name][1]
+        read = runner.read_bytes(context)
+        floor = floor_figures(read, bandwidth["gbs"], decode)
         summary["runtimes"][name] = {"prefill_tok_s": prefill, "decode_tok_s": decode, "vs_llama_cpp_prefill": vs_peer[0],
                                      "vs_llama_cpp_decode": vs_peer[1], "vs_first_decode": vs_first,
-                                     "same_prefix_tokens": same}
+                                     "same_prefix_tokens": same, **floor, "read_bytes": read.to_json()}
         print(f"{name:22s} {prefill:14.1f} {decode:13.1f} {vs_peer[0]:21.2f} {vs_peer[1]:7.2f} {vs_first:26.2f}"
-              f" {same:>15d}/{args.gen_len}")
+              f" {same:>15d}/{args.gen_len} {read.total / 1e6:9.1f} {floor['floor_tok_s']:12.1f}"
+              f" {floor['floor_fraction']:9.1%}")
+    print(f"(bytes/token at {context} tokens of context; floor = {bandwidth['gbs']:.1f} GB/s / bytes per token)")
+    print_profiles(runners, args, bandwidth["gbs"], summary)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(summary, indent=1))
 

@@ -315,3 +315,29 @@ def bench(artifact, local, rpc_address, tracker_address, key, prompt_len, gen_le
             raise MobilecError(f"cannot write --json {json_file}: {err.strerror}") from None
     if plot_file:
         plot_sustained(result, plot_file)
+
+
+@main.command()
+@click.argument("artifact", type=click.Path())
+@click.option("--threads", type=int, default=None, help="CPU threads (default: TVM_NUM_THREADS or one per core).")
+@click.option("--context-len", type=int, default=128, show_default=True,
+              help="Tokens in the sequence (KV cache) before the profiled decode steps.")
+@click.option("--steps", type=int, default=16, show_default=True,
+              help="Decode steps measured, each three ways: plain, call by call, under the VM instrument.")
+@click.option("--json", "json_file", default=None, type=click.Path(dir_okay=False), help="Write every figure here.")
+def profile(artifact, threads, context_len, steps, json_file):
+    """Where one decode step of ARTIFACT spends its time on this CPU: per kernel (grouped by projection),
+    VM overhead between kernels, host-side Python/FFI; and the floor the memory bandwidth (measured) sets."""
+    # pylint: disable=import-outside-toplevel
+    from pathlib import Path
+
+    from .artifact import load_artifact
+    from .runtime.profile import format_profile, profile_report
+
+    result = profile_report(load_artifact(artifact), threads, context_len, steps)
+    click.echo(format_profile(result))
+    if json_file:
+        try:
+            Path(json_file).write_text(json.dumps(result, indent=1))
+        except OSError as err:
+            raise MobilecError(f"cannot write --json {json_file}: {err.strerror}") from None

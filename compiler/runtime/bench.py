@@ -28,6 +28,7 @@ from ..artifact import Artifact
 from ..errors import MobilecError
 from ..targets import load_target
 from .generate import peak_rss_mb
+from .profile import bytes_per_token
 from .remote import Device, Staged, check_runs_on, last_line
 
 SUSTAINED_INTERVAL_S = 1.0
@@ -188,28 +189,6 @@ class DeviceModel:
         intervals = sorted(busy)
         return {"interval_s": SUSTAINED_INTERVAL_S, "t_s": [i * SUSTAINED_INTERVAL_S for i in intervals],
                 "tok_s": [counts[i] / busy[i] for i in intervals]}
-
-
-def bytes_per_token(artifact: Artifact, position: int) -> tuple[int, str]:
-    """Bytes one decode step reads `position` tokens into the sequence (the weights, then the KV cache so far),
-    and where the figure comes from."""
-    cfg = artifact.config
-    model = cfg["model"]["config"]
-    kv_per_token = (model["num_hidden_layers"] * 2 * model["num_key_value_heads"] * model["head_dim"]
-                    * np.dtype(cfg["compute_dtype"]).itemsize)
-    estimate = cfg.get("memory_estimate", {})
-    if "bytes_per_token" in estimate:
-        # The estimate reads the KV cache of a full context; the benchmark's sequences are shorter.
-        full = int(estimate["context"])
-        return (int(estimate["bytes_per_token"]) - kv_per_token * (full - position),
-                f"memory_estimate.bytes_per_token at {full} tokens, its KV cache part scaled to {position}")
-    tensors = artifact.index["tensors"]
-    weights = sum(t["nbytes"] for t in tensors)
-    if any(t["name"].startswith("lm_head.") for t in tensors):  # else the output layer reads the embedding whole
-        embedding = [t for t in tensors if t["name"].startswith("model.embed_tokens.")]
-        weights -= sum(t["nbytes"] - t["nbytes"] // t["shape"][0] for t in embedding)
-    return (weights + kv_per_token * position,
-            f"params/index.json weights (an untied embedding: one row) + KV cache of {position} tokens")
 
 
 def _target_device_facts(artifact: Artifact) -> dict[str, Any] | None:

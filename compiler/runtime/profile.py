@@ -1,0 +1,639 @@
+"""`mobilec profile`: where one decode step's time goes, and the floor memory bandwidth sets for it.
+
+Three measurements, each on its own:
+- the memory read bandwidth this machine reaches at a thread count: a large array (well above the last-level
+  cache) summed by a small TVM kernel, parallel over threads and vectorized, best of a few repeats;
+- the bytes one decode token reads: every weight the decode step uses (the token-embedding table as one row,
+  unless it is also the output layer) and the KV cache up to the context length; the same for a GGUF file as
+  llama.cpp runs it (f16 KV cache). bytes / bandwidth is the decode floor;
+- one decode step's time, per kernel (the Relax VM's instrument hook, before and after every call) and split
+  into kernels, the VM's own work between them, and the host-side Python/FFI around the VM calls. The step's
+  wall time is measured without the instrument, which costs time of its own.
+
+Kernel calls are matched to the call sites of the VM bytecode (`as_text` of the library), which name the
+weights each call reads: so a GEMV is labelled by its projection (qkv_proj, gate_up_proj, lm_head ...) and its
+achieved GB/s is known, whatever the kernel's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm.runtime import ShapeTuple
+
+from ..artifact import Artifact
+from ..errors import MobilecError
+from .session import Session, set_threads
+
+# ---------------------------------------------------------------------------------------------------------
+# Memory bandwidth
+
+DEFAULT_BANDWIDTH_MB = 256  # 8x the 32 MB L3 of the machines this was written on; see default_bandwidth_mb()
+BANDWIDTH_REPEATS = 5
+_LANES = 64  # floats per inner step: four independent 16-lane (AVX-512) or sixteen 4-lane (NEON) accumulators
+_CHUNKS_PER_THREAD = 8
+
+
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache of cpu0 as sysfs reports it (Linux), or None."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        match = re.fullmatch(r"(\d+)([KMG]?)", text)
+        if match:
+            sizes.append(int(match[1]) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[match[2]])
+    return max(sizes, default=None)
+
+
+def default_bandwidth_mb() -> int:
+    """An array size well above the last-level cache: 8x it, at least DEFAULT_BANDWIDTH_MB."""
+    cache = last_level_cache_bytes() or 0
+    return max(DEFAULT_BANDWIDTH_MB, 8 * cache // 2**20)
+
+
+def _read_kernels(chunks: int, per_chunk: int):
+    """fill(a): a[...] = 1; read_sum(a, out): out[p, :] = the sum of chunk p, lane by lane."""
+    from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
+
+    lanes = _LANES
+
+    @T.prim_func
+    def fill(a: T.Buffer((chunks, per_chunk, lanes), "float32")):
+        T.func_attr({"global_symbol": "fill", "tir.noalias": True})
+        for p in T.parallel(chunks):
+            for m in range(per_chunk):
+                for v in T.vectorized(lanes):
+                    a[p, m, v] = T.float32(1)
+
+    @T.prim_func
+    def read_sum(a: T.Buffer((chunks, per_chunk, lanes), "float32"), out: T.Buffer((chunks, lanes), "float32")):
+        T.func_attr({"global_symbol": "read_sum", "tir.noalias": True})
+        for p in T.parallel(chunks):
+            acc = T.alloc_buffer((lanes,), "float32", scope="local")
+            for v in T.vectorized(lanes):
+                acc[v] = T.float32(0)
+            for m in range(per_chunk):
+                for v in T.vectorized(lanes):
+                    acc[v] = acc[v] + a[p, m, v]
+            for v in T.vectorized(lanes):
+                out[p, v] = acc[v]
+
+    target = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
+    return tvm.compile(tvm.IRModule({"fill": fill, "read_sum": read_sum}), target=target)
+
+
+def measure_read_bandwidth(threads: int | None, size_mb: float | None = None,
+                           repeats: int = BANDWIDTH_REPEATS) -> float:
+    """Memory read bandwidth in GB/s (1e9 bytes/s) with `threads` TVM threads (None: the pool as it is; else
+    the pool is resized, as `set_threads`): a float32 array of `size_mb` MiB (default: default_bandwidth_mb())
+    summed by a TVM kernel, parallel over chunks and vectorized; the best of `repeats` runs."""
+    if threads is not None:
+        set_threads(threads)
+    size_mb = default_bandwidth_mb() if size_mb is None else size_mb
+    if size_mb <= 0 or repeats < 1:
+        raise MobilecError(f"the bandwidth array needs a positive size and at least one repeat, got {size_mb:g} "
+                           f"MiB and {repeats}")
+    chunks = _CHUNKS_PER_THREAD * (threads or os.cpu_count() or 1)
+    per_chunk = max(1, int(size_mb * 2**20) // (4 * _LANES * chunks))
+    if per_chunk > 2**24:  # the float32 check sum below stays exact up to 2**24 per lane
+        raise MobilecError(f"a bandwidth array of {size_mb:g} MiB is too large for {chunks} chunks of float32 sums")
+    lib = _read_kernels(chunks, per_chunk)
+    a = tvm.runtime.empty((chunks, per_chunk, _LANES), "float32", tvm.cpu())
+    out = tvm.runtime.empty((chunks, _LANES), "float32", tvm.cpu())
+    lib["fill"](a)  # also the first touch of every page, outside the timing
+    read_sum = lib["read_sum"]
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        read_sum(a, out)
+        best = min(best, time.perf_counter() - start)
+    total = out.numpy().sum(dtype=np.float64)
+    if total != chunks * per_chunk * _LANES:  # a kernel that skipped data would look fast
+        raise RuntimeError(f"the bandwidth kernel summed {total}, expected {chunks * per_chunk * _LANES}")
+    return chunks * per_chunk * _LANES * 4 / best / 1e9
+
+
+def numpy_read_bandwidth(size_mb: float | None = None, repeats: int = BANDWIDTH_REPEATS) -> dict[str, float]:
+    """Cross-checks of measure_read_bandwidth with numpy (one thread): `a.sum()` (bytes read / time) and
+    `np.copyto` (bytes read + bytes written / time), best of `repeats`."""
+    size_mb = default_bandwidth_mb() if size_mb is None else size_mb
+    a = np.ones(int(size_mb * 2**20) // 4, "float32")
+    b = np.empty_like(a)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return {"numpy_sum_gbs": a.nbytes / best(a.sum) / 1e9,
+            "numpy_copy_gbs": 2 * a.nbytes / best(lambda: np.copyto(b, a)) / 1e9}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bytes read per decoded token
+
+EMBEDDING = "model.embed_tokens."
+LM_HEAD = "lm_head."
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadBytes:
+    """What one decode step reads from memory, `context_len` tokens into the sequence."""
+
+    weights: int  # every weight decode reads, the embedding table as embedding_read
+    kv_cache: int  # layers x 2 x kv heads x head dim x context_len x kv_dtype bytes
+    context_len: int
+    tied_embeddings: bool  # the embedding table is also the output layer, so decode reads all of it
+    embedding_table: int  # bytes of the whole token-embedding table
+    embedding_read: int  # of it, what a decode step reads: all of it when tied, else one row
+    kv_bytes_per_token: int  # the KV cache of one token, all layers
+    source: str
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "total": self.total}
+
+
+def artifact_tied_embeddings(artifact: Artifact) -> bool:
+    """Whether the artifact's output layer is its embedding table: no lm_head.* weights. The model config's
+    tie_word_embeddings, when present, must agree."""
+    tied = not any(t["name"].startswith(LM_HEAD) for t in artifact.index["tensors"])
+    stated = artifact.config["model"]["config"].get("tie_word_embeddings")
+    if stated is not None and bool(stated) != tied:
+        raise MobilecError(f"{artifact.path}: tie_word_embeddings is {stated} but params/index.json "
+                           f"{'has no' if tied else 'has'} lm_head weights; recompile the artifact")
+    return tied
+
+
+def artifact_read_bytes(artifact: Artifact, context_len: int) -> ReadBytes:
+    """Bytes one decode step of `artifact` reads at `context_len` tokens of context, from params/index.json
+    (every tensor is a weight the decode step reads; an untied embedding table, only one row of it) and the
+    model config (the KV cache holds the compute dtype)."""
+    cfg = artifact.config
+    model = cfg["model"]["config"]
+    tensors = artifact.index["tensors"]
+    tied = artifact_tied_embeddings(artifact)
+    embedding = [t for t in tensors if t["name"].startswith(EMBEDDING)]
+    table = sum(t["nbytes"] for t in embedding)
+    row = sum(t["nbytes"] // t["shape"][0] for t in embedding)
+    read = table if tied else row
+    weights = sum(t["nbytes"] for t in tensors) - table + read
+    kv_token = (model["num_hidden_layers"] * 2 * model["num_key_value_heads"] * model["head_dim"]
+                * np.dtype(cfg["compute_dtype"]).itemsize)
+    embedding_note = "tied embedding: read whole" if tied else "untied embedding: one row"
+    return ReadBytes(weights, kv_token * context_len, context_len, tied, table, read, kv_token,
+                     f"params/index.json weights ({embedding_note}) + {cfg['compute_dtype']} KV cache of "
+                     f"{context_len} tokens")
+
+
+def bytes_per_token(artifact: Artifact, position: int) -> tuple[int, str]:
+    """Bytes one decode step reads `position` tokens into the sequence, and where the figure comes from."""
+    read = artifact_read_bytes(artifact, position)
+    return read.total, read.source
+
+
+def gguf_read_bytes(path: str | Path, context_len: int, kv_dtype_bytes: int = 2) -> ReadBytes:
+    """Bytes one llama.cpp decode step of a GGUF model reads at `context_len`: every tensor (token_embd as one
+    row when there is an output.weight, else whole: it is the output layer too) and a KV cache of
+    `kv_dtype_bytes` per value (llama.cpp's default cache type is f16)."""
+    import gguf  # pylint: disable=import-outside-toplevel
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (OSError, ValueError) as err:
+        raise MobilecError(f"cannot read GGUF {path}: {err}") from None
+
+    def field(key: str, default=None):
+        return reader.fields[key].contents() if key in reader.fields else default
+
+    arch = field("general.architecture")
+    heads = field(f"{arch}.attention.head_count")
+    kv_heads = field(f"{arch}.attention.head_count_kv", heads)
+    key_len = field(f"{arch}.attention.key_length", field(f"{arch}.embedding_length") // heads)
+    value_len = field(f"{arch}.attention.value_length", key_len)
+    layers = field(f"{arch}.block_count")
+    by_name = {t.name: t for t in reader.tensors}
+    embd = by_name["token_embd.weight"]
+    tied = "output.weight" not in by_name
+    table = int(embd.n_bytes)
+    read = table if tied else table // int(embd.shape[-1])  # GGUF shapes are [ne0 = hidden, ne1 = vocab]
+    weights = sum(int(t.n_bytes) for t in reader.tensors) - table + read
+    kv_token = layers * kv_heads * (key_len + value_len) * kv_dtype_bytes
+    return ReadBytes(weights, kv_token * context_len, context_len, tied, table, read, kv_token,
+                     f"GGUF tensors ({'no output.weight: token_embd read whole' if tied else 'token_embd: one row'})"
+                     f" + {8 * kv_dtype_bytes}-bit KV cache of {context_len} tokens")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The VM bytecode: which weights each call reads
+
+_FUNC_LINE = re.compile(r"^@(\S+):\s*$")
+_CALL_LINE = re.compile(r"^\s*call\s+(\S+)\s+in:(.*?)\s*dst:\s*(\S+)\s*$")
+ATTENTION_BUILTIN = "vm.builtin.attention_kv_cache"  # the paged KV cache runs its attention kernels inside it
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSite:
+    name: str
+    params: tuple[int, ...]  # indices into the artifact's parameters of the weights the call reads
+
+
+def vm_call_sites(library: tvm.runtime.Module, n_params: int) -> dict[str, list[CallSite] | None]:
+    """Every Relax VM function of the library: its call instructions in order, with the parameters each
+    reads (followed from `vm.builtin.tuple_getitem` on the packed parameter tuple); None for a function
+    with control flow, whose calls are not one fixed sequence."""
+    functions: dict[str, list[CallSite] | None] = {}
+    current: str | None = None
+    sites: list[CallSite] | None = None
+    params_reg = None
+    reg_param: dict[str, int] = {}
+    for line in library["as_text"]().splitlines():
+        if match := _FUNC_LINE.match(line):
+            current, sites, params_reg, reg_param = match[1], [], None, {}
+            functions[current] = sites
+            continue
+        if line.startswith("@"):  # "@name packed_func;": the function table, listed after each function
+            current = None
+            continue
+        if current is None or not line.strip() or sites is None:
+            continue
+        match = _CALL_LINE.match(line)
+        if match is None:
+            if not line.strip().startswith("ret"):
+                functions[current] = sites = None  # a branch or goto
+            continue
+        name, args, dst = match[1], match[2].replace(",", " ").split(), match[3]
+        if name == "vm.builtin.check_tuple_info" and len(args) > 1 and args[1] == f"i{n_params}":
+            params_reg = args[0]
+        reads = tuple(reg_param[a] for a in args if a in reg_param)
+        reg_param.pop(dst, None)
+        if name == "vm.builtin.tuple_getitem" and args and args[0] == params_reg and args[1].startswith("i"):
+            reg_param[dst] = int(args[1][1:])
+        sites.append(CallSite(name, reads))
+    return functions
+
+
+def library_functions(library: tvm.runtime.Module, sites: dict[str, list[CallSite] | None]) -> set[str]:
+    """The names the VM calls (in `sites`, from vm_call_sites) that are compiled functions of the library
+    (PrimFuncs), not VM builtins."""
+    names = {site.name for calls in sites.values() if calls for site in calls}
+    return {n for n in names if any(m.implements_function(n) for m in library.imports)}
+
+
+def _category(function: str, name: str, params: list[str]) -> str:
+    """A readable group: "gemv <projection>" by the weight a call reads, attention, rmsnorm, embedding..."""
+    if name.startswith(ATTENTION_BUILTIN):
+        return "attention"
+    modules = [p.rsplit(".", 1)[0].rsplit(".", 1)[-1] for p in params]
+    if any("norm" in m for m in modules):
+        return "rmsnorm"
+    if "embed_tokens" in modules:
+        return "embedding" if function == "embed" else "gemv lm_head (tied embedding)"
+    if modules:
+        return f"gemv {modules[0]}"
+    lowered = name.lower()
+    for needle, category in (("rms_norm", "rmsnorm"), ("attention", "attention"), ("matmul", "gemv"),
+                             ("gemv", "gemv"), ("take", "embedding"), ("swiglu", "activation"),
+                             ("silu", "activation"), ("gelu", "activation")):
+        if needle in lowered:
+            return category
+    return "other"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One decode step
+
+WARMUP_STEPS = 2
+DEFAULT_STEPS = 16
+
+
+def _check_room(session: Session, context_len: int, steps: int) -> None:
+    if context_len < 1:
+        raise MobilecError(f"--context-len must be at least 1, got {context_len}")
+    if steps < 1:
+        raise MobilecError(f"--steps must be at least 1, got {steps}")
+    need = context_len + WARMUP_STEPS + 3 * steps
+    if need > session.context_window:
+        raise MobilecError(f"--context-len {context_len} + {3 * steps + WARMUP_STEPS} decode steps (3 x --steps "
+                           f"+ {WARMUP_STEPS} warm-up) exceeds the artifact's context window of "
+                           f"{session.context_window}; lower them or recompile with a larger --context-window")
+
+
+def _fill(session: Session, context_len: int) -> None:
+    """A fresh sequence of `context_len` tokens, then the warm-up steps."""
+    session.reset()
+    vocab = int(session.artifact.config["model"]["config"]["vocab_size"])
+    session.prefill((np.arange(context_len, dtype=np.int64) * 7919 % vocab).astype("int32"))
+    for _ in range(WARMUP_STEPS):
+        session.decode(1)
+
+
+def _phased_step(session: Session, token: int, mark=None) -> dict[str, float]:
+    """Session.decode, call by call, timed: the same calls in the same order (session.py's _forward)."""
+    # pylint: disable=protected-access
+    clock = time.perf_counter
+    t0 = clock()
+    ids = tvm.runtime.tensor(np.asarray([token], dtype="int32"), session.device)
+    t1 = clock()
+    if mark:
+        mark("embed")
+    embed = session._embed(ids, session.params)
+    t2 = clock()
+    session._begin(session.kv_cache, ShapeTuple([0]), ShapeTuple([1]))
+    t3 = clock()
+    if mark:
+        mark("decode")
+    logits, session.kv_cache = session._decode(embed, session.kv_cache, session.params)
+    t4 = clock()
+    session._end(session.kv_cache)
+    t5 = clock()
+    if mark:
+        mark(None)
+    session.length += 1
+    logits.numpy().reshape(-1)
+    t6 = clock()
+    return {"input": t1 - t0, "embed_call": t2 - t1, "kv_begin_forward": t3 - t2, "decode_call": t4 - t3,
+            "kv_end_forward": t5 - t4, "logits_to_numpy": t6 - t5}
+
+
+class _Recorder:
+    """Decode steps under the VM instrument: per step, per VM function, every call's (name, seconds) from
+    just before the call to just after it."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self._started = 0.0
+        self._events: list[tuple[str, float]] = []
+        self._function: str | None = None
+        self._calls: dict[str, list[tuple[str, float]]] = {}
+        self.position = 0  # tokens in the sequence before the last step
+
+    def _instrument(self, _func, name, before, _ret, *_args):
+        if before:
+            self._started = time.perf_counter()
+        else:
+            self._events.append((name, time.perf_counter() - self._started))
+        return 0
+
+    def _mark(self, function: str | None) -> None:
+        if self._function:
+            self._calls[self._function] = list(self._events)
+        self._events.clear()
+        self._function = function
+
+    def step(self) -> tuple[dict[str, list[tuple[str, float]]], float]:
+        """One instrumented decode step: its calls, and its wall time under the instrument."""
+        self._calls, self._function = {}, None
+        self.position = self.session.length
+        self.session.vm.set_instrument(self._instrument)
+        try:
+            phases = _phased_step(self.session, 1, self._mark)
+        finally:
+            self.session.vm.set_instrument(None)
+        return self._calls, sum(phases.values())
+
+
+def _rate(category: str, nbytes: int, seconds: float) -> float | None:
+    """GB/s of a kernel that streams memory (GEMV weights, attention's KV cache); None for the others, whose
+    few bytes of weights say nothing about their speed."""
+    if seconds <= 0 or not nbytes or not category.startswith(("gemv", "attention")):
+        return None
+    return nbytes / seconds / 1e9
+
+
+def profile_decode_step(session: Session, context_len: int, steps: int = DEFAULT_STEPS) -> dict[str, Any]:
+    """Profile the decode step of `session` at `context_len` tokens of context over `steps` steps; the
+    session's sequence is reset afterwards.
+
+    wall_ms (and tok_s) is the median Session.decode step, timed without the instrument. split_ms divides the
+    fastest step, wall_ms_best, into kernels (every compiled
+    kernel and the KV cache's attention call, in embed and decode, timed by the instrument less its own cost
+    per call, instrument_floor_us), vm_overhead (the embed and decode VM calls, timed without the
+    instrument, less their kernels: the interpreter, allocation and tuple builtins), host (the input tensor,
+    KV begin/end_forward and the logits copy to numpy) and unattributed (the rest: Python in Session.decode
+    and measurement noise). Every part, and every kernel's time, is the fastest of the steps: noise only
+    adds time, and parts measured in different steps are only comparable without it. A kernel's time still
+    includes the instrument converting its arguments for Python (~0.1 us each), so with very short kernels
+    the kernels part is a little high and vm_overhead a little low."""
+    _check_room(session, context_len, steps)
+    artifact = session.artifact
+    tensors = artifact.index["tensors"]
+    lib = tvm.runtime.load_module(str(artifact.library))
+    sites = vm_call_sites(lib, len(tensors))
+    primfuncs = library_functions(lib, sites)
+
+    # Session.decode (the wall time), the same calls timed one by one, and a step under the instrument,
+    # interleaved so that a noisy neighbour slows all three alike.
+    _fill(session, context_len)
+    recorder = _Recorder(session)
+    wall, phases, recorded, instrumented_wall, positions = [], [], [], [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        session.decode(1)
+        wall.append(time.perf_counter() - start)
+        phases.append(_phased_step(session, 1))
+        calls, seconds = recorder.step()
+        recorded.append(calls)
+        positions.append(recorder.position)
+        instrumented_wall.append(seconds)
+    session.reset()
+
+    # The instrument's own cost per call: the cheapest builtin's median duration.
+    durations: dict[str, list[float]] = {}
+    for step in recorded:
+        for calls in step.values():
+            for name, seconds in calls:
+                durations.setdefault(name, []).append(seconds)
+    builtin_medians = [statistics.median(v) for n, v in durations.items()
+                       if n.startswith("vm.builtin.") and not n.startswith(ATTENTION_BUILTIN)]
+    floor = min(builtin_medians, default=0.0)
+
+    def is_kernel(name: str) -> bool:
+        return name in primfuncs or name.startswith(ATTENTION_BUILTIN)
+
+    matched = all(sites.get(fn) is not None and [s.name for s in sites[fn]] == [n for n, _ in calls]
+                  for step in recorded for fn, calls in step.items())
+    # Per step: seconds per (function, kernel, category) row; the rows' calls and weight bytes per step.
+    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+    row_seconds: list[dict[tuple[str, str, str], float]] = []
+    builtin_calls = 0
+    model = artifact.config["model"]["config"]
+    kv_layer_token = (2 * model["num_key_value_heads"] * model["head_dim"]
+                      * np.dtype(artifact.config["compute_dtype"]).itemsize)
+    for step, position in zip(recorded, positions, strict=True):
+        seconds_of: dict[tuple[str, str, str], float] = {}
+        builtin_calls = 0
+        for fn, calls in step.items():
+            for i, (name, seconds) in enumerate(calls):
+                corrected = max(seconds - floor, 0.0)
+                if not is_kernel(name):
+                    builtin_calls += 1
+                    continue
+                read = sites[fn][i].params if matched else ()
+                key = (fn, name, _category(fn, name, [tensors[p]["name"] for p in read]))
+                row = rows.setdefault(key, {"calls": 0, "bytes_read": 0})
+                row["calls"] += 1
+                # embed reads one row of the embedding table (its tensors' first axis is the vocabulary);
+                # attention, one layer's KV cache including the token being decoded
+                row["bytes_read"] += sum(tensors[p]["nbytes"] // (tensors[p]["shape"][0] if fn == "embed" else 1)
+                                         for p in read)
+                if key[2] == "attention":
+                    row["bytes_read"] += kv_layer_token * (position + 1)
+                seconds_of[key] = seconds_of.get(key, 0.0) + corrected
+        row_seconds.append(seconds_of)
+
+    # The split and the kernels' times: the fastest of the steps (noise only adds time, and a step disturbed
+    # in one measurement but not in another would make their differences meaningless); wall_ms: the median.
+    best = min
+    wall_s = best(wall)
+    phase_s = {k: best(p[k] for p in phases) for k in phases[0]}
+    row_best = {key: best(step.get(key, 0.0) for step in row_seconds) for key in rows}
+    # The kernels part: the fastest step's kernels together, comparable with the fastest VM calls. The rows'
+    # own fastest times add up to less when the noise hit different kernels in different steps.
+    kernels_s = best(sum(step.values()) for step in row_seconds)
+    vm_s = phase_s["embed_call"] + phase_s["decode_call"] - kernels_s
+    host_s = phase_s["input"] + phase_s["kv_begin_forward"] + phase_s["kv_end_forward"] + phase_s["logits_to_numpy"]
+
+    def ms(seconds: float) -> float:
+        return seconds * 1e3
+
+    kernels = []
+    for (fn, name, category), row in rows.items():
+        seconds = row_best[(fn, name, category)]
+        per_step_bytes = row["bytes_read"] // steps
+        kernels.append({
+            "name": name, "function": fn, "category": category,
+            "kind": "primfunc" if name in primfuncs else "kv_cache builtin",
+            "calls_per_step": row["calls"] / steps, "ms": ms(seconds), "pct_of_step": 100 * seconds / wall_s,
+            "bytes_read": per_step_bytes, "gbs": _rate(category, per_step_bytes, seconds),
+        })
+    kernels.sort(key=lambda k: -k["ms"])
+    categories: dict[str, dict[str, Any]] = {}
+    for k in kernels:
+        c = categories.setdefault(k["category"], {"category": k["category"], "calls_per_step": 0, "ms": 0.0,
+                                                   "bytes_read": 0})
+        c["calls_per_step"] += k["calls_per_step"]
+        c["ms"] += k["ms"]
+        c["bytes_read"] += k["bytes_read"]
+    for c in categories.values():
+        c["pct_of_step"] = 100 * c["ms"] / ms(wall_s)
+        c["gbs"] = _rate(c["category"], c["bytes_read"], c["ms"] / 1e3)
+
+    cfg = artifact.config
+    return {
+        "artifact": str(artifact.path), "model": cfg["model"]["name"], "quant": cfg["quantization"]["name"],
+        "target": cfg["target"]["name"], "threads": os.environ.get("TVM_NUM_THREADS"),
+        "context_len": context_len, "steps": steps,
+        "wall_ms": ms(statistics.median(wall)), "tok_s": 1.0 / statistics.median(wall),
+        "wall_ms_best": ms(wall_s), "wall_ms_p90": ms(float(np.percentile(wall, 90))),
+        "split_ms": {"kernels": ms(kernels_s), "vm_overhead": ms(vm_s), "host": ms(host_s),
+                     "unattributed": ms(wall_s - kernels_s - vm_s - host_s)},
+        "phases_ms": {k: ms(v) for k, v in phase_s.items()},
+        "kernel_calls_per_step": sum(k["calls_per_step"] for k in kernels),
+        "vm_builtin_calls_per_step": builtin_calls,  # alloc, tuple, shape and check builtins: in vm_overhead
+        "instrument_floor_us": floor * 1e6,
+        "kernels_ms_rows_best": ms(sum(row_best.values())),  # the sum of the kernel rows (each its fastest)
+        "kernels_ms_uncorrected": ms(best(sum(s for calls in step.values() for n, s in calls if is_kernel(n))
+                                          for step in recorded)),
+        "instrumented_wall_ms": ms(best(instrumented_wall)),
+        "call_sites_matched": matched,
+        "categories": sorted(categories.values(), key=lambda c: -c["ms"]),
+        "kernels": kernels,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The whole report: `mobilec profile`
+
+
+def floor_figures(read: ReadBytes, bandwidth_gbs: float, tok_s: float) -> dict[str, float]:
+    """The decode floor at this bandwidth and the share of it `tok_s` reaches."""
+    floor_tok_s = bandwidth_gbs * 1e9 / read.total
+    return {"bytes_per_token": read.total, "floor_tok_s": floor_tok_s, "floor_ms": 1e3 / floor_tok_s,
+            "floor_fraction": tok_s / floor_tok_s}
+
+
+def profile_report(artifact: Artifact, threads: int | None, context_len: int, steps: int = DEFAULT_STEPS,
+                   bandwidth_mb: float | None = None) -> dict[str, Any]:
+    """What `mobilec profile` prints: the bandwidth, bytes per token, floor and the decode step's profile."""
+    set_threads(threads)
+    session = Session(artifact)
+    _check_room(session, context_len, steps)
+    bandwidth = measure_read_bandwidth(threads, bandwidth_mb)
+    read = artifact_read_bytes(artifact, context_len)
+    profile = profile_decode_step(session, context_len, steps)
+    return {**profile, "bandwidth_gbs": bandwidth, "read_bytes": read.to_json(),
+            **floor_figures(read, bandwidth, profile["tok_s"])}
+
+
+def format_profile(profile: dict[str, Any], top: int = 12) -> str:
+    """A decode-step profile (profile_decode_step, or profile_report with the floor) as a table for people."""
+    wall = profile["wall_ms_best"]
+    split, phases = profile["split_ms"], profile["phases_ms"]
+    title = (f"{profile['artifact']} ({profile['model']}, {profile['quant']}): decode step at context "
+             f"{profile['context_len']}, threads {profile['threads'] or 'default'}, {profile['steps']} steps")
+    lines = [title]
+    head = (f"step {profile['wall_ms']:.3f} ms median (p90 {profile['wall_ms_p90']:.3f}) = {profile['tok_s']:.1f} "
+            f"tok/s")
+    if "floor_tok_s" in profile:
+        head += (f"; reads {profile['bytes_per_token'] / 1e6:.1f} MB/token, at {profile['bandwidth_gbs']:.1f} GB/s "
+                 f"the floor is {profile['floor_ms']:.3f} ms = {profile['floor_tok_s']:.1f} tok/s: "
+                 f"{profile['floor_fraction']:.1%} of the floor")
+    lines += [head, f"fastest step {wall:.3f} ms, split (each part the fastest of the steps):"]
+
+    def part(label: str, value: float, note: str) -> str:
+        return f"  {label:13s} {value:8.3f} ms {100 * value / wall:6.1f}%  {note}"
+
+    lines += [
+        part("kernels", split["kernels"], f"{profile['kernel_calls_per_step']:.0f} calls, less the instrument's "
+             f"{profile['instrument_floor_us']:.2f} us per call; table: each kernel's fastest step"),
+        part("VM overhead", split["vm_overhead"], f"embed + decode VM calls ({phases['embed_call']:.3f} + "
+             f"{phases['decode_call']:.3f} ms) less their kernels; {profile['vm_builtin_calls_per_step']} "
+             f"builtin calls"),
+        part("host", split["host"], f"input {phases['input']:.3f}, begin_forward {phases['kv_begin_forward']:.3f}, "
+             f"end_forward {phases['kv_end_forward']:.3f}, logits to numpy {phases['logits_to_numpy']:.3f} ms"),
+        part("unattributed", split["unattributed"], "Python in Session.decode, noise"),
+        "",
+        f"  {'category':32s} {'calls':>6s} {'ms':>8s} {'% step':>7s} {'MB read':>8s} {'GB/s':>7s}",
+    ]
+
+    def gbs(value) -> str:
+        return "" if value is None else f"{value:7.1f}"
+
+    for c in profile["categories"]:
+        lines.append(f"  {c['category']:32s} {c['calls_per_step']:6.0f} {c['ms']:8.3f} {c['pct_of_step']:6.1f}% "
+                     f"{c['bytes_read'] / 1e6:8.2f} {gbs(c['gbs'])}")
+    header = (f"  {'kernel (top ' + str(top) + ')':44s} {'function':8s} {'calls':>5s} {'ms':>8s} {'% step':>7s} "
+              f"{'GB/s':>7s}  category")
+    lines += ["", header]
+    for k in profile["kernels"][:top]:
+        lines.append(f"  {k['name'][:44]:44s} {k['function']:8s} {k['calls_per_step']:5.0f} {k['ms']:8.3f} "
+                     f"{k['pct_of_step']:6.1f}% {gbs(k['gbs'])}  {k['category']}")
+    noisy = split["vm_overhead"] < 0 or abs(split["unattributed"]) > 0.05 * wall \
+        or profile["wall_ms_p90"] > 1.5 * profile["wall_ms"] \
+        or profile["kernels_ms_rows_best"] < 0.9 * split["kernels"]
+    if noisy:
+        lines.append(f"  note: the machine was noisy: step p90 {profile['wall_ms_p90']:.3f} vs median "
+                     f"{profile['wall_ms']:.3f} ms; the kernels' fastest calls add up to "
+                     f"{profile['kernels_ms_rows_best']:.3f} ms vs {split['kernels']:.3f} ms in the fastest step. "
+                     f"Rerun on a quiet machine, or with more --steps")
+    if not profile["call_sites_matched"]:
+        lines.append("  (calls did not match the VM bytecode: categories by kernel name only, no bytes read)")
+    return "\n".join(lines)

@@ -14,6 +14,7 @@ from .passes.fuse_add_rmsnorm import FuseAddRMSNorm
 from .passes.fuse_dequantize_matmul import FuseDequantizeMatmul
 from .passes.fuse_swiglu import FuseSwiGLU
 from .passes.fuse_transpose_matmul import FuseTransposeMatmul
+from .passes.integer_dot_gemv import IntegerDotGEMV
 from .passes.verify_alignment import VerifyAlignment
 from .passes.verify_device_limits import VerifyDeviceLimits
 from .schedules import cpu as cpu_schedules
@@ -41,6 +42,8 @@ def steps(spec: TargetSpec, tuning: bool = False) -> list[Step]:
     apply_tuning = [(APPLY_TUNING_STEP, ApplyTuningDatabase(spec.name))] if tuning else []
     return [
         ("fuse-transpose-matmul", FuseTransposeMatmul()),
+        # Decode GEMVs of quantized weights on x86 CPUs: int8 activations times the codes in integer arithmetic.
+        ("integer-dot-gemv", IntegerDotGEMV()),
         # Needs the NT_matmul calls above; before FuseOps, so bias/residual adds still fuse into the fused kernel.
         ("fuse-dequantize-matmul", FuseDequantizeMatmul()),
         # On high-level ops, before LegalizeOps; takes the residual add that FuseOps would put in the matmul epilogue.

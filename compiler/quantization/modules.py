@@ -7,6 +7,9 @@ from tvm.relax.frontend.nn import Tensor, op
 
 from .group import GroupLayout, dequantize_te, take_dequantize_te
 
+# The dequantize kernels carry their layout: later passes (IntegerDotGEMV) read the codes directly.
+LAYOUT_ATTR = "mobilec.group_layout"
+
 
 class _QuantizedWeight(nn.Module):
     """Parameters q_weight, q_scale (and q_min) for an [out_features, in_features] weight."""
@@ -24,7 +27,9 @@ class _QuantizedWeight(nn.Module):
         del dtype
 
     def dequantized_weight(self) -> Tensor:
-        return op.tensor_expr_op(dequantize_te(self.layout, self.in_features, self.dtype), "dequantize", self._stored())
+        layout = {"bits": self.layout.bits, "group": self.layout.group, "symmetric": self.layout.symmetric}
+        return op.tensor_expr_op(dequantize_te(self.layout, self.in_features, self.dtype), "dequantize", self._stored(),
+                                 attrs={LAYOUT_ATTR: layout})
 
 
 class QuantizedLinear(_QuantizedWeight):

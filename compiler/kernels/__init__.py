@@ -1,0 +1,1 @@
+"""Hand-written TIR kernels for the cases dlight's rules cannot express (explicit vector instructions)."""

@@ -1,0 +1,90 @@
+"""IntegerDotGEMV: rewrite a one-row NT_matmul of dequantized 4/8-bit weights into int8 activation quantization
+plus an integer dot-product GEMV (compiler/kernels/integer_dot_gemv.py)."""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.target import Target
+
+from ..kernels.integer_dot_gemv import GemvShape, available, gemv, quantize_activation
+from ..quantization.modules import LAYOUT_ATTR
+from .ir_walk import rewrite_relax_functions
+
+_CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+# relax OpPatternKind::kOpaque: FuseOps leaves the hand-written kernels alone.
+_OPAQUE = 8
+
+
+def _static_shape(ty) -> tuple[int, ...] | None:
+    if not isinstance(ty, relax.TensorType) or ty.shape is None:
+        return None
+    dims = ty.shape.values if hasattr(ty.shape, "values") else ty.shape
+    try:
+        return tuple(int(d) for d in dims)
+    except TypeError:  # a symbolic dimension (prefill's sequence length)
+        return None
+
+
+@mutator
+class _Rewriter(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule):
+        super().__init__(mod)
+        self.mod = mod
+        self.kernels: dict[str, relax.GlobalVar] = {}
+
+    def _kernel(self, name: str, build) -> relax.GlobalVar:
+        if name not in self.kernels:
+            func = build().with_attr("op_pattern", _OPAQUE)
+            self.kernels[name] = self.builder_.add_func(func, name)
+        return self.kernels[name]
+
+    def _match(self, call: relax.Call):
+        """(x, stored weight arrays, GemvShape) when `call` is NT_matmul(one-row x, dequantize(...)), else None."""
+        if call.op != _CALL_TIR or not call.args[0].name_hint.startswith("NT_matmul"):
+            return None
+        x, w = call.args[1].fields
+        producer = self.lookup_binding(w) if isinstance(w, relax.Var) else None
+        if not isinstance(producer, relax.Call) or producer.op != _CALL_TIR:
+            return None
+        callee = self.mod[producer.args[0]]
+        layout = callee.attrs.get(LAYOUT_ATTR) if callee.attrs is not None else None
+        x_shape, y_shape = _static_shape(x.ty), _static_shape(call.ty)
+        if layout is None or x_shape is None or y_shape is None or any(d != 1 for d in x_shape[:-1]):
+            return None
+        if x.ty.dtype != "float32" or call.ty.dtype != "float32":
+            return None
+        stored = list(producer.args[1].fields)
+        shape = GemvShape(n=y_shape[-1], k=x_shape[-1], bits=int(layout["bits"]), group=int(layout["group"]),
+                          symmetric=bool(layout["symmetric"]), scale_dtype=str(stored[1].ty.dtype))
+        if not shape.supported():
+            return None
+        return x, stored, shape, x_shape, y_shape
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = self.visit_expr_post_order(call)
+        matched = self._match(call)
+        if matched is None:
+            return call
+        x, stored, shape, x_shape, y_shape = matched
+        quantize = self._kernel(f"quantize_activation_{shape.activation_name()}", lambda: quantize_activation(shape, x_shape))
+        product = self._kernel(f"integer_dot_gemv_{shape.name()}", lambda: gemv(shape, y_shape))
+        terms = relax.TensorType([shape.lane_terms], "float32")
+        act = self.builder_.emit(relax.call_tir(
+            quantize, [x], [relax.TensorType([shape.k], "int16"), terms, terms]))
+        parts = [self.builder_.emit(relax.TupleGetItem(act, i)) for i in range(3)]
+        return relax.call_tir(product, [*parts, *stored], call.ty)
+
+
+@tvm.transform.module_pass(opt_level=0, name="IntegerDotGEMV")
+class IntegerDotGEMV:  # pylint: disable=too-few-public-methods
+    """On x86 CPUs with AVX2 (VNNI when the target has it), decode GEMVs of 4/8-bit group codes multiply int8
+    activations by the codes in integer arithmetic. Run inside `with target:`, after FuseTransposeMatmul and
+    before FuseDequantizeMatmul (which fuses the dequantizes still left: prefill, other targets)."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        target = Target.current(allow_none=True)
+        if target is None or not available(target):
+            return mod
+        return rewrite_relax_functions(mod, _Rewriter(mod))

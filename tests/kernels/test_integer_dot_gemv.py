@@ -1,0 +1,85 @@
+"""Integer dot-product decode GEMV: numerics against numpy for every layout it takes, the shapes it refuses,
+and negative controls (activations in the wrong order, a changed code)."""
+
+import numpy as np
+import pytest
+import tvm
+
+from compiler.kernels.integer_dot_gemv import GemvShape, available, gemv, quantize_activation
+from compiler.quantization import group
+
+TARGET = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v4"})
+N = 48
+
+
+def _build(shape: GemvShape):
+    mod = tvm.IRModule({
+        "quantize": quantize_activation(shape, (1, 1, shape.k)).with_attr("global_symbol", "quantize"),
+        "gemv": gemv(shape, (1, 1, shape.n)).with_attr("global_symbol", "gemv"),
+    })
+    return tvm.tirx.build(mod, target=TARGET)
+
+
+def _run(lib, shape: GemvShape, x: np.ndarray, arrays: dict, permute_activations=None) -> np.ndarray:
+    xq = tvm.runtime.empty((shape.k,), "int16")
+    xs = tvm.runtime.empty((shape.lane_terms,), "float32")
+    xo = tvm.runtime.empty((shape.lane_terms,), "float32")
+    lib["quantize"](tvm.runtime.tensor(x.reshape(1, 1, -1)), xq, xs, xo)
+    if permute_activations is not None:
+        xq = tvm.runtime.tensor(permute_activations(xq.numpy()))
+    stored = [tvm.runtime.tensor(arrays[name]) for name in ("q_weight", "q_scale", "q_min") if name in arrays]
+    y = tvm.runtime.empty((1, 1, shape.n), "float32")
+    lib["gemv"](xq, xs, xo, *stored, y)
+    return y.numpy().reshape(-1)
+
+
+def _case(bits, grp, symmetric, scale_dtype, k, seed=0):
+    layout = group.GroupLayout(bits, grp, symmetric, scale_dtype)
+    shape = GemvShape(N, k, bits, grp, symmetric, scale_dtype)
+    rng = np.random.default_rng(seed)
+    arrays = group.quantize(rng.standard_normal((N, k)).astype("float32"), layout)
+    # activations with an outlier per row, as LLM hidden states have: per-32 scales must absorb it
+    x = rng.standard_normal(k).astype("float32")
+    x[5] = 40.0
+    return shape, arrays, x, group.dequantize(arrays, layout, k) @ x
+
+
+@pytest.mark.parametrize("bits,grp,symmetric,scale_dtype,k", [
+    (4, 32, True, "float16", 576),  # q4f16_g32 / GGUF Q4_0, SmolLM2's hidden size
+    (4, 32, False, "float16", 192),  # q4f16_g32_asym / GGUF Q4_1
+    (4, 128, True, "float16", 640),  # q4f16_g128: K not a multiple of the group (a short last group)
+    (4, 32, True, "float32", 128),  # q4f32_g32
+    (8, 128, True, "float16", 576),  # q8f16_g128
+    (8, 32, True, "float16", 96),  # GGUF Q8_0 (the embedding / lm_head)
+])
+def test_matches_the_dequantized_weights_times_float_activations(bits, grp, symmetric, scale_dtype, k):
+    shape, arrays, x, ref = _case(bits, grp, symmetric, scale_dtype, k)
+    assert shape.supported()
+    got = _run(_build(shape), shape, x, arrays)
+    # int16 activations, one scale per 32 values: errors ~1/65534 of a block's largest value
+    np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
+
+
+def test_negative_controls_fail_the_same_tolerance():
+    shape, arrays, x, ref = _case(4, 32, True, "float16", 192)
+    lib = _build(shape)
+    tol = 2e-4 * np.abs(ref).max()
+    # activations in natural order against codes stored low nibbles first: the kernel's layout matters
+    natural = _run(lib, shape, x, arrays, permute_activations=lambda q: np.roll(q, 16))
+    assert np.abs(natural - ref).max() > 100 * tol
+    changed = dict(arrays, q_weight=arrays["q_weight"].copy())
+    changed["q_weight"][7, 5] ^= 0x88  # one byte: codes 5 (x = 40) and 21 of row 7, each by 8
+    diff = np.abs(_run(lib, shape, x, changed) - ref)
+    assert diff[7] > 100 * tol and np.delete(diff, 7).max() < tol
+
+
+@pytest.mark.parametrize("bits,grp,k", [(4, 32, 96), (4, 48, 192), (8, 16, 64), (4, 32, 100), (3, 32, 64)])
+def test_refuses_shapes_it_cannot_step_through(bits, grp, k):
+    """4-bit steps take two 32-code blocks (K/64 whole), groups hold whole blocks, bits 4 or 8."""
+    assert not GemvShape(N, k, bits, grp, True, "float16").supported()
+
+
+def test_available_only_on_x86_with_avx512bw():
+    assert available(TARGET)
+    assert not available(tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v3"}))
+    assert not available(tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon", "+dotprod"]}))

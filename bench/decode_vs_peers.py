@@ -67,7 +67,9 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 class MobilecRunner:
     def __init__(self, artifact: str):
         self.artifact = load_artifact(artifact)
-        self.name = f"mobilec {self.artifact.config['quantization']['name']}"
+        # int8 decode activations (compile --decode-activations int8): a distinct runtime of the same scheme
+        int8 = " int8-act" if self.artifact.config.get("decode_activations") == "int8" else ""
+        self.name = f"mobilec {self.artifact.config['quantization']['name']}{int8}"
         self.session = Session(self.artifact)
 
     def read_bytes(self, context_len: int) -> ReadBytes:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import dataclasses
 import hashlib
 import json
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any

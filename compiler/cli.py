@@ -59,9 +59,13 @@ def targets():
               help="Compile even when `mobilec estimate` says the model does not fit the target's memory.")
 @click.option("--no-tuning", is_flag=True,
               help="Ignore tuning_logs/<target>/ (`mobilec tune`): every kernel gets the default schedule rules.")
+@click.option("--decode-activations", type=click.Choice(["int16", "int8"]), default="int16", show_default=True,
+              help="x86 CPU targets: the integer width decode GEMVs quantize activations to (one scale per 32 values). "
+                   "int16 matches the float model (~2e-5); int8 is llama.cpp's rounding, ~1.4x faster GEMVs, and may "
+                   "change greedy output after some tokens.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress text.")
 def compile(model, target, quant, output, context_window, quant_skip,  # pylint: disable=redefined-builtin
-            calibrate, calib_text, force, no_tuning, as_json):
+            calibrate, calib_text, force, no_tuning, decode_activations, as_json):
     """Compile MODEL for TARGET into an artifact directory (library, weight shards, tokenizer, config).
 
     The artifact is written to a temporary directory and renamed at the end:
@@ -71,7 +75,7 @@ def compile(model, target, quant, output, context_window, quant_skip,  # pylint:
 
     summary = compile_model(model, target, quant, output, context_window, progress=not as_json,
                             quant_skip=list(quant_skip), calibrate=calibrate, calib_text=calib_text, force=force,
-                            no_tuning=no_tuning)
+                            no_tuning=no_tuning, decode_activations=decode_activations)
     if as_json:
         click.echo(json.dumps(summary))
         return

@@ -17,6 +17,7 @@ from . import hexagon, link, pipeline
 from .artifact import CONFIG_FILE, FORMAT_VERSION, LIBRARY_DIR, PARAMS_DIR, TOKENIZER_DIR, installed_versions
 from .errors import MobilecError
 from .export import ShardWriter, atomic_directory
+from .kernels import integer_dot_gemv
 from .loaders import Checkpoint, open_checkpoint
 from .loaders.default_model import default_model_path
 from .models.llama import LlamaConfig
@@ -28,6 +29,7 @@ from .quantization.schemes import Scheme, get_scheme
 from .targets import TargetSpec, load_target
 
 PAGE_SIZE = 16
+DECODE_ACTIVATIONS = ("int16", "int8")
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -108,6 +110,14 @@ def write_params(ckpt: Checkpoint, imported: ImportedModel, out: Path, progress:
     return writer.finish(out)
 
 
+def _check_decode_activations(value: str, spec: TargetSpec) -> None:
+    if value not in DECODE_ACTIVATIONS:
+        raise MobilecError(f"--decode-activations {value!r} is not one of {', '.join(DECODE_ACTIVATIONS)}")
+    if value != "int16" and not integer_dot_gemv.available(spec.tvm_target()):
+        raise MobilecError(f"--decode-activations {value} needs an x86 CPU target with AVX-512BW (integer decode "
+                           f"GEMVs); {spec.name} decodes with float activations: drop the option")
+
+
 def compile_model(
     model: str | None,
     target: str,
@@ -120,14 +130,17 @@ def compile_model(
     calib_text: str | None = None,
     force: bool = False,
     no_tuning: bool = False,
+    decode_activations: str = "int16",
 ) -> dict[str, Any]:
     """Compile and write the artifact; returns a summary (path, timings, sizes, kernels scheduled from the
     target's tuning log, which `no_tuning` leaves unread). A model that does not fit the target's memory is
-    refused unless `force`."""
+    refused unless `force`. `decode_activations`: int16 (float-accurate) or int8 (faster, llama.cpp's rounding) for
+    the integer decode GEMVs of x86 CPU targets."""
     # Imported here because estimate imports this module.
     from .estimate import estimate_imported, over_budget_message  # pylint: disable=import-outside-toplevel
 
     spec = load_target(target)
+    _check_decode_activations(decode_activations, spec)
     link.check_toolchain(spec)  # before the build, not after it
     scheme = get_scheme(quant or spec.device["default_quant"])
     awq.check_options(calibrate, calib_text, scheme.layout)
@@ -155,11 +168,13 @@ def compile_model(
 
         npu = None
         if spec.link["method"] == "hexagon":
-            lowered = pipeline.run_steps(imported.mod, spec, note_tuned, tuning=not no_tuning)
+            lowered = pipeline.run_steps(imported.mod, spec, note_tuned, tuning=not no_tuning,
+                                         decode_activations=decode_activations)
             name, npu = hexagon.build_kernels(lowered, spec, tmp / LIBRARY_DIR)
             note = npu.get("note")
         else:
-            executable = pipeline.build(imported.mod, spec, tuning=not no_tuning, after_step=note_tuned)
+            executable = pipeline.build(imported.mod, spec, tuning=not no_tuning, after_step=note_tuned,
+                                        decode_activations=decode_activations)
             name, note = link.export_library(executable, spec, tmp / LIBRARY_DIR)
         library = f"{LIBRARY_DIR}/{name}"
         build_seconds = time.perf_counter() - t_build
@@ -177,6 +192,7 @@ def compile_model(
             "quantization": {**scheme.to_json(), "skip": list(quant_skip), "quantized_layers": sorted(imported.plan),
                              "calibration": calibration.summary if calibration else None},
             "compute_dtype": imported.dtype,
+            "decode_activations": decode_activations if integer_dot_gemv.available(spec.tvm_target()) else None,
             "target": {
                 "name": spec.name,
                 "description": spec.description,

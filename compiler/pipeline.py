@@ -30,9 +30,10 @@ def _seq(passes: list[tvm.transform.Pass]) -> tvm.transform.Pass:
     return tvm.transform.Sequential(passes)
 
 
-def steps(spec: TargetSpec, tuning: bool = False) -> list[Step]:
+def steps(spec: TargetSpec, tuning: bool = False, decode_activations: str = "int16") -> list[Step]:
     """The ordered steps for `spec`; each runs inside `with target:`. With `tuning`, kernels tuned faster in
-    tuning_logs/<target>/ (`mobilec tune`) are scheduled from there (compile asks for that)."""
+    tuning_logs/<target>/ (`mobilec tune`) are scheduled from there (compile asks for that). `decode_activations`
+    is the integer width of decode GEMV activations on x86 CPUs (compiler/kernels/integer_dot_gemv.py)."""
     target = spec.tvm_target()
     gpu = spec.schedule["rules"] == "gpu"
     # FuseAddRMSNorm schedules its kernel for CPU threads itself; on a GPU the add and the norm are left to
@@ -42,8 +43,8 @@ def steps(spec: TargetSpec, tuning: bool = False) -> list[Step]:
     apply_tuning = [(APPLY_TUNING_STEP, ApplyTuningDatabase(spec.name))] if tuning else []
     return [
         ("fuse-transpose-matmul", FuseTransposeMatmul()),
-        # Decode GEMVs of quantized weights on x86 CPUs: int8 activations times the codes in integer arithmetic.
-        ("integer-dot-gemv", IntegerDotGEMV()),
+        # Decode GEMVs of quantized weights on x86 CPUs: int16 (or int8) activations times the codes in integers.
+        ("integer-dot-gemv", IntegerDotGEMV(int(decode_activations.removeprefix("int")))),
         # Needs the NT_matmul calls above; before FuseOps, so bias/residual adds still fuse into the fused kernel.
         ("fuse-dequantize-matmul", FuseDequantizeMatmul()),
         # On high-level ops, before LegalizeOps; takes the residual add that FuseOps would put in the matmul epilogue.
@@ -69,11 +70,11 @@ def steps(spec: TargetSpec, tuning: bool = False) -> list[Step]:
 
 def run_steps(
     mod: tvm.IRModule, spec: TargetSpec, after_step: Callable[[int, str, tvm.IRModule], None] | None = None,
-    tuning: bool = False,
+    tuning: bool = False, decode_activations: str = "int16",
 ) -> tvm.IRModule:
     """Apply every step in order; `after_step(index, name, mod)` sees the IR after each (for inspection)."""
     with spec.tvm_target():
-        for index, (name, step) in enumerate(steps(spec, tuning)):
+        for index, (name, step) in enumerate(steps(spec, tuning, decode_activations)):
             mod = step(mod)
             if after_step is not None:
                 after_step(index, name, mod)
@@ -94,9 +95,10 @@ class _CheckKernels:
 
 
 def build(mod: tvm.IRModule, spec: TargetSpec, tuning: bool = False,
-          after_step: Callable[[int, str, tvm.IRModule], None] | None = None) -> tvm.runtime.Executable:
+          after_step: Callable[[int, str, tvm.IRModule], None] | None = None,
+          decode_activations: str = "int16") -> tvm.runtime.Executable:
     """Run the pipeline and generate code; the Relax passes are all ours, so TVM's default list is off."""
-    lowered = run_steps(mod, spec, after_step, tuning)
+    lowered = run_steps(mod, spec, after_step, tuning, decode_activations)
     current = tvm.transform.PassContext.current()
     with tvm.transform.PassContext(opt_level=current.opt_level, config=current.config,
                                    instruments=[*current.instruments, _CheckKernels(spec)]):

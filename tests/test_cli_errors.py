@@ -105,6 +105,12 @@ def test_unknown_quant_lists_valid_ones(tmp_path, out):
     _assert_no_artifact(out)
 
 
+def test_int8_decode_activations_off_x86_is_refused(tmp_path, out):
+    result = _compile("default", out, "--target", "linux-arm64", "--decode-activations", "int8")
+    _assert_one_line_error(result, "--decode-activations int8", "linux-arm64", "drop the option")
+    _assert_no_artifact(out)
+
+
 def test_generate_on_missing_artifact(tmp_path):
     _assert_one_line_error(_run(["generate", str(tmp_path / "none"), "--prompt", "hi"]), "does not exist")
 

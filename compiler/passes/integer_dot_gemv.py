@@ -7,8 +7,9 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.target import Target
+from tvm.target.codegen import target_has_features
 
-from ..kernels.integer_dot_gemv import GemvShape, available, gemv, quantize_activation
+from ..kernels.integer_dot_gemv import ACTIVATION_BITS, GemvShape, available, gemv, quantize_activation
 from ..quantization.modules import LAYOUT_ATTR
 from .ir_walk import rewrite_relax_functions
 
@@ -29,9 +30,9 @@ def _static_shape(ty) -> tuple[int, ...] | None:
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule):
+    def __init__(self, mod: tvm.IRModule, act_bits: int, vnni: bool):
         super().__init__(mod)
-        self.mod = mod
+        self.mod, self.act_bits, self.vnni = mod, act_bits, vnni
         self.kernels: dict[str, relax.GlobalVar] = {}
 
     def _kernel(self, name: str, build) -> relax.GlobalVar:
@@ -57,8 +58,10 @@ class _Rewriter(PyExprMutator):
             return None
         stored = list(producer.args[1].fields)
         shape = GemvShape(n=y_shape[-1], k=x_shape[-1], bits=int(layout["bits"]), group=int(layout["group"]),
-                          symmetric=bool(layout["symmetric"]), scale_dtype=str(stored[1].ty.dtype))
-        if not shape.supported():
+                          symmetric=bool(layout["symmetric"]), scale_dtype=str(stored[1].ty.dtype),
+                          act_bits=self.act_bits, vnni=self.vnni)
+        # AVX2's int8 path takes 8-bit codes centred (symmetric only): no such asymmetric scheme exists yet
+        if not shape.supported() or (self.act_bits == 8 and shape.bits == 8 and not shape.symmetric and not self.vnni):
             return None
         return x, stored, shape, x_shape, y_shape
 
@@ -72,19 +75,25 @@ class _Rewriter(PyExprMutator):
         product = self._kernel(f"integer_dot_gemv_{shape.name()}", lambda: gemv(shape, y_shape))
         terms = relax.TensorType([shape.lane_terms], "float32")
         act = self.builder_.emit(relax.call_tir(
-            quantize, [x], [relax.TensorType([shape.k], "int16"), terms, terms]))
+            quantize, [x], [relax.TensorType([shape.k], shape.act_dtype), terms, terms]))
         parts = [self.builder_.emit(relax.TupleGetItem(act, i)) for i in range(3)]
         return relax.call_tir(product, [*parts, *stored], call.ty)
 
 
 @tvm.transform.module_pass(opt_level=0, name="IntegerDotGEMV")
 class IntegerDotGEMV:  # pylint: disable=too-few-public-methods
-    """On x86 CPUs with AVX2 (VNNI when the target has it), decode GEMVs of 4/8-bit group codes multiply int8
-    activations by the codes in integer arithmetic. Run inside `with target:`, after FuseTransposeMatmul and
-    before FuseDequantizeMatmul (which fuses the dequantizes still left: prefill, other targets)."""
+    """On x86 CPUs with AVX-512BW, decode GEMVs of 4/8-bit group codes multiply int16 (or int8) activations by
+    the codes in integer arithmetic. Run inside `with target:`, after FuseTransposeMatmul and before
+    FuseDequantizeMatmul (which fuses the dequantizes still left: prefill, other targets)."""
+
+    def __init__(self, act_bits: int = 16):
+        if act_bits not in ACTIVATION_BITS:
+            raise ValueError(f"activation bits must be one of {ACTIVATION_BITS}, got {act_bits}")
+        self.act_bits = act_bits
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         target = Target.current(allow_none=True)
         if target is None or not available(target):
             return mod
-        return rewrite_relax_functions(mod, _Rewriter(mod))
+        vnni = bool(target_has_features(["avx512vnni", "avx512vl"], target))
+        return rewrite_relax_functions(mod, _Rewriter(mod, self.act_bits, vnni))

@@ -1,6 +1,8 @@
 """Integer dot-product decode GEMV: numerics against numpy for every layout it takes, the shapes it refuses,
 and negative controls (activations in the wrong order, a changed code)."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import tvm
@@ -9,6 +11,9 @@ from compiler.kernels.integer_dot_gemv import GemvShape, available, gemv, quanti
 from compiler.quantization import group
 
 TARGET = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v4"})
+VNNI_TARGET = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v4",
+                                 "mattr": ["+avx512vnni"]})
+HOST_HAS_VNNI = "avx512_vnni" in Path("/proc/cpuinfo").read_text()
 N = 48
 
 
@@ -17,11 +22,11 @@ def _build(shape: GemvShape):
         "quantize": quantize_activation(shape, (1, 1, shape.k)).with_attr("global_symbol", "quantize"),
         "gemv": gemv(shape, (1, 1, shape.n)).with_attr("global_symbol", "gemv"),
     })
-    return tvm.tirx.build(mod, target=TARGET)
+    return tvm.tirx.build(mod, target=VNNI_TARGET if shape.vnni else TARGET)
 
 
 def _run(lib, shape: GemvShape, x: np.ndarray, arrays: dict, permute_activations=None) -> np.ndarray:
-    xq = tvm.runtime.empty((shape.k,), "int16")
+    xq = tvm.runtime.empty((shape.k,), shape.act_dtype)
     xs = tvm.runtime.empty((shape.lane_terms,), "float32")
     xo = tvm.runtime.empty((shape.lane_terms,), "float32")
     lib["quantize"](tvm.runtime.tensor(x.reshape(1, 1, -1)), xq, xs, xo)
@@ -33,9 +38,9 @@ def _run(lib, shape: GemvShape, x: np.ndarray, arrays: dict, permute_activations
     return y.numpy().reshape(-1)
 
 
-def _case(bits, grp, symmetric, scale_dtype, k, seed=0):
+def _case(bits, grp, symmetric, scale_dtype, k, seed=0, act_bits=16, vnni=False):
     layout = group.GroupLayout(bits, grp, symmetric, scale_dtype)
-    shape = GemvShape(N, k, bits, grp, symmetric, scale_dtype)
+    shape = GemvShape(N, k, bits, grp, symmetric, scale_dtype, act_bits, vnni)
     rng = np.random.default_rng(seed)
     arrays = group.quantize(rng.standard_normal((N, k)).astype("float32"), layout)
     # activations with an outlier per row, as LLM hidden states have: per-32 scales must absorb it
@@ -44,20 +49,39 @@ def _case(bits, grp, symmetric, scale_dtype, k, seed=0):
     return shape, arrays, x, group.dequantize(arrays, layout, k) @ x
 
 
-@pytest.mark.parametrize("bits,grp,symmetric,scale_dtype,k", [
+LAYOUTS = [
     (4, 32, True, "float16", 576),  # q4f16_g32 / GGUF Q4_0, SmolLM2's hidden size
     (4, 32, False, "float16", 192),  # q4f16_g32_asym / GGUF Q4_1
     (4, 128, True, "float16", 640),  # q4f16_g128: K not a multiple of the group (a short last group)
     (4, 32, True, "float32", 128),  # q4f32_g32
     (8, 128, True, "float16", 576),  # q8f16_g128
     (8, 32, True, "float16", 96),  # GGUF Q8_0 (the embedding / lm_head)
-])
+]
+
+
+@pytest.mark.parametrize("bits,grp,symmetric,scale_dtype,k", LAYOUTS)
 def test_matches_the_dequantized_weights_times_float_activations(bits, grp, symmetric, scale_dtype, k):
     shape, arrays, x, ref = _case(bits, grp, symmetric, scale_dtype, k)
     assert shape.supported()
     got = _run(_build(shape), shape, x, arrays)
     # int16 activations, one scale per 32 values: errors ~1/65534 of a block's largest value
     np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("vnni", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not HOST_HAS_VNNI, reason="this CPU has no AVX-512 VNNI"))])
+@pytest.mark.parametrize("bits,grp,symmetric,scale_dtype,k", LAYOUTS)
+def test_int8_activations_match_within_int8_rounding(bits, grp, symmetric, scale_dtype, k, vnni):
+    """AVX2 (vpmaddubsw; 8-bit codes centred) or VNNI (vpdpbusd): errors ~1/254 of a block's largest value, and
+    exactly what the int8 activations give (no int16 overflow in the pair sums)."""
+    shape, arrays, x, ref = _case(bits, grp, symmetric, scale_dtype, k, act_bits=8, vnni=vnni)
+    got = _run(_build(shape), shape, x, arrays)
+    blocks = x.reshape(-1, 32)
+    scale = np.abs(blocks).max(axis=1, keepdims=True) / 127
+    x8 = (np.round(blocks / scale) * scale).reshape(-1)
+    exact = group.dequantize(arrays, group.GroupLayout(bits, grp, symmetric, scale_dtype), k) @ x8
+    np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-4 * np.abs(exact).max())
+    assert np.abs(got - ref).max() < 2e-2 * np.abs(ref).max()
 
 
 def test_negative_controls_fail_the_same_tolerance():

@@ -43,9 +43,9 @@ def _module(tagged=True):
     return bb.get()
 
 
-def _rewrite(mod, target):
+def _rewrite(mod, target, act_bits=16):
     with target:
-        return IntegerDotGEMV()(FuseTransposeMatmul()(mod))
+        return IntegerDotGEMV(act_bits)(FuseTransposeMatmul()(mod))
 
 
 def _callees(func) -> list[str]:
@@ -61,6 +61,17 @@ def test_decode_matmul_becomes_activation_quantize_plus_integer_gemv():
     # prefill (a symbolic row count) keeps the float path for FuseDequantizeMatmul
     assert any(c.startswith("NT_matmul") for c in _callees(mod["prefill"]))
     assert any(c.startswith("dequantize") for c in _callees(mod["prefill"]))
+
+
+@pytest.mark.parametrize("act_bits", [16, 8])
+def test_activation_width_selects_the_kernels(act_bits):
+    mod = _rewrite(_module(), HOST.tvm_target(), act_bits)
+    names = [gv.name_hint for gv in mod.get_global_vars() if "integer_dot" in gv.name_hint or "quantize_act" in gv.name_hint]
+    assert len(names) == 2 and all(f"_a{act_bits}" in n for n in names)
+    (quantize,) = [f for gv, f in mod.functions_items() if gv.name_hint.startswith("quantize_activation")]
+    assert f'xq: T.Buffer((128,), "int{act_bits}")' in quantize.script()
+    with pytest.raises(ValueError, match="activation bits"):
+        IntegerDotGEMV(4)
 
 
 @pytest.mark.parametrize("target,tagged", [(ARM, True), (None, False)])

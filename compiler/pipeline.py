@@ -15,6 +15,7 @@ from .passes.fuse_dequantize_matmul import FuseDequantizeMatmul
 from .passes.fuse_swiglu import FuseSwiGLU
 from .passes.fuse_transpose_matmul import FuseTransposeMatmul
 from .passes.integer_dot_gemv import IntegerDotGEMV
+from .passes.replace_cpu_attention import ReplaceCPUAttention
 from .passes.verify_alignment import VerifyAlignment
 from .passes.verify_device_limits import VerifyDeviceLimits
 from .schedules import cpu as cpu_schedules
@@ -45,6 +46,8 @@ def steps(spec: TargetSpec, tuning: bool = False, decode_activations: str = "int
         ("fuse-transpose-matmul", FuseTransposeMatmul()),
         # Decode GEMVs of quantized weights on x86 CPUs: int16 (or int8) activations times the codes in integers.
         ("integer-dot-gemv", IntegerDotGEMV(int(decode_activations.removeprefix("int")))),
+        # LLVM CPU targets: the paged KV cache's attention kernels (decode, prefill) become vectorized ones.
+        ("cpu-attention", ReplaceCPUAttention()),
         # Needs the NT_matmul calls above; before FuseOps, so bias/residual adds still fuse into the fused kernel.
         ("fuse-dequantize-matmul", FuseDequantizeMatmul()),
         # On high-level ops, before LegalizeOps; takes the residual add that FuseOps would put in the matmul epilogue.

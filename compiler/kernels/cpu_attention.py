@@ -1,24 +1,40 @@
 """Paged-KV attention kernels for CPUs, vectorized: drop-in replacements for TVM's scalar CPU kernels.
 
-TVM's `_attention_decode_cpu` (relax/frontend/nn/llm/_decode_kernels.py) walks the KV cache one row and one query
-head at a time in scalar loops, calls libm's exp2 three times per score and checks the rotary mode per element. The
-decode kernel here has exactly its signature (the paged KV cache calls it by position) and computes the same thing:
+TVM's CPU kernels (`_attention_decode_cpu`, `_attention_prefill_cpu`, `_attention_prefill_ragged_cpu` in
+relax/frontend/nn/llm) walk the keys one row and one query head at a time in scalar loops, call libm's exp2 per
+score and check the rotary mode per element. The kernels here have exactly their signatures (the paged KV cache
+calls them by position) and compute the same thing:
 
-- one task per (sequence, KV head), in parallel: the `group` query heads that share a KV head are handled together,
-  so every K and V row is loaded once for all of them;
-- the KV rows are walked page by page (page_size rows, contiguous in memory for one head): the scores of a page
-  are computed first (one vector dot product over head_dim per row and query head), then the online softmax is
-  rescaled once per page with a vectorized exp2 over the page's scores, then the page's V rows are accumulated;
+- decode: one parallel task per (sequence, chunk of CHUNK_PAGES pages); a task walks its pages in order, and per
+  page first the K rows of every KV head (scores), then the V rows of every head, so K and V are each read in
+  memory order: the hardware prefetchers then stream them (reading one head's 4 KiB blocks at a time, or adding
+  software prefetches, was 1.5-2x slower from DRAM). The chunks' unnormalized states (sum of p V, running max,
+  sum of p) are merged at the end;
+- prefill (ragged: the new tokens among themselves; paged: the new tokens against the cached pages): one parallel
+  task per query row, keys in blocks of 16 rows (a page for the paged kernel), causal mask as TVM's;
+- the `group` query heads that share a KV head are handled together, so each K and V row is loaded once for them;
+  a block's scores are computed first (one vector dot product over head_dim per row and query head), then the
+  online softmax is rescaled once per block with a vectorized exp2 (a polynomial, no libm call), then the V rows
+  are accumulated;
 - vectors are `lanes` float32 wide (16 on AVX-512, 8 on AVX2, 4 on NEON), built as explicit expressions (ramp
-  loads) and stored only into small local buffers: a vector value bound to a name would become a Let that the
-  Relax build spills to a stack buffer and gathers back lane by lane.
+  loads) and stored only into small buffers: a vector value bound to a name would become a Let that the Relax
+  build spills to a stack buffer and gathers back lane by lane.
 
-Scores are in log2 units (q.k * sm_scale * log2 e) as in TVM's kernel, and lse is written the same way
+What TVM 0.27's CPU lowering needs from such a kernel (each seen here): scalars that change go in 1-element
+buffers and fixed ones in `T.let` (a plain `x = ...` in TVMScript becomes a 1-element buffer, and every
+"local"-scope buffer becomes a TVMBackendAllocWorkspace call per task: small default-scope buffers are stack
+allocas LLVM keeps in registers); no float Let inside a parallel loop (CSE makes one of a repeated product of
+float scalars); TVM's `_rope` expression (a float Let) only outside parallel loops, unrolled loops and with no
+loop-variable arithmetic in its position.
+
+Scores are in log2 units (q.k * sm_scale * log2 e) as in TVM's kernels, and lse is written the same way
 (m + log2(d)), so the runtime's merge of attention states is unchanged. rotary_mode 1 (RoPE applied inside the
-kernel, RopeMode.INLINE) is supported with TVM's own `_rope` expression, on a slower path that rotates each K row
-into a local buffer first; the models here use RopeMode.NORMAL (RoPE applied before K enters the cache), which
-the runtime passes as rotary_mode 0.
+kernel, RopeMode.INLINE) is supported with TVM's own `_rope` expression, on a slower serial path; the models here
+use RopeMode.NORMAL (RoPE applied before K enters the cache), which the runtime passes as rotary_mode 0. A query
+row that sees no key (only possible with fewer keys than causal queries) gets output 0 and lse -5e4, as a sequence
+with no KV rows does in TVM's decode kernel (TVM's prefill kernels leave such rows undefined or uniform).
 """
+
 
 from __future__ import annotations
 
@@ -33,8 +49,11 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.target.codegen import target_has_features
 
-DECODE_SYMBOL = "batch_decode_paged_kv_cpu"  # TVM's global symbol for the CPU decode kernel
+DECODE_SYMBOL = "batch_decode_paged_kv_cpu"  # TVM's global symbols of the CPU kernels replaced here
+RAGGED_SYMBOL = "batch_prefill_ragged_kv"
+PAGED_PREFILL_SYMBOL = "batch_prefill_paged_kv_cpu"
 LOG2E = math.log2(math.e)
+CHUNK_PAGES = 8  # pages per parallel task of the decode kernel (128 tokens at page size 16)
 NO_SCORE = -5e4  # TVM's initial running max (and the lse of a sequence with no KV rows)
 MASKED = -3.0e38  # score of the rows past the end of the last page: below any real score
 # 2^f on [-0.5, 0.5] = 1 + f P(f) (Cephes exp2f), relative error 1.7e-7
@@ -85,7 +104,12 @@ def _f32(expr, dtype: str, lanes: int):
 
 
 def _bcast(value, lanes: int):
-    return T.broadcast(T.Cast("float32", value) if not isinstance(value, float) else T.float32(value), lanes)
+    value = T.float32(value) if isinstance(value, float) else T.Cast("float32", value)
+    return value if lanes == 1 else T.broadcast(value, lanes)
+
+
+def _ibcast(value: int, lanes: int):
+    return T.int32(value) if lanes == 1 else T.broadcast(T.int32(value), lanes)
 
 
 def _tree(buf, base, lanes: int, combine):
@@ -111,8 +135,9 @@ def _hmax(buf, base, lanes: int):
 
 
 def _exp2(x, lanes: int):
-    """2^x for a float32 vector x <= 0 (clamped at -126, where the result is 1.2e-38 rather than ~0): 2^n * 2^f
-    with n = floor(x + 1/2), f = x - n in [-1/2, 1/2], 2^f by a degree-6 polynomial; relative error ~2e-7.
+    """2^x for float32 x <= 0 (a vector of `lanes`, or a scalar for lanes 1), clamped at -126 (2^-126 = 1.2e-38
+    instead of ~0): 2^n * 2^f with n = floor(x + 1/2), f = x - n in [-1/2, 1/2], 2^f by a degree-6 polynomial;
+    relative error ~2e-7. No libm call: a call would make LLVM spill every vector register around it.
     `x` is an expression of loads and arithmetic; it is repeated, and LLVM computes it once."""
     x = T.max(x, _bcast(-126.0, lanes))
     n = T.floor(x + _bcast(0.5, lanes))
@@ -120,140 +145,136 @@ def _exp2(x, lanes: int):
     poly = _bcast(EXP2_POLY[0], lanes)
     for coef in EXP2_POLY[1:]:
         poly = poly * f + _bcast(coef, lanes)
-    scale = T.reinterpret(_vec("float32", lanes), T.shift_left(
-        T.Cast(_vec("int32", lanes), n) + T.broadcast(T.int32(127), lanes), T.broadcast(T.int32(23), lanes)))
-    return (poly * f + _bcast(1.0, lanes)) * scale
+    bits = T.shift_left(T.Cast(_vec("int32", lanes) if lanes > 1 else "int32", n) + _ibcast(127, lanes),
+                        _ibcast(23, lanes))
+    return (poly * f + _bcast(1.0, lanes)) * T.reinterpret(_vec("float32", lanes) if lanes > 1 else "float32", bits)
 
 
 def _sum(terms):
     return functools.reduce(lambda a, b: a + b, terms)
 
 
-def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, Any] | None = None) -> tirx.PrimFunc:
+def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, Any] | None = None,
+                     chunk_pages: int = CHUNK_PAGES) -> tirx.PrimFunc:
     """The paged-KV decode kernel: TVM's `batch_decode_paged_kv_cpu` signature (no sliding window)."""
     rope_scaling = rope_scaling or {}
     H_qo, H_kv, D, P, G = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, shape.group
-    dtype, VL = shape.dtype, lanes
+    dtype, VL, CH = shape.dtype, lanes, chunk_pages
     DC, PC = D // VL, P // VL  # vectors per head row, per page of scores
     assert shape.supported(VL), shape
 
-    def q_chunk(q_loc, g, c):
-        return q_loc[T.ramp(g * D + c * VL, 1, VL)]
-
-    def dot_terms(q_loc, g, k_chunk):
-        """sum_c q[g, chunk c] * k[chunk c]: VL partial sums of one score."""
-        return _sum([q_chunk(q_loc, g, c) * k_chunk(c) for c in range(DC)])
+    def vec(base):
+        return T.ramp(base, 1, VL)
 
     def page_k(pages, page, h, r):
-        return lambda c: _f32(pages[page, 0, h, r, T.ramp(c * VL, 1, VL)], dtype, VL)
-
-    def local_k(k_row):
-        return lambda c: k_row[T.ramp(c * VL, 1, VL)]
+        return lambda c: _f32(pages[page, 0, h, r, vec(c * VL)], dtype, VL)
 
     def page_v(pages, page, h, r, c):
-        return _f32(pages[page, 1, h, r, T.ramp(c * VL, 1, VL)], dtype, VL)
+        return _f32(pages[page, 1, h, r, vec(c * VL)], dtype, VL)
 
-    def lane_ids(c):
-        return T.ramp(c * VL, 1, VL)
+    def dot_terms(q_chunk, k_chunk):
+        """sum_c q[chunk c] * k[chunk c]: VL partial sums of one score."""
+        return _sum([q_chunk(c) * k_chunk(c) for c in range(DC)])
 
     @T.macro
-    def head_task(task, rope, Q, pages, page_table_indptr, page_table_values, length_info, k_rope_pos_offset,
-                  q_rope_position, output, lse, rope_scale, rope_theta, sm_scale):
-        # query heads h*G .. h*G+G-1 of sequence b against KV head h; `rope` (a Python bool) selects the
-        # rotary_mode 1 path when the kernel is built
-        q_loc = T.alloc_buffer((G * D,), "float32")  # q * sm_scale * log2 e
-        acc = T.alloc_buffer((G * D,), "float32")  # sum of p * V, at the running max
-        scores = T.alloc_buffer((G * P,), "float32")  # one page's scores, then exp2
+    def chunk_task(task, n_chunks, rope, Q, pages, page_table_indptr, page_table_values, length_info,
+                   k_rope_pos_offset, q_rope_position, part_acc, part_max, part_sum, rope_scale, rope_theta,
+                   sm_scale):
+        # pages [c * CH, c * CH + CH) of sequence b, every head; the unnormalized state goes to part_*[task]
+        acc = T.alloc_buffer((G * D,), "float32")  # one KV head's query heads: sum of p * V at the running max
+        scores = T.alloc_buffer((H_qo * P,), "float32")  # one page's scores, then their exp2
         part = T.alloc_buffer((VL,), "float32")
-        k_row = T.alloc_buffer((D,), "float32")  # a rotated K row (rotary_mode 1)
-        run_max = T.alloc_buffer((G,), "float32")
-        run_sum = T.alloc_buffer((G,), "float32")
         new_max = T.alloc_buffer((1,), "float32")
-        rescale = T.alloc_buffer((1,), "float32")
-        # through a buffer: a float Let (as CSE would make of the product) breaks the CPU codegen's
-        # parallel closure (an integer analyzer is bound to it)
+        rescale = T.alloc_buffer((H_qo,), "float32")
+        # through a buffer: a float Let (as CSE makes of a repeated product) breaks the CPU codegen
         q_scale = T.alloc_buffer((1,), "float32")
-        k_pos = T.alloc_buffer((1,), "int32")
-        b: T.let[T.int32] = task // H_kv
-        h: T.let[T.int32] = task % H_kv
+        b: T.let[T.int32] = task // n_chunks
         page_begin: T.let[T.int32] = page_table_indptr[b]
         num_pages: T.let[T.int32] = page_table_indptr[b + 1] - page_begin
-        for g in T.unroll(G):
-            run_max[g] = T.float32(NO_SCORE)
-            run_sum[g] = T.float32(0)
-            for c in T.unroll(DC):
-                acc[T.ramp(g * D + c * VL, 1, VL)] = _bcast(0.0, VL)
+        first: T.let[T.int32] = task % n_chunks * CH
+        count: T.let[T.int32] = T.max(T.min(num_pages - first, CH), 0)
         q_scale[0] = sm_scale * T.float32(LOG2E)
+        for hq in range(H_qo):
+            part_max[task * H_qo + hq] = T.float32(NO_SCORE)
+            part_sum[task * H_qo + hq] = T.float32(0)
+            for c in T.unroll(DC):
+                part_acc[vec((task * H_qo + hq) * D + c * VL)] = _bcast(0.0, VL)
         if rope:
-            for g in range(G):  # not unrolled: copies of the RoPE expression's Let would bind one var twice
+            q_raw = T.alloc_buffer((H_qo, D), dtype)
+            q_rot = T.alloc_buffer((H_qo * D,), "float32")
+            k_raw = T.alloc_buffer((D,), dtype)
+            k_rot = T.alloc_buffer((D,), "float32")
+            k_pos = T.alloc_buffer((1,), "int32")
+            # RoPE reads copies of the rows (TVM's CSE mishandles index expressions inside the RoPE Let), in loops
+            # that are not unrolled (copies of the Let would bind its var twice); the position goes through a
+            # buffer (the codegen's integer analysis of the Let's value fails on p * P + r)
+            for hq in range(H_qo):
                 for d in range(D):
-                    q_loc[g * D + d] = T.Cast("float32", _rope(
-                        Q, q_rope_position[b], D, rope_theta, rope_scale, (b, h * G + g, d), dtype,
-                        rope_scaling)) * q_scale[0]
-        else:
-            for g in T.unroll(G):
-                for c in T.unroll(DC):
-                    q_loc[T.ramp(g * D + c * VL, 1, VL)] = _f32(
-                        Q[b, h * G + g, T.ramp(c * VL, 1, VL)], dtype, VL) * _bcast(q_scale[0], VL)
-        for p in range(num_pages):
-            page: T.let[T.int32] = page_table_values[page_begin + p]
-            rows: T.let[T.int32] = T.if_then_else(p == num_pages - 1, length_info[b], P)
-            # scores of the page's rows, for every query head of the group
-            if rope:
-                for r in range(rows):
-                    # the position through a buffer: the codegen's integer analysis of the RoPE Let's value
-                    # fails on p * P + r
-                    k_pos[0] = k_rope_pos_offset[b] + p * P + r
-                    for d in range(D):
-                        k_row[d] = T.Cast("float32", _rope(
-                            pages, k_pos[0], D, rope_theta, rope_scale,
-                            (page, 0, h, r, d), dtype, rope_scaling))
+                    q_raw[hq, d] = Q[b, hq, d]
+                for d in range(D):
+                    q_rot[hq * D + d] = T.Cast("float32", _rope(
+                        q_raw, q_rope_position[b], D, rope_theta, rope_scale,
+                        (hq, d), dtype, rope_scaling)) * q_scale[0]
+        for p in range(count):
+            page: T.let[T.int32] = page_table_values[page_begin + first + p]
+            rows: T.let[T.int32] = T.if_then_else(first + p == num_pages - 1, length_info[b], P)
+            for h in range(H_kv):
+                # scores of the page's rows for the G query heads of KV head h
+                if rope:
+                    for r in range(rows):
+                        k_pos[0] = k_rope_pos_offset[b] + (first + p) * P + r
+                        for d in range(D):
+                            k_raw[d] = pages[page, 0, h, r, d]
+                        for d in range(D):
+                            k_rot[d] = T.Cast("float32", _rope(
+                                k_raw, k_pos[0], D, rope_theta, rope_scale, (d,), dtype, rope_scaling))
+                        for g in T.unroll(G):
+                            part[vec(0)] = dot_terms(lambda c, h=h, g=g: q_rot[vec((h * G + g) * D + c * VL)],
+                                                     lambda c: k_rot[vec(c * VL)])
+                            scores[(h * G + g) * P + r] = _hsum(part, 0, VL)
+                else:
+                    for r in range(rows):
+                        for g in T.unroll(G):
+                            part[vec(0)] = dot_terms(
+                                lambda c, h=h, g=g: _f32(Q[b, h * G + g, vec(c * VL)], dtype, VL)
+                                    * _bcast(q_scale[0], VL),
+                                page_k(pages, page, h, r))
+                            scores[(h * G + g) * P + r] = _hsum(part, 0, VL)
+                for r in range(P - rows):
                     for g in T.unroll(G):
-                        part[T.ramp(0, 1, VL)] = dot_terms(q_loc, g, local_k(k_row))
-                        scores[g * P + r] = _hsum(part, 0, VL)
-            else:
-                for r in range(rows):
-                    for g in T.unroll(G):
-                        part[T.ramp(0, 1, VL)] = dot_terms(q_loc, g, page_k(pages, page, h, r))
-                        scores[g * P + r] = _hsum(part, 0, VL)
-            for r in range(P - rows):
+                        scores[(h * G + g) * P + rows + r] = T.float32(MASKED)
+                # online softmax, rescaled once per page
                 for g in T.unroll(G):
-                    scores[g * P + rows + r] = T.float32(MASKED)
-            # online softmax, rescaled once per page
-            for g in T.unroll(G):
-                part[T.ramp(0, 1, VL)] = scores[T.ramp(g * P, 1, VL)]
-                for c in T.unroll(PC - 1):
-                    part[T.ramp(0, 1, VL)] = T.max(part[T.ramp(0, 1, VL)],
-                                                   scores[T.ramp(g * P + (c + 1) * VL, 1, VL)])
-                new_max[0] = T.max(run_max[g], _hmax(part, 0, VL))
-                rescale[0] = T.exp2(run_max[g] - new_max[0])
-                for c in T.unroll(PC):
-                    scores[T.ramp(g * P + c * VL, 1, VL)] = T.Select(
-                        lane_ids(c) < T.broadcast(rows, VL),
-                        _exp2(scores[T.ramp(g * P + c * VL, 1, VL)] - _bcast(new_max[0], VL), VL),
-                        _bcast(0.0, VL))
-                part[T.ramp(0, 1, VL)] = scores[T.ramp(g * P, 1, VL)]
-                for c in T.unroll(PC - 1):
-                    part[T.ramp(0, 1, VL)] = part[T.ramp(0, 1, VL)] + scores[T.ramp(g * P + (c + 1) * VL, 1, VL)]
-                run_sum[g] = run_sum[g] * rescale[0] + _hsum(part, 0, VL)
-                run_max[g] = new_max[0]
-                for c in T.unroll(DC):
-                    acc[T.ramp(g * D + c * VL, 1, VL)] = acc[T.ramp(g * D + c * VL, 1, VL)] * _bcast(rescale[0], VL)
-            # the page's V rows, weighted
-            for r in range(rows):
+                    state: T.let[T.int32] = task * H_qo + h * G + g
+                    row0: T.let[T.int32] = (h * G + g) * P
+                    part[vec(0)] = scores[vec(row0)]
+                    for c in T.unroll(PC - 1):
+                        part[vec(0)] = T.max(part[vec(0)], scores[vec(row0 + (c + 1) * VL)])
+                    new_max[0] = T.max(part_max[state], _hmax(part, 0, VL))
+                    rescale[h * G + g] = _exp2(part_max[state] - new_max[0], 1)
+                    for c in T.unroll(PC):
+                        scores[vec(row0 + c * VL)] = T.Select(
+                            T.ramp(c * VL, 1, VL) < T.broadcast(rows, VL),
+                            _exp2(scores[vec(row0 + c * VL)] - _bcast(new_max[0], VL), VL), _bcast(0.0, VL))
+                    part[vec(0)] = scores[vec(row0)]
+                    for c in T.unroll(PC - 1):
+                        part[vec(0)] = part[vec(0)] + scores[vec(row0 + (c + 1) * VL)]
+                    part_sum[state] = part_sum[state] * rescale[h * G + g] + _hsum(part, 0, VL)
+                    part_max[state] = new_max[0]
+            # the page's V rows, weighted: after all heads' scores, so K and V are each read in memory order
+            for h in range(H_kv):
                 for g in T.unroll(G):
                     for c in T.unroll(DC):
-                        acc[T.ramp(g * D + c * VL, 1, VL)] = (
-                            acc[T.ramp(g * D + c * VL, 1, VL)]
-                            + _bcast(scores[g * P + r], VL) * page_v(pages, page, h, r, c))
-        for g in T.unroll(G):
-            for c in T.unroll(DC):
-                output[b, h * G + g, T.ramp(c * VL, 1, VL)] = T.Cast(_vec(dtype, VL), acc[
-                    T.ramp(g * D + c * VL, 1, VL)] * _bcast(T.if_then_else(
-                        run_sum[g] > T.float32(0), T.float32(1) / run_sum[g], T.float32(0)), VL))
-            lse[b, h * G + g] = T.if_then_else(run_sum[g] > T.float32(0), run_max[g] + T.log2(run_sum[g]),
-                                               T.float32(NO_SCORE))
-
+                        acc[vec(g * D + c * VL)] = part_acc[vec((task * H_qo + h * G + g) * D + c * VL)] * _bcast(
+                            rescale[h * G + g], VL)
+                for r in range(rows):
+                    for g in T.unroll(G):
+                        for c in T.unroll(DC):
+                            acc[vec(g * D + c * VL)] = (acc[vec(g * D + c * VL)] + _bcast(
+                                scores[(h * G + g) * P + r], VL) * page_v(pages, page, h, r, c))
+                for g in T.unroll(G):
+                    for c in T.unroll(DC):
+                        part_acc[vec((task * H_qo + h * G + g) * D + c * VL)] = acc[vec(g * D + c * VL)]
 
     # pylint: disable=too-many-locals,too-many-statements
     @T.prim_func(private=True, s_tir=True)
@@ -284,23 +305,318 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
 
         Q = T.match_buffer(Q_handle, (B, H_qo, D), dtype)
         pages = T.match_buffer(pages_handle, (max_num_pages, 2, H_kv, P, D), dtype)
-        page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32", elem_offset=page_indptr_elem_offset)
-        page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
-        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_rope_pos_offset_elem_offset)
+        page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32",
+                                           elem_offset=page_indptr_elem_offset)
+        page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32",
+                                           elem_offset=page_values_elem_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32",
+                                           elem_offset=k_rope_pos_offset_elem_offset)
         q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_position_elem_offset)
         output = T.match_buffer(output_handle, (B, H_qo, D), dtype)
         lse = T.match_buffer(lse_handle, (B, H_qo), "float32")
         length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=length_info_elem_offset)
 
         with T.sblock("root"):
+            # each sequence's pages in chunks of CH: the chunks run in parallel, each keeps an unnormalized state
+            # (sum of p * V, running max, sum of p) per query head, merged at the end
+            most = T.alloc_buffer((1,), "int32")
+            part_acc = T.alloc_buffer((B * ((max_num_pages + CH - 1) // CH) * H_qo * D,), "float32")
+            part_max = T.alloc_buffer((B * ((max_num_pages + CH - 1) // CH) * H_qo,), "float32")
+            part_sum = T.alloc_buffer((B * ((max_num_pages + CH - 1) // CH) * H_qo,), "float32")
+            merged = T.alloc_buffer((3,), "float32")  # max, sum, weight of a chunk
+            out_row = T.alloc_buffer((D,), "float32")
+            most[0] = 1
+            for b in range(B):
+                most[0] = T.max(most[0], page_table_indptr[b + 1] - page_table_indptr[b])
+            n_chunks: T.let[T.int32] = (most[0] + CH - 1) // CH
             if rotary_mode == 1:
                 # TVM's RoPE expression binds a float Let, which the parallel closure's codegen rejects
-                for task in range(B * H_kv):
-                    head_task(task, True, Q, pages, page_table_indptr, page_table_values, length_info,
-                              k_rope_pos_offset, q_rope_position, output, lse, rope_scale, rope_theta, sm_scale)
+                for task in range(B * n_chunks):
+                    chunk_task(task, n_chunks, True, Q, pages, page_table_indptr, page_table_values, length_info,
+                               k_rope_pos_offset, q_rope_position, part_acc, part_max, part_sum, rope_scale,
+                               rope_theta, sm_scale)
             else:
-                for task in T.parallel(B * H_kv):
-                    head_task(task, False, Q, pages, page_table_indptr, page_table_values, length_info,
-                              k_rope_pos_offset, q_rope_position, output, lse, rope_scale, rope_theta, sm_scale)
+                for task in T.parallel(B * n_chunks):
+                    chunk_task(task, n_chunks, False, Q, pages, page_table_indptr, page_table_values, length_info,
+                               k_rope_pos_offset, q_rope_position, part_acc, part_max, part_sum, rope_scale,
+                               rope_theta, sm_scale)
+            for b in range(B):
+                for hq in range(H_qo):
+                    merged[0] = T.float32(NO_SCORE)
+                    for c in range(n_chunks):
+                        merged[0] = T.max(merged[0], part_max[(b * n_chunks + c) * H_qo + hq])
+                    merged[1] = T.float32(0)
+                    for c in range(n_chunks):
+                        merged[1] = merged[1] + part_sum[(b * n_chunks + c) * H_qo + hq] * _exp2(
+                            part_max[(b * n_chunks + c) * H_qo + hq] - merged[0], 1)
+                    for d in T.unroll(DC):
+                        out_row[vec(d * VL)] = _bcast(0.0, VL)
+                    if merged[1] > T.float32(0):
+                        for c in range(n_chunks):
+                            merged[2] = _exp2(part_max[(b * n_chunks + c) * H_qo + hq] - merged[0], 1) / merged[1]
+                            for d in T.unroll(DC):
+                                out_row[vec(d * VL)] = out_row[vec(d * VL)] + part_acc[vec(
+                                    ((b * n_chunks + c) * H_qo + hq) * D + d * VL)] * _bcast(merged[2], VL)
+                        lse[b, hq] = merged[0] + T.log2(merged[1])
+                    else:
+                        lse[b, hq] = T.float32(NO_SCORE)
+                    for d in T.unroll(DC):
+                        output[b, hq, vec(d * VL)] = T.Cast(_vec(dtype, VL), out_row[vec(d * VL)])
 
     return batch_decode_paged_kv.with_attr("global_symbol", DECODE_SYMBOL)
+
+
+def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str, Any], paged: bool, block: int):
+    """The work of one query row of a prefill kernel, as a T.macro: for each KV head, its `group` query heads walk
+    the visible keys (causal: up to the row's own position, aligned at the end of the keys) in blocks of `block`
+    rows, as the decode kernel walks pages. Keys are the ragged k/v rows of the new tokens, or (`paged`) the
+    sequence's pages, a block being a page."""
+    H_qo, H_kv, D, G = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.group
+    dtype, VL, P = shape.dtype, lanes, block
+    DC, PC = D // VL, P // VL
+
+    def vec(base):
+        return T.ramp(base, 1, VL)
+
+    def dot_terms(q_chunk, k_chunk):
+        return _sum([q_chunk(c) * k_chunk(c) for c in range(DC)])
+
+    def key(k, v, page_values, kv_begin, blk, h, r, kv, index):
+        """Element(s) `index` of key row r of block blk (kv 0: K, 1: V)."""
+        if paged:
+            return k[page_values[kv_begin + blk], kv, h, r, index]
+        return (k if kv == 0 else v)[kv_begin + blk * P + r, h, index]
+
+    @T.macro
+    def query_row(t, rope, q, q_indptr, k, v, kv_indptr, page_values, length_info, q_rope_position,
+                  k_rope_pos_offset, output, lse, batch_size, causal, rope_scale, rope_theta, sm_scale):
+        # k, v: the ragged keys and values (paged: both the pages); kv_indptr: ragged rows or (paged) pages
+        acc = T.alloc_buffer((G * D,), "float32")
+        scores = T.alloc_buffer((G * P,), "float32")
+        part = T.alloc_buffer((VL,), "float32")
+        run_max = T.alloc_buffer((G,), "float32")
+        run_sum = T.alloc_buffer((G,), "float32")
+        new_max = T.alloc_buffer((1,), "float32")
+        rescale = T.alloc_buffer((1,), "float32")
+        q_scale = T.alloc_buffer((1,), "float32")  # a float Let (CSE of a repeated product) breaks the codegen
+        seq = T.alloc_buffer((1,), "int32")
+        # the sequence of query row t: the number of sequences that end at or before t
+        seq[0] = 0
+        for s in range(batch_size):
+            if q_indptr[s + 1] <= t:
+                seq[0] = seq[0] + 1
+        b: T.let[T.int32] = seq[0]
+        kv_begin: T.let[T.int32] = kv_indptr[b]
+        kv_len: T.let[T.int32] = (
+            T.if_then_else(kv_indptr[b + 1] > kv_begin, (kv_indptr[b + 1] - kv_begin - 1) * P + length_info[b], 0)
+            if paged else kv_indptr[b + 1] - kv_begin)
+        # causal: key j is visible to query row i of a sequence of qo_len rows if j < kv_len - qo_len + i + 1
+        visible: T.let[T.int32] = T.if_then_else(
+            causal > 0, T.max(T.min(kv_len - (q_indptr[b + 1] - q_indptr[b]) + (t - q_indptr[b]) + 1, kv_len), 0),
+            kv_len)
+        q_scale[0] = sm_scale * T.float32(LOG2E)
+        if rope:
+            q_raw = T.alloc_buffer((H_qo, D), dtype)
+            q_rot = T.alloc_buffer((H_qo * D,), "float32")
+            k_raw = T.alloc_buffer((D,), dtype)
+            k_rot = T.alloc_buffer((D,), "float32")
+            k_pos = T.alloc_buffer((1,), "int32")
+            # as in the decode kernel: copies of the rows, loops not unrolled, the position through a buffer
+            for hq in range(H_qo):
+                for d in range(D):
+                    q_raw[hq, d] = q[t, hq, d]
+                for d in range(D):
+                    q_rot[hq * D + d] = T.Cast("float32", _rope(
+                        q_raw, q_rope_position[t], D, rope_theta, rope_scale,
+                        (hq, d), dtype, rope_scaling)) * q_scale[0]
+        for h in range(H_kv):
+            for g in T.unroll(G):
+                run_max[g] = T.float32(NO_SCORE)
+                run_sum[g] = T.float32(0)
+                for c in T.unroll(DC):
+                    acc[vec(g * D + c * VL)] = _bcast(0.0, VL)
+            for blk in range((visible + P - 1) // P):
+                rows: T.let[T.int32] = T.min(visible - blk * P, P)
+                if rope:
+                    for r in range(rows):
+                        k_pos[0] = k_rope_pos_offset[b] + blk * P + r
+                        for d in range(D):
+                            k_raw[d] = key(k, v, page_values, kv_begin, blk, h, r, 0, d)
+                        for d in range(D):
+                            k_rot[d] = T.Cast("float32", _rope(
+                                k_raw, k_pos[0], D, rope_theta, rope_scale, (d,), dtype, rope_scaling))
+                        for g in T.unroll(G):
+                            part[vec(0)] = dot_terms(lambda c, h=h, g=g: q_rot[vec((h * G + g) * D + c * VL)],
+                                                     lambda c: k_rot[vec(c * VL)])
+                            scores[g * P + r] = _hsum(part, 0, VL)
+                else:
+                    for r in range(rows):
+                        for g in T.unroll(G):
+                            part[vec(0)] = dot_terms(
+                                lambda c, h=h, g=g: _f32(q[t, h * G + g, vec(c * VL)], dtype, VL)
+                                    * _bcast(q_scale[0], VL),
+                                lambda c, blk=blk, h=h, r=r: _f32(
+                                    key(k, v, page_values, kv_begin, blk, h, r, 0, vec(c * VL)), dtype, VL))
+                            scores[g * P + r] = _hsum(part, 0, VL)
+                for r in range(P - rows):
+                    for g in T.unroll(G):
+                        scores[g * P + rows + r] = T.float32(MASKED)
+                for g in T.unroll(G):
+                    part[vec(0)] = scores[vec(g * P)]
+                    for c in T.unroll(PC - 1):
+                        part[vec(0)] = T.max(part[vec(0)], scores[vec(g * P + (c + 1) * VL)])
+                    new_max[0] = T.max(run_max[g], _hmax(part, 0, VL))
+                    rescale[0] = _exp2(run_max[g] - new_max[0], 1)
+                    for c in T.unroll(PC):
+                        scores[vec(g * P + c * VL)] = T.Select(
+                            T.ramp(c * VL, 1, VL) < T.broadcast(rows, VL),
+                            _exp2(scores[vec(g * P + c * VL)] - _bcast(new_max[0], VL), VL), _bcast(0.0, VL))
+                    part[vec(0)] = scores[vec(g * P)]
+                    for c in T.unroll(PC - 1):
+                        part[vec(0)] = part[vec(0)] + scores[vec(g * P + (c + 1) * VL)]
+                    run_sum[g] = run_sum[g] * rescale[0] + _hsum(part, 0, VL)
+                    run_max[g] = new_max[0]
+                    for c in T.unroll(DC):
+                        acc[vec(g * D + c * VL)] = acc[vec(g * D + c * VL)] * _bcast(rescale[0], VL)
+                for r in range(rows):
+                    for g in T.unroll(G):
+                        for c in T.unroll(DC):
+                            acc[vec(g * D + c * VL)] = acc[vec(g * D + c * VL)] + _bcast(scores[g * P + r], VL) * _f32(
+                                key(k, v, page_values, kv_begin, blk, h, r, 1, vec(c * VL)), dtype, VL)
+            for g in T.unroll(G):
+                for c in T.unroll(DC):
+                    output[t, h * G + g, vec(c * VL)] = T.Cast(_vec(dtype, VL), acc[vec(g * D + c * VL)] * _bcast(
+                        T.if_then_else(run_sum[g] > T.float32(0), T.float32(1) / run_sum[g], T.float32(0)), VL))
+                lse[t, h * G + g] = T.if_then_else(run_sum[g] > T.float32(0), run_max[g] + T.log2(run_sum[g]),
+                                                   T.float32(NO_SCORE))
+
+    return query_row
+
+
+def attention_prefill_ragged(shape: AttentionShape, lanes: int, rope_scaling: dict[str, Any] | None = None,
+                             block: int = 16) -> tirx.PrimFunc:
+    """Self-attention among the new tokens of a prefill: TVM's `batch_prefill_ragged_kv` signature (its CPU
+    variant, `_attention_prefill_ragged_cpu`), head_dim the same for q/k and v. One parallel task per query row
+    (_prefill_row_macro), keys in blocks of `block` rows; shape.page_size is not used."""
+    H_qo, H_kv, D, dtype = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.dtype
+    assert shape.supported(lanes) and block % lanes == 0, shape
+    query_row = _prefill_row_macro(shape, lanes, rope_scaling or {}, paged=False, block=block)
+
+    # pylint: disable=too-many-locals,too-many-statements
+    @T.prim_func(private=True, s_tir=True)
+    def batch_prefill_ragged_kv(
+        var_q: T.handle,  # [total_len, h_q, d_qk]
+        var_q_indptr: T.handle,  # [batch_size + 1]
+        var_k: T.handle,  # [total_len, h_kv, d_qk]
+        var_v: T.handle,  # [total_len, h_kv, d_v]
+        var_kv_indptr: T.handle,  # [batch_size + 1]
+        var_q_rope_position: T.handle,  # [total_q_len]
+        var_k_rope_pos_offset: T.handle,  # [b]
+        var_output: T.handle,  # [total_len, h_q, d_v]
+        var_lse: T.handle,  # [total_len, h_q]
+        causal: T.int32,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        batch_size = T.int32()
+        qo_len = T.int32()
+        kv_len = T.int32()
+        q_indptr_elem_offset = T.int32()
+        kv_indptr_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+
+        q = T.match_buffer(var_q, (qo_len, H_qo, D), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
+        k = T.match_buffer(var_k, (kv_len, H_kv, D), dtype)
+        v = T.match_buffer(var_v, (kv_len, H_kv, D), dtype)
+        kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset)
+        q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32",
+                                         elem_offset=q_rope_position_elem_offset)
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
+                                           elem_offset=k_rope_pos_offset_elem_offset)
+        output = T.match_buffer(var_output, (qo_len, H_qo, D), dtype)
+        lse = T.match_buffer(var_lse, (qo_len, H_qo), "float32")
+
+        with T.sblock("root"):
+            if rotary_mode == 1:
+                for t in range(qo_len):  # serial: TVM's RoPE expression breaks the parallel closure's codegen
+                    query_row(t, True, q, q_indptr, k, v, kv_indptr, None, None, q_rope_position, k_rope_pos_offset,
+                              output, lse, batch_size, causal, rope_scale, rope_theta, sm_scale)
+            else:
+                for t in T.parallel(qo_len):
+                    query_row(t, False, q, q_indptr, k, v, kv_indptr, None, None, q_rope_position, k_rope_pos_offset,
+                              output, lse, batch_size, causal, rope_scale, rope_theta, sm_scale)
+
+    return batch_prefill_ragged_kv.with_attr("global_symbol", RAGGED_SYMBOL)
+
+
+def attention_prefill_paged(shape: AttentionShape, lanes: int, rope_scaling: dict[str, Any] | None = None
+                            ) -> tirx.PrimFunc:
+    """New tokens against the KV cache's pages (a prefill after earlier tokens, or a chunked one): TVM's
+    `batch_prefill_paged_kv_cpu` signature (no sliding window). One parallel task per query row
+    (_prefill_row_macro), one block per page."""
+    H_qo, H_kv, D, P, dtype = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, shape.dtype
+    assert shape.supported(lanes), shape
+    query_row = _prefill_row_macro(shape, lanes, rope_scaling or {}, paged=True, block=P)
+
+    # pylint: disable=too-many-locals,too-many-statements
+    @T.prim_func(private=True, s_tir=True)
+    def batch_prefill_paged_kv_cpu(
+        var_q: T.handle,  # [total_len, h_q, d]
+        var_q_indptr: T.handle,  # [batch_size + 1]
+        var_pages: T.handle,  # [max_num_pages, 2, h_kv, page_size, d]
+        var_page_indptr: T.handle,  # [batch_size + 1]
+        var_page_values: T.handle,  # [nnz_pages]
+        var_length_info: T.handle,  # [b]: the rows used in the last page of each sequence
+        var_k_rope_pos_offset: T.handle,  # [b]
+        var_q_rope_position: T.handle,  # [total_len]
+        var_output: T.handle,  # [total_len, h_q, d]
+        var_lse: T.handle,  # [total_len, h_q]
+        causal: T.int32,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        batch_size = T.int32()
+        total_len = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        q_indptr_elem_offset = T.int32()
+        page_indptr_elem_offset = T.int32()
+        page_values_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        length_info_elem_offset = T.int32()
+
+        q = T.match_buffer(var_q, (total_len, H_qo, D), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, H_kv, P, D), dtype)
+        page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_elem_offset)
+        page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
+                                           elem_offset=k_rope_pos_offset_elem_offset)
+        q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32",
+                                         elem_offset=q_rope_position_elem_offset)
+        output = T.match_buffer(var_output, (total_len, H_qo, D), dtype)
+        lse = T.match_buffer(var_lse, (total_len, H_qo), "float32")
+        length_info = T.match_buffer(var_length_info, (batch_size,), "int32", elem_offset=length_info_elem_offset)
+
+        with T.sblock("root"):
+            if rotary_mode == 1:
+                for t in range(total_len):  # serial: TVM's RoPE expression breaks the parallel closure's codegen
+                    query_row(t, True, q, q_indptr, pages, pages, page_indptr, page_values, length_info,
+                              q_rope_position, k_rope_pos_offset, output, lse, batch_size, causal, rope_scale,
+                              rope_theta, sm_scale)
+            else:
+                for t in T.parallel(total_len):
+                    query_row(t, False, q, q_indptr, pages, pages, page_indptr, page_values, length_info,
+                              q_rope_position, k_rope_pos_offset, output, lse, batch_size, causal, rope_scale,
+                              rope_theta, sm_scale)
+
+    return batch_prefill_paged_kv_cpu.with_attr("global_symbol", PAGED_PREFILL_SYMBOL)

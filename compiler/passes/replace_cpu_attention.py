@@ -1,0 +1,106 @@
+"""ReplaceCPUAttention: swap TVM's scalar CPU attention kernels of the paged KV cache for the vectorized ones in
+compiler/kernels/cpu_attention.py.
+
+TVMPagedKVCache (relax/frontend/nn/llm/kv_cache.py) adds its kernels to the module with `bb.add_func` and passes
+their GlobalVars to `vm.builtin.paged_attention_kv_cache_create`; the runtime calls them by position. So the swap
+is a plain replacement of the PrimFunc bound to that GlobalVar by one with the same signature and global symbol.
+The kernel is recognised by its global symbol, and its shape (heads, head_dim, page size, dtype) is read from
+its parameters. Only LLVM CPU targets: GPU targets use TVM's GPU kernels, which this leaves alone, as it leaves
+the sliding-window variants and any shape the vectorized kernel does not take.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import tirx
+from tvm.target import Target
+
+from ..kernels.cpu_attention import (
+    DECODE_SYMBOL,
+    PAGED_PREFILL_SYMBOL,
+    RAGGED_SYMBOL,
+    AttentionShape,
+    attention_decode,
+    attention_prefill_paged,
+    attention_prefill_ragged,
+    vector_lanes,
+)
+
+
+def _global_symbol(func) -> str | None:
+    if not isinstance(func, tirx.PrimFunc) or func.attrs is None:
+        return None
+    symbol = func.attrs.get("global_symbol")
+    return str(symbol) if symbol is not None else None
+
+
+def decode_shape(func: tirx.PrimFunc, pages_param: int = 1) -> AttentionShape | None:
+    """The shape TVM built its decode (or paged prefill) kernel with: Q [B, H_qo, D] and pages
+    [pages, 2, H_kv, page_size, D]."""
+    q, pages = func.params[0], func.params[pages_param]
+    try:
+        h_qo, d = (int(x) for x in q.shape[1:])
+        two, h_kv, page_size, d_kv = (int(x) for x in pages.shape[1:])
+    except (TypeError, ValueError, AttributeError):  # a symbolic dimension, or not the layout expected
+        return None
+    if two != 2 or d_kv != d or str(q.dtype) != str(pages.dtype):
+        return None
+    return AttentionShape(num_kv_heads=h_kv, num_qo_heads=h_qo, head_dim=d, dtype=str(q.dtype), page_size=page_size)
+
+
+def ragged_shape(func: tirx.PrimFunc) -> AttentionShape | None:
+    """The shape TVM built its ragged prefill kernel with: q [n, H_qo, D], k and v [m, H_kv, D] (same head_dim)."""
+    q, k, v = func.params[0], func.params[2], func.params[3]
+    try:
+        h_qo, d = (int(x) for x in q.shape[1:])
+        h_kv, d_k = (int(x) for x in k.shape[1:])
+        h_v, d_v = (int(x) for x in v.shape[1:])
+    except (TypeError, ValueError, AttributeError):
+        return None
+    if (h_v, d_k, d_v) != (h_kv, d, d) or not str(q.dtype) == str(k.dtype) == str(v.dtype):
+        return None
+    return AttentionShape(num_kv_heads=h_kv, num_qo_heads=h_qo, head_dim=d, dtype=str(q.dtype), page_size=16)
+
+
+# global symbol -> (its shape from TVM's PrimFunc, our kernel for that shape)
+KERNELS = {
+    DECODE_SYMBOL: (decode_shape, attention_decode),
+    RAGGED_SYMBOL: (ragged_shape, attention_prefill_ragged),
+    PAGED_PREFILL_SYMBOL: (lambda func: decode_shape(func, pages_param=2), attention_prefill_paged),
+}
+
+
+def replace_cpu_attention(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
+    lanes = vector_lanes(target)
+    if lanes is None:
+        return mod
+    replaced = {}
+    for gv, func in mod.functions_items():
+        symbol = _global_symbol(func)
+        if symbol not in KERNELS:
+            continue
+        read_shape, build = KERNELS[symbol]
+        shape = read_shape(func)
+        if shape is None or not shape.supported(lanes):
+            continue
+        replaced[gv] = build(shape, lanes).with_attrs({**dict(func.attrs), "tirx.noalias": True})
+    if not replaced:
+        return mod
+    mod = mod.clone()
+    for gv, func in replaced.items():
+        mod.update_func(gv, func)
+    return mod
+
+
+@tvm.transform.module_pass(opt_level=0, name="ReplaceCPUAttention")
+class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
+    """On LLVM CPU targets, the paged KV cache's attention kernels (TVM's scalar `batch_decode_paged_kv_cpu`,
+    `batch_prefill_ragged_kv` and `batch_prefill_paged_kv_cpu`) become the vectorized ones of
+    compiler/kernels/cpu_attention.py. Run inside `with target:`; anywhere before
+    the build (TVM's kernels are marked scheduled, so dlight leaves them, as it leaves these)."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        target = Target.current(allow_none=True)
+        if target is None:
+            return mod
+        return replace_cpu_attention(mod, target)

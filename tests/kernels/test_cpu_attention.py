@@ -1,0 +1,359 @@
+"""Vectorized CPU attention kernels of the paged KV cache: decode, prefill self-attention (ragged) and prefill
+against the cached pages (paged), numerics
+against TVM's own CPU kernels and a numpy softmax on random data (context lengths on and off page/block boundaries,
+GQA groups 1 and 3, batches of 1 to 3 sequences, causal or not, both rotary modes, float16), negative controls (a
+wrong page table, a shifted causal mask), and ReplaceCPUAttention's swap (LLVM targets only)."""
+
+import functools
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.relax.frontend.nn.llm._decode_kernels import _attention_decode_cpu
+from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill_cpu, _attention_prefill_ragged_cpu
+
+from compiler.kernels.cpu_attention import (
+    DECODE_SYMBOL,
+    PAGED_PREFILL_SYMBOL,
+    RAGGED_SYMBOL,
+    AttentionShape,
+    attention_decode,
+    attention_prefill_paged,
+    attention_prefill_ragged,
+    vector_lanes,
+)
+from compiler.passes.replace_cpu_attention import ReplaceCPUAttention, decode_shape, ragged_shape
+
+AVX512 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v4"})
+AVX2 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v3"})
+ARM = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon", "+dotprod"]})
+PAGE = 16
+D = 64
+SM_SCALE = 1 / np.sqrt(D)
+ROPE_SCALE, ROPE_THETA = 1.0, 10000.0
+
+
+@functools.cache
+def _kernels(h_kv: int, h_qo: int, dtype: str = "float32", target=AVX512):
+    """(ours, TVM's), built for `target` (run here: this machine has AVX-512)."""
+    ours = attention_decode(AttentionShape(h_kv, h_qo, D, dtype, PAGE), vector_lanes(target))
+    theirs = _attention_decode_cpu(h_kv, h_qo, D, dtype, False, {})
+    return tuple(tvm.tirx.build(tvm.IRModule({"main": f}), target=target)["main"] for f in (ours, theirs))
+
+
+def _cache(ctx: list[int], h_kv: int, h_qo: int, seed: int = 0, dtype: str = "float32"):
+    """A paged KV cache holding sequences of `ctx` tokens in shuffled pages (three spare pages), NaN in the rows
+    past each sequence's end, and one query token per sequence."""
+    rng = np.random.default_rng(seed)
+    n_pages = [-(-c // PAGE) for c in ctx]
+    total = sum(n_pages) + 3
+    pages = rng.standard_normal((total, 2, h_kv, PAGE, D)).astype(dtype)
+    order = rng.permutation(total)[: sum(n_pages)].astype("int32")
+    indptr = np.concatenate([[0], np.cumsum(n_pages)]).astype("int32")
+    last = np.array([c - (n - 1) * PAGE if n else 0 for c, n in zip(ctx, n_pages)], "int32")
+    for s, n in enumerate(n_pages):
+        if n:
+            pages[order[indptr[s] + n - 1], :, :, last[s]:] = np.nan  # a kernel reading past the end gives NaN
+    q = (2 * rng.standard_normal((len(ctx), h_qo, D))).astype(dtype)
+    return {"q": q, "pages": pages, "indptr": indptr, "values": order, "last": last}
+
+
+def _run(fn, c: dict, rotary_mode: int = 0):
+    b, h_qo = c["q"].shape[:2]
+    out = tvm.runtime.empty((b, h_qo, D), str(c["q"].dtype))
+    lse = tvm.runtime.empty((b, h_qo), "float32")
+    fn(tvm.runtime.tensor(c["q"]), tvm.runtime.tensor(c["pages"]), tvm.runtime.tensor(c["indptr"]),
+       tvm.runtime.tensor(c["values"]), tvm.runtime.tensor(c["last"]),
+       tvm.runtime.tensor(np.arange(b, dtype="int32") * 3),  # k_rope_pos_offset
+       tvm.runtime.tensor(np.arange(b, dtype="int32") * 5 + 200),  # q_rope_position
+       out, lse, rotary_mode, ROPE_SCALE, ROPE_THETA, SM_SCALE)
+    return out.numpy().astype("float32"), lse.numpy()
+
+
+def _numpy_reference(c: dict):
+    """softmax(q K^T * sm_scale) V per sequence and query head; lse in TVM's log2 units."""
+    q, pages = c["q"].astype("float64"), c["pages"].astype("float64")
+    b, h_qo = q.shape[:2]
+    group = h_qo // pages.shape[2]
+    out, lse = np.zeros((b, h_qo, D)), np.full((b, h_qo), -5e4)
+    for s in range(b):
+        page_ids = c["values"][c["indptr"][s]:c["indptr"][s + 1]]
+        length = (len(page_ids) - 1) * PAGE + c["last"][s] if len(page_ids) else 0
+        if not length:
+            continue
+        k = pages[page_ids, 0].transpose(1, 0, 2, 3).reshape(pages.shape[2], -1, D)[:, :length]
+        v = pages[page_ids, 1].transpose(1, 0, 2, 3).reshape(pages.shape[2], -1, D)[:, :length]
+        for h in range(h_qo):
+            scores = k[h // group] @ q[s, h] * SM_SCALE
+            top = scores.max()
+            weights = np.exp(scores - top)
+            out[s, h] = weights @ v[h // group] / weights.sum()
+            lse[s, h] = (top + np.log(weights.sum())) * np.log2(np.e)
+    return out, lse
+
+
+CASES = [  # (context lengths, KV heads, query heads)
+    ([1], 3, 9),
+    ([16], 3, 9),
+    ([37], 3, 9),
+    ([128], 3, 9),
+    ([130, 5], 3, 9),
+    ([64, 0], 3, 9),  # a sequence with no KV rows: output 0, lse -5e4 as TVM's kernel writes
+    ([33], 3, 3),
+    ([200, 17], 2, 2),
+]
+
+
+@pytest.mark.parametrize("ctx,h_kv,h_qo", CASES)
+def test_matches_tvm_kernel_and_numpy(ctx, h_kv, h_qo):
+    ours, theirs = _kernels(h_kv, h_qo)
+    cache = _cache(ctx, h_kv, h_qo)
+    out, lse = _run(ours, cache)
+    ref_out, ref_lse = _run(theirs, cache)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=2e-5)
+    np_out, np_lse = _numpy_reference(cache)
+    np.testing.assert_allclose(out, np_out, rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(lse, np_lse, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("ctx,h_kv,h_qo", [([37, 130], 3, 9), ([16], 2, 2)])
+def test_inline_rope_matches_tvm_kernel(ctx, h_kv, h_qo):
+    """rotary_mode 1 (RoPE applied to q and k inside the kernel, RopeMode.INLINE) as TVM's kernel does it."""
+    ours, theirs = _kernels(h_kv, h_qo)
+    cache = _cache(ctx, h_kv, h_qo, seed=1)
+    out, lse = _run(ours, cache, rotary_mode=1)
+    ref_out, ref_lse = _run(theirs, cache, rotary_mode=1)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=2e-5)
+    plain, _ = _run(ours, cache, rotary_mode=0)
+    assert np.abs(plain - out).max() > 1e-2  # RoPE changes the result: the mode is not ignored
+
+
+def test_float16_cache_matches_tvm_kernel():
+    ours, theirs = _kernels(3, 9, "float16")
+    cache = _cache([150, 3], 3, 9, seed=2, dtype="float16")  # two chunks of pages, merged
+    out, lse = _run(ours, cache)
+    ref_out, ref_lse = _run(theirs, cache)
+    np.testing.assert_allclose(out, ref_out, rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_negative_control_wrong_page_table():
+    ours, _ = _kernels(3, 9)
+    cache = _cache([40], 3, 9)
+    good, _ = _run(ours, cache)
+    swapped = dict(cache, values=cache["values"][[1, 0, 2]])  # first two pages exchanged: same rows, new positions
+    np.testing.assert_allclose(_run(ours, swapped)[0], good, rtol=1e-5, atol=2e-6)  # attention is order-free...
+    other = dict(cache, values=cache["values"].copy())
+    other["values"][0] = next(p for p in range(cache["pages"].shape[0]) if p not in cache["values"])
+    bad, _ = _run(ours, other)  # ...but a page that is not the sequence's is not
+    assert np.isfinite(bad).all() and np.abs(bad - good).max() > 1e-2
+    mixed = dict(cache, last=np.array([7], "int32"))  # a shorter last page drops rows
+    assert np.abs(_run(ours, mixed)[0] - good).max() > 1e-3
+
+
+def test_vector_width_follows_the_target():
+    assert vector_lanes(AVX512) == 16 and vector_lanes(AVX2) == 8 and vector_lanes(ARM) == 4
+    assert vector_lanes(tvm.target.Target({"kind": "cuda"})) is None
+    assert not AttentionShape(3, 9, 72, "float32", 16).supported(16)  # head_dim not a whole number of vectors
+    assert AttentionShape(3, 9, 72, "float32", 16).supported(8)
+
+
+def test_avx2_and_neon_widths_build_and_match():
+    """The 8-lane (AVX2) kernel runs here too, and the 4-lane one (NEON's width) built for x86; the NEON kernel
+    is checked to build for aarch64."""
+    ours, theirs = _kernels(3, 9, target=AVX2)
+    cache = _cache([150], 3, 9, seed=3)
+    np.testing.assert_allclose(_run(ours, cache)[0], _run(theirs, cache)[0], rtol=1e-5, atol=2e-6)
+    four = tvm.tirx.build(tvm.IRModule({"main": attention_decode(AttentionShape(3, 9, D, "float32", PAGE), 4)}),
+                          target=AVX512)["main"]
+    np.testing.assert_allclose(_run(four, cache)[0], _run(theirs, cache)[0], rtol=1e-5, atol=2e-6)
+    func = attention_decode(AttentionShape(3, 9, D, "float32", PAGE), vector_lanes(ARM))
+    lowered = tvm.tirx.build(tvm.IRModule({"main": func}), target=ARM)
+    assert "fmla" in lowered.inspect_source("asm")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Prefill self-attention (ragged q, k, v of the new tokens)
+
+
+@functools.cache
+def _ragged_kernels(h_kv: int, h_qo: int):
+    ours = attention_prefill_ragged(AttentionShape(h_kv, h_qo, D, "float32", PAGE), vector_lanes(AVX512))
+    theirs = _attention_prefill_ragged_cpu(h_kv, h_qo, D, D, "float32", {})
+    return tuple(tvm.tirx.build(tvm.IRModule({"main": f}), target=AVX512)["main"] for f in (ours, theirs))
+
+
+def _ragged_data(q_lens: list[int], kv_lens: list[int], h_kv: int, h_qo: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    n, m = sum(q_lens), sum(kv_lens)
+    return {"q": (2 * rng.standard_normal((n, h_qo, D))).astype("float32"),
+            "q_indptr": np.concatenate([[0], np.cumsum(q_lens)]).astype("int32"),
+            "k": rng.standard_normal((m, h_kv, D)).astype("float32"),
+            "v": rng.standard_normal((m, h_kv, D)).astype("float32"),
+            "kv_indptr": np.concatenate([[0], np.cumsum(kv_lens)]).astype("int32"),
+            "q_pos": (np.arange(n) + 7).astype("int32"), "k_offset": (np.arange(len(q_lens)) * 3).astype("int32")}
+
+
+def _run_ragged(fn, data: dict, causal: int = 1, rotary_mode: int = 0):
+    n, h_qo = data["q"].shape[:2]
+    out, lse = tvm.runtime.empty((n, h_qo, D), "float32"), tvm.runtime.empty((n, h_qo), "float32")
+    fn(*(tvm.runtime.tensor(data[x]) for x in ("q", "q_indptr", "k", "v", "kv_indptr", "q_pos", "k_offset")),
+       out, lse, causal, rotary_mode, ROPE_SCALE, ROPE_THETA, SM_SCALE)
+    return out.numpy(), lse.numpy()
+
+
+def _numpy_ragged(data: dict, causal: int):
+    q, k, v = (data[x].astype("float64") for x in ("q", "k", "v"))
+    group = q.shape[1] // k.shape[1]
+    out, lse = np.zeros(q.shape), np.full(q.shape[:2], -5e4)
+    for s in range(len(data["q_indptr"]) - 1):
+        q0, q1 = data["q_indptr"][s], data["q_indptr"][s + 1]
+        k0, k1 = data["kv_indptr"][s], data["kv_indptr"][s + 1]
+        for i in range(q1 - q0):
+            visible = min(k1 - k0, (k1 - k0) - (q1 - q0) + i + 1) if causal else k1 - k0
+            for h in range(q.shape[1]):
+                scores = k[k0:k0 + visible, h // group] @ q[q0 + i, h] * SM_SCALE
+                weights = np.exp(scores - scores.max())
+                out[q0 + i, h] = weights @ v[k0:k0 + visible, h // group] / weights.sum()
+                lse[q0 + i, h] = (scores.max() + np.log(weights.sum())) * np.log2(np.e)
+    return out, lse
+
+
+RAGGED_CASES = [  # (query lengths, key lengths, KV heads, query heads, causal)
+    ([5], [5], 3, 9, 1),
+    ([37], [37], 3, 9, 1),
+    ([130], [130], 3, 9, 1),
+    ([20, 0, 7], [20, 0, 7], 3, 9, 1),  # an empty sequence in the batch
+    ([4], [21], 3, 9, 1),  # fewer queries than keys: the causal window is aligned at the end
+    ([19, 6], [19, 6], 2, 2, 0),
+]
+
+
+@pytest.mark.parametrize("q_lens,kv_lens,h_kv,h_qo,causal", RAGGED_CASES)
+def test_ragged_prefill_matches_tvm_kernel_and_numpy(q_lens, kv_lens, h_kv, h_qo, causal):
+    ours, theirs = _ragged_kernels(h_kv, h_qo)
+    data = _ragged_data(q_lens, kv_lens, h_kv, h_qo)
+    out, lse = _run_ragged(ours, data, causal)
+    ref_out, ref_lse = _run_ragged(theirs, data, causal)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=3e-6)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=3e-5)
+    np_out, np_lse = _numpy_ragged(data, causal)
+    np.testing.assert_allclose(out, np_out, rtol=1e-5, atol=3e-6)
+    np.testing.assert_allclose(lse, np_lse, rtol=1e-5, atol=3e-5)
+
+
+def test_ragged_prefill_inline_rope_matches_tvm_kernel():
+    ours, theirs = _ragged_kernels(3, 9)
+    data = _ragged_data([23, 9], [23, 9], 3, 9, seed=4)
+    out, lse = _run_ragged(ours, data, rotary_mode=1)
+    ref_out, ref_lse = _run_ragged(theirs, data, rotary_mode=1)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=3e-6)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=3e-5)
+    assert np.abs(_run_ragged(ours, data, rotary_mode=0)[0] - out).max() > 1e-2
+
+
+def test_ragged_prefill_negative_control_mask():
+    """Without the causal mask, or with the keys of the other sequence, the result is not the causal one."""
+    ours, _ = _ragged_kernels(3, 9)
+    data = _ragged_data([30, 30], [30, 30], 3, 9, seed=5)
+    good, _ = _run_ragged(ours, data, causal=1)
+    assert np.abs(_run_ragged(ours, data, causal=0)[0][:29] - good[:29]).max() > 1e-2
+    assert np.allclose(_run_ragged(ours, data, causal=0)[0][29], good[29], atol=1e-5)  # the last row sees all
+    swapped = dict(data, k=np.concatenate([data["k"][30:], data["k"][:30]]))
+    assert np.abs(_run_ragged(ours, swapped)[0] - good).max() > 1e-2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Prefill against the cached pages (a prompt after earlier tokens, or a chunked prefill)
+
+
+@functools.cache
+def _paged_prefill_kernels(h_kv: int, h_qo: int):
+    ours = attention_prefill_paged(AttentionShape(h_kv, h_qo, D, "float32", PAGE), vector_lanes(AVX512))
+    theirs = _attention_prefill_cpu(h_kv, h_qo, D, "float32", False, {})
+    return tuple(tvm.tirx.build(tvm.IRModule({"main": f}), target=AVX512)["main"] for f in (ours, theirs))
+
+
+def _run_paged_prefill(fn, cache: dict, q: np.ndarray, q_indptr: np.ndarray, causal: int, rotary_mode: int = 0):
+    n, h_qo = q.shape[:2]
+    out, lse = tvm.runtime.empty((n, h_qo, D), "float32"), tvm.runtime.empty((n, h_qo), "float32")
+    fn(tvm.runtime.tensor(q), tvm.runtime.tensor(q_indptr), tvm.runtime.tensor(cache["pages"]),
+       tvm.runtime.tensor(cache["indptr"]), tvm.runtime.tensor(cache["values"]), tvm.runtime.tensor(cache["last"]),
+       tvm.runtime.tensor(np.arange(len(q_indptr) - 1, dtype="int32") * 3),  # k_rope_pos_offset
+       tvm.runtime.tensor(np.arange(n, dtype="int32") + 40),  # q_rope_position
+       out, lse, causal, rotary_mode, ROPE_SCALE, ROPE_THETA, SM_SCALE)
+    return out.numpy(), lse.numpy()
+
+
+@pytest.mark.parametrize("q_lens,ctx,causal,rotary_mode", [
+    ([5], [37], 0, 0),  # what the KV cache runs: new tokens against all cached ones
+    ([16, 3], [128, 45], 0, 0),
+    ([7, 2], [7, 40], 1, 0),
+    ([3, 4], [20, 0], 0, 0),  # a sequence with no cached pages: output 0, lse -5e4
+    ([6, 9], [50, 21], 0, 1),
+])
+def test_paged_prefill_matches_tvm_kernel(q_lens, ctx, causal, rotary_mode):
+    ours, theirs = _paged_prefill_kernels(3, 9)
+    cache = _cache(ctx, 3, 9, seed=6)
+    q = (2 * np.random.default_rng(7).standard_normal((sum(q_lens), 9, D))).astype("float32")
+    q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype("int32")
+    out, lse = _run_paged_prefill(ours, cache, q, q_indptr, causal, rotary_mode)
+    ref_out, ref_lse = _run_paged_prefill(theirs, cache, q, q_indptr, causal, rotary_mode)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=3e-6)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=3e-5)
+    if not causal and not rotary_mode:  # each query row is a decode step against the same pages
+        rows = [dict(cache, q=q[q_indptr[s]:q_indptr[s + 1]][i:i + 1], indptr=cache["indptr"][s:s + 2],
+                     last=cache["last"][s:s + 1]) for s in range(len(q_lens)) for i in range(q_lens[s])]
+        np.testing.assert_allclose(out, np.concatenate([_numpy_reference(r)[0] for r in rows]), rtol=1e-5, atol=3e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The pass
+
+
+def _kv_cache_module(head_dim: int = D):
+    """A module holding TVM's CPU attention kernels as TIRPagedKVCache adds them (bb.add_func), and a Relax
+    function that refers to them by GlobalVar, as the KV cache creation call does."""
+    bb = relax.BlockBuilder()
+    kernels = [
+        bb.add_func(_attention_decode_cpu(3, 9, head_dim, "float32", False, {}), "tir_attention_decode_cpu"),
+        bb.add_func(_attention_decode_cpu(3, 9, head_dim, "float32", True, {}),
+                    "tir_attention_decode_cpu_sliding_window"),
+        bb.add_func(_attention_prefill_ragged_cpu(3, 9, head_dim, head_dim, "float32", {}),
+                    "tir_attention_prefill_ragged_cpu"),
+        bb.add_func(_attention_prefill_cpu(3, 9, head_dim, "float32", False, {}), "tir_attention_prefill_cpu"),
+    ]
+    with bb.function("create", []):
+        bb.emit_func_output(relax.call_pure_packed("test.kv_cache_create", *kernels, ty_args=relax.AnyType()))
+    return bb.get()
+
+
+def test_pass_swaps_the_kernels_on_llvm_only():
+    mod = _kv_cache_module()
+    with AVX512:
+        swapped = ReplaceCPUAttention()(mod)
+    for name, symbol, read_shape in (("tir_attention_decode_cpu", DECODE_SYMBOL, decode_shape),
+                                     ("tir_attention_prefill_ragged_cpu", RAGGED_SYMBOL, ragged_shape),
+                                     ("tir_attention_prefill_cpu", PAGED_PREFILL_SYMBOL,
+                                      lambda f: decode_shape(f, pages_param=2))):
+        new, old = swapped[name], mod[name]
+        assert not new.same_as(old) and new.attrs["global_symbol"] == symbol
+        assert "T.parallel" in new.script() and "T.parallel" not in old.script()
+        assert read_shape(new) == read_shape(old)
+        assert [str(p.name) for p in new.params] == [str(p.name) for p in old.params]
+    # the sliding-window variant and the Relax function stay TVM's
+    assert swapped["tir_attention_decode_cpu_sliding_window"].same_as(mod["tir_attention_decode_cpu_sliding_window"])
+    assert swapped["create"].same_as(mod["create"])
+    for target in (tvm.target.Target({"kind": "cuda"}), tvm.target.Target({"kind": "opencl", "device": "adreno"})):
+        with target:
+            assert ReplaceCPUAttention()(mod).same_as(mod)
+    assert ReplaceCPUAttention()(mod).same_as(mod)  # no target: nothing to size the vectors for
+
+
+def test_pass_keeps_shapes_it_does_not_take():
+    mod = _kv_cache_module(head_dim=72)
+    with AVX512:  # head_dim 72: not a whole number of 16-lane vectors
+        assert ReplaceCPUAttention()(mod).same_as(mod)

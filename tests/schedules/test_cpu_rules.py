@@ -1,5 +1,7 @@
 """CPU dlight rules: each applies to its kernel (and only to it), and the scheduled kernels match numpy."""
 
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -7,6 +9,8 @@ import tvm_ffi
 from tvm import relax, s_tir, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cp
 from tvm.s_tir import dlight as dl
+from tvm.script import tirx as T
+from tvm.target.codegen import llvm_get_system_cpu, target_has_features
 
 from compiler.passes.fuse_transpose_matmul import FuseTransposeMatmul
 from compiler.quantization import group
@@ -14,6 +18,11 @@ from compiler.schedules import cpu
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 K, N = 64, 48
+# PrefillMatmul's GEMM (compiler/kernels/prefill_gemm.py) takes x86 CPUs with AVX-512; TARGET, a generic x86-64,
+# gets its row tiles.
+AVX512 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v4", "num-cores": 2})
+needs_avx512 = pytest.mark.skipif(not target_has_features("avx512f", tvm.target.Target(
+    {"kind": "llvm", "mcpu": llvm_get_system_cpu()})), reason="the prefill GEMM needs an AVX-512 host to run")
 
 
 def _fused_kernel(build_body, *var_types):
@@ -48,8 +57,8 @@ def _schedule(func):
     return mod["main"]
 
 
-def _run(func, *arrays, out_shape):
-    lib = tvm.tirx.build(func.with_attr("global_symbol", "main"), target=TARGET)
+def _run(func, *arrays, out_shape, target=TARGET):
+    lib = tvm.tirx.build(func.with_attr("global_symbol", "main"), target=target)
     out = tvm.runtime.tensor(np.zeros(out_shape, "float32"))
     lib["main"](*[tvm.runtime.tensor(a) for a in arrays], out)
     return out.numpy()
@@ -227,12 +236,13 @@ def _vector_loads(func):
     return found
 
 
-def _assert_contiguous_codes_broadcast_scales(func, layout):
-    """A vector's codes are one contiguous load (no per-lane gather), every lane reads the same scale (and min)."""
+def _assert_contiguous_codes_broadcast_scales(func, layout, x_loads=("ramp",)):
+    """A vector's codes are one contiguous load (no per-lane gather), every lane reads the same scale (and min);
+    x is read in vectors along k (decode), and in prefill also element by element (its transposed copy)."""
     loads = _vector_loads(func)
     for name in layout.shapes(N, 1):
         assert loads[name] == ({"ramp"} if name == "q_weight" else {"scalar"}), (name, loads)
-    assert loads["x"] == {"ramp"}, loads
+    assert loads["x"] == set(x_loads), loads
 
 
 @pytest.mark.parametrize(("layout", "k", "residual"), PACKED_CASES, ids=PACKED_IDS)
@@ -261,9 +271,22 @@ def test_gather_check_catches_a_vector_spanning_both_nibbles():
     assert "gather" in _vector_loads(sch.mod["main"])["q_weight"]
 
 
+def _count_loads(node, buffer_name) -> int:
+    loads = []
+    tvm_ffi.structural_walk(node, (tvm.ir.expr.TensorLoad, loads.append))
+    return sum(load.source.name == buffer_name for load in loads)
+
+
+def _loops(func) -> list:
+    loops = []
+    tvm_ffi.structural_walk(func.body, (tirx.For, loops.append))
+    return loops
+
+
 @pytest.mark.parametrize("m", [1, 7, 33])
 @pytest.mark.parametrize(("layout", "k", "residual"), PACKED_CASES, ids=PACKED_IDS)
 def test_prefill_matmul_dequantizes_each_weight_tile_once(layout, k, residual, m):
+    """The row-tile schedule (CPUs without AVX-512; the GEMM's case is below)."""
     func = _packed_linear(layout, k, _seq(), residual)
     assert cpu.PrefillMatmul().apply(func, TARGET, False) is not None
     assert cpu.DecodeGEMV().apply(func, TARGET, False) is None
@@ -282,6 +305,26 @@ def test_prefill_matmul_dequantizes_each_weight_tile_once(layout, k, residual, m
     np.testing.assert_allclose(_run(scheduled, *args, out_shape=(1, m, N)), ref, rtol=1e-4, atol=1e-4)
 
 
+@needs_avx512
+@pytest.mark.parametrize("m", [1, 7, 33])
+@pytest.mark.parametrize(("layout", "k", "residual"), PACKED_CASES, ids=PACKED_IDS)
+def test_prefill_gemm_dequantizes_each_weight_tile_once(layout, k, residual, m):
+    func = _packed_linear(layout, k, _seq(), residual)
+    assert cpu.PrefillMatmul().apply(func, AVX512, False) is not None
+    assert cpu.DecodeGEMV().apply(func, AVX512, False) is None
+    scheduled = _gemm_schedule(func)
+    _assert_parallel_and_vectorized(scheduled)
+    # The codes are read once per weight tile: under the parallel loop over tiles, outside every loop over rows
+    # of X (no dynamic extent around them), contiguously, with the scales broadcast.
+    total = _count_loads(scheduled.body, "q_weight")
+    loops = _loops(scheduled)
+    assert total and sum(_count_loads(lp.body, "q_weight") for lp in loops if lp.kind == tirx.ForKind.PARALLEL) == total
+    assert not any(_count_loads(lp.body, "q_weight") for lp in loops if not isinstance(lp.extent, tirx.IntImm))
+    _assert_contiguous_codes_broadcast_scales(scheduled, layout, x_loads=("scalar", "ramp"))
+    args, ref = _packed_inputs(layout, k, m, residual, seed=m)
+    np.testing.assert_allclose(_run(scheduled, *args, out_shape=(1, m, N), target=AVX512), ref, rtol=1e-4, atol=1e-4)
+
+
 def test_prefill_inlines_a_producer_of_the_activation():
     """Negative control: only the weight's producer is hoisted to the tile loop; one of x (a scale of the
     activation) is inlined into the matmul, as before."""
@@ -298,3 +341,79 @@ def test_prefill_inlines_a_producer_of_the_activation():
     rng = np.random.default_rng(8)
     x, w = rng.standard_normal((1, 5, K), dtype="float32"), rng.standard_normal((N, K), dtype="float32")
     np.testing.assert_allclose(_run(scheduled, x, w, out_shape=(1, 5, N)), 0.5 * x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+
+def _gemm_linear(m, k, n, residual):
+    body = (lambda x, w, r: relax.op.add(relax.op.matmul(x, relax.op.permute_dims(w)), r)) if residual else \
+        (lambda x, w: relax.op.matmul(x, relax.op.permute_dims(w)))
+    types = [([1, m, k], "float32"), ([n, k], "float32")] + ([([1, m, n], "float32")] if residual else [])
+    return _fused_kernel(body, *types)
+
+
+def _gemm_schedule(func):
+    with AVX512:
+        return dl.ApplyDefaultSchedule(*cpu.rules())(tvm.IRModule({"main": func}))["main"]
+
+
+@needs_avx512
+@pytest.mark.parametrize("m", [1, 16, 31, 32, 70])
+@pytest.mark.parametrize(("k", "n", "residual"), [(96, 192, True), (40, 54, False), (64, 64, False)],
+                         ids=["nr-12-two-tasks-residual", "nr-6-three-tasks-k-40", "nr-8"])
+def test_prefill_gemm_register_tiles_and_row_tail(m, k, n, residual):
+    """Panels of 32 rows of X (the last one partial: 1, 31, 70 rows), register tiles of 12/6/8 columns, one to
+    three parallel tasks, an epilogue: every output element written, with the float sum numpy computes."""
+    func = _gemm_linear(_seq(), k, n, residual)
+    scheduled = _gemm_schedule(func)
+    assert "_rf" not in scheduled.script()  # the GEMM, not the row tiles (an rfactor along k)
+    rng = np.random.default_rng(m + k)
+    x, w = rng.standard_normal((1, m, k), dtype="float32"), rng.standard_normal((n, k), dtype="float32")
+    args, ref = [x, w], x @ w.T
+    if residual:
+        r = rng.standard_normal((1, m, n), dtype="float32")
+        args, ref = [x, w, r], ref + r
+    lib = tvm.tirx.build(scheduled.with_attr("global_symbol", "main"), target=AVX512)
+    out = tvm.runtime.tensor(np.full((1, m, n), np.nan, "float32"))
+    lib["main"](*[tvm.runtime.tensor(a) for a in args], out)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-5)
+
+
+@T.prim_func(s_tir=True)
+def _may_alias(h: T.Buffer((2,), "int64")):
+    """A kernel without tirx.noalias, as the Relax build has (shape functions, the KV cache's attention)."""
+    h[1] = h[0] * T.int64(2)
+
+
+def _fma_loops_storing_vectors(func, with_aliasing_kernel: bool) -> list[int]:
+    """(vector FMAs, vector stores) per loop of the compiled kernel (a basic block branching to itself) that does 8+
+    vector FMAs."""
+    funcs = {"main": func.with_attr("global_symbol", "main")}
+    if with_aliasing_kernel:  # sorts last: TVM's LLVM codegen then tags every kernel's buffers as may-alias
+        funcs["zzz_may_alias"] = _may_alias.with_attr("global_symbol", "zzz_may_alias")
+    ll = tvm.tirx.build(tvm.IRModule(funcs), target=AVX512).inspect_source("ll")
+    loops = []
+    for block in re.split(r"\n(?=[\w.$-]+:)", ll):
+        label = block.split(":", 1)[0].strip()
+        fmas = block.count("llvm.fmuladd.v16f32")
+        if fmas >= 8 and re.search(rf"label %{re.escape(label)}\b", block):
+            loops.append((fmas, block.count("store <16 x float>")))
+    return loops
+
+
+@needs_avx512
+def test_prefill_gemm_keeps_its_register_tile_when_other_kernels_may_alias():
+    """In the Relax build, the last kernel of the module lacks tirx.noalias, and TVM's LLVM codegen lets that flag
+    decide for every kernel: all buffer accesses may alias. A tile kept in its own buffer is then stored back at
+    every FMA (prefill ran at 1/3 of the speed); the GEMM's tile shares one buffer with its operands at constant
+    offsets, which LLVM still tells apart. Negative control: the row-tile schedule's loop stores more then."""
+    func = _gemm_linear(_seq(), 256, 192, True)
+    gemm = _gemm_schedule(func)
+    for aliasing in (False, True):
+        # the 12 x 32 tile's loop over k (24 FMAs a step) and the last rows' 4 x 4 dot products (16), no stores
+        assert sorted(_fma_loops_storing_vectors(gemm, aliasing)) == [(16, 0), (24, 0)]
+    rules = cpu.rules()
+    rules[1].gemm_nr = ()  # PrefillMatmul's row tiles
+    with AVX512:
+        row_tiles = dl.ApplyDefaultSchedule(*rules)(tvm.IRModule({"main": func}))["main"]
+    stores = [sum(n for _, n in _fma_loops_storing_vectors(row_tiles, aliasing)) for aliasing in (False, True)]
+    assert stores[1] > stores[0]

@@ -15,6 +15,7 @@ from .passes.fuse_dequantize_matmul import FuseDequantizeMatmul
 from .passes.fuse_swiglu import FuseSwiGLU
 from .passes.fuse_transpose_matmul import FuseTransposeMatmul
 from .passes.integer_dot_gemv import IntegerDotGEMV
+from .passes.mark_noalias import MarkNoalias
 from .passes.replace_cpu_attention import ReplaceCPUAttention
 from .passes.verify_alignment import VerifyAlignment
 from .passes.verify_device_limits import VerifyDeviceLimits
@@ -65,6 +66,8 @@ def steps(spec: TargetSpec, tuning: bool = False, decode_activations: str = "int
         ("schedule", dlight.ApplyDefaultSchedule(*schedule_rules)),
         ("lower-dataflow", _seq(cpu_generic.dataflow_lower_passes(target))),
         ("plan-memory-and-lower", _seq(cpu_generic.finalize_passes(target))),
+        # Once every kernel exists: TVM 0.27's LLVM codegen gives all kernels the noalias setting of the last one.
+        ("mark-noalias", MarkNoalias()),
         # Buffers here; kernels' threads, local memory and arguments again in build(), once split from the host.
         ("verify-device-limits", VerifyDeviceLimits(spec.device["max_alloc_gb"])),
         ("verify-alignment", VerifyAlignment()),

@@ -28,6 +28,10 @@ from tvm.target.codegen import target_has_features
 BLOCK = 32  # activation values per scale, and codes per int32 block sum
 STEP_BYTES = 32  # bytes of codes per step
 ROWS_PER_TASK = 16
+# Software prefetch this far ahead in the codes, 4-bit rows only. Streamed from DRAM, interleaved runs: SmolLM2's
+# down_proj 0.044 -> 0.036 ms, qkv 0.034 -> 0.030, gate_up 0.071 -> 0.068; the 8-bit lm_head, already at ~23 GB/s
+# with the hardware prefetcher alone, went 1.29 -> 1.44 ms with it.
+PREFETCH_BYTES = 2048
 ACTIVATION_BITS = (16, 8)
 
 
@@ -208,6 +212,7 @@ def gemv(shape: GemvShape, y_shape: tuple[int, ...]) -> tirx.PrimFunc:
     code_bytes = k * shape.bits // 8
     sdt, act, lanes = shape.scale_dtype, shape.act_dtype, shape.lanes
     vec = T.ramp(0, 1, lanes)
+    prefetch = PREFETCH_BYTES if shape.bits == 4 else 0
     assert shape.symmetric or not _centered(shape), "AVX2 int8 kernels take symmetric 8-bit codes only"
 
     @T.macro
@@ -215,9 +220,13 @@ def gemv(shape: GemvShape, y_shape: tuple[int, ...]) -> tirx.PrimFunc:
         yf = T.decl_buffer((n_rows,), "float32", data=y.data)
         for task in T.parallel(n_rows // rows):
             for r in range(rows):
-                acc = T.alloc_buffer((lanes,), "float32", scope="local")
+                # default scope: a stack array LLVM keeps in registers ("local" became a workspace call per task)
+                acc = T.alloc_buffer((lanes,), "float32")
                 acc[vec] = T.broadcast(T.float32(0), lanes)
                 for step in range(shape.steps):
+                    if prefetch > 0:
+                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
+                            w[task * rows + r, step * STEP_BYTES + prefetch]), T.int32(0), T.int32(3), T.int32(1)))
                     acc[vec] = acc[vec] + _step_sum(shape, xq, xs, xo, w, d, m, task * rows + r, step)
                 yf[task * rows + r] = _hsum(acc, lanes)
 

@@ -73,9 +73,9 @@ class _Rewriter(PyExprMutator):
         x, stored, shape, x_shape, y_shape = matched
         quantize = self._kernel(f"quantize_activation_{shape.activation_name()}", lambda: quantize_activation(shape, x_shape))
         product = self._kernel(f"integer_dot_gemv_{shape.name()}", lambda: gemv(shape, y_shape))
-        terms = relax.TensorType([shape.lane_terms], "float32")
-        act = self.builder_.emit(relax.call_tir(
-            quantize, [x], [relax.TensorType([shape.k], shape.act_dtype), terms, terms]))
+        act = self.builder_.emit(relax.call_tir(quantize, [x], [
+            relax.TensorType([shape.k], shape.act_dtype), relax.TensorType([shape.lane_terms], "float32"),
+            relax.TensorType([shape.sum_terms], "float32")]))
         parts = [self.builder_.emit(relax.TupleGetItem(act, i)) for i in range(3)]
         return relax.call_tir(product, [*parts, *stored], call.ty)
 

@@ -28,7 +28,7 @@ def _build(shape: GemvShape):
 def _run(lib, shape: GemvShape, x: np.ndarray, arrays: dict, permute_activations=None) -> np.ndarray:
     xq = tvm.runtime.empty((shape.k,), shape.act_dtype)
     xs = tvm.runtime.empty((shape.lane_terms,), "float32")
-    xo = tvm.runtime.empty((shape.lane_terms,), "float32")
+    xo = tvm.runtime.empty((shape.sum_terms,), "float32")
     lib["quantize"](tvm.runtime.tensor(x.reshape(1, 1, -1)), xq, xs, xo)
     if permute_activations is not None:
         xq = tvm.runtime.tensor(permute_activations(xq.numpy()))
@@ -51,7 +51,8 @@ def _case(bits, grp, symmetric, scale_dtype, k, seed=0, act_bits=16, vnni=False)
 
 LAYOUTS = [
     (4, 32, True, "float16", 576),  # q4f16_g32 / GGUF Q4_0, SmolLM2's hidden size
-    (4, 32, False, "float16", 192),  # q4f16_g32_asym / GGUF Q4_1
+    (4, 32, False, "float16", 192),  # q4f16_g32_asym / GGUF Q4_1: 6 mins, all in the scalar tail
+    (4, 32, False, "float16", 1536),  # 48 mins: three 16-wide vector steps
     (4, 128, True, "float16", 640),  # q4f16_g128: K not a multiple of the group (a short last group)
     (4, 32, True, "float32", 128),  # q4f32_g32
     (8, 128, True, "float16", 576),  # q8f16_g128
@@ -97,10 +98,11 @@ def test_negative_controls_fail_the_same_tolerance():
     assert diff[7] > 100 * tol and np.delete(diff, 7).max() < tol
 
 
-@pytest.mark.parametrize("bits,grp,k", [(4, 32, 96), (4, 48, 192), (8, 16, 64), (4, 32, 100), (3, 32, 64)])
-def test_refuses_shapes_it_cannot_step_through(bits, grp, k):
-    """4-bit steps take two 32-code blocks (K/64 whole), groups hold whole blocks, bits 4 or 8."""
-    assert not GemvShape(N, k, bits, grp, True, "float16").supported()
+@pytest.mark.parametrize("bits,grp,k,symmetric", [(4, 32, 96, True), (4, 48, 192, True), (8, 16, 64, True),
+                                                   (4, 32, 100, True), (3, 32, 64, True), (4, 64, 128, False)])
+def test_refuses_shapes_it_cannot_step_through(bits, grp, k, symmetric):
+    """4-bit steps take two 32-code blocks (K/64 whole), groups hold whole blocks, bits 4 or 8, mins per 32."""
+    assert not GemvShape(N, k, bits, grp, symmetric, "float16").supported()
 
 
 def test_available_only_on_x86_with_avx512bw():

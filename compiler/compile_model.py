@@ -29,7 +29,7 @@ from .quantization.schemes import Scheme, get_scheme
 from .targets import TargetSpec, load_target
 
 PAGE_SIZE = 16
-DECODE_ACTIVATIONS = ("int16", "int8")
+DECODE_ACTIVATIONS = tuple(f"int{bits}" for bits in integer_dot_gemv.ACTIVATION_BITS)
 
 
 def resolve_model_path(model: str | None) -> Path:

@@ -86,6 +86,11 @@ class GemvShape:
         return self.k // BLOCK * self.lanes_per_block
 
     @property
+    def centered(self) -> bool:
+        """8-bit codes on AVX2's int8 path go in as c - 128: c * q pair sums would overflow vpmaddubsw's int16."""
+        return self.act_bits == 8 and not self.vnni and self.bits == 8
+
+    @property
     def sum_terms(self) -> int:
         """Length of the activation sum terms: per lane (symmetric: folded into each step's FMA) or per 32-value
         block (asymmetric: one dot with the row's mins after the steps)."""
@@ -93,11 +98,11 @@ class GemvShape:
 
     def supported(self) -> bool:
         # Both 32-code blocks of a 4-bit step must fall in one group, or each have their own (group 32); mins
-        # are read per 32-value block.
+        # are read per 32-value block; centred codes drop the -offset term, which only symmetric codes have.
         return (self.bits in (4, 8) and self.act_bits in ACTIVATION_BITS
                 and self.k % (BLOCK * self.blocks_per_step) == 0 and self.group % BLOCK == 0
                 and (self.group == BLOCK or self.group % (BLOCK * self.blocks_per_step) == 0)
-                and (self.symmetric or self.group == BLOCK))
+                and (self.symmetric or (self.group == BLOCK and not self.centered)))
 
     def activation_name(self) -> str:
         """What the activation kernel depends on: K, the code order (bits), the sum term and the int width."""
@@ -159,16 +164,12 @@ def _dot(shape: GemvShape, acc, codes, act):
     if shape.bits == 8:
         # vpmaddubsw sums pairs into int16: 255 * 127 * 2 overflows, so 8-bit codes go in as c - 128, with |c - 128|
         # as the unsigned operand (-128 reads as 128) and q carrying its sign (|q| <= 127, no overflow); _step_sum
-        # then leaves out the -128 * sum q term.
+        # then leaves out the -128 * sum q term (GemvShape.centered).
         centered = T.bitwise_xor(codes, T.broadcast(T.uint8(128), STEP_BYTES))
         codes = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", centered, centered)
         act = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", act, centered)
     pairs = T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", codes, act)
     return acc + T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", pairs, T.broadcast(T.int16(1), 16))
-
-
-def _centered(shape: GemvShape) -> bool:
-    return shape.act_bits == 8 and not shape.vnni and shape.bits == 8
 
 
 def _lane_scale(shape: GemvShape, buf, n, step):
@@ -201,12 +202,12 @@ def _step_sum(shape: GemvShape, xq, xs, xo, w, d, m, n, step):
     a name inside the kernel would become a Let that the Relax build spills to a stack buffer (8x slower)."""
     terms = T.ramp(step * shape.lanes, 1, shape.lanes)
     dot = T.Cast(f"float32x{shape.lanes}", _step_dot(shape, w, xq, n, step))
-    if _centered(shape):  # the dot already holds sum (c - 128) q
+    if shape.centered:  # the dot already holds sum (c - 128) q
         return dot * xs[terms] * _lane_scale(shape, d, n, step)
     if shape.symmetric:
         # xo holds -offset * xs * sum q: one FMA gives the block's sum of (c - offset) x
         return (dot * xs[terms] + xo[terms]) * _lane_scale(shape, d, n, step)
-    return dot * xs[terms] * _lane_scale(shape, d, n, step)  # the mins' term comes once per row: _mins_dot
+    return dot * xs[terms] * _lane_scale(shape, d, n, step)  # the mins' term comes once per row (gemv)
 
 
 def _mins_tail(m, xo, n, start: int, stop: int):
@@ -233,7 +234,7 @@ def gemv(shape: GemvShape, y_shape: tuple[int, ...]) -> tirx.PrimFunc:
     sdt, act, lanes = shape.scale_dtype, shape.act_dtype, shape.lanes
     vec = T.ramp(0, 1, lanes)
     prefetch = PREFETCH_BYTES if shape.bits == 4 else 0
-    assert shape.symmetric or not _centered(shape), "AVX2 int8 kernels take symmetric 8-bit codes only"
+    assert shape.supported(), shape
 
     @T.macro
     def rows_loop(xq, xs, xo, w, d, m, y):
@@ -264,7 +265,7 @@ def gemv(shape: GemvShape, y_shape: tuple[int, ...]) -> tirx.PrimFunc:
     if shape.symmetric:
         @T.prim_func(private=True, s_tir=True)
         def func(xq: T.Buffer((k,), act), xs: T.Buffer((shape.lane_terms,), "float32"),
-                 xo: T.Buffer((shape.lane_terms,), "float32"), w: T.Buffer((n_rows, code_bytes), "uint8"),
+                 xo: T.Buffer((shape.sum_terms,), "float32"), w: T.Buffer((n_rows, code_bytes), "uint8"),
                  d: T.Buffer((n_rows, groups), sdt), y: T.Buffer(y_shape, "float32")):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
             with T.sblock("root"):

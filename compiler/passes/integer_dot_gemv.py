@@ -60,8 +60,7 @@ class _Rewriter(PyExprMutator):
         shape = GemvShape(n=y_shape[-1], k=x_shape[-1], bits=int(layout["bits"]), group=int(layout["group"]),
                           symmetric=bool(layout["symmetric"]), scale_dtype=str(stored[1].ty.dtype),
                           act_bits=self.act_bits, vnni=self.vnni)
-        # AVX2's int8 path takes 8-bit codes centred (symmetric only): no such asymmetric scheme exists yet
-        if not shape.supported() or (self.act_bits == 8 and shape.bits == 8 and not shape.symmetric and not self.vnni):
+        if not shape.supported():
             return None
         return x, stored, shape, x_shape, y_shape
 

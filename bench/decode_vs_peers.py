@@ -209,7 +209,7 @@ def main() -> None:  # pylint: disable=too-many-locals,too-many-statements
     gguf = args.gguf or str(default_model_path())
     runners = [MobilecRunner(a) for a in args.artifact]
     if len({r.name for r in runners}) < len(runners):
-        parser.error("the --artifact directories must differ in quantization scheme")
+        parser.error("the --artifact directories must differ in quantization scheme or --decode-activations")
     if args.profile_only:
         bandwidth = measure_bandwidth(args.threads, args.bandwidth_mb)
         summary = {"threads": args.threads, "bandwidth": bandwidth, "runtimes": {}}

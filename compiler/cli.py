@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -20,6 +21,15 @@ class _Group(click.Group):
         except MobilecError as err:
             click.echo(f"mobilec: error: {err}", err=True)
             sys.exit(2)
+
+
+def _write_json_option(json_file: str | None, result: dict) -> None:
+    """--json FILE: every figure of `result`; an unwritable path is the user's error."""
+    if json_file:
+        try:
+            Path(json_file).write_text(json.dumps(result, indent=1))
+        except OSError as err:
+            raise MobilecError(f"cannot write --json {json_file}: {err.strerror}") from None
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -174,8 +184,6 @@ def estimate(model, target, quant, quant_skip, context_window, as_json):
 def evaluate(artifact, text_file, reference, max_tokens, window, threads, as_json):
     """Perplexity of ARTIFACT vs its float reference, and per-layer cosine similarity of hidden states."""
     # pylint: disable=import-outside-toplevel
-    from pathlib import Path
-
     from .artifact import load_artifact
     from .runtime.evaluate import evaluate as run_eval
     from .runtime.evaluate import load_reference
@@ -290,8 +298,6 @@ def bench(artifact, local, rpc_address, tracker_address, key, prompt_len, gen_le
     The library and weight shards are uploaded once; later runs skip shards the device has (same sha256).
     """
     # pylint: disable=import-outside-toplevel
-    from pathlib import Path
-
     from .artifact import load_artifact
     from .runtime import remote
     from .runtime.bench import BenchOptions, format_table, plot_sustained, run_bench
@@ -312,11 +318,7 @@ def bench(artifact, local, rpc_address, tracker_address, key, prompt_len, gen_le
     finally:
         device.close()
     click.echo(format_table(result))
-    if json_file:
-        try:
-            Path(json_file).write_text(json.dumps(result, indent=1))
-        except OSError as err:
-            raise MobilecError(f"cannot write --json {json_file}: {err.strerror}") from None
+    _write_json_option(json_file, result)
     if plot_file:
         plot_sustained(result, plot_file)
 
@@ -333,15 +335,9 @@ def profile(artifact, threads, context_len, steps, json_file):
     """Where one decode step of ARTIFACT spends its time on this CPU: per kernel (grouped by projection),
     VM overhead between kernels, host-side Python/FFI; and the floor the memory bandwidth (measured) sets."""
     # pylint: disable=import-outside-toplevel
-    from pathlib import Path
-
     from .artifact import load_artifact
     from .runtime.profile import format_profile, profile_report
 
     result = profile_report(load_artifact(artifact), threads, context_len, steps)
     click.echo(format_profile(result))
-    if json_file:
-        try:
-            Path(json_file).write_text(json.dumps(result, indent=1))
-        except OSError as err:
-            raise MobilecError(f"cannot write --json {json_file}: {err.strerror}") from None
+    _write_json_option(json_file, result)

@@ -30,21 +30,19 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from compiler.artifact import load_artifact
+from compiler.host import default_bandwidth_mb, measure_read_bandwidth, numpy_read_bandwidth, set_threads
 from compiler.loaders.default_model import default_model_path
 from compiler.runtime.generate import load_tokenizer
 from compiler.runtime.profile import (
     DEFAULT_STEPS,
     ReadBytes,
     artifact_read_bytes,
-    default_bandwidth_mb,
     floor_figures,
     format_profile,
     gguf_read_bytes,
-    measure_read_bandwidth,
-    numpy_read_bandwidth,
     profile_decode_step,
 )
-from compiler.runtime.session import Session, set_threads
+from compiler.runtime.session import Session
 
 PROMPT_TEXT = (
     "The history of computing is a story of layers. At the bottom, transistors switch on and off; above them, "

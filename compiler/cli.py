@@ -70,9 +70,9 @@ def targets():
 @click.option("--no-tuning", is_flag=True,
               help="Ignore tuning_logs/<target>/ (`mobilec tune`): every kernel gets the default schedule rules.")
 @click.option("--decode-activations", type=click.Choice(["int16", "int8"]), default="int16", show_default=True,
-              help="x86 CPU targets: the integer width decode GEMVs quantize activations to (one scale per 32 values). "
-                   "int16 matches the float model (~2e-5); int8 is llama.cpp's rounding, ~1.4x faster GEMVs, and may "
-                   "change greedy output after some tokens.")
+              help="x86 CPU targets (AVX2 or AVX-512): the integer width decode GEMVs quantize activations to (one "
+                   "scale per 32 values). int16 matches the float model (~2e-5); int8 is llama.cpp's rounding, "
+                   "~1.4x (AVX-512) to ~2x (AVX2) faster GEMVs, and may change greedy output after some tokens.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress text.")
 def compile(model, target, quant, output, context_window, quant_skip,  # pylint: disable=redefined-builtin
             calibrate, calib_text, force, no_tuning, decode_activations, as_json):
@@ -187,7 +187,7 @@ def evaluate(artifact, text_file, reference, max_tokens, window, threads, as_jso
     from .artifact import load_artifact
     from .runtime.evaluate import evaluate as run_eval
     from .runtime.evaluate import load_reference
-    from .runtime.session import set_threads
+    from .host import set_threads
 
     set_threads(threads)
     art = load_artifact(artifact)
@@ -226,7 +226,8 @@ def generate(artifact, prompt, max_new_tokens, temperature, top_p, seed, chat, i
     from .artifact import load_artifact
     from .runtime.generate import generate as run_generate
     from .runtime.generate import load_tokenizer
-    from .runtime.session import Session, set_threads
+    from .host import set_threads
+    from .runtime.session import Session
 
     set_threads(threads)
     art = load_artifact(artifact)

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from . import hexagon, link, pipeline
 from .artifact import CONFIG_FILE, FORMAT_VERSION, LIBRARY_DIR, PARAMS_DIR, TOKENIZER_DIR, installed_versions
+from .cpu_check import cpu_entry
 from .errors import MobilecError
 from .export import ShardWriter, atomic_directory
 from .kernels import integer_dot_gemv
@@ -114,8 +115,8 @@ def _check_decode_activations(value: str, spec: TargetSpec) -> None:
     if value not in DECODE_ACTIVATIONS:
         raise MobilecError(f"--decode-activations {value!r} is not one of {', '.join(DECODE_ACTIVATIONS)}")
     if value != "int16" and not integer_dot_gemv.available(spec.tvm_target()):
-        raise MobilecError(f"--decode-activations {value} needs an x86 CPU target with AVX-512BW (integer decode "
-                           f"GEMVs); {spec.name} decodes with float activations: drop the option")
+        raise MobilecError(f"--decode-activations {value} needs a CPU target with integer decode GEMVs (x86 with "
+                           f"AVX2 or AVX-512); {spec.name} decodes with float activations: drop the option")
 
 
 def compile_model(
@@ -199,6 +200,8 @@ def compile_model(
                 "tvm_target": spec.tvm_target_json,
                 "file_sha256": spec.sha256,
             },
+            # the CPU the library's code needs (arch, features): a CPU without them refuses it (cpu_check.py)
+            "cpu": cpu_entry(spec.tvm_target()),
             "library": library,
             **({"npu_coverage": npu} if npu else {}),
             "context_window": cfg.context_window_size,

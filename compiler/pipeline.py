@@ -35,7 +35,7 @@ def _seq(passes: list[tvm.transform.Pass]) -> tvm.transform.Pass:
 def steps(spec: TargetSpec, tuning: bool = False, decode_activations: str = "int16") -> list[Step]:
     """The ordered steps for `spec`; each runs inside `with target:`. With `tuning`, kernels tuned faster in
     tuning_logs/<target>/ (`mobilec tune`) are scheduled from there (compile asks for that). `decode_activations`
-    is the integer width of decode GEMV activations on x86 CPUs (compiler/kernels/integer_dot_gemv.py)."""
+    is the integer width of decode GEMV activations on CPUs with an integer-dot variant (kernels/integer_dot_gemv/)."""
     target = spec.tvm_target()
     gpu = spec.schedule["rules"] == "gpu"
     # FuseAddRMSNorm schedules its kernel for CPU threads itself; on a GPU the add and the norm are left to
@@ -45,7 +45,8 @@ def steps(spec: TargetSpec, tuning: bool = False, decode_activations: str = "int
     apply_tuning = [(APPLY_TUNING_STEP, ApplyTuningDatabase(spec.name))] if tuning else []
     return [
         ("fuse-transpose-matmul", FuseTransposeMatmul()),
-        # Decode GEMVs of quantized weights on x86 CPUs: int16 (or int8) activations times the codes in integers.
+        # Decode GEMVs of quantized weights on x86 CPUs (AVX2, AVX-512): int16 (or int8) activations times the codes
+        # in integers.
         ("integer-dot-gemv", IntegerDotGEMV(int(decode_activations.removeprefix("int")))),
         # LLVM CPU targets: the paged KV cache's attention kernels (decode, prefill) become vectorized ones.
         ("cpu-attention", ReplaceCPUAttention()),

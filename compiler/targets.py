@@ -10,10 +10,16 @@ from typing import Any
 
 import tvm
 
+from . import host
+from .data_files import data_dir
 from .errors import MobilecError
 from .schedules import gpu as gpu_schedules
 
-TARGETS_DIR = Path(__file__).resolve().parent.parent / "targets"
+TARGETS_DIR = data_dir("targets")
+# Values a target file may leave to the machine it is loaded on (targets/host.toml): the CPU ([tvm] target),
+# its memory bandwidth (measured once and cached) and its RAM (read from the system).
+DETECT = "detect"
+MEASURE = "measure"
 # native: this machine's C compiler; cross: a cross compiler on PATH; ndk: the Android NDK, or a .tar of
 # objects without one; hexagon: Hexagon DSP objects, linked only with the Hexagon SDK.
 LINK_METHODS = ("native", "cross", "ndk", "hexagon")
@@ -66,11 +72,32 @@ def _field(table: dict[str, Any], dotted: str, path: Path, kind: type) -> Any:
         if not isinstance(node, dict) or part not in node:
             raise MobilecError(f"target file {path} lacks the field '{dotted}'; add it (see targets/host.toml)")
         node = node[part]
-    if kind is float and isinstance(node, int):
+    if kind is float and isinstance(node, int) and not isinstance(node, bool):
         node = float(node)
     if not isinstance(node, kind) or (kind is int and isinstance(node, bool)):
         raise MobilecError(f"target file {path}: field '{dotted}' must be a {kind.__name__}, got {node!r}")
+    if kind is float and not 0 < node < float("inf"):
+        raise MobilecError(f"target file {path}: field '{dotted}' must be a positive number, got {node!r}")
     return node
+
+
+def _resolve_machine_values(table: dict[str, Any], path: Path) -> None:
+    """Fill in what the file leaves to this machine: [tvm] target = "detect", and device values "measure" (memory
+    bandwidth) or "detect" (RAM, largest buffer)."""
+    tvm_table = table.get("tvm")
+    if isinstance(tvm_table, dict) and tvm_table.get("target") == DETECT:
+        tvm_table["target"] = dict(host.host_target_json())
+    device = table.get("device")
+    if not isinstance(device, dict):
+        return
+    machine = {"memory_bandwidth_gbs": (MEASURE, host.host_bandwidth_gbs), "ram_gb": (DETECT, host.ram_gb),
+               "max_alloc_gb": (DETECT, host.ram_gb)}
+    for key, (word, read) in machine.items():
+        if isinstance(device.get(key), str):
+            if device[key] != word:
+                raise MobilecError(f"target file {path}: field 'device.{key}' is {device[key]!r}; give a number "
+                                   f"or \"{word}\" (this machine's)")
+            device[key] = round(float(read()), 2)
 
 
 def _choice(value: str, choices: tuple[str, ...], dotted: str, path: Path) -> str:
@@ -94,6 +121,17 @@ def _check_gpu_fields(table: dict[str, Any], path: Path) -> None:
     _choice(table["schedule"]["gemv"]["row_threads"], gpu_schedules.ROW_THREAD_TAGS, "schedule.gemv.row_threads", path)
 
 
+def _check_llvm_cpu(tvm_json: dict[str, Any], path: Path) -> None:
+    """An LLVM CPU name LLVM does not know would only print a page of warnings and build for a generic CPU."""
+    for part in (tvm_json, tvm_json.get("host")):
+        if not isinstance(part, dict) or part.get("kind") != "llvm" or "mcpu" not in part:
+            continue
+        triple = str(part.get("mtriple") or tvm.target.codegen.llvm_get_system_triple())
+        if not tvm.target.codegen.llvm_is_valid_cpu(str(part["mcpu"]), triple):
+            raise MobilecError(f"target file {path}: LLVM knows no CPU {part['mcpu']!r} for {triple}; use one "
+                               f"`llc -mtriple={triple} -mcpu=help` lists (e.g. x86-64-v3, cortex-a76)")
+
+
 def load_target(name_or_path: str) -> TargetSpec:
     """A target by name (a file in targets/) or by the path of a .toml file."""
     known = available_targets()
@@ -109,6 +147,7 @@ def load_target(name_or_path: str) -> TargetSpec:
         table = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise MobilecError(f"target file {path} is not valid TOML: {err}") from None
+    _resolve_machine_values(table, path)
     tvm_json = dict(_field(table, "tvm.target", path, dict))
     _field(table, "tvm.target.kind", path, str)
     device = _field(table, "device", path, dict)
@@ -131,6 +170,7 @@ def load_target(name_or_path: str) -> TargetSpec:
         schedule=_field(table, "schedule", path, dict),
         device=device,
     )
+    _check_llvm_cpu(tvm_json, path)
     try:
         spec.tvm_target()
     except Exception as err:  # TVM raises several error types for bad target JSON

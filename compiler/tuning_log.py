@@ -14,9 +14,10 @@ from typing import Any
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
+from .data_files import data_dir
 from .errors import MobilecError
 
-TUNING_LOGS_DIR = Path(__file__).resolve().parent.parent / "tuning_logs"
+TUNING_LOGS_DIR = data_dir("tuning_logs")
 TUNING_LOGS_ENV = "MOBILEC_TUNING_LOGS"  # another root for tuning_logs/ (tests, experiments)
 WORKLOAD_FILE = "database_workload.json"
 RECORD_FILE = "database_tuning_record.json"

@@ -21,14 +21,13 @@ from compiler.artifact import load_artifact
 from compiler.cli import main
 from compiler.compile_model import compile_model
 from compiler.errors import MobilecError
+from compiler.host import measure_read_bandwidth, numpy_read_bandwidth
 from compiler.runtime.bench import bytes_per_token
 from compiler.runtime.profile import (
     ATTENTION_BUILTIN,
     artifact_read_bytes,
     gguf_read_bytes,
     library_functions,
-    measure_read_bandwidth,
-    numpy_read_bandwidth,
     profile_decode_step,
     vm_call_sites,
 )

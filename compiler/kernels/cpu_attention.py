@@ -47,7 +47,8 @@ from tvm import tirx
 from tvm.relax.frontend.nn.llm._kernel_common import _rope
 from tvm.script import tirx as T
 from tvm.target import Target
-from tvm.target.codegen import target_has_features
+
+from ..isa import cpu_isa
 
 DECODE_SYMBOL = "batch_decode_paged_kv_cpu"  # TVM's global symbols of the CPU kernels replaced here
 RAGGED_SYMBOL = "batch_prefill_ragged_kv"
@@ -63,16 +64,8 @@ EXP2_POLY = (1.535336188319500e-4, 1.339887440266574e-3, 9.618437357674640e-3, 5
 
 def vector_lanes(target: Target) -> int | None:
     """float32 lanes of the target's vector registers, or None for a target that is not an LLVM CPU."""
-    if target.kind.name != "llvm":
-        return None
-    triple = str(target.attrs.get("mtriple", ""))
-    if triple.startswith(("x86_64", "i686", "i386")) or not triple:
-        if target_has_features("avx512f", target):
-            return 16
-        if target_has_features("avx2", target) or target_has_features("avx", target):
-            return 8
-        return 4
-    return 4  # aarch64 NEON, and a safe width for other CPUs (LLVM legalizes it)
+    isa = cpu_isa(target)
+    return None if isa is None else isa.float_lanes
 
 
 @dataclasses.dataclass(frozen=True)

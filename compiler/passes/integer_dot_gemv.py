@@ -7,9 +7,8 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.target import Target
-from tvm.target.codegen import target_has_features
 
-from ..kernels.integer_dot_gemv import ACTIVATION_BITS, GemvShape, available, gemv, quantize_activation
+from ..kernels.integer_dot_gemv import ACTIVATION_BITS, GemvShape, family, gemv, quantize_activation
 from ..quantization.modules import LAYOUT_ATTR
 from .ir_walk import rewrite_relax_functions
 
@@ -30,9 +29,9 @@ def _static_shape(ty) -> tuple[int, ...] | None:
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, act_bits: int, vnni: bool):
+    def __init__(self, mod: tvm.IRModule, act_bits: int, dot_family: str):
         super().__init__(mod)
-        self.mod, self.act_bits, self.vnni = mod, act_bits, vnni
+        self.mod, self.act_bits, self.dot_family = mod, act_bits, dot_family
         self.kernels: dict[str, relax.GlobalVar] = {}
 
     def _kernel(self, name: str, build) -> relax.GlobalVar:
@@ -59,7 +58,7 @@ class _Rewriter(PyExprMutator):
         stored = list(producer.args[1].fields)
         shape = GemvShape(n=y_shape[-1], k=x_shape[-1], bits=int(layout["bits"]), group=int(layout["group"]),
                           symmetric=bool(layout["symmetric"]), scale_dtype=str(stored[1].ty.dtype),
-                          act_bits=self.act_bits, vnni=self.vnni)
+                          act_bits=self.act_bits, family=self.dot_family)
         if not shape.supported():
             return None
         return x, stored, shape, x_shape, y_shape
@@ -81,8 +80,8 @@ class _Rewriter(PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="IntegerDotGEMV")
 class IntegerDotGEMV:  # pylint: disable=too-few-public-methods
-    """On x86 CPUs with AVX-512BW, decode GEMVs of 4/8-bit group codes multiply int16 (or int8) activations by
-    the codes in integer arithmetic. Run inside `with target:`, after FuseTransposeMatmul and before
+    """On CPUs with an integer dot-product variant (x86: AVX2, AVX-VNNI, AVX-512BW, AVX-512 VNNI), decode GEMVs of
+    4/8-bit group codes multiply int16 (or int8) activations by the codes in integer arithmetic. Run inside `with target:`, after FuseTransposeMatmul and before
     FuseDequantizeMatmul (which fuses the dequantizes still left: prefill, other targets)."""
 
     def __init__(self, act_bits: int = 16):
@@ -92,7 +91,7 @@ class IntegerDotGEMV:  # pylint: disable=too-few-public-methods
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         target = Target.current(allow_none=True)
-        if target is None or not available(target):
+        dot_family = None if target is None else family(target)
+        if dot_family is None:
             return mod
-        vnni = bool(target_has_features(["avx512vnni", "avx512vl"], target))
-        return rewrite_relax_functions(mod, _Rewriter(mod, self.act_bits, vnni))
+        return rewrite_relax_functions(mod, _Rewriter(mod, self.act_bits, dot_family))

@@ -226,7 +226,7 @@ def run_bench(artifact: Artifact, device: Device, options: BenchOptions, progres
     options.check(int(cfg["context_window"]))
     facts = _target_device_facts(artifact)
     check_memory(artifact, options.device_ram_mb, facts)
-    check_runs_on(artifact, device)
+    cpu_check = check_runs_on(artifact, device)
     if options.threads is not None:
         with device.errors("setting the thread count"):
             device.set_threads(options.threads)
@@ -263,6 +263,7 @@ def run_bench(artifact: Artifact, device: Device, options: BenchOptions, progres
         "quant": cfg["quantization"]["name"],
         "target": cfg["target"]["name"],
         "device": device.description,
+        "cpu_check": cpu_check,
         "prompt_len": options.prompt_len,
         "gen_len": options.gen_len,
         "repeat": options.repeat,
@@ -321,6 +322,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"of {_fmt(result['memory_bandwidth_gbs'], 'g')} GB/s (device step alone: "
         f"{_fmt(result['roofline_fraction_device'], '.1%')})",
     ]
+    if result.get("cpu_check", {}).get("note"):
+        lines.append(f"note: {result['cpu_check']['note']}")
     if result["sustained"]:
         rates = result["sustained"]["tok_s"]
         lines.append(f"{'sustained decode':34s} {len(rates)} intervals: first {rates[0]:.1f}, last {rates[-1]:.1f}, "

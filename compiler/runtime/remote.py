@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -31,7 +32,9 @@ from tqdm import tqdm
 from tvm import rpc
 
 from ..artifact import PARAMS_DIR, Artifact, sha256_file
+from ..cpu_check import Cpu, check_cpu, this_cpu
 from ..errors import MobilecError
+from ..isa import arch_of_triple
 
 TENSOR_CACHE_JSON = "tensor-cache.json"  # the file name vm.builtin.tensor_cache.load reads in its directory
 CONNECT_TIMEOUT_S = 10.0
@@ -61,10 +64,14 @@ class Device:
         with self.errors("asking what the device is"):
             triple = self._triple()
             total = self.dev.total_global_memory  # RAM for a CPU; None or -1 when the device cannot tell
+            self.cpu = self._cpu(triple)
         self.description["triple"] = triple
         # Without a triple, the arch is learnt when the device loads a library (note_loaded).
-        self.description["arch"] = triple.split("-")[0] if triple else None
+        self.description["arch"] = self.cpu.arch
         self.description["arch_from"] = "its LLVM target triple" if triple else None
+        self.description["cpu_features_from"] = (
+            "this machine's CPU (LLVM's name for it, features cut to /proc/cpuinfo's flags)" if session is None else
+            "LLVM's host CPU features on the device" if self.cpu.features is not None else None)
         self.description["total_ram_mb"] = round(total / 2**20) if total and total > 0 else None
 
     def _triple(self) -> str | None:
@@ -73,6 +80,25 @@ class Device:
             return self.function("tvm.codegen.llvm.GetProcessTriple")()
         except (AttributeError, ValueError):  # how a missing function shows over RPC, and locally
             return None
+
+    def _cpu(self, triple: str | None) -> Cpu:
+        """The device's CPU as far as it can tell: this machine's, or over RPC the triple's architecture and the
+        features LLVM finds there (cpuid, hwcaps) when the device's TVM has LLVM; a runtime-only build (the RPC
+        app on phones, TVM_USE_RUNTIME_LIB servers) reports neither, and RPC cannot read /proc/cpuinfo (the
+        server's download sizes files by seeking, and /proc files have no size)."""
+        if self.session is None:
+            return this_cpu()
+        arch = None
+        if triple:
+            arch = arch_of_triple(triple)
+            arch = triple.split("-")[0] if arch == "other" else arch
+        try:
+            # A Map cannot cross RPC (it comes back as a handle): the device prints it and it is parsed here.
+            text = str(self.function("ffi.ReprPrint")(self.function("tvm.codegen.llvm.GetHostCPUFeatures")()))
+        except (AttributeError, ValueError):  # a runtime without LLVM
+            text = ""
+        features = frozenset(re.findall(r'"([^"]+)":\s*(?:T\.bool\()?(?:True|1)\b', text))
+        return Cpu(self.description["name"], arch, features or None)
 
     @property
     def device_type(self) -> int:
@@ -229,16 +255,25 @@ def artifact_arch(artifact: Artifact) -> str:
     return artifact.config["target"]["tvm_target"].get("mtriple", "").split("-")[0]
 
 
-def check_runs_on(artifact: Artifact, device: Device) -> None:
-    """Refuse an artifact the device cannot run, when that can be told without uploading it."""
+def check_runs_on(artifact: Artifact, device: Device) -> dict[str, Any]:
+    """Refuse an artifact the device cannot run (another kind of code, another architecture, a CPU feature it
+    lacks), as far as that can be told without uploading it; returns what was checked (bench's "cpu_check")."""
     target = artifact.config["target"]
     if target["tvm_target"]["kind"] != "llvm":
         raise MobilecError(f"{artifact.path} is built for {target['name']} ({target['tvm_target']['kind']}); "
                            f"bench runs CPU (llvm) artifacts: compile one with --target host or linux-arm64/android-arm64")
-    built_for, device_arch = artifact_arch(artifact), device.description["arch"]
-    if built_for and device_arch and built_for != device_arch:
-        raise MobilecError(f"{artifact.path} is built for {built_for} (target {target['name']}) but "
-                           f"{device.description['name']} is {device_arch}; compile it with a --target for {device_arch}")
+    done = check_cpu(artifact.path, artifact.config, device.cpu)
+    required = done["required"]
+    notes = []
+    if not done["arch_checked"]:
+        notes.append("the device's architecture was not checked before upload (it does not report its triple)")
+    if not done["features_checked"]:
+        notes.append("the device's CPU features were not checked (its TVM runtime has no LLVM to report them): "
+                     "code needing a feature it lacks dies there with an illegal instruction")
+    return {"arch_checked": done["arch_checked"], "features_checked": done["features_checked"],
+            "required_arch": required["arch"] if required else None,
+            "required_features": required["required_features"] if required else None,
+            "note": "; ".join(notes) or None}
 
 
 def tensor_cache_json(artifact: Artifact, data_path: dict[str, str]) -> str:

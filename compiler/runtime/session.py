@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import tvm
 import tvm_ffi
@@ -11,18 +9,8 @@ from tvm import relax
 from tvm.runtime import ShapeTuple
 
 from ..artifact import Artifact
+from ..cpu_check import check_runs_here
 from ..errors import MobilecError
-
-
-def set_threads(threads: int | None) -> None:
-    """Size TVM's thread pool; None keeps TVM_NUM_THREADS (or TVM's default of one per core)."""
-    if threads is None:
-        return
-    if threads < 1:
-        raise MobilecError(f"--threads must be at least 1, got {threads}")
-    os.environ["TVM_NUM_THREADS"] = str(threads)
-    # mode 0 = no core pinning: pinning fights with other processes on a shared machine.
-    tvm.get_global_func("runtime.config_threadpool")(0, threads)
 
 
 class Session:
@@ -31,6 +19,7 @@ class Session:
     def __init__(self, artifact: Artifact, device: tvm.runtime.Device | None = None):
         self.artifact = artifact
         self.device = device or tvm.cpu()
+        check_runs_here(artifact.path, artifact.config)  # before loading: a missing instruction kills the process
         try:
             lib = tvm.runtime.load_module(str(artifact.library))
         except Exception as err:  # TVM reports a bad .so as a generic error

@@ -24,10 +24,14 @@ from compiler.kernels.cpu_attention import (
     vector_lanes,
 )
 from compiler.passes.replace_cpu_attention import ReplaceCPUAttention, decode_shape, ragged_shape
+from tests.helpers.cpu import X86_FAMILY_TARGETS, assembly, runs_here
 
-AVX512 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v4"})
-AVX2 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v3"})
+AVX512 = X86_FAMILY_TARGETS["avx512bw"]
+AVX2 = X86_FAMILY_TARGETS["avx2"]
 ARM = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon", "+dotprod"]})
+# The widest x86 variant this CPU executes (16 lanes with AVX-512, else 8); the other is compiled and its assembly
+# checked (test_each_width_emits_its_vectors).
+RUN = AVX512 if runs_here(AVX512) else AVX2
 PAGE = 16
 D = 64
 SM_SCALE = 1 / np.sqrt(D)
@@ -35,8 +39,8 @@ ROPE_SCALE, ROPE_THETA = 1.0, 10000.0
 
 
 @functools.cache
-def _kernels(h_kv: int, h_qo: int, dtype: str = "float32", target=AVX512):
-    """(ours, TVM's), built for `target` (run here: this machine has AVX-512)."""
+def _kernels(h_kv: int, h_qo: int, dtype: str = "float32", target=RUN):
+    """(ours, TVM's), built for `target` (one this CPU runs)."""
     ours = attention_decode(AttentionShape(h_kv, h_qo, D, dtype, PAGE), vector_lanes(target))
     theirs = _attention_decode_cpu(h_kv, h_qo, D, dtype, False, {})
     return tuple(tvm.tirx.build(tvm.IRModule({"main": f}), target=target)["main"] for f in (ours, theirs))
@@ -168,11 +172,21 @@ def test_avx2_and_neon_widths_build_and_match():
     cache = _cache([150], 3, 9, seed=3)
     np.testing.assert_allclose(_run(ours, cache)[0], _run(theirs, cache)[0], rtol=1e-5, atol=2e-6)
     four = tvm.tirx.build(tvm.IRModule({"main": attention_decode(AttentionShape(3, 9, D, "float32", PAGE), 4)}),
-                          target=AVX512)["main"]
+                          target=RUN)["main"]
     np.testing.assert_allclose(_run(four, cache)[0], _run(theirs, cache)[0], rtol=1e-5, atol=2e-6)
     func = attention_decode(AttentionShape(3, 9, D, "float32", PAGE), vector_lanes(ARM))
     lowered = tvm.tirx.build(tvm.IRModule({"main": func}), target=ARM)
     assert "fmla" in lowered.inspect_source("asm")
+
+
+@pytest.mark.parametrize("target,register", [(AVX512, "zmm"), (AVX2, "ymm")])
+def test_each_width_emits_its_vectors(target, register):
+    """Each x86 width compiled (not run), whatever this CPU has: 16 lanes in zmm FMAs, 8 in ymm ones (no zmm)."""
+    shape = AttentionShape(3, 9, D, "float32", PAGE)
+    for func in (attention_decode(shape, vector_lanes(target)), attention_prefill_ragged(shape, vector_lanes(target))):
+        asm = assembly(tvm.tirx.build(tvm.IRModule({"main": func}), target=target))
+        assert "vfmadd" in asm and f"%{register}" in asm
+        assert (register == "zmm") == ("%zmm" in asm)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -181,9 +195,9 @@ def test_avx2_and_neon_widths_build_and_match():
 
 @functools.cache
 def _ragged_kernels(h_kv: int, h_qo: int):
-    ours = attention_prefill_ragged(AttentionShape(h_kv, h_qo, D, "float32", PAGE), vector_lanes(AVX512))
+    ours = attention_prefill_ragged(AttentionShape(h_kv, h_qo, D, "float32", PAGE), vector_lanes(RUN))
     theirs = _attention_prefill_ragged_cpu(h_kv, h_qo, D, D, "float32", {})
-    return tuple(tvm.tirx.build(tvm.IRModule({"main": f}), target=AVX512)["main"] for f in (ours, theirs))
+    return tuple(tvm.tirx.build(tvm.IRModule({"main": f}), target=RUN)["main"] for f in (ours, theirs))
 
 
 def _ragged_data(q_lens: list[int], kv_lens: list[int], h_kv: int, h_qo: int, seed: int = 0):
@@ -272,9 +286,9 @@ def test_ragged_prefill_negative_control_mask():
 
 @functools.cache
 def _paged_prefill_kernels(h_kv: int, h_qo: int):
-    ours = attention_prefill_paged(AttentionShape(h_kv, h_qo, D, "float32", PAGE), vector_lanes(AVX512))
+    ours = attention_prefill_paged(AttentionShape(h_kv, h_qo, D, "float32", PAGE), vector_lanes(RUN))
     theirs = _attention_prefill_cpu(h_kv, h_qo, D, "float32", False, {})
-    return tuple(tvm.tirx.build(tvm.IRModule({"main": f}), target=AVX512)["main"] for f in (ours, theirs))
+    return tuple(tvm.tirx.build(tvm.IRModule({"main": f}), target=RUN)["main"] for f in (ours, theirs))
 
 
 def _run_paged_prefill(fn, cache: dict, q: np.ndarray, q_indptr: np.ndarray, causal: int, rotary_mode: int = 0):

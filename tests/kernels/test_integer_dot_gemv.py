@@ -1,28 +1,35 @@
-"""Integer dot-product decode GEMV: numerics against numpy for every layout it takes, the shapes it refuses,
-and negative controls (activations in the wrong order, a changed code)."""
+"""Integer dot-product decode GEMV: numerics against numpy for every layout it takes and every x86 family this CPU
+can run, the instructions of the families it cannot (assembly only: never executed), the shapes it refuses, and
+negative controls (activations in the wrong order, a changed code)."""
 
-from pathlib import Path
+import re
 
 import numpy as np
 import pytest
 import tvm
 
-from compiler.kernels.integer_dot_gemv import GemvShape, available, gemv, quantize_activation
+from compiler.kernels.integer_dot_gemv import GemvShape, available, family, gemv, quantize_activation
 from compiler.quantization import group
+from tests.helpers.cpu import X86_FAMILY_TARGETS, assembly, runs_here
 
-TARGET = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v4"})
-VNNI_TARGET = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v4",
-                                 "mattr": ["+avx512vnni"]})
-HOST_HAS_VNNI = "avx512_vnni" in Path("/proc/cpuinfo").read_text()
 N = 48
+FAMILIES = list(X86_FAMILY_TARGETS)
+RUNNABLE = [pytest.param(f, marks=pytest.mark.skipif(not runs_here(X86_FAMILY_TARGETS[f]),
+                                                     reason=f"this CPU cannot run {f} code (its assembly is checked)"))
+            for f in FAMILIES]
 
 
-def _build(shape: GemvShape):
-    mod = tvm.IRModule({
+def _module(shape: GemvShape) -> tvm.IRModule:
+    return tvm.IRModule({
         "quantize": quantize_activation(shape, (1, 1, shape.k)).with_attr("global_symbol", "quantize"),
         "gemv": gemv(shape, (1, 1, shape.n)).with_attr("global_symbol", "gemv"),
     })
-    return tvm.tirx.build(mod, target=VNNI_TARGET if shape.vnni else TARGET)
+
+
+def _build(shape: GemvShape):
+    target = X86_FAMILY_TARGETS[shape.family]
+    assert runs_here(target), f"a test must not execute {shape.family} code on this CPU"
+    return tvm.tirx.build(_module(shape), target=target)
 
 
 def _run(lib, shape: GemvShape, x: np.ndarray, arrays: dict, permute_activations=None) -> np.ndarray:
@@ -38,9 +45,9 @@ def _run(lib, shape: GemvShape, x: np.ndarray, arrays: dict, permute_activations
     return y.numpy().reshape(-1)
 
 
-def _case(bits, grp, symmetric, scale_dtype, k, seed=0, act_bits=16, vnni=False):
+def _case(bits, grp, symmetric, scale_dtype, k, seed=0, act_bits=16, dot_family="avx2"):
     layout = group.GroupLayout(bits, grp, symmetric, scale_dtype)
-    shape = GemvShape(N, k, bits, grp, symmetric, scale_dtype, act_bits, vnni)
+    shape = GemvShape(N, k, bits, grp, symmetric, scale_dtype, act_bits, dot_family)
     rng = np.random.default_rng(seed)
     arrays = group.quantize(rng.standard_normal((N, k)).astype("float32"), layout)
     # activations with an outlier per row, as LLM hidden states have: per-32 scales must absorb it
@@ -60,22 +67,22 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.parametrize("dot_family", RUNNABLE)
 @pytest.mark.parametrize("bits,grp,symmetric,scale_dtype,k", LAYOUTS)
-def test_matches_the_dequantized_weights_times_float_activations(bits, grp, symmetric, scale_dtype, k):
-    shape, arrays, x, ref = _case(bits, grp, symmetric, scale_dtype, k)
+def test_matches_the_dequantized_weights_times_float_activations(bits, grp, symmetric, scale_dtype, k, dot_family):
+    shape, arrays, x, ref = _case(bits, grp, symmetric, scale_dtype, k, dot_family=dot_family)
     assert shape.supported()
     got = _run(_build(shape), shape, x, arrays)
     # int16 activations, one scale per 32 values: errors ~1/65534 of a block's largest value
     np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("vnni", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not HOST_HAS_VNNI, reason="this CPU has no AVX-512 VNNI"))])
+@pytest.mark.parametrize("dot_family", RUNNABLE)
 @pytest.mark.parametrize("bits,grp,symmetric,scale_dtype,k", LAYOUTS)
-def test_int8_activations_match_within_int8_rounding(bits, grp, symmetric, scale_dtype, k, vnni):
-    """AVX2 (vpmaddubsw; 8-bit codes centred) or VNNI (vpdpbusd): errors ~1/254 of a block's largest value, and
-    exactly what the int8 activations give (no int16 overflow in the pair sums)."""
-    shape, arrays, x, ref = _case(bits, grp, symmetric, scale_dtype, k, act_bits=8, vnni=vnni)
+def test_int8_activations_match_within_int8_rounding(bits, grp, symmetric, scale_dtype, k, dot_family):
+    """vpmaddubsw (8-bit codes centred) or VNNI (vpdpbusd): errors ~1/254 of a block's largest value, and exactly
+    what the int8 activations give (no int16 overflow in the pair sums)."""
+    shape, arrays, x, ref = _case(bits, grp, symmetric, scale_dtype, k, act_bits=8, dot_family=dot_family)
     got = _run(_build(shape), shape, x, arrays)
     blocks = x.reshape(-1, 32)
     scale = np.abs(blocks).max(axis=1, keepdims=True) / 127
@@ -105,7 +112,31 @@ def test_refuses_shapes_it_cannot_step_through(bits, grp, k, symmetric):
     assert not GemvShape(N, k, bits, grp, symmetric, "float16").supported()
 
 
-def test_available_only_on_x86_with_avx512bw():
-    assert available(TARGET)
-    assert not available(tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v3"}))
+# family -> (act bits -> instructions its GEMV must contain, and must not)
+INSTRUCTIONS = {
+    "avx2": {16: (["vpmaddwd", "ymm"], ["zmm", "vpdpbusd"]), 8: (["vpmaddubsw", "vpmaddwd"], ["zmm", "vpdpbusd"])},
+    "avxvnni": {16: (["vpmaddwd", "ymm"], ["zmm"]), 8: (["{vex} vpdpbusd"], ["vpmaddubsw", "zmm"])},
+    "avx512bw": {16: (["vpmaddwd", "zmm"], ["vpdpbusd"]), 8: (["vpmaddubsw"], ["vpdpbusd"])},
+    "avx512vnni": {16: (["vpmaddwd", "zmm"], []), 8: (["vpdpbusd"], ["vpmaddubsw", "{vex}"])},
+}
+
+
+@pytest.mark.parametrize("dot_family", FAMILIES)
+@pytest.mark.parametrize("act_bits", [16, 8])
+def test_each_family_emits_its_instructions(dot_family, act_bits):
+    """Compiled (not run) for every family, whatever this CPU has: the dot step is the family's instruction."""
+    shape = GemvShape(N, 576, 4, 32, True, "float16", act_bits, dot_family)
+    asm = assembly(tvm.tirx.build(_module(shape), target=X86_FAMILY_TARGETS[dot_family]))
+    body = re.sub(r"\s+", " ", asm[asm.index("gemv"):])
+    must, must_not = INSTRUCTIONS[dot_family][act_bits]
+    for instruction in must:
+        assert instruction in body, f"{dot_family} int{act_bits}: no {instruction}"
+    for instruction in must_not:
+        assert instruction not in body, f"{dot_family} int{act_bits}: unexpected {instruction}"
+
+
+def test_family_follows_the_target():
+    assert {name: family(target) for name, target in X86_FAMILY_TARGETS.items()} == {f: f for f in FAMILIES}
+    assert not available(tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v2"}))
     assert not available(tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon", "+dotprod"]}))
+    assert not available(tvm.target.Target({"kind": "opencl"}))

@@ -1,4 +1,4 @@
-"""IntegerDotGEMV: which matmuls it rewrites (one-row, tagged dequantize, x86 with AVX-512BW), the IR it leaves,
+"""IntegerDotGEMV: which matmuls it rewrites (one-row, tagged dequantize, x86 with AVX2 or AVX-512), the IR it leaves,
 and the compiled decode function against numpy."""
 
 import re
@@ -23,6 +23,7 @@ K, N = 128, 48
 LAYOUT = GroupLayout(4, 32, True, "float16")
 HOST = load_target("host")
 ARM = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon", "+dotprod"]})
+SSE4 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v2"})  # no AVX2
 
 
 def _module(tagged=True):
@@ -74,8 +75,8 @@ def test_activation_width_selects_the_kernels(act_bits):
         IntegerDotGEMV(4)
 
 
-@pytest.mark.parametrize("target,tagged", [(ARM, True), (None, False)])
-def test_left_alone_off_x86_or_without_the_layout_tag(target, tagged):
+@pytest.mark.parametrize("target,tagged", [(ARM, True), (SSE4, True), (None, False)])
+def test_left_alone_without_a_variant_or_the_layout_tag(target, tagged):
     mod = _rewrite(_module(tagged), target or HOST.tvm_target())
     assert not [gv for gv in mod.get_global_vars() if "integer_dot" in gv.name_hint]
     assert any(c.startswith("NT_matmul") for c in _callees(mod["decode"]))

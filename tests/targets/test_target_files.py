@@ -5,11 +5,13 @@ import tomllib
 
 import pytest
 
-from compiler import link
+from compiler import host, link
 from compiler.errors import MobilecError
+from compiler.isa import cpu_isa
 from compiler.targets import TARGETS_DIR, available_targets, load_target
 
-SHIPPED = ["android-adreno", "android-arm64", "android-mali", "hexagon-npu", "host", "linux-arm64"]
+SHIPPED = ["android-adreno", "android-arm64", "android-mali", "hexagon-npu", "host", "linux-arm64",
+           "x86-64-v3", "x86-64-v4"]
 
 
 def test_every_target_loads():
@@ -17,6 +19,38 @@ def test_every_target_loads():
     for name in SHIPPED:
         spec = load_target(name)
         assert spec.name == name and len(spec.sha256) == 64
+
+
+def test_host_is_this_machine():
+    """No pinned CPU: LLVM's name for this one, num-cores the usable cores, RAM and bandwidth of this machine."""
+    spec = load_target("host")
+    target = spec.tvm_target_json
+    assert target["num-cores"] == host.usable_cores() and target == host.host_target_json()
+    assert tomllib.loads((TARGETS_DIR / "host.toml").read_text())["tvm"]["target"] == "detect"
+    assert spec.device["ram_gb"] == round(host.ram_gb(), 2) and spec.device["memory_bandwidth_gbs"] > 0.5
+    # every feature the host target enables is one this CPU has (flags cut what the CPU name implies)
+    isa = cpu_isa(spec.tvm_target())
+    flags = host.cpu_flags()
+    assert all(host.feature_flags(isa.arch)[f] in flags for f in isa.required_features)
+
+
+def test_fixed_x86_levels():
+    v3, v4 = (cpu_isa(load_target(name).tvm_target()) for name in ("x86-64-v3", "x86-64-v4"))
+    assert (v3.vector_bits, v3.vector_registers, v3.int_dot) == (256, 16, "avx2") and "avx512f" not in v3.features
+    assert (v4.vector_bits, v4.vector_registers, v4.int_dot) == (512, 32, "avx512bw")
+
+
+@pytest.mark.parametrize("old,new,needle", [
+    ('memory_bandwidth_gbs = "measure"', "memory_bandwidth_gbs = 0.0", "must be a positive number"),
+    ('memory_bandwidth_gbs = "measure"', 'memory_bandwidth_gbs = "fast"', '"measure"'),
+    ('ram_gb = "detect"', "ram_gb = -1.0", "must be a positive number"),
+    ('target = "detect"', 'target = { kind = "llvm", mtriple = "x86_64-unknown-linux-gnu", mcpu = "not-a-cpu" }',
+     "LLVM knows no CPU 'not-a-cpu'"),
+])
+def test_bad_host_values_are_named(tmp_path, old, new, needle):
+    with pytest.raises(MobilecError) as err:
+        load_target(_edited(tmp_path, "host", old, new))
+    assert needle in str(err.value) and "\n" not in str(err.value)
 
 
 def test_gpu_limits_become_tvm_attributes():

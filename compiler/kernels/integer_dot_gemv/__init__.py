@@ -3,9 +3,10 @@
 The activation x is quantized per 32 values (one float scale each) to int16 (default: errors ~1/65534 of a
 block's largest value, results equal to the float GEMV's to ~2e-5) or, with `--decode-activations int8`, to int8
 as llama.cpp does for its Q4/Q8 dot products (~100x the error, ~1.4x faster). The inner loop then multiplies
-codes by activations in integer arithmetic (int16: `vpmaddwd`, 32 products summed by 2 per instruction; int8:
-`vpdpbusd` with VNNI, else `vpmaddubsw` + `vpmaddwd`) instead of widening every code to float. Per 32-code block
-the int32 sum is scaled once:
+codes by activations in integer arithmetic instead of widening every code to float: the instructions are the
+CPU's integer dot-product family (compiler/isa.py), one variant file per architecture (x86.py: `vpmaddwd` for int16
+on AVX-512BW or AVX2, `vpdpbusd` for int8 with VNNI, else `vpmaddubsw` + `vpmaddwd`). Per 32-code block the int32
+sum is scaled once:
 
     sum_k w_k x_k = sum_blocks d * xs * sum_j c_j q_j  +  m * xs * sum_j q_j,     w = d c + m,  x = xs q
 
@@ -23,7 +24,9 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 from tvm.target import Target
-from tvm.target.codegen import target_has_features
+
+from ...isa import cpu_isa
+from . import x86
 
 BLOCK = 32  # activation values per scale, and codes per int32 block sum
 STEP_BYTES = 32  # bytes of codes per step
@@ -33,18 +36,30 @@ ROWS_PER_TASK = 16
 # with the hardware prefetcher alone, went 1.29 -> 1.44 ms with it.
 PREFETCH_BYTES = 2048
 ACTIVATION_BITS = (16, 8)
+# architecture -> the variant file with its families (compiler/isa.py INT_DOT_FAMILIES) and dot step
+VARIANTS = {"x86_64": x86}
+
+
+def family(target: Target) -> str | None:
+    """The integer dot-product family the kernel uses on `target`, or None where it has no variant for it."""
+    isa = cpu_isa(target)
+    if isa is None or isa.arch not in VARIANTS or isa.int_dot not in VARIANTS[isa.arch].FAMILIES:
+        return None
+    return isa.int_dot
 
 
 def available(target: Target) -> bool:
-    """x86 CPUs with AVX-512BW (x86-64-v4)."""
-    return (target.kind.name == "llvm" and str(target.attrs.get("mtriple", "")).startswith("x86_64")
-            and target_has_features("avx512bw", target))
+    return family(target) is not None
+
+
+def _variant(name: str):
+    return next(module for module in VARIANTS.values() if name in module.FAMILIES)
 
 
 @dataclasses.dataclass(frozen=True)
 class GemvShape:
     """y[n] = sum_k W[n, k] x[k], W stored as `bits`-bit codes with one scale (and min) per `group` values;
-    activations quantized to `act_bits` (16 or 8); `vnni`: int8 steps may use vpdpbusd."""
+    activations quantized to `act_bits` (16 or 8), multiplied with the instructions of `family` (compiler/isa.py)."""
 
     n: int
     k: int
@@ -53,7 +68,7 @@ class GemvShape:
     symmetric: bool
     scale_dtype: str
     act_bits: int = 16
-    vnni: bool = False
+    family: str = "avx512bw"
 
     @property
     def act_dtype(self) -> str:
@@ -65,7 +80,7 @@ class GemvShape:
 
     @property
     def lanes(self) -> int:
-        """int32 lanes per step: 32 int16 products in a 512-bit vector, or 32 int8 products in a 256-bit one."""
+        """int32 lanes per step: 32 int16 products summed by pairs, or 32 int8 products summed by fours."""
         return 32 // (32 // self.act_bits)  # 32 products per step, 2 (int16) or 4 (int8) per int32 lane
 
     @property
@@ -88,7 +103,7 @@ class GemvShape:
     @property
     def centered(self) -> bool:
         """8-bit codes on AVX2's int8 path go in as c - 128: c * q pair sums would overflow vpmaddubsw's int16."""
-        return self.act_bits == 8 and not self.vnni and self.bits == 8
+        return self.act_bits == 8 and not _variant(self.family).FAMILIES[self.family] and self.bits == 8
 
     @property
     def sum_terms(self) -> int:
@@ -99,7 +114,8 @@ class GemvShape:
     def supported(self) -> bool:
         # Both 32-code blocks of a 4-bit step must fall in one group, or each have their own (group 32); mins
         # are read per 32-value block; centred codes drop the -offset term, which only symmetric codes have.
-        return (self.bits in (4, 8) and self.act_bits in ACTIVATION_BITS
+        return (self.bits in (4, 8) and self.act_bits in ACTIVATION_BITS and any(
+                    self.family in module.FAMILIES for module in VARIANTS.values())
                 and self.k % (BLOCK * self.blocks_per_step) == 0 and self.group % BLOCK == 0
                 and (self.group == BLOCK or self.group % (BLOCK * self.blocks_per_step) == 0)
                 and (self.symmetric or (self.group == BLOCK and not self.centered)))
@@ -110,8 +126,7 @@ class GemvShape:
 
     def name(self) -> str:
         kind = "sym" if self.symmetric else "asym"
-        dot = "_vnni" if self.vnni and self.act_bits == 8 else ""
-        return f"int{self.bits}_g{self.group}_{kind}_{self.scale_dtype}_a{self.act_bits}{dot}_n{self.n}_k{self.k}"
+        return f"int{self.bits}_g{self.group}_{kind}_{self.scale_dtype}_a{self.act_bits}_{self.family}_n{self.n}_k{self.k}"
 
 
 def quantize_activation(shape: GemvShape, x_shape: tuple[int, ...]) -> tirx.PrimFunc:
@@ -156,20 +171,7 @@ def quantize_activation(shape: GemvShape, x_shape: tuple[int, ...]) -> tirx.Prim
 
 
 def _dot(shape: GemvShape, acc, codes, act):
-    """acc (int32 x lanes) + sums of products of 32 codes (uint8, zero-extended for int16) and 32 activations."""
-    if shape.act_bits == 16:
-        return acc + T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.pmaddw.d.512", codes, act)
-    if shape.vnni:
-        return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx512.vpdpbusd.256", acc, codes, act)
-    if shape.bits == 8:
-        # vpmaddubsw sums pairs into int16: 255 * 127 * 2 overflows, so 8-bit codes go in as c - 128, with |c - 128|
-        # as the unsigned operand (-128 reads as 128) and q carrying its sign (|q| <= 127, no overflow); _step_sum
-        # then leaves out the -128 * sum q term (GemvShape.centered).
-        centered = T.bitwise_xor(codes, T.broadcast(T.uint8(128), STEP_BYTES))
-        codes = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", centered, centered)
-        act = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", act, centered)
-    pairs = T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", codes, act)
-    return acc + T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", pairs, T.broadcast(T.int16(1), 16))
+    return _variant(shape.family).dot(shape.family, shape.act_bits, shape.centered, acc, codes, act)
 
 
 def _lane_scale(shape: GemvShape, buf, n, step):

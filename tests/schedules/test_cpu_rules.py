@@ -10,19 +10,35 @@ from tvm import relax, s_tir, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cp
 from tvm.s_tir import dlight as dl
 from tvm.script import tirx as T
-from tvm.target.codegen import llvm_get_system_cpu, target_has_features
 
+from compiler.host import host_features
+from compiler.isa import cpu_isa, missing_features
+from compiler.kernels import prefill_gemm
 from compiler.passes.fuse_transpose_matmul import FuseTransposeMatmul
 from compiler.quantization import group
 from compiler.schedules import cpu
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 K, N = 64, 48
-# PrefillMatmul's GEMM (compiler/kernels/prefill_gemm.py) takes x86 CPUs with AVX-512; TARGET, a generic x86-64,
-# gets its row tiles.
+# PrefillMatmul's GEMM (compiler/kernels/prefill_gemm.py) takes x86 CPUs with FMA and AVX-512 or AVX2, its tiles
+# from the instruction set; TARGET, a generic x86-64 (SSE2, no FMA), gets the row tiles. Each GEMM variant runs
+# (numerics against numpy) where this machine has its features; the others are compiled and their assembly checked.
 AVX512 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v4", "num-cores": 2})
-needs_avx512 = pytest.mark.skipif(not target_has_features("avx512f", tvm.target.Target(
-    {"kind": "llvm", "mcpu": llvm_get_system_cpu()})), reason="the prefill GEMM needs an AVX-512 host to run")
+AVX2 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v3", "num-cores": 2})
+GEMM_TARGETS = {"avx512": AVX512, "avx2": AVX2}
+gemm_variants = pytest.mark.parametrize("variant", list(GEMM_TARGETS))
+
+
+def _missing_on_host(target) -> list[str]:
+    """The features `target`'s code needs that this machine lacks (code for it would die with SIGILL here)."""
+    return missing_features(cpu_isa(target).required_features, host_features())
+
+
+def _skip_unless_host_runs(variant):
+    missing = _missing_on_host(GEMM_TARGETS[variant])
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)}: the {variant} GEMM is compiled and its assembly checked "
+                    "in test_prefill_gemm_assembly, not run")
 
 
 def _fused_kernel(build_body, *var_types):
@@ -189,17 +205,17 @@ PACKED_IDS = ["int4-sym-g32", "int4-asym-g32-residual", "int4-sym-g128-partial-r
               "int8-asym-g32-residual"]
 
 
-def _packed_linear(layout, k, m, residual):
+def _packed_linear(layout, k, m, residual, n=N):
     """y = x @ dequantize(q).T (+ r), as te.create_prim_func lays out the fused dequantize + NT_matmul kernel."""
     x = tvm.te.placeholder((1, m, k), "float32", name="x")
-    stored = [tvm.te.placeholder(shape, dtype, name=name) for name, (shape, dtype) in layout.shapes(N, k).items()]
+    stored = [tvm.te.placeholder(shape, dtype, name=name) for name, (shape, dtype) in layout.shapes(n, k).items()]
     w = group.dequantize_te(layout, k, "float32")(*stored)
     kr = tvm.te.reduce_axis((0, k), name="k")
-    y = tvm.te.compute((1, m, N), lambda b, s, n: tvm.te.sum(x[b, s, kr] * w[n, kr], axis=kr), name="NT_matmul")
+    y = tvm.te.compute((1, m, n), lambda b, s, j: tvm.te.sum(x[b, s, kr] * w[j, kr], axis=kr), name="NT_matmul")
     tensors = [x, *stored]
     if residual:
-        r = tvm.te.placeholder((1, m, N), "float32", name="r")
-        y = tvm.te.compute((1, m, N), lambda b, s, n: y[b, s, n] + r[b, s, n], name="T_add")
+        r = tvm.te.placeholder((1, m, n), "float32", name="r")
+        y = tvm.te.compute((1, m, n), lambda b, s, j: y[b, s, j] + r[b, s, j], name="T_add")
         tensors.append(r)
     return tvm.te.create_prim_func([*tensors, y])
 
@@ -305,14 +321,16 @@ def test_prefill_matmul_dequantizes_each_weight_tile_once(layout, k, residual, m
     np.testing.assert_allclose(_run(scheduled, *args, out_shape=(1, m, N)), ref, rtol=1e-4, atol=1e-4)
 
 
-@needs_avx512
+@gemm_variants
 @pytest.mark.parametrize("m", [1, 7, 33])
 @pytest.mark.parametrize(("layout", "k", "residual"), PACKED_CASES, ids=PACKED_IDS)
-def test_prefill_gemm_dequantizes_each_weight_tile_once(layout, k, residual, m):
+def test_prefill_gemm_dequantizes_each_weight_tile_once(layout, k, residual, m, variant):
+    target = GEMM_TARGETS[variant]
     func = _packed_linear(layout, k, _seq(), residual)
-    assert cpu.PrefillMatmul().apply(func, AVX512, False) is not None
-    assert cpu.DecodeGEMV().apply(func, AVX512, False) is None
-    scheduled = _gemm_schedule(func)
+    assert cpu.PrefillMatmul().apply(func, target, False) is not None
+    assert cpu.DecodeGEMV().apply(func, target, False) is None
+    scheduled = _gemm_schedule(func, target)
+    assert "_rf" not in scheduled.script()  # the GEMM, not the row tiles (an rfactor along k)
     _assert_parallel_and_vectorized(scheduled)
     # The codes are read once per weight tile: under the parallel loop over tiles, outside every loop over rows
     # of X (no dynamic extent around them), contiguously, with the scales broadcast.
@@ -321,8 +339,9 @@ def test_prefill_gemm_dequantizes_each_weight_tile_once(layout, k, residual, m):
     assert total and sum(_count_loads(lp.body, "q_weight") for lp in loops if lp.kind == tirx.ForKind.PARALLEL) == total
     assert not any(_count_loads(lp.body, "q_weight") for lp in loops if not isinstance(lp.extent, tirx.IntImm))
     _assert_contiguous_codes_broadcast_scales(scheduled, layout, x_loads=("scalar", "ramp"))
+    _skip_unless_host_runs(variant)
     args, ref = _packed_inputs(layout, k, m, residual, seed=m)
-    np.testing.assert_allclose(_run(scheduled, *args, out_shape=(1, m, N), target=AVX512), ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(_run(scheduled, *args, out_shape=(1, m, N), target=target), ref, rtol=1e-4, atol=1e-4)
 
 
 def test_prefill_inlines_a_producer_of_the_activation():
@@ -351,31 +370,126 @@ def _gemm_linear(m, k, n, residual):
     return _fused_kernel(body, *types)
 
 
-def _gemm_schedule(func):
-    with AVX512:
+def _gemm_schedule(func, target):
+    with target:
         return dl.ApplyDefaultSchedule(*cpu.rules())(tvm.IRModule({"main": func}))["main"]
 
 
-@needs_avx512
-@pytest.mark.parametrize("m", [1, 16, 31, 32, 70])
-@pytest.mark.parametrize(("k", "n", "residual"), [(96, 192, True), (40, 54, False), (64, 64, False)],
-                         ids=["nr-12-two-tasks-residual", "nr-6-three-tasks-k-40", "nr-8"])
-def test_prefill_gemm_register_tiles_and_row_tail(m, k, n, residual):
-    """Panels of 32 rows of X (the last one partial: 1, 31, 70 rows), register tiles of 12/6/8 columns, one to
-    three parallel tasks, an epilogue: every output element written, with the float sum numpy computes."""
-    func = _gemm_linear(_seq(), k, n, residual)
-    scheduled = _gemm_schedule(func)
-    assert "_rf" not in scheduled.script()  # the GEMM, not the row tiles (an rfactor along k)
-    rng = np.random.default_rng(m + k)
+def _gemm_inputs(m, k, n, residual, seed):
+    rng = np.random.default_rng(seed)
     x, w = rng.standard_normal((1, m, k), dtype="float32"), rng.standard_normal((n, k), dtype="float32")
     args, ref = [x, w], x @ w.T
     if residual:
         r = rng.standard_normal((1, m, n), dtype="float32")
         args, ref = [x, w, r], ref + r
-    lib = tvm.tirx.build(scheduled.with_attr("global_symbol", "main"), target=AVX512)
-    out = tvm.runtime.tensor(np.full((1, m, n), np.nan, "float32"))
+    return args, ref
+
+
+def _gemm_run(scheduled, target, args, out_shape):
+    lib = tvm.tirx.build(scheduled.with_attr("global_symbol", "main"), target=target)
+    out = tvm.runtime.tensor(np.full(out_shape, np.nan, "float32"))
     lib["main"](*[tvm.runtime.tensor(a) for a in args], out)
-    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-5)
+    return out.numpy()
+
+
+def test_gemm_tile_shape_follows_the_instruction_set():
+    """AVX-512: 16 lanes, 12 x 2 vectors (24 of 32 zmm registers); AVX2 + FMA: 8 lanes, 6 x 2 (12 of 16 ymm); no
+    GEMM without FMA (generic x86-64, Sandy Bridge's AVX) nor on aarch64 (row tiles there). SmolLM2's N values
+    (qkv 960, o/down 576, gate_up 3072, 1536) take NR 12 resp. 6; N = 2048 (a 1B Llama) the AVX2 4 x 3 tile."""
+    assert prefill_gemm.tile_shape(AVX512) is prefill_gemm.AVX512_SHAPE
+    assert prefill_gemm.tile_shape(AVX2) is prefill_gemm.AVX2_SHAPE
+    for other in ({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64"},
+                  {"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "sandybridge"},
+                  {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon", "+dotprod"]}):
+        assert not prefill_gemm.available(tvm.target.Target(other)), other
+    assert not prefill_gemm.available(TARGET)
+    for shape, lanes, nr in ((prefill_gemm.AVX512_SHAPE, 16, 12), (prefill_gemm.AVX2_SHAPE, 8, 6)):
+        for n in (960, 576, 3072, 1536):
+            tiles = shape.tiles(n, w_lanes=lanes)
+            assert (tiles.lanes, tiles.nr, tiles.mv, tiles.tn) == (lanes, nr, 2, 96)
+            registers = cpu_isa(AVX512 if lanes == 16 else AVX2).vector_registers
+            assert tiles.nr * tiles.mv + tiles.mv + 1 <= registers  # accumulators, X vectors, one broadcast
+    tiles = prefill_gemm.AVX2_SHAPE.tiles(2048, w_lanes=8)
+    assert (tiles.nr, tiles.mv, tiles.mp, tiles.tn) == (4, 3, 24, 64)
+    assert prefill_gemm.AVX2_SHAPE.tiles(7, w_lanes=1) is None  # no NR divides N: the row tiles
+
+
+GEMM_CASES = [(96, 192, True), (40, 54, False), (64, 64, False), (36, 48, False)]
+# AVX-512: NR 12 (two tasks), 6 (three tasks, K % 16 != 0: no dot-product rows), 8, 12 (K % 16 != 0); AVX2: NR 6
+# (two tasks of 96 rows), 6 (one task), 4 x 3 (24-row panels), 6 (K % 8 != 0: a zero-padded last panel)
+GEMM_IDS = ["k-96-n-192-residual", "k-40-n-54", "k-64-n-64", "k-36-padded-panel"]
+
+
+@gemm_variants
+@pytest.mark.parametrize("m", [1, 16, 31, 32, 70])
+@pytest.mark.parametrize(("k", "n", "residual"), GEMM_CASES, ids=GEMM_IDS)
+def test_prefill_gemm_register_tiles_and_row_tail(m, k, n, residual, variant):
+    """Panels of MP rows of X (the last one partial, or dot products for the last rows), register tiles of every
+    NR, one to three parallel tasks, an epilogue: every output element written, with the float sum numpy
+    computes."""
+    _skip_unless_host_runs(variant)
+    target = GEMM_TARGETS[variant]
+    scheduled = _gemm_schedule(_gemm_linear(_seq(), k, n, residual), target)
+    assert "_rf" not in scheduled.script()  # the GEMM, not the row tiles (an rfactor along k)
+    args, ref = _gemm_inputs(m, k, n, residual, seed=m + k)
+    np.testing.assert_allclose(_gemm_run(scheduled, target, args, (1, m, n)), ref, rtol=1e-5, atol=1e-5)
+
+
+@gemm_variants
+def test_prefill_gemm_comparison_catches_a_perturbed_weight(variant):
+    """Negative control for the numerics above: one weight changed after the reference was computed shows up in
+    exactly its output column, in the panel rows and in the dot-product rows alike (m = 70: AVX-512 two panels of
+    32 + 6 rows, AVX2 four of 16 + 6)."""
+    _skip_unless_host_runs(variant)
+    target = GEMM_TARGETS[variant]
+    m, k, n = 70, 96, 192
+    scheduled = _gemm_schedule(_gemm_linear(_seq(), k, n, True), target)
+    args, ref = _gemm_inputs(m, k, n, True, seed=1)
+    args[1][101, 37] += 0.5  # W[n = 101, k = 37]: the second task's tile
+    out = _gemm_run(scheduled, target, args, (1, m, n))
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    wrong = ~np.isclose(out, ref, rtol=1e-5, atol=1e-5)
+    assert sorted(set(np.nonzero(wrong)[2])) == [101] and wrong[0, :, 101].all()
+    np.testing.assert_allclose(out[0, :, 101] - ref[0, :, 101], 0.5 * args[0][0, :, 37], rtol=1e-4, atol=1e-4)
+
+
+def _asm_loops(asm: str) -> list[str]:
+    """The single-block loops of `asm`: from a label to the jump back to it."""
+    pattern = r"^(\.LBB\w+):\n(?:(?!\.LBB\w+:)[^\n]*\n)*?\s*j\w+\s+\1\n"
+    return [match.group(0) for match in re.finditer(pattern, asm, re.MULTILINE)]
+
+
+def _check_gemm_assembly(asm: str, variant: str) -> None:
+    """AVX-512: the register tile's k loop does 24 zmm FMAs (12 x 2 vectors, unrolled: a multiple of 24) and no
+    ymm ones; AVX2: 12 ymm FMAs (6 x 2) and no zmm register anywhere (code this CPU can run). Neither spills
+    its tile: no vector store in the loop."""
+    fma = r"vfmadd\w*ps\s+[^\n]*%{}\d+"
+    wide, narrow, per_step = ("zmm", "ymm", 24) if variant == "avx512" else ("ymm", "zmm", 12)
+    if variant == "avx2":
+        assert "zmm" not in asm
+    tiles = [lp for lp in _asm_loops(asm) if len(re.findall(fma.format(wide), lp)) >= per_step]
+    assert tiles, f"no loop with {per_step} {wide} FMAs"
+    for lp in tiles:
+        count = len(re.findall(fma.format(wide), lp))
+        assert count % per_step == 0 and not re.findall(fma.format(narrow), lp), (count, lp)
+        assert not re.search(rf"vmov\w*\s+%{wide}\d+, [^\n]*\(", lp), lp  # a vector stored back: a spill
+
+
+@gemm_variants
+@pytest.mark.parametrize(("k", "n", "residual"), [(576, 960, False), (1536, 576, True)], ids=["qkv", "down-residual"])
+def test_prefill_gemm_assembly(k, n, residual, variant):
+    """Every variant compiles here and its assembly is checked, whether or not this CPU can run it: SmolLM2's qkv
+    and down matmuls, float and int4 weights."""
+    target = GEMM_TARGETS[variant]
+    for func in (_gemm_linear(_seq(), k, n, residual), _packed_linear(SYM4_G32, k, _seq(), residual, n=n)):
+        scheduled = _gemm_schedule(func, target)
+        assert "_rf" not in scheduled.script()
+        asm = tvm.tirx.build(scheduled.with_attr("global_symbol", "main"), target=target).inspect_source("asm")
+        _check_gemm_assembly(asm, variant)
+        # Negative control: the other variant's check rejects this code.
+        with pytest.raises(AssertionError):
+            _check_gemm_assembly(asm, "avx2" if variant == "avx512" else "avx512")
 
 
 @T.prim_func(s_tir=True)
@@ -384,36 +498,45 @@ def _may_alias(h: T.Buffer((2,), "int64")):
     h[1] = h[0] * T.int64(2)
 
 
-def _fma_loops_storing_vectors(func, with_aliasing_kernel: bool) -> list[int]:
+def _fma_loops_storing_vectors(func, target, with_aliasing_kernel: bool) -> list[int]:
     """(vector FMAs, vector stores) per loop of the compiled kernel (a basic block branching to itself) that does 8+
     vector FMAs."""
     funcs = {"main": func.with_attr("global_symbol", "main")}
     if with_aliasing_kernel:  # sorts last: TVM's LLVM codegen then tags every kernel's buffers as may-alias
         funcs["zzz_may_alias"] = _may_alias.with_attr("global_symbol", "zzz_may_alias")
-    ll = tvm.tirx.build(tvm.IRModule(funcs), target=AVX512).inspect_source("ll")
+    ll = tvm.tirx.build(tvm.IRModule(funcs), target=target).inspect_source("ll")
+    lanes = cpu_isa(target).float_lanes
     loops = []
     for block in re.split(r"\n(?=[\w.$-]+:)", ll):
         label = block.split(":", 1)[0].strip()
-        fmas = block.count("llvm.fmuladd.v16f32")
+        fmas = block.count(f"llvm.fmuladd.v{lanes}f32")
         if fmas >= 8 and re.search(rf"label %{re.escape(label)}\b", block):
-            loops.append((fmas, block.count("store <16 x float>")))
+            loops.append((fmas, block.count(f"store <{lanes} x float>")))
     return loops
 
 
-@needs_avx512
-def test_prefill_gemm_keeps_its_register_tile_when_other_kernels_may_alias():
+@gemm_variants
+def test_prefill_gemm_keeps_its_register_tile_when_other_kernels_may_alias(variant):
     """In the Relax build, the last kernel of the module lacks tirx.noalias, and TVM's LLVM codegen lets that flag
     decide for every kernel: all buffer accesses may alias. A tile kept in its own buffer is then stored back at
     every FMA (prefill ran at 1/3 of the speed); the GEMM's tile shares one buffer with its operands at constant
-    offsets, which LLVM still tells apart. Negative control: the row-tile schedule's loop stores more then."""
+    offsets, which LLVM still tells apart. Negative control: the row-tile schedule's loop stores more then.
+    (Compiled only: the LLVM IR is the same on any x86 host.)"""
+    target = GEMM_TARGETS[variant]
     func = _gemm_linear(_seq(), 256, 192, True)
-    gemm = _gemm_schedule(func)
+    gemm = _gemm_schedule(func, target)
     for aliasing in (False, True):
-        # the 12 x 32 tile's loop over k (24 FMAs a step) and the last rows' 4 x 4 dot products (16), no stores
-        assert sorted(_fma_loops_storing_vectors(gemm, aliasing)) == [(16, 0), (24, 0)]
+        loops = sorted(_fma_loops_storing_vectors(gemm, target, aliasing))
+        if variant == "avx512":
+            # the 12 x 32 tile's loop over k (24 FMAs a step) and the last rows' 4 x 4 dot products (16), no stores
+            assert loops == [(16, 0), (24, 0)]
+        else:
+            # the 6 x 16 tile's loop over k (12 FMAs a step; LLVM unrolls the 4 blocks of 64 steps into 4 loops) and
+            # the 4 x 3 dot products (12, unrolled twice), no stores
+            assert loops[0] == (12, 0) and all(fmas % 12 == 0 and not stores for fmas, stores in loops), loops
     rules = cpu.rules()
-    rules[1].gemm_nr = ()  # PrefillMatmul's row tiles
-    with AVX512:
+    rules[1].outer_product = False  # PrefillMatmul's row tiles
+    with target:
         row_tiles = dl.ApplyDefaultSchedule(*rules)(tvm.IRModule({"main": func}))["main"]
-    stores = [sum(n for _, n in _fma_loops_storing_vectors(row_tiles, aliasing)) for aliasing in (False, True)]
+    stores = [sum(n for _, n in _fma_loops_storing_vectors(row_tiles, target, aliasing)) for aliasing in (False, True)]
     assert stores[1] > stores[0]

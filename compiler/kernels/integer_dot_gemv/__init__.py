@@ -10,10 +10,14 @@ sum is scaled once:
 
     sum_k w_k x_k = sum_blocks d * xs * sum_j c_j q_j  +  m * xs * sum_j q_j,     w = d c + m,  x = xs q
 
-(symmetric codes: m = -offset * d). A step reads 32 bytes of codes: two 4-bit blocks (low nibbles, then high
-nibbles, against activations stored in that order) or one 8-bit block. Each int32 lane holds a sum of 2 (int16)
-or 4 (int8) products; the activation kernel writes its per-block terms already repeated per lane, so the only
-shuffle left widens the two weight scales of a 4-bit step to [d0 ..., d1 ...].
+(symmetric codes: m = -offset * d). A step reads 32 bytes of codes: two 4-bit blocks or one 8-bit block. The
+variant turns them into int32 lanes, each a sum of products of one block, and says in which order the activation
+kernel stores the activations so that every instruction reads them contiguously; the activation kernel also writes
+its per-block terms already repeated per lane, so the only shuffle left widens the two weight scales of a 4-bit
+step to [d0 ..., d1 ...].
+
+SmolLM2 decode GEMVs, one Zen 3 core (AVX2), weights in cache, int16 activations: 4-bit gate_up 0.128 ms with
+vpmovzxbw widening, 0.093 ms widened in-lane (x86.py); int8 activations 0.062 ms.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from ...isa import cpu_isa
 from . import x86
 
 BLOCK = 32  # activation values per scale, and codes per int32 block sum
-STEP_BYTES = 32  # bytes of codes per step
+STEP_BYTES = 32  # bytes of codes per step (the variants' steps: x86.STEP_BYTES)
 ROWS_PER_TASK = 16
 # Software prefetch this far ahead in the codes, 4-bit rows only. Streamed from DRAM, interleaved runs: SmolLM2's
 # down_proj 0.044 -> 0.036 ms, qkv 0.034 -> 0.030, gate_up 0.071 -> 0.068; the 8-bit lm_head, already at ~23 GB/s
@@ -80,8 +84,8 @@ class GemvShape:
 
     @property
     def lanes(self) -> int:
-        """int32 lanes per step: 32 int16 products summed by pairs, or 32 int8 products summed by fours."""
-        return 32 // (32 // self.act_bits)  # 32 products per step, 2 (int16) or 4 (int8) per int32 lane
+        """int32 lanes of a step's dot products (the family's choice: see its variant file)."""
+        return _variant(self.family).int32_lanes(self)
 
     @property
     def blocks_per_step(self) -> int:
@@ -121,8 +125,9 @@ class GemvShape:
                 and (self.symmetric or (self.group == BLOCK and not self.centered)))
 
     def activation_name(self) -> str:
-        """What the activation kernel depends on: K, the code order (bits), the sum term and the int width."""
-        return f"int{self.bits}_{'sym' if self.symmetric else 'asym'}_k{self.k}_a{self.act_bits}"
+        """What the activation kernel depends on: K, the code order (bits, and the family's lanes), the sum term and
+        the int width."""
+        return f"int{self.bits}_{'sym' if self.symmetric else 'asym'}_k{self.k}_a{self.act_bits}_l{self.lanes}"
 
     def name(self) -> str:
         kind = "sym" if self.symmetric else "asym"
@@ -136,7 +141,7 @@ def quantize_activation(shape: GemvShape, x_shape: tuple[int, ...]) -> tirx.Prim
     k, lanes, qmax, act = shape.k, shape.lanes_per_block, float(shape.qmax), shape.act_dtype
     sum_factor = -(1 << (shape.bits - 1)) / lanes
     symmetric = shape.symmetric
-    nibbles = shape.bits == 4
+    order = _variant(shape.family).activation_index
 
     @T.prim_func(private=True, s_tir=True)
     def quantize(x: T.Buffer(x_shape, "float32"), xq: T.Buffer((k,), act), xs: T.Buffer((shape.lane_terms,), "float32"),
@@ -155,11 +160,7 @@ def quantize_activation(shape: GemvShape, x_shape: tuple[int, ...]) -> tirx.Prim
                 for j in range(BLOCK):
                     q = T.Cast("int32", T.round(xf[b * BLOCK + j] * inv))
                     qsum[0] = qsum[0] + q
-                    if nibbles:
-                        # low nibbles of blocks 2i and 2i+1 (values 0..15 of each), then their high nibbles (16..31)
-                        xq[b // 2 * 64 + j // 16 * 32 + b % 2 * 16 + j % 16] = T.Cast(act, q)
-                    else:
-                        xq[b * BLOCK + j] = T.Cast(act, q)
+                    xq[order(shape, b, j)] = T.Cast(act, q)
                 for lane in range(lanes):
                     xs[b * lanes + lane] = amax[0] / T.float32(qmax)
                     if symmetric:
@@ -168,10 +169,6 @@ def quantize_activation(shape: GemvShape, x_shape: tuple[int, ...]) -> tirx.Prim
                     xo[b] = amax[0] / T.float32(qmax) * T.Cast("float32", qsum[0])
 
     return quantize
-
-
-def _dot(shape: GemvShape, acc, codes, act):
-    return _variant(shape.family).dot(shape.family, shape.act_bits, shape.centered, acc, codes, act)
 
 
 def _lane_scale(shape: GemvShape, buf, n, step):
@@ -183,27 +180,11 @@ def _lane_scale(shape: GemvShape, buf, n, step):
     return T.broadcast(T.Cast("float32", buf[n, step * shape.blocks_per_step * BLOCK // shape.group]), shape.lanes)
 
 
-def _step_dot(shape: GemvShape, w, xq, n, step):
-    zero = T.broadcast(T.int32(0), shape.lanes)
-    codes = w[n, T.ramp(step * STEP_BYTES, 1, STEP_BYTES)]
-    if shape.act_bits == 16:
-        # Widened first (one vpmovzxbw from memory): a 4-bit byte as int16 gives its low code with one AND and its
-        # high code with one shift, no mask.
-        codes = T.Cast("int16x32", codes)
-    if shape.bits == 8:
-        return _dot(shape, zero, codes, xq[T.ramp(step * STEP_BYTES, 1, STEP_BYTES)])
-    mask, four = (T.int16(15), T.int16(4)) if shape.act_bits == 16 else (T.uint8(15), T.uint8(4))
-    low = T.bitwise_and(codes, T.broadcast(mask, STEP_BYTES))
-    high = T.shift_right(codes, T.broadcast(four, STEP_BYTES))
-    first = _dot(shape, zero, low, xq[T.ramp(step * 64, 1, STEP_BYTES)])
-    return _dot(shape, first, high, xq[T.ramp(step * 64 + STEP_BYTES, 1, STEP_BYTES)])
-
-
 def _step_sum(shape: GemvShape, xq, xs, xo, w, d, m, n, step):
     """One step's contribution to the row's float32 partial sums. Built as one expression: a vector bound to
     a name inside the kernel would become a Let that the Relax build spills to a stack buffer (8x slower)."""
     terms = T.ramp(step * shape.lanes, 1, shape.lanes)
-    dot = T.Cast(f"float32x{shape.lanes}", _step_dot(shape, w, xq, n, step))
+    dot = T.Cast(f"float32x{shape.lanes}", _variant(shape.family).step_dot(shape, w, xq, n, step))
     if shape.centered:  # the dot already holds sum (c - 128) q
         return dot * xs[terms] * _lane_scale(shape, d, n, step)
     if shape.symmetric:

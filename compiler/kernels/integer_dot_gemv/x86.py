@@ -1,9 +1,13 @@
-"""x86 variants of the integer decode GEMV's dot step: 32 codes times 32 activations into int32 lanes, per
-integer dot-product family of compiler/isa.py. The algorithm around it (compiler/kernels/integer_dot_gemv) is
-the same for every family; only these instructions differ.
+"""x86 variants of the integer decode GEMV's step: 32 bytes of codes times their activations into int32 lanes, per
+integer dot-product family of compiler/isa.py, and the order the activation kernel stores activations in so that
+each instruction reads them contiguously. The algorithm around it (compiler/kernels/integer_dot_gemv) is the same
+for every family.
 
-- int16 activations: `vpmaddwd` (pairs of int16 products summed into int32): one zmm instruction per 32 products
-  with AVX-512BW, two ymm ones with AVX2.
+- int16 activations: `vpmaddwd` (pairs of int16 products summed into int32). With AVX-512BW one zmm instruction
+  takes 32 codes widened by `vpmovzxbw`. With AVX2 the codes are widened in-lane instead (`vpunpck[lh]bw` with
+  zero): `vpmovzxbw` ymm crosses 128-bit lanes and took 12 of the 22 cycles per 64 codes on Zen 3's two shuffle
+  pipes (llvm-mca). The in-lane order puts the two 4-bit blocks of a step in lanes 0-3 and 4-7 of one int32x8,
+  so a step also needs half the float work of two int32x8 halves.
 - int8 activations: `vpdpbusd` (4 uint8 x int8 products summed into each int32 lane) with AVX-512 VNNI (EVEX) or
   AVX-VNNI (VEX); else `vpmaddubsw` + `vpmaddwd` by ones (AVX2).
 """
@@ -12,34 +16,88 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+STEP_BYTES = 32  # one ymm of code bytes per step, as the algorithm steps (integer_dot_gemv.STEP_BYTES)
 # int_dot family -> whether its int8 steps have vpdpbusd
 FAMILIES = {"avx512vnni": True, "avx512bw": False, "avxvnni": True, "avx2": False}
 _ZMM_MADD = ("avx512vnni", "avx512bw")
 
 
-def _pmaddwd(family: str, codes, act):
-    """int16x32 codes . int16x32 activations -> int32x16 pair sums (lane i: products 2i and 2i + 1)."""
-    if family in _ZMM_MADD:
-        return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.pmaddw.d.512", codes, act)
-    halves = [T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd",
-                                      T.Shuffle([codes], list(range(h, h + 16))), T.Shuffle([act], list(range(h, h + 16))))
-              for h in (0, 16)]
-    return T.Shuffle(halves, list(range(16)))
+def _in_lane_int16(shape) -> bool:
+    return shape.act_bits == 16 and shape.family not in _ZMM_MADD
 
 
-def dot(family: str, act_bits: int, centered: bool, acc, codes, act):
-    """acc (int32 lanes) + the sums of products of 32 codes (uint8; zero-extended to int16 for int16 activations)
-    and 32 activations: 16 lanes of 2 products (int16) or 8 lanes of 4 (int8)."""
-    if act_bits == 16:
-        return acc + _pmaddwd(family, codes, act)
-    if FAMILIES[family]:
+def int32_lanes(shape) -> int:
+    """32 int16 products summed by pairs (16 lanes; 8 when the in-lane widening folds the two halves of a step into
+    one ymm), or 32 int8 products summed by fours (8 lanes)."""
+    if shape.act_bits == 8 or _in_lane_int16(shape):
+        return 8
+    return 16
+
+
+def activation_index(shape, b, j):
+    """Where the activation of code j (0..31) of 32-value block b goes in xq."""
+    if _in_lane_int16(shape):
+        if shape.bits == 4:
+            # per step (blocks 2i, 2i+1): 4 vectors of 16 = codes 8v..8v+7 of block 2i, then of block 2i+1
+            return b // 2 * 64 + j // 8 * 16 + b % 2 * 8 + j % 8
+        # per block: codes 0-7, 16-23, then 8-15, 24-31 (vpunpcklbw / vpunpckhbw of the 32 code bytes)
+        return b * 32 + j % 16 // 8 * 16 + j // 16 * 8 + j % 8
+    if shape.bits == 4:
+        # low nibbles of blocks 2i and 2i+1 (codes 0..15 of each), then their high nibbles (16..31)
+        return b // 2 * 64 + j // 16 * 32 + b % 2 * 16 + j % 16
+    return b * 32 + j
+
+
+def _unpack_int16(codes, high: bool):
+    """uint8x32 -> int16x16, zero-extended within each 128-bit lane: bytes 0-7 and 16-23 (or 8-15 and 24-31)."""
+    base = 8 if high else 0
+    order = [i for half in (0, 16) for e in range(8) for i in (half + base + e, 32 + half + base + e)]
+    return T.reinterpret("int16x16", T.Shuffle([codes, T.broadcast(T.uint8(0), STEP_BYTES)], order))
+
+
+def _madd_int16x16(acc, codes, act):
+    return acc + T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", codes, act)
+
+
+def _dot(shape, acc, codes, act):
+    """acc + the sums of products of 32 codes and 32 activations (zmm int16, or ymm int8)."""
+    if shape.act_bits == 16:
+        return acc + T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.pmaddw.d.512", codes, act)
+    if FAMILIES[shape.family]:
         return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx512.vpdpbusd.256", acc, codes, act)
-    if centered:
+    if shape.centered:
         # vpmaddubsw sums pairs into int16: 255 * 127 * 2 overflows, so 8-bit codes go in as c - 128, with |c - 128|
         # as the unsigned operand (-128 reads as 128) and q carrying its sign (|q| <= 127, no overflow); the
         # algorithm then leaves out the -128 * sum q term (GemvShape.centered).
-        flipped = T.bitwise_xor(codes, T.broadcast(T.uint8(128), 32))
+        flipped = T.bitwise_xor(codes, T.broadcast(T.uint8(128), STEP_BYTES))
         codes = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", flipped, flipped)
         act = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", act, flipped)
     pairs = T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", codes, act)
     return acc + T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", pairs, T.broadcast(T.int16(1), 16))
+
+
+def step_dot(shape, w, xq, n, step):
+    """The int32 lanes of step `step` of row n: its 32 code bytes times their activations."""
+    zero = T.broadcast(T.int32(0), shape.lanes)
+    codes = w[n, T.ramp(step * STEP_BYTES, 1, STEP_BYTES)]
+    if _in_lane_int16(shape):
+        if shape.bits == 4:
+            parts = [T.bitwise_and(codes, T.broadcast(T.uint8(15), STEP_BYTES)),
+                     T.shift_right(codes, T.broadcast(T.uint8(4), STEP_BYTES))]
+        else:
+            parts = [codes]
+        acc, base = zero, step * len(parts) * STEP_BYTES
+        for v, (part, high) in enumerate((p, h) for p in parts for h in (False, True)):
+            acc = _madd_int16x16(acc, _unpack_int16(part, high), xq[T.ramp(base + v * 16, 1, 16)])
+        return acc
+    if shape.act_bits == 16:
+        # Widened first (one vpmovzxbw from memory): a 4-bit byte as int16 gives its low code with one AND and its
+        # high code with one shift, no mask.
+        codes = T.Cast("int16x32", codes)
+    if shape.bits == 8:
+        return _dot(shape, zero, codes, xq[T.ramp(step * STEP_BYTES, 1, STEP_BYTES)])
+    mask, four = (T.int16(15), T.int16(4)) if shape.act_bits == 16 else (T.uint8(15), T.uint8(4))
+    low = T.bitwise_and(codes, T.broadcast(mask, STEP_BYTES))
+    high = T.shift_right(codes, T.broadcast(four, STEP_BYTES))
+    first = _dot(shape, zero, low, xq[T.ramp(step * 64, 1, STEP_BYTES)])
+    return _dot(shape, first, high, xq[T.ramp(step * 64 + STEP_BYTES, 1, STEP_BYTES)])

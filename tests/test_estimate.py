@@ -132,7 +132,10 @@ def tiny_hf(tmp_path_factory) -> Path:
 
 def _target_with_ram(tmp_path: Path, ram_bytes: int) -> Path:
     text = (TARGETS_DIR / "host.toml").read_text().replace('name = "host"', 'name = "tiny-ram"')
-    text = text.replace("ram_gb = 24.0", f"ram_gb = {ram_bytes / GIB!r}")
+    # host.toml reads RAM from this machine ("detect"); the largest allocation cannot exceed the RAM
+    for field in ("ram_gb", "max_alloc_gb"):
+        assert f'{field} = "detect"' in text
+        text = text.replace(f'{field} = "detect"', f"{field} = {ram_bytes / GIB!r}")
     path = tmp_path / "tiny-ram.toml"
     path.write_text(text)
     return path

@@ -3,28 +3,70 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import click
 
+from . import validate
 from .errors import MobilecError
 from .quantization.schemes import schemes_help
 
+# Signals that end a command as Ctrl-C does: the exception unwinds it, so every cleanup on the way runs (a
+# compile's temporary directory is removed), then the process ends by the same signal.
+_ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived: raised where the command was, so that its cleanups run."""
+
+
+def _terminate(signum, _frame):
+    for other in _ENDING_SIGNALS:  # a second signal must not interrupt the cleanups
+        signal.signal(other, signal.SIG_IGN)
+    raise Terminated(signum)
+
 
 class _Group(click.Group):
-    """Turns MobilecError into one line on stderr and exit code 2."""
+    """Turns MobilecError and usage errors (a bad option value) into one line on stderr and exit code 2, and
+    SIGTERM/SIGHUP into an exception that unwinds the command before the process ends by that signal."""
 
     def invoke(self, ctx):
+        handled = []
+        if threading.current_thread() is threading.main_thread():
+            for signum in _ENDING_SIGNALS:
+                if signal.getsignal(signum) is signal.SIG_DFL:
+                    signal.signal(signum, _terminate)
+                    handled.append(signum)
         try:
             return super().invoke(ctx)
         except MobilecError as err:
             click.echo(f"mobilec: error: {err}", err=True)
             sys.exit(2)
+        except click.UsageError as err:
+            where = f" (see `{err.ctx.command_path} --help`)" if err.ctx is not None else ""
+            message = " ".join(err.format_message().split())
+            click.echo(f"mobilec: error: {message}{where}", err=True)
+            sys.exit(2)
+        except Terminated as err:
+            signum = err.args[0]
+            click.echo(f"mobilec: {signal.Signals(signum).name}: stopped, temporary files removed", err=True)
+            sys.stderr.flush()
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)  # end as the signal would have ended it (exit status 128 + signum)
+            raise
+        finally:
+            for signum in handled:
+                if signal.getsignal(signum) in (_terminate, signal.SIG_IGN):
+                    signal.signal(signum, signal.SIG_DFL)
 
 
 def _write_json_option(json_file: str | None, result: dict) -> None:
-    """--json FILE: every figure of `result`; an unwritable path is the user's error."""
+    """--json FILE: every figure of `result` (the path checked before the command ran: validate.output_file); an
+    unwritable path is the user's error."""
     if json_file:
         try:
             Path(json_file).write_text(json.dumps(result, indent=1))
@@ -73,19 +115,22 @@ def targets():
               help="x86 CPU targets (AVX2 or AVX-512): the integer width decode GEMVs quantize activations to (one "
                    "scale per 32 values). int16 matches the float model (~2e-5); int8 is llama.cpp's rounding, "
                    "~1.4x (AVX-512) to ~2x (AVX2) faster GEMVs, and may change greedy output after some tokens.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace the artifact already at --output (only a mobilec artifact with no other files in it).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress text.")
 def compile(model, target, quant, output, context_window, quant_skip,  # pylint: disable=redefined-builtin
-            calibrate, calib_text, force, no_tuning, decode_activations, as_json):
+            calibrate, calib_text, force, no_tuning, decode_activations, overwrite, as_json):
     """Compile MODEL for TARGET into an artifact directory (library, weight shards, tokenizer, config).
 
-    The artifact is written to a temporary directory and renamed at the end:
-    a failed compile leaves nothing behind.
+    --output must be a new path, an empty directory, or an artifact (replaced only with --overwrite); anything
+    else is refused, so no file of yours is replaced. The artifact is written to a temporary directory beside it
+    and renamed at the end: a failed or interrupted compile leaves nothing behind.
     """
     from .compile_model import compile_model  # pylint: disable=import-outside-toplevel
 
     summary = compile_model(model, target, quant, output, context_window, progress=not as_json,
                             quant_skip=list(quant_skip), calibrate=calibrate, calib_text=calib_text, force=force,
-                            no_tuning=no_tuning, decode_activations=decode_activations)
+                            no_tuning=no_tuning, decode_activations=decode_activations, overwrite=overwrite)
     if as_json:
         click.echo(json.dumps(summary))
         return
@@ -185,16 +230,19 @@ def evaluate(artifact, text_file, reference, max_tokens, window, threads, as_jso
     """Perplexity of ARTIFACT vs its float reference, and per-layer cosine similarity of hidden states."""
     # pylint: disable=import-outside-toplevel
     from .artifact import load_artifact
-    from .runtime.evaluate import evaluate as run_eval
-    from .runtime.evaluate import load_reference
     from .host import set_threads
+    from .runtime.evaluate import check_reference, eval_windows, load_reference
+    from .runtime.evaluate import evaluate as run_eval
 
-    set_threads(threads)
+    # Everything checked before the reference model loads (~30 s).
+    validate.threads(threads)
+    validate.tokens(max_tokens, "--max-tokens", least=2)
+    validate.tokens(window, "--window", least=2)
+    text = validate.read_text_file(text_file, "--text")
     art = load_artifact(artifact)
-    try:
-        text = Path(text_file).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise MobilecError(f"cannot read --text {text_file}: {err}") from None
+    eval_windows(art, text, max_tokens, window)
+    check_reference(reference or art.config["model"]["path"])
+    set_threads(threads)
     ref = load_reference(reference or art.config["model"]["path"])
     result = run_eval(art, text, ref, max_tokens, window)
     if as_json:
@@ -224,15 +272,20 @@ def generate(artifact, prompt, max_new_tokens, temperature, top_p, seed, chat, i
     import dataclasses
 
     from .artifact import load_artifact
-    from .runtime.generate import generate as run_generate
-    from .runtime.generate import load_tokenizer
     from .host import set_threads
+    from .runtime.generate import check_fits, load_tokenizer
+    from .runtime.generate import generate as run_generate
     from .runtime.session import Session
 
-    set_threads(threads)
+    # Every option before the artifact loads, the prompt's length before the library does.
+    validate.threads(threads)
+    validate.text(prompt, "--prompt")
+    validate.tokens(max_new_tokens, "--max-new-tokens")
+    validate.temperature(temperature)
+    validate.probability(top_p, "--top-p")
+    validate.seed(seed)
     art = load_artifact(artifact)
     tokenizer = load_tokenizer(art.tokenizer_dir)
-    session = Session(art)
     if chat:
         if not tokenizer.chat_template:
             raise MobilecError("this model's tokenizer has no chat template; drop --chat")
@@ -240,6 +293,9 @@ def generate(artifact, prompt, max_new_tokens, temperature, top_p, seed, chat, i
         prompt_ids = tokenizer.encode(text, add_special_tokens=False)
     else:
         prompt_ids = tokenizer.encode(prompt)
+    check_fits(len(prompt_ids), max_new_tokens, int(art.config["context_window"]))
+    set_threads(threads)
+    session = Session(art)
     stop_ids = frozenset() if ignore_eos else frozenset(i for i in [tokenizer.eos_token_id] if i is not None)
 
     printed = ""
@@ -309,10 +365,19 @@ def bench(artifact, local, rpc_address, tracker_address, key, prompt_len, gen_le
         raise MobilecError("--tracker and --key go together: pass the tracker's address and the device's key")
     if plot_file and sustained_s is None:
         raise MobilecError("--plot draws the --sustained run; add --sustained SECONDS")
-    if session_timeout_s <= 0:
-        raise MobilecError(f"--session-timeout must be positive, got {session_timeout_s:g}")
-    art = load_artifact(artifact)
+    # Every option, address and output path before the artifact loads or a device is reached.
+    validate.seconds(session_timeout_s, "--session-timeout")
+    for address, option in ((rpc_address, "--rpc"), (tracker_address, "--tracker")):
+        if address is not None:
+            validate.address(address, option)
+    if key is not None:
+        validate.device_key(key)
+    validate.output_file(json_file, "--json", "json")
+    validate.output_file(plot_file, "--plot", "png")
     options = BenchOptions(prompt_len, gen_len, repeat, sustained_s, threads, device_ram_mb)
+    options.check(local=rpc_address is None and tracker_address is None)
+    art = load_artifact(artifact)
+    options.check(int(art.config["context_window"]), local=rpc_address is None and tracker_address is None)
     device = remote.connect(rpc_address, tracker_address, key, session_timeout_s)
     try:
         result = run_bench(art, device, options, progress=sys.stderr.isatty())
@@ -339,6 +404,7 @@ def profile(artifact, threads, context_len, steps, json_file):
     from .artifact import load_artifact
     from .runtime.profile import format_profile, profile_report
 
+    validate.output_file(json_file, "--json", "json")
     result = profile_report(load_artifact(artifact), threads, context_len, steps)
     click.echo(format_profile(result))
     _write_json_option(json_file, result)

@@ -13,11 +13,19 @@ import numpy as np
 import tvm
 from tqdm import tqdm
 
-from . import hexagon, link, pipeline
-from .artifact import CONFIG_FILE, FORMAT_VERSION, LIBRARY_DIR, PARAMS_DIR, TOKENIZER_DIR, installed_versions
+from . import hexagon, link, pipeline, validate
+from .artifact import (
+    CONFIG_FILE,
+    FORMAT_VERSION,
+    LIBRARY_DIR,
+    PARAMS_DIR,
+    TOKENIZER_DIR,
+    file_manifest,
+    installed_versions,
+)
 from .cpu_check import cpu_entry
 from .errors import MobilecError
-from .export import ShardWriter, atomic_directory
+from .export import ShardWriter, atomic_directory, check_output
 from .kernels import integer_dot_gemv
 from .loaders import Checkpoint, open_checkpoint
 from .loaders.default_model import default_model_path
@@ -65,10 +73,10 @@ def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_win
     """Build the nn.Module for the checkpoint's family, quantize its layers (unless told not to: `inspect`
     shows the float import first), and export it to a Relax IRModule (unless told not to: the parameters'
     shapes and dtypes, all `estimate` needs of another scheme, come without the seconds exporting takes)."""
+    validate.context_length(context_window)
     family = family_for(ckpt.hf_config)
     cfg = family.config_class.from_hf(ckpt.hf_config, context_window)
-    if cfg.context_window_size <= 0:
-        raise MobilecError(f"--context-window must be positive, got {cfg.context_window_size}")
+    check_checkpoint_shapes(ckpt, cfg)
     model = family.model_class(cfg)
     dtype = scheme.float_dtype or spec.device["compute_dtype"]
     model.to(dtype)
@@ -79,6 +87,19 @@ def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_win
     with spec.model_target():
         mod, params = model.export_tvm(spec=model.get_default_spec())
     return ImportedModel(family, cfg, mod, params, sources, plan, dtype, calibration)
+
+
+def check_checkpoint_shapes(ckpt: Checkpoint, cfg: LlamaConfig) -> None:
+    """Every tensor the model reads is in the checkpoint with the shape its config implies, checked by the
+    checkpoint's own tensor names before any weight is read or anything built (a config-only checkpoint, as
+    `estimate` takes, has no tensors to check)."""
+    if not ckpt.tensor_names():
+        return
+    for name, want in cfg.source_shapes().items():
+        got = tuple(int(d) for d in ckpt.shape(name))
+        if got != want:
+            raise MobilecError(f"tensor {name} has shape {got} in {ckpt.description} but its config implies {want}; "
+                               f"the checkpoint and its config disagree")
 
 
 def _stored_array(ckpt: Checkpoint, imported: ImportedModel, name: str, made: dict[str, dict[str, np.ndarray]]):
@@ -116,7 +137,8 @@ def _check_decode_activations(value: str, spec: TargetSpec) -> None:
         raise MobilecError(f"--decode-activations {value!r} is not one of {', '.join(DECODE_ACTIVATIONS)}")
     if value != "int16" and not integer_dot_gemv.available(spec.tvm_target()):
         raise MobilecError(f"--decode-activations {value} needs a CPU target with integer decode GEMVs (x86 with "
-                           f"AVX2 or AVX-512); {spec.name} decodes with float activations: drop the option")
+                           f"AVX2 or AVX-512, aarch64 with the dot product: +dotprod or +i8mm); {spec.name} decodes "
+                           f"with float activations: drop the option")
 
 
 def compile_model(
@@ -132,14 +154,19 @@ def compile_model(
     force: bool = False,
     no_tuning: bool = False,
     decode_activations: str = "int16",
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Compile and write the artifact; returns a summary (path, timings, sizes, kernels scheduled from the
     target's tuning log, which `no_tuning` leaves unread). A model that does not fit the target's memory is
     refused unless `force`. `decode_activations`: int16 (float-accurate) or int8 (faster, llama.cpp's rounding) for
-    the integer decode GEMVs of x86 CPU targets."""
+    the integer decode GEMVs of x86 CPU targets. The output must be a new path, an empty directory, or an artifact
+    (replaced only with `overwrite`): export.check_output."""
     # Imported here because estimate imports this module.
     from .estimate import estimate_imported, over_budget_message  # pylint: disable=import-outside-toplevel
 
+    validate.context_length(context_window)
+    if output:
+        check_output(Path(output), overwrite)  # before anything is loaded or built
     spec = load_target(target)
     _check_decode_activations(decode_activations, spec)
     link.check_toolchain(spec)  # before the build, not after it
@@ -147,10 +174,11 @@ def compile_model(
     awq.check_options(calibrate, calib_text, scheme.layout)
     model_path = resolve_model_path(model)
     out_dir = Path(output) if output else default_output(model_path, scheme.name, spec.name)
+    check_output(out_dir, overwrite)
     progress = progress and sys.stderr.isatty()  # progress text is for people; logs and pipes stay clean
     log = (lambda msg: print(msg, file=sys.stderr)) if progress else (lambda msg: None)
     t_start = time.perf_counter()
-    with open_checkpoint(model_path) as ckpt, atomic_directory(out_dir) as tmp:
+    with open_checkpoint(model_path) as ckpt, atomic_directory(out_dir, overwrite) as tmp:
         log(f"importing {ckpt.description}")
         calibration = awq.calibrate(ckpt, scheme.layout, calib_text, log) if calibrate else None
         imported = import_model(ckpt, scheme, spec, context_window, quant_skip, calibration=calibration)
@@ -212,6 +240,8 @@ def compile_model(
             "versions": installed_versions(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
+        # every file but this config, with its size and sha256 (the shards' computed as they were written)
+        config["files"] = file_manifest(tmp, {f"{PARAMS_DIR}/{s['file']}": s["sha256"] for s in index["shards"]})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=1))
     summary = {
         "artifact": str(out_dir),

@@ -1,19 +1,25 @@
-"""Write an artifact directory atomically: weight shards with their index, then rename into place."""
+"""Write an artifact directory atomically: weight shards with their index, then rename into place, never over a
+user's files (the output rule: check_output)."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
+import os
+import secrets
 import shutil
-import tempfile
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .artifact import ALIGNMENT, PARAMS_INDEX, SHARD_BYTES
+from . import validate
+from .artifact import ALIGNMENT, CONFIG_FILE, PARAMS_INDEX, PARTIAL_MARKER, SHARD_BYTES, foreign_files
+from .errors import MobilecError
 
 
 class ShardWriter:
@@ -73,21 +79,117 @@ class ShardWriter:
         return index
 
 
-@contextlib.contextmanager
-def atomic_directory(final: Path) -> Iterator[Path]:
-    """Yield a temporary sibling of `final`; on success it replaces `final`, on any error it is removed."""
-    final = final.resolve()
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+def check_output(final: Path, overwrite: bool, name: str = "--output") -> Path:
+    """The output rule: a path that does not exist, an empty directory, or a mobilec artifact with no files of the
+    user's in it, the last only with `overwrite`. Anything else is refused with one line."""
+    return validate.output_directory(final, name, foreign_files, "a mobilec artifact", overwrite)
+
+
+def _alive(pid: int) -> bool:
     try:
-        yield tmp
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_partials(final: Path) -> list[Path]:
+    """Remove what compiles of `final` killed beyond cleaning up (SIGKILL, power loss) left beside it: directories
+    named like ours whose marker says this host made them for this output in a process that has ended. Nothing
+    without our marker is touched. Returns what was removed."""
+    removed = []
+    for pattern in (f".{final.name}.partial-*", f".{final.name}.old-*"):
+        for path in final.parent.glob(pattern):
+            marker = validate.json_object(path / PARTIAL_MARKER) if path.is_dir() and not path.is_symlink() else None
+            if (marker is None or marker.get("output") != str(final) or marker.get("host") != socket.gethostname()
+                    or not isinstance(marker.get("pid"), int) or _alive(marker["pid"])):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _mark(path: Path, final: Path) -> None:
+    (path / PARTIAL_MARKER).write_text(json.dumps({"output": str(final), "host": socket.gethostname(),
+                                                   "pid": os.getpid(), "started": time.time()}))
+
+
+def _make_partial(final: Path) -> Path:
+    """A new sibling `.NAME.partial-XXXXXXXX` with our marker. os.mkdir applies the umask, so the artifact, which
+    is this directory renamed, gets the permissions of any directory the user makes (mkdtemp's are 0700)."""
+    for _ in range(100):
+        path = final.with_name(f".{final.name}.partial-{secrets.token_hex(4)}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        _mark(path, final)
+        return path
+    raise FileExistsError(f"no free temporary name beside {final}")
+
+
+def _install(tmp: Path, final: Path) -> None:
+    """Put the finished directory in place: rename it to a new path; move its entries into an empty directory (the
+    directory itself, its permissions, and a shell's current directory in it, stay); or, replacing an artifact,
+    rename the old one aside, the new one in, and delete the old one."""
+    if not final.exists():
+        tmp.rename(final)
+        return
+    if not any(final.iterdir()):
+        entries = sorted(tmp.iterdir(), key=lambda p: p.name == CONFIG_FILE)  # the config, which marks it, last
+        moved = []
+        try:
+            for entry in entries:
+                entry.rename(final / entry.name)
+                moved.append(entry.name)
+        except BaseException:
+            for name in moved:
+                (final / name).rename(tmp / name)
+            raise
+        tmp.rmdir()
+        return
+    old = final.with_name(f".{final.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
+    final.rename(old)
+    try:
+        _mark(old, final)  # a kill from here on leaves a directory the next compile removes
+        tmp.rename(final)
+    except BaseException:
+        if not final.exists():
+            old.rename(final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_error(err: OSError, final: Path, name: str) -> MobilecError:
+    where = err.filename or final.parent
+    return MobilecError(f"cannot write {name} {final}: {err.strerror or err} ({where})")
+
+
+@contextlib.contextmanager
+def atomic_directory(final: Path, overwrite: bool = False, name: str = "--output") -> Iterator[Path]:
+    """Yield a temporary sibling of `final` to write into; on success it becomes `final`, on any error or signal
+    it is removed. `final` must pass the output rule (check_output) when this starts and again when it ends; stale
+    temporary directories of earlier, killed runs for the same output are removed first."""
+    final = Path(os.path.realpath(final))  # a link to an artifact: the artifact is replaced, the link stays
+    check_output(final, overwrite, name)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_partials(final)
+        tmp = _make_partial(final)
+    except OSError as err:
+        raise _write_error(err, final, name) from None
+    try:
+        try:
+            yield tmp
+            check_output(final, overwrite, name)  # the path may have changed while this ran
+            (tmp / PARTIAL_MARKER).unlink()
+            _install(tmp, final)
+        except OSError as err:
+            if err.filename is not None and str(err.filename).startswith(str(tmp)):
+                raise _write_error(err, final, name) from None
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
-        final.rename(old)
-    tmp.rename(final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -9,7 +9,7 @@ from typing import Any
 import tvm
 from tvm import relax, tirx
 
-from . import pipeline
+from . import pipeline, validate
 from .compile_model import import_model, resolve_model_path
 from .errors import MobilecError
 from .loaders import open_checkpoint
@@ -38,6 +38,27 @@ def param_bytes(params) -> int:
     return total
 
 
+_DUMP_NAME = re.compile(r"\d\d-[a-z0-9-]+\.py")
+_DUMP_HEAD = b"\n# from tvm.script import"  # in the import lines TVMScript (mod.script()) begins with
+
+
+def _dump_files(directory: Path) -> list[Path]:
+    """The files of an IR dump in `directory`: NN-step.py files holding TVMScript, as record() writes them."""
+    files = []
+    for path in directory.iterdir():
+        if _DUMP_NAME.fullmatch(path.name) and path.is_file() and not path.is_symlink():
+            with open(path, "rb") as f:
+                if _DUMP_HEAD in b"\n" + f.read(512):
+                    files.append(path)
+    return files
+
+
+def _dump_foreign(directory: Path) -> list[str] | None:
+    """None when `directory` holds no IR dump; else its entries that are not the dump's."""
+    ours = {p.name for p in _dump_files(directory)}
+    return sorted(p.name for p in directory.iterdir() if p.name not in ours) if ours else None
+
+
 def step_names(target: str) -> list[str]:
     return ["import", "quantize"] + [name for name, _ in pipeline.steps(load_target(target))]
 
@@ -59,9 +80,15 @@ def inspect_model(
         raise MobilecError(f"unknown step {only_step!r}; the steps for {spec.name} are: {', '.join(names)}")
     out = Path(dump) if dump else None
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        for old in out.glob("[0-9][0-9]-*.py"):
-            old.unlink()
+        # a new or empty directory, or an earlier dump, whose own files alone are replaced (no --overwrite needed)
+        validate.output_directory(out, "--dump", _dump_foreign, "an IR dump of `mobilec inspect`", overwrite=None)
+        validate.context_length(context_window)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            for old in _dump_files(out):
+                old.unlink()
+        except OSError as err:
+            raise MobilecError(f"cannot write --dump {out}: {err.strerror or err}") from None
     rows: list[dict[str, Any]] = []
 
     def record(index: int, step: str, mod: tvm.IRModule, param_bytes: int) -> None:

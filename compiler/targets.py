@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import os
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
 
 import tvm
 
-from . import host
+from . import host, validate
 from .data_files import data_dir
 from .errors import MobilecError
+from .quantization.schemes import SCHEMES
 from .schedules import gpu as gpu_schedules
 
 TARGETS_DIR = data_dir("targets")
@@ -32,6 +36,9 @@ REQUIRED_DEVICE_FIELDS = {
     "default_quant": str,
     "compute_dtype": str,  # activations of quantized models
 }
+# [device.cpu]: the cores of an ARM SoC (informational: bench/arm_gemv_mca.py models its big and little cores)
+CPU_CORE_FIELDS = {"big": str, "big_count": int, "big_ghz": float, "little": str, "little_count": int,
+                   "little_ghz": float}
 # GPU limits, and the TVM target attribute each becomes: the file states a limit once, dlight sizes kernels
 # by the attribute, and passes/verify_device_limits.py checks every kernel against it.
 GPU_LIMIT_FIELDS = {
@@ -76,8 +83,11 @@ def _field(table: dict[str, Any], dotted: str, path: Path, kind: type) -> Any:
         node = float(node)
     if not isinstance(node, kind) or (kind is int and isinstance(node, bool)):
         raise MobilecError(f"target file {path}: field '{dotted}' must be a {kind.__name__}, got {node!r}")
-    if kind is float and not 0 < node < float("inf"):
-        raise MobilecError(f"target file {path}: field '{dotted}' must be a positive number, got {node!r}")
+    # Numbers in a target file are sizes, limits, rates and tile sizes: every one is positive.
+    if kind is float:
+        validate.positive_number(node, f"target file {path}: field '{dotted}'")
+    if kind is int:
+        validate.count(node, f"target file {path}: field '{dotted}'")
     return node
 
 
@@ -108,8 +118,7 @@ def _choice(value: str, choices: tuple[str, ...], dotted: str, path: Path) -> st
 
 def _check_gpu_fields(table: dict[str, Any], path: Path) -> None:
     for key in GPU_LIMIT_FIELDS:
-        if _field(table, f"device.{key}", path, int) <= 0:
-            raise MobilecError(f"target file {path}: field 'device.{key}' must be positive")
+        _field(table, f"device.{key}", path, int)
     for section, fields in gpu_schedules.PARAMETERS.items():
         given = _field(table, f"schedule.{section}", path, dict)
         unknown = sorted(set(given) - set(fields))
@@ -121,15 +130,78 @@ def _check_gpu_fields(table: dict[str, Any], path: Path) -> None:
     _choice(table["schedule"]["gemv"]["row_threads"], gpu_schedules.ROW_THREAD_TAGS, "schedule.gemv.row_threads", path)
 
 
+def _check_no_unknown_fields(table: dict[str, Any], path: Path, link_method: str, rules: str) -> None:
+    """A field we do not read (a typo such as `memory_bandwith_gbs`, an option of another version) is refused: a
+    target file that silently means something other than it says builds the wrong library."""
+    device_fields = {*REQUIRED_DEVICE_FIELDS, "cpu", *(GPU_LIMIT_FIELDS if rules == "gpu" else ())}
+    known = {"": {"name", "description", "tvm", "link", "schedule", "device"}, "tvm": {"target"},
+             "link": {"method", *LINK_FIELDS.get(link_method, {})},
+             "schedule": {"rules", *(gpu_schedules.PARAMETERS if rules == "gpu" else ())},
+             "device": device_fields, "device.cpu": set(CPU_CORE_FIELDS)}
+    for dotted, fields in known.items():
+        node = table
+        for part in filter(None, dotted.split(".")):
+            node = node.get(part, {})
+        unknown = sorted(set(node) - fields) if isinstance(node, dict) else []
+        if unknown:
+            where = f"{dotted}.{unknown[0]}" if dotted else unknown[0]
+            raise MobilecError(f"target file {path}: unknown field '{where}'; valid there: {', '.join(sorted(fields))}")
+    if "cpu" in table["device"]:
+        for key, kind in CPU_CORE_FIELDS.items():
+            _field(table, f"device.cpu.{key}", path, kind)
+
+
+def _check_device_values(device: dict[str, Any], path: Path) -> None:
+    """The [device] values that are names (a quantization scheme, a dtype) or bounded by one another."""
+    validate.choice(device["default_quant"], tuple(SCHEMES), f"target file {path}: field 'device.default_quant'")
+    validate.compute_dtype(device["compute_dtype"], f"target file {path}: field 'device.compute_dtype'")
+    if device["max_alloc_gb"] > device["ram_gb"]:
+        raise MobilecError(f"target file {path}: field 'device.max_alloc_gb' ({device['max_alloc_gb']:g}) is more "
+                           f"than 'device.ram_gb' ({device['ram_gb']:g}); one buffer cannot exceed the RAM")
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """LLVM prints its warnings (an unknown feature) straight to file descriptor 2; keep them off the user's screen."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w", encoding="utf-8") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _llvm_knows_feature(triple: str, feature: str) -> bool:
+    """Whether LLVM knows `feature` for `triple`: enabled alone, an unknown one is dropped (with a warning)."""
+    target = tvm.target.Target({"kind": "llvm", "mtriple": triple, "mattr": [f"+{feature}"]})
+    with _quiet_stderr():
+        return feature in {str(f) for f in tvm.target.codegen.llvm_get_cpu_features(target)}
+
+
 def _check_llvm_cpu(tvm_json: dict[str, Any], path: Path) -> None:
-    """An LLVM CPU name LLVM does not know would only print a page of warnings and build for a generic CPU."""
-    for part in (tvm_json, tvm_json.get("host")):
-        if not isinstance(part, dict) or part.get("kind") != "llvm" or "mcpu" not in part:
+    """An LLVM CPU name or feature LLVM does not know would only print a page of warnings and build for a generic
+    CPU (or without the feature); num-cores is a thread count."""
+    for where, part in (("tvm.target", tvm_json), ("tvm.target.host", tvm_json.get("host"))):
+        if not isinstance(part, dict) or part.get("kind") != "llvm":
             continue
         triple = str(part.get("mtriple") or tvm.target.codegen.llvm_get_system_triple())
-        if not tvm.target.codegen.llvm_is_valid_cpu(str(part["mcpu"]), triple):
+        if "mcpu" in part and not tvm.target.codegen.llvm_is_valid_cpu(str(part["mcpu"]), triple):
             raise MobilecError(f"target file {path}: LLVM knows no CPU {part['mcpu']!r} for {triple}; use one "
                                f"`llc -mtriple={triple} -mcpu=help` lists (e.g. x86-64-v3, cortex-a76)")
+        mattr = part.get("mattr", [])
+        if not isinstance(mattr, list) or not all(isinstance(f, str) and f[:1] in "+-" and f[1:] for f in mattr):
+            raise MobilecError(f"target file {path}: field '{where}.mattr' must be a list of \"+feature\" or "
+                               f"\"-feature\" strings, got {mattr!r}")
+        unknown = [f for f in mattr if not _llvm_knows_feature(triple, f[1:])]
+        if unknown:
+            raise MobilecError(f"target file {path}: LLVM knows no feature {unknown[0][1:]!r} for {triple} (in "
+                               f"'{where}.mattr'); use one `llc -mtriple={triple} -mattr=help` lists (e.g. avx2, "
+                               f"dotprod)")
+        if "num-cores" in part:
+            validate.count(part["num-cores"], f"target file {path}: field '{where}.num-cores'")
 
 
 def load_target(name_or_path: str) -> TargetSpec:
@@ -153,10 +225,12 @@ def load_target(name_or_path: str) -> TargetSpec:
     device = _field(table, "device", path, dict)
     for key, kind in REQUIRED_DEVICE_FIELDS.items():
         _field(table, f"device.{key}", path, kind)
+    _check_device_values(device, path)
     link_method = _choice(_field(table, "link.method", path, str), LINK_METHODS, "link.method", path)
     for key, kind in LINK_FIELDS.get(link_method, {}).items():
         _field(table, f"link.{key}", path, kind)
     rules = _choice(_field(table, "schedule.rules", path, str), SCHEDULE_RULES, "schedule.rules", path)
+    _check_no_unknown_fields(table, path, link_method, rules)
     if rules == "gpu":
         _check_gpu_fields(table, path)
         tvm_json.update({attr: device[key] for key, attr in GPU_LIMIT_FIELDS.items()})

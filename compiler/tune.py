@@ -35,12 +35,12 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 from tvm.support import cc
 
-from . import link, pipeline, tuning_log
+from . import link, pipeline, tuning_log, validate
 from .compile_model import import_model, resolve_model_path
 from .errors import MobilecError
 from .loaders import open_checkpoint
 from .quantization.schemes import get_scheme
-from .runtime.remote import CONNECT_TIMEOUT_S, last_line, parse_address
+from .runtime.remote import CONNECT_TIMEOUT_S, deadline, last_line, parse_address
 from .targets import TargetSpec, load_target
 
 # A round gives one kernel this many trials, then the next kernel has its turn: a --max-seconds budget then
@@ -193,8 +193,12 @@ def tracker_devices(tracker: str, key: str) -> tuple[str, int, int]:
     host, port = parse_address(tracker, "--tracker")
     try:
         socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
-        servers = [info["key"].split(":", 1)[1] for info in rpc.connect_tracker(host, port).summary()["server_info"]]
-    except (RuntimeError, OSError) as err:
+        with deadline(CONNECT_TIMEOUT_S, f"{host}:{port} accepts connections but did not answer as an RPC tracker "
+                                         f"within {CONNECT_TIMEOUT_S:g} s; fix --tracker"):
+            tracker_session = rpc.connect_tracker(host, port)
+            servers = [info["key"].split(":", 1)[1] for info in tracker_session.summary()["server_info"]]
+        tracker_session.close()
+    except (RuntimeError, OSError, ValueError, KeyError, TypeError, IndexError) as err:
         raise MobilecError(f"cannot reach an RPC tracker at {host}:{port} ({last_line(err)}); start it with "
                            f"`python -m tvm.exec.rpc_tracker --host 0.0.0.0 --port {port}` or fix --tracker") from None
     if key not in servers:
@@ -308,10 +312,10 @@ def tune(model: str | None, target: str, quant: str | None, trials: int, tracker
     """Tune, write tuning_logs/<target>/, and return the per-kernel comparison (see format_table)."""
     if (tracker is None) != (key is None):
         raise MobilecError("--tracker and --key go together: pass the tracker's address and the devices' key")
-    if trials <= 0:
-        raise MobilecError(f"--trials must be positive, got {trials}")
-    if max_seconds is not None and max_seconds <= 0:
-        raise MobilecError(f"--max-seconds must be positive, got {max_seconds:g}")
+    validate.count(trials, "--trials")
+    validate.seconds(max_seconds, "--max-seconds")
+    if key is not None:
+        validate.device_key(key)
     started = time.monotonic()
     spec = load_target(target)
     tuning_target = _tuning_target(spec, on_device=tracker is not None)

@@ -4,7 +4,8 @@ The greedy tokens made on the device equal a local Session's; shards are uploade
 re-sent when changed; a device killed mid-bench, an unknown key, an unreachable address, a library for another
 architecture and an artifact too big for the device all end in one-line errors. Every bench that reaches the
 device runs as a subprocess with a timeout, so a hang fails the test instead of stalling the suite; every
-server and tracker runs in its own process group and is killed with it.
+server and tracker runs in its own process group and is killed with it, and ends with the test run even when that
+is killed (compiler/testing/processes.py).
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ import pytest
 from click.testing import CliRunner
 from tvm import rpc
 
-from compiler.artifact import CONFIG_FILE, PARAMS_DIR, PARAMS_INDEX, load_artifact
+from compiler.artifact import CONFIG_FILE, PARAMS_DIR, PARAMS_INDEX, file_manifest, load_artifact
 from compiler.cli import main
 from compiler.compile_model import compile_model
 from compiler.runtime.bench import prompt_ids
 from compiler.runtime.remote import slot_name
 from compiler.runtime.session import Session
 from compiler.targets import load_target
+from compiler.testing.processes import spawn
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 PROMPT_LEN, GEN_LEN = 12, 8
@@ -49,13 +51,12 @@ def _free_port() -> int:
 
 
 class _Process:
-    """A TVM tracker or RPC server in its own process group (an RPC server forks one process per session)."""
+    """A TVM tracker or RPC server in its own process group (an RPC server forks one process per session), which
+    ends with this test run however it ends (compiler/testing/processes.py)."""
 
     def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None):
         self.log = log
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True, env={**os.environ, **(env or {})})
+        self.proc = spawn([sys.executable, "-m", *args], log, env={**os.environ, **(env or {})})
 
     def wait_for(self, text: str) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -195,6 +196,9 @@ def _rewrite_norm_weight(artifact: Path) -> str:
     shard.write_bytes(data)
     next(s for s in index["shards"] if s["file"] == entry["shard"])["sha256"] = hashlib.sha256(data).hexdigest()
     (artifact / PARAMS_INDEX).write_text(json.dumps(index))
+    config = json.loads((artifact / CONFIG_FILE).read_text())  # the artifact's list of its files, as compile writes it
+    config["files"] = file_manifest(artifact)
+    (artifact / CONFIG_FILE).write_text(json.dumps(config))
     return entry["shard"]
 
 
@@ -235,16 +239,16 @@ def test_tracker_with_key_tokens_equal_local_session(tiny_artifact, tracker, tmp
 
 
 def test_unknown_key_lists_the_trackers_keys(tiny_artifact, tracker):
-    _assert_one_line_error(_bench_in_process(tiny_artifact, "--tracker", tracker, "--key", "no-such-phone"),
-                           "'no-such-phone'", f"its keys: {KEY}")
+    _assert_one_line_error(_bench_in_process(tiny_artifact, *BENCH_ARGS, "--tracker", tracker, "--key",
+                                             "no-such-phone"), "'no-such-phone'", f"its keys: {KEY}")
 
 
 def test_unreachable_server_and_tracker_fail_fast(tiny_artifact):
     port = _free_port()
-    _assert_one_line_error(_bench(tiny_artifact, "--rpc", f"127.0.0.1:{port}", timeout=30),
+    _assert_one_line_error(_bench(tiny_artifact, *BENCH_ARGS, "--rpc", f"127.0.0.1:{port}", timeout=30),
                            f"cannot connect to the RPC server at 127.0.0.1:{port}", "rpc_server")
-    _assert_one_line_error(_bench(tiny_artifact, "--tracker", f"127.0.0.1:{port}", "--key", KEY, timeout=30),
-                           f"cannot reach the RPC tracker at 127.0.0.1:{port}", "rpc_tracker")
+    _assert_one_line_error(_bench(tiny_artifact, *BENCH_ARGS, "--tracker", f"127.0.0.1:{port}", "--key", KEY,
+                                  timeout=30), f"cannot reach the RPC tracker at 127.0.0.1:{port}", "rpc_tracker")
 
 
 def test_device_killed_mid_bench_is_an_error_not_a_hang(tiny_artifact, tmp_path):

@@ -105,9 +105,10 @@ def test_unknown_quant_lists_valid_ones(tmp_path, out):
     _assert_no_artifact(out)
 
 
-def test_int8_decode_activations_off_x86_is_refused(tmp_path, out):
-    result = _compile("default", out, "--target", "linux-arm64", "--decode-activations", "int8")
-    _assert_one_line_error(result, "--decode-activations int8", "linux-arm64", "drop the option")
+def test_int8_decode_activations_without_integer_gemvs_is_refused(tmp_path, out):
+    """x86 (AVX2, AVX-512) and aarch64 (dotprod, i8mm) CPUs have integer decode GEMVs; a GPU target does not."""
+    result = _compile("default", out, "--target", "android-adreno", "--decode-activations", "int8")
+    _assert_one_line_error(result, "--decode-activations int8", "android-adreno", "aarch64", "drop the option")
     _assert_no_artifact(out)
 
 

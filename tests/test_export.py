@@ -18,7 +18,8 @@ def _write_fake_artifact(root, tensors, versions=None):
     (root / art.LIBRARY_DIR).mkdir()
     (root / art.LIBRARY_DIR / "model.so").write_bytes(b"\x7fELF")
     config = {"format_version": art.FORMAT_VERSION, "library": "lib/model.so",
-              "versions": versions or art.installed_versions()}
+              "versions": versions or art.installed_versions(), "context_window": 64, "prefill_chunk": 64,
+              "page_size": 16, "files": art.file_manifest(root)}
     (root / art.CONFIG_FILE).write_text(json.dumps(config))
 
 
@@ -62,18 +63,23 @@ def test_missing_artifact_is_a_clear_error(tmp_path):
         art.load_artifact(tmp_path / "empty")
 
 
+def _fake_artifact_body(tmp, text):
+    (tmp / "a").write_text(text)
+    (tmp / art.CONFIG_FILE).write_text(json.dumps({"format_version": art.FORMAT_VERSION,
+                                                   "files": art.file_manifest(tmp)}))
+
+
 def test_atomic_directory_leaves_nothing_on_failure_and_keeps_the_old_one(tmp_path):
     final = tmp_path / "out"
     with atomic_directory(final) as tmp:
-        (tmp / "a").write_text("first")
+        _fake_artifact_body(tmp, "first")
     assert (final / "a").read_text() == "first"
-    with pytest.raises(RuntimeError):
-        with atomic_directory(final) as tmp:
-            (tmp / "a").write_text("second")
-            raise RuntimeError("compile failed")
+    with pytest.raises(RuntimeError), atomic_directory(final, overwrite=True) as tmp:
+        _fake_artifact_body(tmp, "second")
+        raise RuntimeError("compile failed")
     assert (final / "a").read_text() == "first"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    with atomic_directory(final) as tmp:
+    with atomic_directory(final, overwrite=True) as tmp:
         (tmp / "b").write_text("third")
     assert sorted(p.name for p in final.iterdir()) == ["b"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -1,6 +1,7 @@
 """SmolLM2 compiled for every mobile target, once per session: library kinds, artifact contents, OpenCL source."""
 
 import json
+import re
 import shutil
 import struct
 import subprocess
@@ -70,6 +71,33 @@ def test_linux_arm64_library_is_aarch64(mobile_artifacts):
     assert _e_machine(lib.read_bytes()[:64]) == EM_AARCH64
     if shutil.which("file"):
         assert "ARM aarch64" in subprocess.run(["file", str(lib)], capture_output=True, text=True).stdout
+
+
+def _aarch64_mnemonics(path) -> set[str]:
+    """The instructions of an aarch64 library or object, by binutils' cross objdump (installed with the cross g++)."""
+    objdump = shutil.which("aarch64-linux-gnu-objdump")
+    if objdump is None:
+        pytest.skip("aarch64-linux-gnu-objdump not found (apt-get install g++-aarch64-linux-gnu)")
+    text = subprocess.run([objdump, "-d", str(path)], capture_output=True, text=True, check=True).stdout
+    return set(re.findall(r"^\s+[0-9a-f]+:\s+[0-9a-f]{8}\s+([a-z][a-z0-9.]*)", text, flags=re.MULTILINE))
+
+
+@pytest.mark.parametrize("target", ["linux-arm64", "android-arm64"])
+def test_arm64_decode_gemvs_use_the_dot_product(mobile_artifacts, target, tmp_path):
+    """The ARM libraries' decode GEMVs are the integer kernels (kernels/integer_dot_gemv/arm.py, `sdot`); the float
+    GEMV they replace widened every code with a scalar `ucvtf`."""
+    out, _ = mobile_artifacts[target, "q4f16_g32"]
+    library = out / json.loads((out / CONFIG_FILE).read_text())["library"]
+    if library.suffix == ".tar":
+        with tarfile.open(library) as tar:
+            tar.extractall(tmp_path, filter="data")
+        files = sorted(tmp_path.rglob("*.o"))
+    else:
+        files = [library]
+    mnemonics = set().union(*(_aarch64_mnemonics(f) for f in files))
+    assert {"sdot", "addp", "scvtf"} <= mnemonics
+    symbols = b"".join(f.read_bytes() for f in files)
+    assert b"integer_dot_gemv_int4_g32_sym_float16_a16_" in symbols  # the default int16 activations
 
 
 def test_hexagon_objects_and_coverage(mobile_artifacts):

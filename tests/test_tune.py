@@ -34,6 +34,7 @@ from compiler.passes.apply_tuning_database import TUNED_ATTR
 from compiler.quantization.schemes import SCHEMES, get_scheme
 from compiler.runtime.session import Session
 from compiler.targets import load_target
+from compiler.testing.processes import spawn
 from compiler.tune import tune
 from tests.helpers.reference import fake_quantized, reference_greedy
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
@@ -178,7 +179,7 @@ def test_a_corrupt_database_file_is_a_one_line_error(tiny, logs_copy, tmp_path):
     selection = logs_copy / tuning_log.SELECTION_FILE
     selection.write_text(selection.read_text()[:40])
     _one_line_error(tune_args, str(selection))
-    _one_line_error(compile_args, str(selection), "--no-tuning")
+    _one_line_error([*compile_args, "--overwrite"], str(selection), "--no-tuning")  # the artifact made above
 
 
 def _count_lines(path: Path) -> int:
@@ -186,10 +187,9 @@ def _count_lines(path: Path) -> int:
 
 
 def _spawn(command: list[str], log: Path, **env: str) -> subprocess.Popen:
-    """`python -m command` in its own process group, its output in `log`."""
-    with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", *command], stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, **env})
+    """`python -m command` in its own process group, its output in `log`; it ends with this test run, however
+    that ends (compiler/testing/processes.py)."""
+    return spawn([sys.executable, "-m", *command], log, env={**os.environ, **env})
 
 
 def _kill_group(process: subprocess.Popen) -> None:

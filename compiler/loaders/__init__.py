@@ -37,6 +37,10 @@ class Checkpoint:
         """One tensor as a float32 array in HF layout ([out, in] for linear weights)."""
         raise NotImplementedError
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """One tensor's shape in HF layout, without reading its values (readers override this)."""
+        return tuple(self.get(name).shape)
+
     def get_gguf_blocks(self, name: str) -> tuple[str, np.ndarray, tuple[int, int]]:
         """The still-quantized rows of a GGUF tensor; only GGUF checkpoints have them."""
         raise MobilecError(
@@ -106,6 +110,8 @@ def open_checkpoint(path: str | os.PathLike, weights_required: bool = True) -> C
         if not weights_required and not has_weights(p):
             return ConfigCheckpoint(read_config(p), f"HF {p.name} (config.json only)")
         return HFCheckpoint(p)
+    if not p.is_file():  # a FIFO or device would block the read below, or never end
+        raise MobilecError(f"checkpoint {str(p)!r} is neither a regular file nor a directory; {_USAGE}")
     with open(p, "rb") as f:
         magic = f.read(len(_GGUF_MAGIC))
     if magic == _GGUF_MAGIC:

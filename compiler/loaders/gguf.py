@@ -108,7 +108,7 @@ class GGUFCheckpoint(Checkpoint):
 
         hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
         # llama.cpp's own default for the head size when key_length is absent; rope.dimension_count may be partial.
-        head_dim = int(self._field(f"{a}.attention.key_length", hidden // heads))
+        head_dim = int(self._field(f"{a}.attention.key_length", hidden // heads if heads > 0 else 0))
         # Older converters omit vocab_size; then the tokenizer's token list has the count.
         tokens = self._reader.fields.get("tokenizer.ggml.tokens")
         vocab = len(tokens.data) if tokens is not None and f"{a}.vocab_size" not in self._reader.fields else None
@@ -128,6 +128,9 @@ class GGUFCheckpoint(Checkpoint):
             "tie_word_embeddings": "output.weight" not in gguf_names,
             "attention_bias": "blk.0.attn_q.bias" in gguf_names,
         }
+        experts = self._field(f"{a}.expert_count")
+        if experts:  # llama.cpp stores Mixtral-style models under the llama architecture, with experts
+            cfg["num_local_experts"] = int(experts)
         rope_dims = self._field(f"{a}.rope.dimension_count")
         if rope_dims is not None and int(rope_dims) != head_dim:
             cfg["partial_rotary_factor"] = int(rope_dims) / head_dim
@@ -192,6 +195,9 @@ class GGUFCheckpoint(Checkpoint):
 
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self._tensor(name).shape))  # ggml lists dimensions innermost first
 
     def get(self, name: str) -> np.ndarray:
         t = self._tensor(name)

@@ -65,6 +65,9 @@ class _SafetensorsShard:
     def tensor(self, name: str) -> torch.Tensor:
         return self._file.get_tensor(name)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file.get_slice(name).get_shape())
+
 
 class _TorchShard:
     def __init__(self, path: Path):
@@ -83,6 +86,9 @@ class _TorchShard:
 
     def tensor(self, name: str) -> torch.Tensor:
         return self._state[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._state[name].shape)
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -119,6 +125,12 @@ class HFCheckpoint(Checkpoint):
     def tensor_names(self) -> list[str]:
         return list(self._where)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        shard = self._where.get(name)
+        if shard is None:
+            raise self._missing(name)
+        return shard.shape(name)
+
     def get(self, name: str) -> np.ndarray:
         shard = self._where.get(name)
         if shard is None:
@@ -146,12 +158,13 @@ def _normalize_config(config: dict[str, Any], tensors: dict[str, object]) -> dic
     cfg = dict(config)
     # transformers 5 writes rope_theta inside rope_parameters; older files have it at the top level.
     rope_parameters = cfg.get("rope_parameters") or {}
-    if "rope_theta" not in cfg and "rope_theta" in rope_parameters:
+    if "rope_theta" not in cfg and isinstance(rope_parameters, dict) and "rope_theta" in rope_parameters:
         cfg["rope_theta"] = rope_parameters["rope_theta"]
     # Default tying differs between model classes and transformers versions; the weights themselves tell.
     cfg.setdefault("tie_word_embeddings", "lm_head.weight" not in tensors)
     # Qwen2 has q/k/v biases without saying so in its config.
     cfg.setdefault("attention_bias", "model.layers.0.self_attn.q_proj.bias" in tensors)
-    if "head_dim" not in cfg and "hidden_size" in cfg and "num_attention_heads" in cfg:
-        cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]  # transformers' default
+    hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    if "head_dim" not in cfg and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (hidden, heads)):
+        cfg["head_dim"] = hidden // heads  # transformers' default (other values: the model's config check says)
     return cfg

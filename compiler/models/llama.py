@@ -37,42 +37,61 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], context_window: int | None = None) -> "LlamaConfig":
-        try:
-            heads = int(hf["num_attention_heads"])
-            hidden = int(hf["hidden_size"])
-            rope_theta = hf.get("rope_theta")
-            if rope_theta is None:  # transformers 5 nests it under rope_parameters
-                rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-            scaling = hf.get("rope_scaling") or {}
-            if hf.get("mlp_bias"):
-                raise MobilecError("MLP biases (mlp_bias=true) are not supported yet")
-            if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-                raise MobilecError(
-                    f"rope scaling {scaling.get('rope_type', scaling.get('type'))!r} is not supported yet; "
-                    "use a checkpoint with default RoPE"
-                )
-            max_pos = int(hf.get("max_position_embeddings", 2048))
-            # A phone rarely affords the full trained window's KV cache; 2048 unless asked.
-            window = context_window or min(max_pos, 2048)
-            return cls(
-                vocab_size=int(hf["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(hf["intermediate_size"]),
-                num_hidden_layers=int(hf["num_hidden_layers"]),
-                num_attention_heads=heads,
-                num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(hf.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope_theta),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                max_position_embeddings=max_pos,
-                attention_bias=bool(hf.get("attention_bias", False)),
-                attention_out_bias=bool(hf.get("attention_out_bias", hf.get("attention_bias", False))),
-                context_window_size=window,
-                prefill_chunk_size=min(window, 2048),
-            )
-        except KeyError as err:
-            raise MobilecError(f"config.json lacks the field {err.args[0]!r}; is this a complete Hugging Face config?") from None
+        """The config's values, checked: a missing or malformed field, or a feature that changes the model's math
+        and is not implemented here (refuse_unsupported), is one line naming the field."""
+        refuse_unsupported(hf)
+        heads = _whole(hf, "num_attention_heads")
+        hidden = _whole(hf, "hidden_size")
+        kv_heads = _whole(hf, "num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise MobilecError(f"config.json: num_attention_heads ({heads}) is not a multiple of num_key_value_heads "
+                               f"({kv_heads}); grouped-query attention needs it to be")
+        head_dim = _whole(hf, "head_dim", hidden // heads if hidden >= heads else None)
+        if head_dim % 2:
+            raise MobilecError(f"config.json: head_dim {head_dim} is odd; rotary embeddings rotate pairs of values")
+        rope_theta = hf.get("rope_theta")
+        if rope_theta is None:  # transformers 5 nests it under rope_parameters
+            rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        max_pos = _whole(hf, "max_position_embeddings", 2048)
+        # A phone rarely affords the full trained window's KV cache; 2048 unless asked.
+        window = context_window or min(max_pos, 2048)
+        return cls(
+            vocab_size=_whole(hf, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_whole(hf, "intermediate_size"),
+            num_hidden_layers=_whole(hf, "num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=_positive(hf, "rms_norm_eps", 1e-6),
+            rope_theta=_positive({"rope_theta": rope_theta}, "rope_theta", None),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=max_pos,
+            attention_bias=bool(hf.get("attention_bias", False)),
+            attention_out_bias=bool(hf.get("attention_out_bias", hf.get("attention_bias", False))),
+            context_window_size=window,
+            prefill_chunk_size=min(window, 2048),
+        )
+
+    def source_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of every checkpoint tensor param_sources reads, as this config implies it (HF layout)."""
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        h, inter = self.hidden_size, self.intermediate_size
+        rows = {"q_proj": q, "k_proj": kv, "v_proj": kv}
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h),
+                                              "model.norm.weight": (h,), "lm_head.weight": (self.vocab_size, h)}
+        for i in range(self.num_hidden_layers):
+            p = f"model.layers.{i}"
+            for proj, n in rows.items():
+                shapes[f"{p}.self_attn.{proj}.weight"] = (n, h)
+                shapes[f"{p}.self_attn.{proj}.bias"] = (n,)
+            shapes[f"{p}.self_attn.o_proj.weight"] = (h, q)
+            shapes[f"{p}.self_attn.o_proj.bias"] = (h,)
+            shapes[f"{p}.mlp.gate_proj.weight"] = shapes[f"{p}.mlp.up_proj.weight"] = (inter, h)
+            shapes[f"{p}.mlp.down_proj.weight"] = (h, inter)
+            shapes[f"{p}.input_layernorm.weight"] = shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
+        used = {name for names in self.param_sources().values() for name in names}
+        return {name: shape for name, shape in shapes.items() if name in used}
 
     def param_sources(self) -> dict[str, list[str]]:
         """Our parameter name -> the checkpoint tensors concatenated (along rows) to make it."""
@@ -94,6 +113,84 @@ class LlamaConfig:
         if not self.tie_word_embeddings:
             src["lm_head.weight"] = ["lm_head.weight"]
         return src
+
+
+# Far beyond any real model (Llama 3.1 405B: 126 layers, 128 heads, hidden 16384, vocabulary 128256): a config
+# past these is malformed, and building it would take forever or exhaust memory rather than fail.
+MAX_COUNT = 4096  # layers, heads
+MAX_SIZE = 1 << 24  # hidden, intermediate, vocabulary, head sizes
+_COUNTS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+
+
+def _whole(hf: dict[str, Any], key: str, default: int | None = None) -> int:
+    """A positive whole number from the config (`default` when absent; absent without a default is an error),
+    within MAX_COUNT or MAX_SIZE (max_position_embeddings is not bounded: the context window is)."""
+    value = hf.get(key)
+    if value is None:
+        if default is None:
+            raise MobilecError(f"config.json lacks the field {key!r}; is this a complete Hugging Face config?")
+        value = default
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+            or value != int(value) or value < 1):
+        raise MobilecError(f"config.json: {key} must be a positive whole number, got {value!r}")
+    most = MAX_COUNT if key in _COUNTS else None if key == "max_position_embeddings" else MAX_SIZE
+    if most is not None and value > most:
+        raise MobilecError(f"config.json: {key} {value!r} is beyond any model (at most {most}); the config is "
+                           f"malformed")
+    return int(value)
+
+
+def _positive(hf: dict[str, Any], key: str, default: float | None) -> float:
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise MobilecError(f"config.json: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _rope_type(hf: dict[str, Any]) -> tuple[str, Any] | None:
+    """(field, type) of a RoPE scaling the config asks for, None for plain RoPE. transformers 4 writes it as
+    rope_scaling, transformers 5 as rope_parameters (with rope_theta in it); GGUF files carry it as rope_scaling."""
+    for key in ("rope_scaling", "rope_parameters"):
+        scaling = hf.get(key)
+        if scaling is None:
+            continue
+        if not isinstance(scaling, dict):
+            return key, scaling
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in (None, "default"):
+            return key, kind
+    return None
+
+
+# Activations the MLP implements (silu(gate) * up); transformers calls silu "swish" too.
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
+
+
+def refuse_unsupported(hf: dict[str, Any]) -> None:
+    """Refuse, naming the field, a config asking for something that changes the model's math and that this
+    compiler does not implement: compiled anyway, the model would run and silently disagree with the checkpoint."""
+    rope = _rope_type(hf)
+    if rope is not None:
+        raise MobilecError(f"config.json: {rope[0]} asks for RoPE scaling {rope[1]!r}, which mobilec does not "
+                           "implement yet (plain RoPE only); compiled, the model would diverge from the checkpoint")
+    factor = hf.get("partial_rotary_factor")
+    if factor is not None and factor != 1:
+        raise MobilecError(f"config.json: partial_rotary_factor {factor!r} (RoPE on part of each head) is not "
+                           "implemented; mobilec rotates the whole head")
+    for key in ("hidden_act", "hidden_activation"):
+        if hf.get(key) is not None and hf[key] not in SUPPORTED_ACTIVATIONS:
+            raise MobilecError(f"config.json: {key} {hf[key]!r} is not implemented; the MLP computes "
+                               f"silu(gate) * up ({', '.join(SUPPORTED_ACTIVATIONS)})")
+    if hf.get("mlp_bias"):
+        raise MobilecError("config.json: mlp_bias=true (biases on the MLP projections) is not implemented yet")
+    if hf.get("num_local_experts") or hf.get("num_experts"):
+        raise MobilecError("config.json: num_local_experts (a mixture of experts) is not implemented; mobilec "
+                           "compiles dense models")
+    quantized = hf.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else quantized
+        raise MobilecError(f"config.json: quantization_config ({method!r}) marks a pre-quantized checkpoint, whose "
+                           "packed weights mobilec cannot read; use the float checkpoint and --quant")
 
 
 def _take_last_token(x: te.Tensor) -> te.Tensor:

@@ -25,7 +25,7 @@ FAMILIES: dict[str, ModelFamily] = {
 
 def family_for(hf_config: dict[str, Any]) -> ModelFamily:
     model_type = hf_config.get("model_type")
-    if model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise MobilecError(
             f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
         )

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import validate
 from ..errors import MobilecError
 from ..loaders import Checkpoint
 from .group import GroupLayout, pack_codes, quantize, scale_candidates, stored_codes
@@ -49,6 +50,8 @@ def check_options(method: str | None, calib_text: str | None, layout: GroupLayou
         raise MobilecError(f"unknown --calibrate {method!r}; valid: {', '.join(METHODS)}")
     if layout is None or not layout.symmetric or layout.bits != 4:
         raise MobilecError("--calibrate awq needs a symmetric int4 scheme (q4f16_g32, q4f16_g128, q4f32_g32)")
+    if calib_text is not None:
+        validate.read_text_file(calib_text, "--calib-text")  # before the float model loads
 
 
 # ---------------------------------------------------------------- quantization in torch (search and GPTQ)
@@ -255,10 +258,7 @@ def calibrate(ckpt: Checkpoint, layout: GroupLayout, text_file: str | None, log=
     if text_file is None:
         text, text_name = default_calibration_text()
     else:
-        try:
-            text, text_name = Path(text_file).read_text(encoding="utf-8"), str(text_file)
-        except (OSError, UnicodeDecodeError) as err:
-            raise MobilecError(f"cannot read --calib-text {text_file}: {err}") from None
+        text, text_name = validate.read_text_file(text_file, "--calib-text"), str(text_file)
     with tempfile.TemporaryDirectory() as tokenizer_dir:
         ckpt.save_tokenizer(tokenizer_dir)
         ids = load_tokenizer(Path(tokenizer_dir)).encode(text)

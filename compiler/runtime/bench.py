@@ -24,6 +24,7 @@ import tvm
 from tqdm import tqdm
 from tvm import relax
 
+from .. import validate
 from ..artifact import Artifact
 from ..errors import MobilecError
 from ..targets import load_target
@@ -46,17 +47,20 @@ class BenchOptions:
     device_ram_mb: float | None = None
     seed: int = 0
 
-    def check(self, context_window: int) -> None:
-        for name, value, least in (("--prompt-len", self.prompt_len, 1), ("--gen-len", self.gen_len, 2),
-                                   ("--repeat", self.repeat, 1),
-                                   ("--threads", 1 if self.threads is None else self.threads, 1)):
-            if value < least:
-                raise MobilecError(f"{name} must be at least {least}, got {value}")
-        if self.prompt_len + self.gen_len > context_window:
+    def check(self, context_window: int | None = None, local: bool = True) -> None:
+        """The options by themselves and, given the artifact's context window, against it; `local`: the threads
+        are this machine's (else the device's)."""
+        validate.tokens(self.prompt_len, "--prompt-len")
+        validate.tokens(self.gen_len, "--gen-len", least=2)
+        validate.count(self.repeat, "--repeat")
+        validate.threads(self.threads, local=local)
+        validate.seconds(self.sustained_s, "--sustained")
+        if self.device_ram_mb is not None:
+            validate.positive_number(self.device_ram_mb, "--device-ram-mb")
+        validate.seed(self.seed, "the prompt seed")
+        if context_window is not None and self.prompt_len + self.gen_len > context_window:
             raise MobilecError(f"--prompt-len {self.prompt_len} + --gen-len {self.gen_len} exceeds the artifact's "
                                f"context window of {context_window}; shorten them or recompile with a larger --context-window")
-        if self.sustained_s is not None and self.sustained_s <= 0:
-            raise MobilecError(f"--sustained must be a positive number of seconds, got {self.sustained_s:g}")
 
 
 @dataclasses.dataclass
@@ -223,10 +227,17 @@ def run_bench(artifact: Artifact, device: Device, options: BenchOptions, progres
     """Stage the artifact on the device, then time `repeat` generations (after one warm-up) and, if asked, a
     sustained decode; returns the figures `mobilec bench --json` writes."""
     cfg = artifact.config
-    options.check(int(cfg["context_window"]))
+    options.check(int(cfg["context_window"]), local=device.session is None)
     facts = _target_device_facts(artifact)
     check_memory(artifact, options.device_ram_mb, facts)
     cpu_check = check_runs_on(artifact, device)
+    with device.bounded():  # nothing on a device waits past its session
+        return _run_bench(artifact, device, options, progress, facts, cpu_check)
+
+
+def _run_bench(artifact: Artifact, device: Device, options: BenchOptions, progress: bool, facts: dict[str, Any] | None,
+               cpu_check: dict[str, Any]) -> dict[str, Any]:
+    cfg = artifact.config
     if options.threads is not None:
         with device.errors("setting the thread count"):
             device.set_threads(options.threads)

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import validate
 from ..artifact import Artifact
 from ..errors import MobilecError
 from .generate import load_tokenizer
@@ -26,12 +27,41 @@ def load_reference(path: str | Path):
     import torch  # pylint: disable=import-outside-toplevel
     from transformers import AutoModelForCausalLM  # pylint: disable=import-outside-toplevel
 
+    path = check_reference(path)
+    kwargs = {"gguf_file": path.name} if path.is_file() else {}
+    root = path.parent if path.is_file() else path
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32, **kwargs).eval()
+    except Exception as err:  # noqa: BLE001  transformers raises many types for a checkpoint it cannot read
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise MobilecError(f"transformers cannot load the reference model {path} ({first}); pass --reference with "
+                           f"the float checkpoint the artifact was built from") from None
+
+
+def check_reference(path: str | Path) -> Path:
+    """The reference checkpoint exists (checked before loading anything)."""
     path = Path(path)
     if not path.exists():
         raise MobilecError(f"reference model {path} not found; pass --reference with the checkpoint the artifact was built from")
-    kwargs = {"gguf_file": path.name} if path.is_file() else {}
-    root = path.parent if path.is_file() else path
-    return AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32, **kwargs).eval()
+    return path
+
+
+def _window_cap(artifact: Artifact, window: int) -> int:
+    """--window, capped by the artifact (its context window and prefill chunk: one prefill call per window)."""
+    return min(window, int(artifact.config["context_window"]), int(artifact.config["prefill_chunk"]))
+
+
+def eval_windows(artifact: Artifact, text: str, max_tokens: int, window: int) -> list[list[int]]:
+    """The token windows `evaluate` measures: the options and the text checked, and tokenized with the artifact's
+    tokenizer (fast), so that a bad value is refused before the reference model loads (~30 s)."""
+    validate.tokens(max_tokens, "--max-tokens", least=2)
+    validate.tokens(window, "--window", least=2)
+    validate.text(text, "the --text file's contents")
+    window = _window_cap(artifact, window)
+    ids = load_tokenizer(artifact.tokenizer_dir).encode(text)[:max_tokens]
+    if len(ids) < 2:
+        raise MobilecError(f"the text has {len(ids)} token(s); perplexity needs at least 2: pass a longer --text file")
+    return [ids[i : i + window] for i in range(0, len(ids), window) if len(ids[i : i + window]) >= 2]
 
 
 def _reference_logits_and_layers(model, ids: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -59,14 +89,9 @@ def _mean_token_cosine(a: np.ndarray, b: np.ndarray) -> float:
 def evaluate(artifact: Artifact, text: str, reference, max_tokens: int = 1024, window: int = 512,
              progress=lambda done, total: None) -> dict[str, Any]:
     """Perplexity over non-overlapping windows of the text, compiled vs reference; layer cosines on window one."""
+    windows = eval_windows(artifact, text, max_tokens, window)
+    window = _window_cap(artifact, window)
     session = Session(artifact)
-    window = min(window, session.context_window, session.prefill_chunk)
-    if window < 2:
-        raise MobilecError(f"--window must be at least 2, got {window}")
-    ids = load_tokenizer(artifact.tokenizer_dir).encode(text)[:max_tokens]
-    if len(ids) < 2:
-        raise MobilecError("the text has fewer than 2 tokens; pass a longer --text file")
-    windows = [ids[i : i + window] for i in range(0, len(ids), window) if len(ids[i : i + window]) >= 2]
     nll, ref_nll, layer_cosine = [], [], []
     for n, chunk in enumerate(windows):
         targets = np.asarray(chunk[1:])

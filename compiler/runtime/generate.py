@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import validate
 from ..errors import MobilecError
 from .session import Session
 
@@ -51,6 +52,21 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def check_fits(prompt_tokens: int, new_tokens: int, context_window: int) -> None:
+    """The prompt and every token asked for must fit the context window together: refused before generating, with
+    the figures, rather than stopped mid-stream (the last token generated is not fed back, hence the - 1)."""
+    if not prompt_tokens:
+        raise MobilecError("the prompt is empty; pass a non-empty --prompt")
+    if prompt_tokens > context_window:
+        raise MobilecError(f"the prompt has {prompt_tokens} tokens, more than the artifact's context window of "
+                           f"{context_window}; shorten it or recompile with a larger --context-window")
+    if prompt_tokens + new_tokens - 1 > context_window:
+        room = context_window - prompt_tokens + 1
+        raise MobilecError(f"the prompt's {prompt_tokens} tokens + --max-new-tokens {new_tokens} exceed the artifact's "
+                           f"context window of {context_window}; pass --max-new-tokens {room} or less, or recompile "
+                           f"with a larger --context-window")
+
+
 def generate(
     session: Session,
     prompt_ids: list[int],
@@ -63,11 +79,13 @@ def generate(
     on_token: Callable[[int], None] | None = None,
     decode_text: Callable[[list[int]], str] = lambda ids: "",
 ) -> GenerationResult:
-    """Prefill the prompt, then decode token by token until max_new_tokens or a stop id."""
-    if not prompt_ids:
-        raise MobilecError("the prompt is empty; pass a non-empty --prompt")
-    if max_new_tokens < 1:
-        raise MobilecError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    """Prefill the prompt, then decode token by token until max_new_tokens or a stop id. A prompt and output that
+    do not fit the context window are refused before anything runs (check_fits)."""
+    validate.tokens(max_new_tokens, "--max-new-tokens")
+    validate.temperature(temperature)
+    validate.probability(top_p, "--top-p")
+    validate.seed(seed)
+    check_fits(len(prompt_ids), max_new_tokens, session.context_window)
     rng = np.random.default_rng(seed)
     session.reset()
     t0 = time.perf_counter()

@@ -29,6 +29,7 @@ import numpy as np
 import tvm
 from tvm.runtime import ShapeTuple
 
+from .. import validate
 from ..artifact import Artifact
 from ..errors import MobilecError
 from ..host import measure_read_bandwidth, set_threads
@@ -215,16 +216,14 @@ WARMUP_STEPS = 2
 DEFAULT_STEPS = 16
 
 
-def _check_room(session: Session, context_len: int, steps: int) -> None:
-    if context_len < 1:
-        raise MobilecError(f"--context-len must be at least 1, got {context_len}")
-    if steps < 1:
-        raise MobilecError(f"--steps must be at least 1, got {steps}")
+def _check_room(context_window: int, context_len: int, steps: int) -> None:
+    validate.tokens(context_len, "--context-len")
+    validate.count(steps, "--steps")
     need = context_len + WARMUP_STEPS + 3 * steps
-    if need > session.context_window:
+    if need > context_window:
         raise MobilecError(f"--context-len {context_len} + {3 * steps + WARMUP_STEPS} decode steps (3 x --steps "
                            f"+ {WARMUP_STEPS} warm-up) exceeds the artifact's context window of "
-                           f"{session.context_window}; lower them or recompile with a larger --context-window")
+                           f"{context_window}; lower them or recompile with a larger --context-window")
 
 
 def _fill(session: Session, context_len: int) -> None:
@@ -323,7 +322,7 @@ def profile_decode_step(session: Session, context_len: int, steps: int = DEFAULT
     adds time, and parts measured in different steps are only comparable without it. A kernel's time still
     includes the instrument converting its arguments for Python (~0.1 us each), so with very short kernels
     the kernels part is a little high and vm_overhead a little low."""
-    _check_room(session, context_len, steps)
+    _check_room(session.context_window, context_len, steps)
     artifact = session.artifact
     tensors = artifact.index["tensors"]
     lib = tvm.runtime.load_module(str(artifact.library))
@@ -464,9 +463,10 @@ def floor_figures(read: ReadBytes, bandwidth_gbs: float, tok_s: float) -> dict[s
 def profile_report(artifact: Artifact, threads: int | None, context_len: int, steps: int = DEFAULT_STEPS,
                    bandwidth_mb: float | None = None) -> dict[str, Any]:
     """What `mobilec profile` prints: the bandwidth, bytes per token, floor and the decode step's profile."""
+    validate.threads(threads)
+    _check_room(int(artifact.config["context_window"]), context_len, steps)  # before loading anything
     set_threads(threads)
     session = Session(artifact)
-    _check_room(session, context_len, steps)
     bandwidth = measure_read_bandwidth(threads, bandwidth_mb)
     read = artifact_read_bytes(artifact, context_len)
     profile = profile_decode_step(session, context_len, steps)

@@ -19,9 +19,12 @@ import json
 import math
 import os
 import re
+import signal
 import socket
+import struct
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,13 +34,60 @@ import tvm
 from tqdm import tqdm
 from tvm import rpc
 
-from ..artifact import PARAMS_DIR, Artifact, sha256_file
+from .. import validate
+from ..artifact import PARAMS_DIR, Artifact
 from ..cpu_check import Cpu, check_cpu, this_cpu
 from ..errors import MobilecError
 from ..isa import arch_of_triple
 
 TENSOR_CACHE_JSON = "tensor-cache.json"  # the file name vm.builtin.tensor_cache.load reads in its directory
+# Every wait on a peer has a deadline. A TCP connection and a TVM RPC server's (or tracker's) answer to the
+# handshake come at once; a server then starts a session process, slower on a small device or under emulation.
 CONNECT_TIMEOUT_S = 10.0
+SESSION_START_TIMEOUT_S = 120.0
+# A session lasts at most --session-timeout (the server ends it); past that and this grace, the peer is gone.
+SESSION_GRACE_S = 30.0
+# A key no server accepts (TVM's clients send "client:..."): a TVM RPC server answers it with RPC_CODE_MISMATCH
+# at once, without starting a session. The line end makes an HTTP server answer too (with an error page).
+_PROBE_KEY = b"mobilec:probe\r\n"
+_RPC_CODES = {rpc.base.RPC_CODE_SUCCESS, rpc.base.RPC_CODE_DUPLICATE, rpc.base.RPC_CODE_MISMATCH}
+
+
+class _DeadlinePassed(BaseException):
+    """Raised by the SIGALRM handler; a BaseException so that no `except Exception` on the way swallows it."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, message: str) -> Iterator[None]:
+    """Raise MobilecError(message) when the block runs past `seconds`. SIGALRM interrupts a blocking socket call,
+    TVM's C++ ones included (on EINTR they run Python's signal handlers, which raise here). Signals reach the main
+    thread only: elsewhere the block runs under the socket timeouts alone. An enclosing deadline is restored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    outer = signal.getitimer(signal.ITIMER_REAL)[0]
+    if outer and outer <= seconds:  # an enclosing deadline ends first: it stays in charge
+        yield
+        return
+    token = object()
+
+    def expire(_signum, _frame):
+        raise _DeadlinePassed(token)
+
+    started = time.monotonic()
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    except _DeadlinePassed as passed:
+        if passed.args[0] is not token:
+            raise  # an enclosing deadline's
+        raise MobilecError(message) from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - started), 1e-3))
 
 
 @dataclasses.dataclass
@@ -61,7 +111,7 @@ class Device:
         self.started = time.monotonic()
         self.dev = session.cpu() if session else tvm.cpu()
         self._work_dir: tempfile.TemporaryDirectory | None = None
-        with self.errors("asking what the device is"):
+        with self.bounded(), self.errors("asking what the device is"):
             triple = self._triple()
             total = self.dev.total_global_memory  # RAM for a CPU; None or -1 when the device cannot tell
             self.cpu = self._cpu(triple)
@@ -152,11 +202,23 @@ class Device:
         self.function("vm.builtin.tensor_cache.clear")()
         return params
 
+    def bounded(self):
+        """A deadline for work in the session: what is left of --session-timeout, plus a grace for the server to
+        end it. Past that the device or the network is gone (a dead peer sends nothing, so a read would wait
+        forever). Nothing for this process."""
+        if self.session is None:
+            return contextlib.nullcontext()
+        left = self.session_timeout_s - (time.monotonic() - self.started) + SESSION_GRACE_S
+        return deadline(max(left, 1.0), f"the session on {self.description['name']} ran past --session-timeout "
+                                        f"{self.session_timeout_s:g} s (+{SESSION_GRACE_S:g} s) and the device did not "
+                                        f"end it: the device or the network is gone; check them, then rerun")
+
     def close(self) -> None:
         """End the session now (the server serves one at a time; handles left in a traceback would keep this
         one open until its timeout) and remove local staging files."""
         if self.session is not None:
-            with contextlib.suppress(RuntimeError):  # the connection may be gone already
+            # the connection may be gone already, or the peer silent
+            with contextlib.suppress(RuntimeError, MobilecError), deadline(CONNECT_TIMEOUT_S, "closing"):
                 self.session.get_function("CloseRPCConnection")()
             self.session = None
         if self._work_dir is not None:
@@ -197,56 +259,105 @@ def last_line(err: Exception) -> str:
 
 
 def parse_address(text: str, option: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise MobilecError(f"{option} {text!r} is not HOST:PORT; pass e.g. {option} 127.0.0.1:9190")
-    return host, int(port)
+    return validate.address(text, option)
 
 
-def _request_from_tracker(host: str, port: int, key: str, timeout: int) -> rpc.RPCSession:
+def _recv_some(sock: socket.socket, n: int) -> bytes:
+    """Up to n bytes, fewer only when the peer closes."""
+    data = b""
+    while len(data) < n:
+        block = sock.recv(n - len(data))
+        if not block:
+            break
+        data += block
+    return data
+
+
+def check_rpc_server(host: str, port: int) -> None:
+    """That a TVM RPC server listens at host:port, within CONNECT_TIMEOUT_S: TVM's own connect waits forever on a
+    socket that accepts and never answers (a busy server, or something else listening there)."""
+    where = f"{host}:{port}"
+    try:
+        sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+    except OSError as err:
+        raise MobilecError(f"cannot connect to the RPC server at {where} ({err.strerror or err}); start one there "
+                           f"(python -m tvm.exec.rpc_server --host 0.0.0.0 --port {port}) or fix --rpc") from None
+    with sock:
+        try:
+            sock.sendall(struct.pack("<ii", rpc.base.RPC_MAGIC, len(_PROBE_KEY)) + _PROBE_KEY)
+            reply = _recv_some(sock, 4)
+        except TimeoutError:
+            raise MobilecError(f"{where} accepts connections but did not answer TVM RPC's handshake within "
+                               f"{CONNECT_TIMEOUT_S:g} s: it is not a TVM RPC server, or one busy with another session; "
+                               f"check --rpc (a tracker's address goes to --tracker)") from None
+        except OSError:  # reset: a peer that drops unknown handshakes, as a TVM RPC proxy does; TVM's connect decides
+            return
+    if len(reply) == 4 and struct.unpack("<i", reply)[0] in _RPC_CODES:
+        return
+    if reply:
+        raise MobilecError(f"{where} answers, but not as a TVM RPC server (it sent {reply!r}); check --rpc (a "
+                           f"tracker's address goes to --tracker)")
+
+
+def _request_from_tracker(host: str, port: int, key: str, timeout: int, wait_s: float) -> rpc.RPCSession:
     """A session on a device with `key`; an unknown key is refused with the keys the tracker has (a request
-    for it would wait forever)."""
+    for it would wait forever). Every step has a deadline."""
+    where = f"{host}:{port}"
     try:  # TVM's tracker client retries a refused connection for 60 s: fail fast instead
         socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
     except OSError as err:
-        raise MobilecError(f"cannot reach the RPC tracker at {host}:{port} ({err.strerror or err}); start it with "
+        raise MobilecError(f"cannot reach the RPC tracker at {where} ({err.strerror or err}); start it with "
                            f"`python -m tvm.exec.rpc_tracker --host 0.0.0.0 --port {port}` or fix --tracker") from None
     try:
-        tracker = rpc.connect_tracker(host, port)
-        keys = sorted({info["key"].split(":", 1)[1] for info in tracker.summary()["server_info"]})
-    except (RuntimeError, OSError) as err:
-        raise MobilecError(f"{host}:{port} does not answer as an RPC tracker ({last_line(err)}); "
+        with deadline(CONNECT_TIMEOUT_S, f"{where} accepts connections but did not answer as an RPC tracker within "
+                                         f"{CONNECT_TIMEOUT_S:g} s; pass the tracker's address to --tracker (an RPC "
+                                         f"server's goes to --rpc)"):
+            tracker = rpc.connect_tracker(host, port)
+            keys = sorted({info["key"].split(":", 1)[1] for info in tracker.summary()["server_info"]})
+    except (RuntimeError, OSError, ValueError, KeyError, TypeError, IndexError) as err:
+        raise MobilecError(f"{where} does not answer as an RPC tracker ({last_line(err)}); "
                            f"pass the tracker's address to --tracker (an RPC server's goes to --rpc)") from None
     with contextlib.closing(tracker):
         if key not in keys:
             listed = ", ".join(keys) if keys else "none; no RPC server has registered"
-            raise MobilecError(f"the tracker at {host}:{port} has no device with key {key!r}; its keys: {listed}")
+            raise MobilecError(f"the tracker at {where} has no device with key {key!r}; its keys: {listed}")
         try:
-            return tracker.request(key, session_timeout=timeout, max_retry=2)
+            with deadline(wait_s, f"the tracker at {where} gave no {key!r} device within {wait_s:g} s (all busy, or "
+                                  f"the device's RPC server does not answer); check the device, then rerun"):
+                return tracker.request(key, session_timeout=timeout, max_retry=2)
         except RuntimeError as err:
-            raise MobilecError(f"the tracker at {host}:{port} could not give a {key!r} device "
+            raise MobilecError(f"the tracker at {where} could not give a {key!r} device "
                                f"({last_line(err)}); check the device's RPC server, then rerun") from None
 
 
 def connect(rpc_address: str | None, tracker_address: str | None, key: str | None,
             session_timeout_s: float) -> Device:
-    """This process when neither address is given; else a session on a direct RPC server or one from a tracker."""
+    """This process when neither address is given; else a session on a direct RPC server or one from a tracker.
+    Reaching the peer, its handshake and the session's start each have a deadline: a peer that is not a TVM RPC
+    server (or tracker), or never answers, ends this with one line naming its address."""
+    validate.seconds(session_timeout_s, "--session-timeout")
     if rpc_address is None and tracker_address is None:
         return Device(None, {"kind": "local", "name": "this process"}, session_timeout_s)
     timeout = math.ceil(session_timeout_s)  # whole seconds, as the server's session option takes them
+    # Starting the session is bounded by --session-timeout too, never below the handshake's own deadline.
+    wait_s = max(CONNECT_TIMEOUT_S, min(SESSION_START_TIMEOUT_S, session_timeout_s))
     if rpc_address is not None:
         host, port = parse_address(rpc_address, "--rpc")
         description = {"kind": "rpc", "name": f"the RPC server at {host}:{port}", "address": f"{host}:{port}"}
+        check_rpc_server(host, port)
         try:
-            session = rpc.connect(host, port, session_timeout=timeout)
+            with deadline(wait_s, f"the RPC server at {host}:{port} answered the handshake but started no session "
+                                  f"within {wait_s:g} s; check that it is still serving, then rerun"):
+                session = rpc.connect(host, port, session_timeout=timeout)
         except RuntimeError as err:
             raise MobilecError(f"cannot connect to the RPC server at {host}:{port} ({last_line(err)}); "
                                f"start one there (python -m tvm.exec.rpc_server --host 0.0.0.0 --port {port}) or fix --rpc") from None
     else:
         host, port = parse_address(tracker_address, "--tracker")
+        validate.device_key(key)
         description = {"kind": "tracker", "name": f"the device with key {key!r} from the tracker at {host}:{port}",
                        "address": f"{host}:{port}", "key": key}
-        session = _request_from_tracker(host, port, key, timeout)
+        session = _request_from_tracker(host, port, key, timeout, wait_s)
     return Device(session, description, session_timeout_s)
 
 
@@ -309,7 +420,8 @@ def _download_manifest(session: rpc.RPCSession, path: str) -> dict[str, str]:
 def _stage_remote(session: rpc.RPCSession, artifact: Artifact, progress: bool) -> Staged:
     slot = f"../{slot_name(artifact)}"  # beside the session's work directory, which the server deletes
     manifest_path = f"{slot}.manifest.json"
-    files = {Path(artifact.config["library"]).name: (artifact.library, sha256_file(artifact.library))}
+    files = {Path(artifact.config["library"]).name: (artifact.library,
+                                                     artifact.config["files"][artifact.config["library"]]["sha256"])}
     for shard in artifact.index["shards"]:
         files[shard["file"]] = (artifact.path / PARAMS_DIR / shard["file"], shard["sha256"])
     on_device = _download_manifest(session, manifest_path)

@@ -53,13 +53,19 @@ class Session:
         tvm.get_global_func("vm.builtin.kv_state_add_sequence")(self.kv_cache, 0)
         self.length = 0
 
+    def check_room(self, n: int) -> None:
+        """Refuse `n` more tokens when the sequence would outgrow the context window, by the whole count asked for
+        (a long prompt is fed in chunks; the check is not per chunk)."""
+        if self.length + n > self.context_window:
+            asked = f"{self.length} tokens in the sequence + {n} more" if self.length else f"{n} tokens"
+            raise MobilecError(
+                f"{asked} exceed the artifact's context window of {self.context_window}; shorten the input or "
+                f"recompile with a larger --context-window"
+            )
+
     def _forward(self, func, token_ids: np.ndarray):
         n = len(token_ids)
-        if self.length + n > self.context_window:
-            raise MobilecError(
-                f"sequence of {self.length + n} tokens exceeds the artifact's context window of "
-                f"{self.context_window}; recompile with a larger --context-window"
-            )
+        self.check_room(n)
         embed = self._embed(tvm.runtime.tensor(np.asarray(token_ids, dtype="int32"), self.device), self.params)
         self._begin(self.kv_cache, ShapeTuple([0]), ShapeTuple([n]))
         logits, self.kv_cache = func(embed, self.kv_cache, self.params)
@@ -69,6 +75,7 @@ class Session:
 
     def prefill(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         """Append the tokens (in chunks); the logits [vocab] after the last one."""
+        self.check_room(len(token_ids))
         logits = None
         for start in range(0, len(token_ids), self.prefill_chunk):
             logits = self._forward(self._prefill, token_ids[start : start + self.prefill_chunk])
@@ -76,6 +83,7 @@ class Session:
 
     def prefill_all_logits(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         """Append the tokens; the logits [n, vocab] after each one (perplexity, tests)."""
+        self.check_room(len(token_ids))
         chunks = [
             self._forward(self._prefill_logits, token_ids[start : start + self.prefill_chunk]).numpy()[0]
             for start in range(0, len(token_ids), self.prefill_chunk)

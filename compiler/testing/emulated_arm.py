@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import MobilecError
+from . import processes
 
 # Bump when the image recipe changes, so cached images are rebuilt.
 RECIPE_VERSION = 1
@@ -266,9 +267,13 @@ def build_image(cache: Path | None = None) -> Path:
 
 def _build_image_locked(image: Path) -> None:
     progress = _Progress()
+    # Under the image's lock no other build of it runs: a directory of its builds is what a killed one left.
+    for stale in image.parent.glob(f"build-{image.name}-*"):
+        if stale.is_dir() and not stale.is_symlink():
+            _remove_tree(stale)
     log = image.parent / "build.log"
     log.write_text("")
-    work = Path(tempfile.mkdtemp(prefix="build-", dir=image.parent))
+    work = Path(tempfile.mkdtemp(prefix=f"build-{image.name}-", dir=image.parent))
     root = work / "rootfs"
     versions = _pinned_versions()
     requirements = [f"{name}=={version}" for name, version in versions.items()]
@@ -322,22 +327,12 @@ def _free_port() -> int:
 
 def _spawn(command: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start a device process with its output in `log`, leading its own process group, so that stop() kills
-    every child (forked sessions, qemu) and a Ctrl-C meant for the caller reaches none."""
-    with log.open("w") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
+    every child (forked sessions, qemu), a Ctrl-C meant for the caller reaches none, and all of them end when the
+    caller does, even by SIGKILL (processes.py)."""
+    return processes.spawn(command, log, env)
 
 
-def _kill_group(process: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """SIGTERM the process group (the process leads it), then SIGKILL what is left of it."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=grace_s)
-    # Forked children (RPC sessions, qemu) may outlive the leader; the group is theirs until they exit.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+_kill_group = processes.kill_group
 
 
 @dataclasses.dataclass

@@ -1,12 +1,14 @@
 """Integer dot-product decode GEMV: numerics against numpy for every layout it takes and every x86 family this CPU
 can run, the instructions of the families it cannot (assembly only: never executed), the shapes it refuses, and
-negative controls (activations in the wrong order, a changed code)."""
+negative controls (activations in the wrong order, a changed code). The aarch64 variants (dotprod, i8mm): their
+assembly always, their numerics on the emulated arm64 device (qemu runs dotprod and i8mm) where root is available."""
 
 import re
 
 import numpy as np
 import pytest
 import tvm
+from tvm.support import cc
 
 from compiler.kernels.integer_dot_gemv import GemvShape, available, family, gemv, quantize_activation
 from compiler.quantization import group
@@ -32,24 +34,27 @@ def _build(shape: GemvShape):
     return tvm.tirx.build(_module(shape), target=target)
 
 
-def _run(lib, shape: GemvShape, x: np.ndarray, arrays: dict, permute_activations=None) -> np.ndarray:
-    xq = tvm.runtime.empty((shape.k,), shape.act_dtype)
-    xs = tvm.runtime.empty((shape.lane_terms,), "float32")
-    xo = tvm.runtime.empty((shape.sum_terms,), "float32")
-    lib["quantize"](tvm.runtime.tensor(x.reshape(1, 1, -1)), xq, xs, xo)
+def _run(lib, shape: GemvShape, x: np.ndarray, arrays: dict, permute_activations=None, dev=None,
+         names=("quantize", "gemv")) -> np.ndarray:
+    """quantize then gemv, on `dev` (a remote device's CPU for the emulated arm64 device; this CPU by default)."""
+    dev = dev or tvm.cpu()
+    xq = tvm.runtime.empty((shape.k,), shape.act_dtype, dev)
+    xs = tvm.runtime.empty((shape.lane_terms,), "float32", dev)
+    xo = tvm.runtime.empty((shape.sum_terms,), "float32", dev)
+    lib[names[0]](tvm.runtime.tensor(x.reshape(1, 1, -1), dev), xq, xs, xo)
     if permute_activations is not None:
-        xq = tvm.runtime.tensor(permute_activations(xq.numpy()))
-    stored = [tvm.runtime.tensor(arrays[name]) for name in ("q_weight", "q_scale", "q_min") if name in arrays]
-    y = tvm.runtime.empty((1, 1, shape.n), "float32")
-    lib["gemv"](xq, xs, xo, *stored, y)
+        xq = tvm.runtime.tensor(permute_activations(xq.numpy()), dev)
+    stored = [tvm.runtime.tensor(arrays[name], dev) for name in ("q_weight", "q_scale", "q_min") if name in arrays]
+    y = tvm.runtime.empty((1, 1, shape.n), "float32", dev)
+    lib[names[1]](xq, xs, xo, *stored, y)
     return y.numpy().reshape(-1)
 
 
-def _case(bits, grp, symmetric, scale_dtype, k, seed=0, act_bits=16, dot_family="avx2"):
+def _case(bits, grp, symmetric, scale_dtype, k, seed=0, act_bits=16, dot_family="avx2", n=N):
     layout = group.GroupLayout(bits, grp, symmetric, scale_dtype)
-    shape = GemvShape(N, k, bits, grp, symmetric, scale_dtype, act_bits, dot_family)
+    shape = GemvShape(n, k, bits, grp, symmetric, scale_dtype, act_bits, dot_family)
     rng = np.random.default_rng(seed)
-    arrays = group.quantize(rng.standard_normal((N, k)).astype("float32"), layout)
+    arrays = group.quantize(rng.standard_normal((n, k)).astype("float32"), layout)
     # activations with an outlier per row, as LLM hidden states have: per-32 scales must absorb it
     x = rng.standard_normal(k).astype("float32")
     x[5] = 40.0
@@ -77,6 +82,16 @@ def test_matches_the_dequantized_weights_times_float_activations(bits, grp, symm
     np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
 
 
+def _assert_int8_rounding(got, ref, x, arrays, layout, k):
+    """`got` is exactly what int8 activations (a scale per 32 values) give, and within their rounding of `ref`."""
+    blocks = x.reshape(-1, 32)
+    scale = np.abs(blocks).max(axis=1, keepdims=True) / 127
+    x8 = (np.round(blocks / scale) * scale).reshape(-1)
+    exact = group.dequantize(arrays, layout, k) @ x8
+    np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-4 * np.abs(exact).max())
+    assert np.abs(got - ref).max() < 2e-2 * np.abs(ref).max()
+
+
 @pytest.mark.parametrize("dot_family", RUNNABLE)
 @pytest.mark.parametrize("bits,grp,symmetric,scale_dtype,k", LAYOUTS)
 def test_int8_activations_match_within_int8_rounding(bits, grp, symmetric, scale_dtype, k, dot_family):
@@ -84,12 +99,7 @@ def test_int8_activations_match_within_int8_rounding(bits, grp, symmetric, scale
     what the int8 activations give (no int16 overflow in the pair sums)."""
     shape, arrays, x, ref = _case(bits, grp, symmetric, scale_dtype, k, act_bits=8, dot_family=dot_family)
     got = _run(_build(shape), shape, x, arrays)
-    blocks = x.reshape(-1, 32)
-    scale = np.abs(blocks).max(axis=1, keepdims=True) / 127
-    x8 = (np.round(blocks / scale) * scale).reshape(-1)
-    exact = group.dequantize(arrays, group.GroupLayout(bits, grp, symmetric, scale_dtype), k) @ x8
-    np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-4 * np.abs(exact).max())
-    assert np.abs(got - ref).max() < 2e-2 * np.abs(ref).max()
+    _assert_int8_rounding(got, ref, x, arrays, group.GroupLayout(bits, grp, symmetric, scale_dtype), k)
 
 
 def test_negative_controls_fail_the_same_tolerance():
@@ -137,6 +147,104 @@ def test_each_family_emits_its_instructions(dot_family, act_bits):
 
 def test_family_follows_the_target():
     assert {name: family(target) for name, target in X86_FAMILY_TARGETS.items()} == {f: f for f in FAMILIES}
+    assert {name: family(target) for name, target in ARM_FAMILY_TARGETS.items()} == {f: f for f in ARM_FAMILIES}
     assert not available(tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v2"}))
-    assert not available(tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon", "+dotprod"]}))
+    # NEON without the dot product (Cortex-A53/A72 class): no variant, the float GEMV stays
+    assert not available(tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "cortex-a72"}))
     assert not available(tvm.target.Target({"kind": "opencl"}))
+
+
+# aarch64: one target per integer dot-product family (compiler/isa.py), as the shipped target files use them
+ARM = {"kind": "llvm", "mtriple": "aarch64-linux-gnu"}
+ARM_FAMILY_TARGETS = {
+    "dotprod": tvm.target.Target({**ARM, "mcpu": "cortex-a76", "mattr": ["+neon", "+dotprod"]}),
+    "i8mm": tvm.target.Target({**ARM, "mcpu": "cortex-x3", "mattr": ["+neon", "+dotprod", "+i8mm", "+fullfp16"]}),
+}
+ARM_FAMILIES = list(ARM_FAMILY_TARGETS)
+ARM_LAYOUTS = LAYOUTS + [
+    (4, 32, False, "float16", 576),  # GGUF Q4_1 at SmolLM2's hidden size: 4 steps and a 2-block last step
+    (8, 32, True, "float16", 576),  # GGUF Q8_0 lm_head
+    (4, 128, True, "float16", 576),  # q4f16_g128: a short last group inside the last step
+]
+# rows: 48 steps 4 rows together; 6 (tasks of 2 rows) 2; 5 one
+ARM_ROWS = {index: N for index in range(len(ARM_LAYOUTS))} | {1: 6, 7: 5, 8: 6}
+# family -> (instructions its GEMVs must contain, must not); 8-bit codes: usdot with i8mm, centred sdot without
+ARM_INSTRUCTIONS = {
+    ("dotprod", 4): (["sdot", "addp", "scvtf"], ["usdot", "ucvtf", "smmla"]),
+    ("dotprod", 8): (["sdot", "eor"], ["usdot", "ucvtf", "smmla"]),
+    ("i8mm", 4): (["sdot", "addp"], ["ucvtf", "smmla"]),
+    ("i8mm", 8): (["usdot"], ["eor", "ucvtf", "smmla"]),
+}
+
+
+@pytest.mark.parametrize("dot_family", ARM_FAMILIES)
+@pytest.mark.parametrize("bits,act_bits", [(4, 8), (4, 16), (8, 8), (8, 16)])
+def test_each_aarch64_family_emits_its_instructions(dot_family, bits, act_bits):
+    """Compiled for aarch64 (never run here): the step is NEON dot products, the float work one convert per 4 blocks."""
+    shape = GemvShape(N, 576, bits, 32, True, "float16", act_bits, dot_family)
+    lib = tvm.tirx.build(tvm.IRModule({"gemv": gemv(shape, (1, 1, N)).with_attr("global_symbol", "gemv")}),
+                         target=ARM_FAMILY_TARGETS[dot_family])
+    # the vector instructions of the module (it holds only the GEMV)
+    words = re.findall(r"^\s+([a-z][a-z0-9.]*)\s+v\d+\.", assembly(lib), flags=re.MULTILINE)
+    must, must_not = ARM_INSTRUCTIONS[dot_family, bits]
+    for instruction in must:
+        assert instruction in words, f"{dot_family} int{bits} a{act_bits}: no {instruction}"
+    for instruction in must_not:
+        assert instruction not in words, f"{dot_family} int{bits} a{act_bits}: unexpected {instruction}"
+    dots = sum(words.count(d) for d in ("sdot", "usdot"))
+    # 576 codes per row: 36 dot products with int8 activations, 72 with int16 (two planes)
+    assert dots >= 576 // 16 * (2 if act_bits == 16 else 1)
+    assert words.count("scvtf") * 4 <= dots, "more than one int-to-float convert per 4 dot products"
+
+
+@pytest.fixture(scope="module")
+def arm_libraries(emulated_arm_device, tmp_path_factory):
+    """Every aarch64 kernel of ARM_LAYOUTS x activation widths, one library per family, on the emulated device."""
+    remote = emulated_arm_device.request(session_timeout=600)
+    folder = tmp_path_factory.mktemp("aarch64-gemv")
+    libs = {}
+    for dot_family, target in ARM_FAMILY_TARGETS.items():
+        funcs = {}
+        for index, (bits, grp, symmetric, scale_dtype, k) in enumerate(ARM_LAYOUTS):
+            for act_bits in (16, 8):
+                shape = GemvShape(ARM_ROWS[index], k, bits, grp, symmetric, scale_dtype, act_bits, dot_family)
+                assert shape.supported(), shape
+                name = f"{index}_a{act_bits}"
+                funcs[f"quantize_{name}"] = quantize_activation(shape, (1, 1, k)).with_attr("global_symbol",
+                                                                                          f"quantize_{name}")
+                funcs[f"gemv_{name}"] = gemv(shape, (1, 1, shape.n)).with_attr("global_symbol", f"gemv_{name}")
+        path = folder / f"gemv_{dot_family}.so"
+        tvm.tirx.build(tvm.IRModule(funcs), target=target).export_library(
+            str(path), fcompile=cc.cross_compiler("aarch64-linux-gnu-g++"))
+        remote.upload(str(path))
+        libs[dot_family] = remote.load_module(path.name)
+    return remote, libs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dot_family", ARM_FAMILIES)
+@pytest.mark.parametrize("act_bits", [16, 8])
+@pytest.mark.parametrize("layout", range(len(ARM_LAYOUTS)))
+def test_aarch64_kernels_match_numpy_on_the_emulated_device(arm_libraries, dot_family, act_bits, layout):
+    """int16: the float result to ~1/32639 of a block's largest activation; int8: exactly what int8-rounded
+    activations give. Then negative controls on the device: activations out of order, one changed code byte."""
+    remote, libs = arm_libraries
+    bits, grp, symmetric, scale_dtype, k = ARM_LAYOUTS[layout]
+    shape, arrays, x, ref = _case(bits, grp, symmetric, scale_dtype, k, act_bits=act_bits, dot_family=dot_family,
+                                  n=ARM_ROWS[layout])
+    assert shape.rows_together == {48: 4, 6: 2, 5: 1}[shape.n]
+    names = (f"quantize_{layout}_a{act_bits}", f"gemv_{layout}_a{act_bits}")
+    got = _run(libs[dot_family], shape, x, arrays, dev=remote.cpu(), names=names)
+    tol = 2e-4 * np.abs(ref).max()
+    if act_bits == 16:
+        np.testing.assert_allclose(got, ref, rtol=2e-4, atol=tol)
+    else:
+        _assert_int8_rounding(got, ref, x, arrays, group.GroupLayout(bits, grp, symmetric, scale_dtype), k)
+    rolled = _run(libs[dot_family], shape, x, arrays, permute_activations=lambda q: np.roll(q, 16),
+                  dev=remote.cpu(), names=names)
+    assert np.abs(rolled - ref).max() > 100 * tol
+    changed = dict(arrays, q_weight=arrays["q_weight"].copy())
+    row = shape.n - 2
+    changed["q_weight"][row, 5] ^= 0x88 if bits == 4 else 0x80  # code 5 (x = 40) of a row near the end
+    diff = np.abs(_run(libs[dot_family], shape, x, changed, dev=remote.cpu(), names=names) - ref)
+    assert diff[row] > 10 * tol and np.delete(diff, row).max() < (tol if act_bits == 16 else 2e-2 * np.abs(ref).max())

@@ -22,7 +22,7 @@ from tests.helpers.tiny_models import build_model, save_hf
 K, N = 128, 48
 LAYOUT = GroupLayout(4, 32, True, "float16")
 HOST = load_target("host")
-ARM = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon", "+dotprod"]})
+ARM = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "cortex-a72", "mattr": ["+neon"]})  # no dotprod
 SSE4 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v2"})  # no AVX2
 
 
@@ -73,6 +73,15 @@ def test_activation_width_selects_the_kernels(act_bits):
     assert f'xq: T.Buffer((128,), "int{act_bits}")' in quantize.script()
     with pytest.raises(ValueError, match="activation bits"):
         IntegerDotGEMV(4)
+
+
+@pytest.mark.parametrize("target,family", [("linux-arm64", "dotprod"), ("android-arm64", "i8mm")])
+def test_arm_targets_get_their_family(target, family):
+    """The ARM target files: decode GEMVs become the aarch64 variant of their dot-product family (sdot / usdot)."""
+    mod = _rewrite(_module(), load_target(target).tvm_target(), 8)
+    names = [gv.name_hint for gv in mod.get_global_vars() if gv.name_hint.startswith("integer_dot_gemv")]
+    assert len(names) == 1 and f"_{family}_" in names[0]
+    assert any(c.startswith("NT_matmul") for c in _callees(mod["prefill"]))
 
 
 @pytest.mark.parametrize("target,tagged", [(ARM, True), (SSE4, True), (None, False)])

@@ -15,19 +15,24 @@ from compiler.runtime.session import Session
 PROMPT_LEN, GEN_LEN = 8, 6  # qemu runs SmolLM2 at a few tokens per second
 
 
+def _bench_on_device(artifact, device, gen_len: int, session_timeout: int) -> dict:
+    """`mobilec bench` of `artifact` on the emulated device through its tracker: the JSON report."""
+    report = artifact.parent / f"{artifact.name}-bench.json"
+    cmd = [sys.executable, "-m", "compiler", "bench", str(artifact),
+           "--tracker", f"{device.tracker_host}:{device.tracker_port}", "--key", device.key,
+           "--prompt-len", str(PROMPT_LEN), "--gen-len", str(gen_len), "--repeat", "1",
+           "--session-timeout", str(session_timeout), "--json", str(report)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=session_timeout + 600, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(report.read_text())
+
+
 @pytest.mark.slow
 def test_arm64_build_on_emulated_device_generates_the_host_tokens(tmp_path, smollm2_gguf, smollm2_gguf_exact,
                                                                    emulated_arm_device):
     arm = tmp_path / "smollm2-arm64"
     compile_model(str(smollm2_gguf), "linux-arm64", "gguf", str(arm), context_window=512, progress=False)
-    report = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "compiler", "bench", str(arm),
-           "--tracker", f"{emulated_arm_device.tracker_host}:{emulated_arm_device.tracker_port}",
-           "--key", emulated_arm_device.key, "--prompt-len", str(PROMPT_LEN), "--gen-len", str(GEN_LEN),
-           "--repeat", "1", "--session-timeout", "600", "--json", str(report)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
-    assert run.returncode == 0, run.stderr[-2000:]
-    result = json.loads(report.read_text())
+    result = _bench_on_device(arm, emulated_arm_device, GEN_LEN, session_timeout=600)
     assert result["target"] == "linux-arm64" and result["device"]["key"] == emulated_arm_device.key
     assert result["upload"]["uploaded"] > 0 and result["decode_tok_s"] > 0
 
@@ -45,3 +50,47 @@ def test_arm64_build_on_emulated_device_generates_the_host_tokens(tmp_path, smol
     assert result["tokens"] == expected
     # Negative control: another prompt gives other tokens, so the equality above is not vacuous.
     assert greedy(prompt_ids(vocab, PROMPT_LEN, result["prompt_seed"] + 1)) != expected
+
+
+ACTIVATION_TOKENS = 32
+# int8 activations: logits move by up to ~1 between int8 and int16 (SmolLM2, x86), and two int8 builds whose float
+# kernels (attention, norms) round differently drift apart by as much: a last-bit difference flips a rounding
+# to int8, which moves the next GEMV's input by 1/254 of a block's largest value, and so on (measured on this
+# prompt: 0.48 between the aarch64 and x86 int8 builds after one step, 0.0023 between the int16 builds).
+INT8_NEAR_TIE = 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+def test_arm64_integer_gemvs_give_the_x86_tokens(tmp_path, smollm2_gguf, emulated_arm_device, activations):
+    """linux-arm64 with gguf decodes with the aarch64 integer GEMVs (sdot, kernels/integer_dot_gemv/arm.py). int16
+    activations (planes of int8 on ARM, vpmaddwd on x86): 32 greedy tokens on the emulated device equal the x86
+    host build's. int8 (llama.cpp's rounding on both): fed the device's tokens, the x86 build picks the same
+    token at 90% of the steps and at the others ranks the device's token within INT8_NEAR_TIE of its own."""
+    from compiler.kernels import integer_dot_gemv
+    from compiler.targets import load_target
+
+    if not integer_dot_gemv.available(load_target("host").tvm_target()):
+        pytest.skip("this CPU has no x86 integer GEMV to compare with")
+    arm, host = tmp_path / "arm64", tmp_path / "host"
+    for target, out in (("linux-arm64", arm), ("host", host)):
+        compile_model(str(smollm2_gguf), target, "gguf", str(out), context_window=512, progress=False,
+                      decode_activations=activations)
+    assert load_artifact(arm).config["decode_activations"] == activations
+    result = _bench_on_device(arm, emulated_arm_device, ACTIVATION_TOKENS, session_timeout=900)
+    device_tokens = result["tokens"]
+    assert len(device_tokens) == ACTIVATION_TOKENS
+    vocab = int(load_artifact(arm).config["model"]["config"]["vocab_size"])
+    session = Session(load_artifact(host))
+    session.reset()
+    logits = session.prefill(prompt_ids(vocab, PROMPT_LEN, result["prompt_seed"]))
+    gaps = []  # the x86 build's top logit minus its logit of the device's token, fed the device's tokens
+    for step, token in enumerate(device_tokens):
+        logits = logits.reshape(-1)
+        gaps.append(float(logits.max() - logits[token]))
+        if step + 1 < len(device_tokens):
+            logits = session.decode(token)
+    if activations == "int16":
+        assert max(gaps) == 0, gaps  # the same greedy tokens
+    else:
+        assert sum(g == 0 for g in gaps) >= 0.9 * len(gaps) and max(gaps) < INT8_NEAR_TIE, gaps

@@ -16,10 +16,31 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-STEP_BYTES = 32  # one ymm of code bytes per step, as the algorithm steps (integer_dot_gemv.STEP_BYTES)
+STEP_BYTES = 32  # one ymm of code bytes per step
+TAIL_STEPS = False  # K must be whole steps
+ROWS_TOGETHER = 1  # a row at a time: its step's activations come from L1 and the loads overlap the madds
+MINS_PER_STEP = False  # asymmetric codes: the mins' term once per row, a dot with the per-block activation sums
+reduce_rows = None  # each row's lanes summed on their own
 # int_dot family -> whether its int8 steps have vpdpbusd
 FAMILIES = {"avx512vnni": True, "avx512bw": False, "avxvnni": True, "avx2": False}
 _ZMM_MADD = ("avx512vnni", "avx512bw")
+
+
+def blocks_per_step(shape) -> int:
+    return STEP_BYTES * 8 // shape.bits // 32
+
+
+def qmax(shape) -> int:
+    return (1 << (shape.act_bits - 1)) - 1
+
+
+def centered(shape) -> bool:
+    """8-bit codes on AVX2's int8 path go in as c - 128: c * q pair sums would overflow vpmaddubsw's int16."""
+    return shape.act_bits == 8 and shape.bits == 8 and not FAMILIES[shape.family]
+
+
+def split_int16(shape) -> bool:
+    return False  # vpmaddwd takes int16 activations as they are
 
 
 def _in_lane_int16(shape) -> bool:

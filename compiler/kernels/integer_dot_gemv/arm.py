@@ -1,0 +1,144 @@
+"""aarch64 variants of the integer decode GEMV's step: 4 blocks of 32 codes times their activations into 4 int32
+lanes, one per block, with NEON's int8 dot products (compiler/isa.py families "dotprod" and "i8mm"). The algorithm
+around it (compiler/kernels/integer_dot_gemv) is the one x86 uses; this file says how a step is computed, in which
+order the activation kernel stores activations, and how many rows step together.
+
+- A block's 32 codes: one 16-byte load for 4 bits (AND 0x0F gives codes 0-15, a shift by 4 codes 16-31) or two for
+  8 bits. Two `sdot`s (each 16 int8 products summed by fours into 4 int32 lanes) give the block's sum in 4 lanes;
+  `addp` of `addp`s folds 4 blocks' lanes into one int32x4, a lane per block, so the float work (convert, scale by
+  activation and weight scales, accumulate; for asymmetric codes also the 4 mins times the blocks' activation sums)
+  is 4-6 instructions per 128 codes, and a step's 4 weight scales are one 8-byte load and `fcvtl`, in lane order.
+  A K that is not a multiple of 128 ends in a shorter step (SmolLM2's 576: 4 steps and 2 blocks), its lanes past
+  the last block zero. 4 rows step together and share the step's activation loads; their 4 sums are 3 `faddp`s.
+- 4-bit codes 0..15 are valid int8: `sdot` takes them unsigned, and the -8 offset of symmetric codes is the
+  activation sum term (as on x86), so no per-code subtraction as in llama.cpp's Q4_0 kernel.
+- 8-bit codes 0..255: with i8mm, `usdot` (unsigned codes x signed activations) takes them as they are; with dotprod
+  alone they go in as c - 128 (one EOR per 16 codes, GemvShape.centered) and the offset term drops out.
+- int16 activations (the float-accurate default): q = 256 h + l with l and h int8 (|q| <= 32639 so that h fits),
+  stored as two byte planes; each block is `sdot`ed with h, shifted left by 8 and `sdot`ed with l: 4 dot products
+  per 32 codes instead of 2, no widening (llvm-mca Neoverse-N2: ~1.5x the int8 cycles).
+
+Modelled by bench/arm_gemv_mca.py (llvm-mca-15, SmolLM2 shapes, steady-state loop, both built for the same -mcpu):
+Q4_0 / Q4_1 / Q8_0 at 0.57-0.72x llama.cpp's cycles per 32 weights on the Neoverse-N2 model and 0.75-0.79x on the
+in-order A55 model (-mcpu=cortex-a510). Not done, because they do not win or need the weights re-laid:
+- `smmla`/`usmmla` (i8mm) multiply a 2x8 by an 8x2 block: with one activation row (decode) half of each product is
+  wasted, and both models issue them at `sdot`'s rate, so i8mm targets use `sdot`/`usdot` here too.
+- Codes re-laid 4 blocks interleaved by 4 bytes would put a block in each lane of one `sdot` accumulator: no zeroing
+  per block and no `addp` (6 of ~30 vector instructions per 128 codes and row); the prefill GEMM and the
+  dequantize that read the same shards would have to follow that layout.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+BLOCKS_PER_STEP = 4  # one int32x4 of block sums per step
+TAIL_STEPS = True  # a K of whole blocks that are not a multiple of a step ends in a shorter step
+LANES = 4
+# Rows that step together: a step's activations (128 bytes) are loaded once for 4 rows, and loaded per step rather
+# than hoisted out of the rows loop (with one row, LLVM unrolls SmolLM2's 4.5 steps and keeps all 36 activation
+# vectors live: spills and register moves, Neoverse-N2 model 4.9 instead of 4.1 cycles per 32 codes).
+ROWS_TOGETHER = 4
+MINS_PER_STEP = True  # asymmetric codes: the step's 4 mins times the 4 blocks' activation sums, one FMA
+
+
+# int_dot family -> whether it has an unsigned x signed int8 dot product (usdot)
+FAMILIES = {"i8mm": True, "dotprod": False}
+# int16 activations as two int8 planes: |q| <= 127 * 256 + 127, so that q = 256 h + l with h, l in -128..127
+INT16_QMAX = 32639
+
+
+def blocks_per_step(shape) -> int:
+    return BLOCKS_PER_STEP
+
+
+def int32_lanes(shape) -> int:
+    return LANES
+
+
+def qmax(shape) -> int:
+    return INT16_QMAX if shape.act_bits == 16 else 127
+
+
+def centered(shape) -> bool:
+    """8-bit codes go into `sdot` as c - 128 where there is no usdot (dotprod without i8mm)."""
+    return shape.bits == 8 and not FAMILIES[shape.family]
+
+
+def split_int16(shape) -> bool:
+    """int16 activations are stored as a plane of low bytes and one of high bytes (activation_index's plane)."""
+    return shape.act_bits == 16
+
+
+def activation_index(shape, b, j, plane: int = 0):
+    """Where the activation of code j (0..31) of block b goes: natural order for int8 (a block's 16-byte halves
+    meet its low and high nibbles, or its two 16-code vectors); for int16, the index in the byte view of xq of its
+    low byte (plane 0) or high byte (plane 1): per 16 values, 16 low bytes then 16 high bytes."""
+    if shape.act_bits == 8:
+        return b * 32 + j
+    return b * 64 + j // 16 * 32 + plane * 16 + j % 16
+
+
+def _dot(shape, acc, codes, act):
+    """acc + per int32 lane the sum of 4 products of 16 code bytes (uint8) and 16 int8 activations."""
+    if FAMILIES[shape.family] and shape.bits == 8:
+        return T.call_llvm_pure_intrin("int32x4", "llvm.aarch64.neon.usdot.v4i32.v16i8", acc, codes, act)
+    return T.call_llvm_pure_intrin("int32x4", "llvm.aarch64.neon.sdot.v4i32.v16i8", acc,
+                                   T.reinterpret("int8x16", codes), act)
+
+
+def _block_codes(shape, w, n, block):
+    """The two 16-code vectors of a block, each matched by 16 consecutive activations."""
+    if shape.bits == 4:
+        codes = w[n, T.ramp(block * 16, 1, 16)]
+        return [T.bitwise_and(codes, T.broadcast(T.uint8(15), 16)), T.shift_right(codes, T.broadcast(T.uint8(4), 16))]
+    halves = [w[n, T.ramp(block * 32 + h * 16, 1, 16)] for h in (0, 1)]
+    if shape.centered:
+        halves = [T.bitwise_xor(v, T.broadcast(T.uint8(128), 16)) for v in halves]
+    return halves
+
+
+def _block_dot(shape, w, xq, n, block):
+    """int32x4 whose lanes add up to the block's sum of codes times activations."""
+    zero = T.broadcast(T.int32(0), LANES)
+    parts = _block_codes(shape, w, n, block)
+    if shape.act_bits == 8:
+        acc = zero
+        for half, codes in enumerate(parts):
+            acc = _dot(shape, acc, codes, xq[T.ramp(block * 32 + half * 16, 1, 16)])
+        return acc
+    high = zero
+    for half, codes in enumerate(parts):
+        high = _dot(shape, high, codes, xq[T.ramp(block * 64 + half * 32 + 16, 1, 16)])
+    acc = T.shift_left(high, T.broadcast(T.int32(8), LANES))
+    for half, codes in enumerate(parts):
+        acc = _dot(shape, acc, codes, xq[T.ramp(block * 64 + half * 32, 1, 16)])
+    return acc
+
+
+def _addp(a, b):
+    """Pairwise add: [a0 + a1, a2 + a3, b0 + b1, b2 + b3]."""
+    return T.call_llvm_pure_intrin("int32x4", "llvm.aarch64.neon.addp.v4i32", a, b)
+
+
+def step_dot(shape, w, xq, n, step, blocks: int = BLOCKS_PER_STEP):
+    """Lane i: the sum of codes times activations of block step * 4 + i (zero past `blocks`, a shorter last step).
+    For int16 activations xq is the byte view of the activation planes."""
+    sums = [_block_dot(shape, w, xq, n, step * BLOCKS_PER_STEP + i) for i in range(blocks)]
+    pairs = [_addp(sums[i], sums[i + 1] if i + 1 < blocks else T.broadcast(T.int32(0), LANES))
+             if i < blocks else None for i in (0, 2)]
+    return _addp(pairs[0], pairs[1] if pairs[1] is not None else T.broadcast(T.int32(0), LANES))
+
+
+def _faddp(a, b):
+    """Pairwise float add: [a0 + a1, a2 + a3, b0 + b1, b2 + b3]."""
+    return T.call_llvm_pure_intrin("float32x4", "llvm.aarch64.neon.faddp.v4f32", a, b)
+
+
+def reduce_rows(shape, accs):
+    """The lane sums of 2 or 4 rows' float32x4 accumulators as one vector (faddp of faddps: 3 instructions for 4
+    rows, where a sum across lanes per row takes 2 and a store each)."""
+    if len(accs) == 4:
+        return _faddp(_faddp(accs[0], accs[1]), _faddp(accs[2], accs[3]))
+    pairs = _faddp(accs[0], accs[1])
+    return T.Shuffle([_faddp(pairs, pairs)], [0, 1])

@@ -1,0 +1,109 @@
+"""Signals during a compile: SIGTERM and SIGHUP clean up as Ctrl-C does (no `.NAME.partial-*` left, the process
+ends by the signal); what a SIGKILL leaves is removed by the next compile of the same output, and only that: a
+directory without our marker, or one of a compile still running, is never touched."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from compiler.artifact import PARTIAL_MARKER, load_artifact
+from compiler.export import remove_stale_partials
+from tests.robustness.conftest import CONTEXT
+
+PARTIAL_TIMEOUT_S = 120  # until the compile has made its temporary directory
+
+
+def _start_compile(checkpoint: Path, out: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "compiler", "compile", "--model", str(checkpoint), "--quant",
+                             "q0f32", "--context-window", str(CONTEXT), "-o", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _partials(out: Path) -> list[Path]:
+    return sorted(out.parent.glob(f".{out.name}.partial-*"))
+
+
+def _wait_for_partial(proc: subprocess.Popen, out: Path) -> Path:
+    deadline = time.monotonic() + PARTIAL_TIMEOUT_S
+    while not _partials(out):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the compile made no temporary directory"
+        time.sleep(0.1)
+    time.sleep(1.0)  # inside the import / build, not at its first line
+    return _partials(out)[0]
+
+
+@pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGHUP, -signal.SIGHUP),
+                                               (signal.SIGINT, 1)])
+def test_signal_during_compile_leaves_nothing(tiny_checkpoint, tmp_path, signum, exit_code):
+    out = tmp_path / "out"
+    proc = _start_compile(tiny_checkpoint, out)
+    try:
+        partial = _wait_for_partial(proc, out)
+        assert (partial / PARTIAL_MARKER).is_file()
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == exit_code, stderr  # SIGTERM/SIGHUP: ends by the signal, as a killed program does
+    assert "Traceback" not in stderr
+    assert not out.exists() and _partials(out) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_killed_compile_is_cleaned_up_by_the_next(tiny_checkpoint, tmp_path):
+    out = tmp_path / "out"
+    proc = _start_compile(tiny_checkpoint, out)
+    try:
+        partial = _wait_for_partial(proc, out)
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert partial.is_dir()  # SIGKILL cannot be cleaned up after...
+    # ...so the next compile of that output does it, leaving alone what is not (provably) a dead compile's
+    foreign = tmp_path / f".{out.name}.partial-mine"
+    foreign.mkdir()
+    (foreign / "data").write_text("not ours: no marker")
+    running = tmp_path / f".{out.name}.partial-running"
+    running.mkdir()
+    (running / PARTIAL_MARKER).write_text(json.dumps({"output": str(out), "host": socket.gethostname(),
+                                                      "pid": os.getpid(), "started": time.time()}))
+    other_output = tmp_path / f".{out.name}.partial-other"
+    other_output.mkdir()
+    (other_output / PARTIAL_MARKER).write_text(json.dumps({"output": str(tmp_path / "elsewhere"),
+                                                           "host": socket.gethostname(), "pid": 2**22 + 7}))
+    result = subprocess.run([sys.executable, "-m", "compiler", "compile", "--model", str(tiny_checkpoint), "--quant",
+                             "q0f32", "--context-window", str(CONTEXT), "-o", str(out)],
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr
+    load_artifact(out)
+    assert not partial.exists()
+    assert foreign.is_dir() and running.is_dir() and other_output.is_dir()
+
+
+def test_remove_stale_partials_only_removes_marked_dead_ones(tmp_path):
+    out = tmp_path / "out"
+    dead = tmp_path / ".out.partial-dead"
+    dead.mkdir()
+    (dead / PARTIAL_MARKER).write_text(json.dumps({"output": str(out), "host": socket.gethostname(),
+                                                   "pid": 2**22 + 11}))  # above Linux's pid_max: never alive
+    old = tmp_path / ".out.old-dead"
+    old.mkdir()
+    (old / PARTIAL_MARKER).write_text((dead / PARTIAL_MARKER).read_text())
+    link = tmp_path / ".out.partial-link"
+    link.symlink_to(dead)
+    user = tmp_path / ".out.partial-user"
+    user.mkdir()
+    (user / PARTIAL_MARKER).write_text("garbage")
+    assert sorted(remove_stale_partials(out)) == sorted([dead, old])
+    assert user.is_dir() and link.is_symlink()

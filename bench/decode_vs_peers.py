@@ -32,16 +32,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from compiler.artifact import load_artifact
 from compiler.host import default_bandwidth_mb, measure_read_bandwidth, numpy_read_bandwidth, set_threads
 from compiler.loaders.default_model import default_model_path
-from compiler.runtime.generate import load_tokenizer
-from compiler.runtime.profile import (
-    DEFAULT_STEPS,
+from compiler.loaders.tokenizer import load_tokenizer
+from compiler.roofline import (
     ReadBytes,
     artifact_read_bytes,
+    decode_read,
     floor_figures,
-    format_profile,
     gguf_read_bytes,
-    profile_decode_step,
+    kv_bytes_per_token,
 )
+from compiler.runtime.profile import DEFAULT_STEPS, format_profile, profile_decode_step
 from compiler.runtime.session import Session
 
 PROMPT_TEXT = (
@@ -132,15 +132,13 @@ class TransformersRunner:
         """The float32 parameters (an untied embedding as one row) and a float32 KV cache."""
         cfg = self.model.config
         params = {id(p): p for p in self.model.parameters()}.values()  # a tied lm_head is the same tensor
-        weights = sum(p.numel() * p.element_size() for p in params)
         table = self.model.get_input_embeddings().weight
-        table_bytes = table.numel() * table.element_size()
         tied = self.model.get_output_embeddings().weight is table
-        read = table_bytes if tied else table_bytes // table.shape[0]
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * table.element_size()
-        return ReadBytes(weights - table_bytes + read, kv_token * context_len, context_len, tied, table_bytes, read,
-                         kv_token, f"torch parameters + float32 KV cache of {context_len} tokens")
+        kv_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, head_dim,
+                                      table.element_size())
+        return decode_read(((p is table, p.numel() * p.element_size(), p.shape[0]) for p in params), tied, kv_token,
+                           context_len, f"torch parameters + float32 KV cache of {context_len} tokens")
 
     def run(self, ids, gen_len):
         torch = self.torch

@@ -7,11 +7,11 @@ import os
 import signal
 import sys
 import threading
-from pathlib import Path
 
 import click
 
 from . import validate
+from .choices import DECODE_ACTIVATIONS, TUNE_FUNCTIONS
 from .errors import MobilecError
 from .quantization.schemes import schemes_help
 
@@ -64,20 +64,28 @@ class _Group(click.Group):
                     signal.signal(signum, signal.SIG_DFL)
 
 
-def _write_json_option(json_file: str | None, result: dict) -> None:
-    """--json FILE: every figure of `result` (the path checked before the command ran: validate.output_file); an
-    unwritable path is the user's error."""
-    if json_file:
-        try:
-            Path(json_file).write_text(json.dumps(result, indent=1))
-        except OSError as err:
-            raise MobilecError(f"cannot write --json {json_file}: {err.strerror}") from None
+def json_option(what: str):
+    """--json, the same flag in every command: `what` as one JSON object on stdout instead of text for people
+    (progress and messages stay on stderr); a file is `> FILE`."""
+    return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as one JSON object instead of text.")
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="mobilec")
 def main():
-    """mobilec: compile a Hugging Face LLM into a small, fast library for phones, boards and this machine."""
+    """mobilec: compile a Hugging Face LLM into a small, fast library for phones, boards and this machine.
+
+    \b
+    Every command follows the same conventions:
+      --json             one JSON object on stdout instead of text (progress and errors go to stderr)
+      --model            a checkpoint: an HF directory, a .gguf file, or "default" (SmolLM2-135M)
+      --target / --quant a target file name or path (`mobilec targets`) / a scheme (default: the target's)
+      --context-window   tokens the KV cache holds, fixed when the model is compiled
+      --context-len      tokens already in the sequence when a measurement starts (profile)
+      --threads          CPU threads of the compiled model (default: TVM_NUM_THREADS or one per core)
+      ARTIFACT           the directory `mobilec compile` wrote
+    Errors are one line (`mobilec: error: ...`) with exit code 2.
+    """
 
 
 @main.command()
@@ -111,13 +119,14 @@ def targets():
               help="Compile even when `mobilec estimate` says the model does not fit the target's memory.")
 @click.option("--no-tuning", is_flag=True,
               help="Ignore tuning_logs/<target>/ (`mobilec tune`): every kernel gets the default schedule rules.")
-@click.option("--decode-activations", type=click.Choice(["int16", "int8"]), default="int16", show_default=True,
-              help="x86 CPU targets (AVX2 or AVX-512): the integer width decode GEMVs quantize activations to (one "
-                   "scale per 32 values). int16 matches the float model (~2e-5); int8 is llama.cpp's rounding, "
+@click.option("--decode-activations", type=click.Choice(DECODE_ACTIVATIONS), default=DECODE_ACTIVATIONS[0],
+              show_default=True,
+              help="CPU targets with an integer dot product (x86 AVX2 / AVX-512, ARM dotprod / i8mm): the integer "
+                   "width decode GEMVs quantize activations to (one scale per 32 values). int16 matches the float model (~2e-5); int8 is llama.cpp's rounding, "
                    "~1.4x (AVX-512) to ~2x (AVX2) faster GEMVs, and may change greedy output after some tokens.")
 @click.option("--overwrite", is_flag=True,
               help="Replace the artifact already at --output (only a mobilec artifact with no other files in it).")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress text.")
+@json_option("the summary")
 def compile(model, target, quant, output, context_window, quant_skip,  # pylint: disable=redefined-builtin
             calibrate, calib_text, force, no_tuning, decode_activations, overwrite, as_json):
     """Compile MODEL for TARGET into an artifact directory (library, weight shards, tokenizer, config).
@@ -151,13 +160,13 @@ def compile(model, target, quant, output, context_window, quant_skip,  # pylint:
 @click.option("--key", default=None, help="The tracker key of the devices, e.g. rk3588.")
 @click.option("--trials", type=int, default=64, show_default=True,
               help="Measured schedules per kernel, counting those already in the log.")
-@click.option("--only", type=click.Choice(["decode", "prefill", "all"]), default="decode", show_default=True,
+@click.option("--only", type=click.Choice(list(TUNE_FUNCTIONS)), default="decode", show_default=True,
               help="Tune the kernels of this function (prefill's dynamic-length kernels cannot be tuned).")
 @click.option("--kernel", "kernel_patterns", multiple=True, metavar="GLOB",
               help="Only kernels whose name matches (repeatable), e.g. 'fused_dequantize*'.")
 @click.option("--max-seconds", type=float, default=None,
               help="Start no new round of trials after this long; rerunning continues where it stopped.")
-@click.option("--json", "as_json", is_flag=True, help="Print the per-kernel table as JSON.")
+@json_option("the per-kernel table")
 def tune(model, target, quant, tracker_address, key, trials, only, kernel_patterns, max_seconds, as_json):
     """Tune the kernels of one decode step with MetaSchedule into tuning_logs/<target>/, which compile applies.
 
@@ -182,7 +191,7 @@ def tune(model, target, quant, tracker_address, key, trials, only, kernel_patter
 @click.option("--dump", default=None, type=click.Path(file_okay=False),
               help="Write the IR after each step as NN-step.py TVMScript files here.")
 @click.option("--pass", "only_step", default=None, metavar="NAME", help="Only write the IR after this step.")
-@click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
+@json_option("the table")
 def inspect(model, target, quant, quant_skip, context_window, dump, only_step, as_json):
     """Show what each pipeline step does: Relax functions, TIR kernels and parameter bytes after it."""
     from .inspect_ir import inspect_model  # pylint: disable=import-outside-toplevel
@@ -205,9 +214,9 @@ def inspect(model, target, quant, quant_skip, context_window, dump, only_step, a
 @click.option("--target", default="host", show_default=True, help="As for `compile`.")
 @click.option("--quant", default=None, help="As for `compile`.")
 @click.option("--quant-skip", multiple=True, metavar="PATTERN", help="As for `compile`.")
-@click.option("--context", "--context-window", "context_window", type=int, default=None,
+@click.option("--context-window", type=int, default=None,
               help="Tokens the KV cache holds, as `compile --context-window`; default min(model max, 2048).")
-@click.option("--json", "as_json", is_flag=True, help="Print the estimate as one JSON object.")
+@json_option("the estimate")
 def estimate(model, target, quant, quant_skip, context_window, as_json):
     """Memory MODEL needs on TARGET (weights, KV cache, activations, 20% margin) against its RAM and largest
     allocation, and the decode speed its memory bandwidth allows; nothing is built."""
@@ -225,7 +234,7 @@ def estimate(model, target, quant, quant_skip, context_window, as_json):
 @click.option("--max-tokens", type=int, default=1024, show_default=True, help="Evaluate the first N tokens.")
 @click.option("--window", type=int, default=512, show_default=True, help="Tokens per window (capped by the artifact).")
 @click.option("--threads", type=int, default=None, help="CPU threads for the compiled model.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@json_option("the perplexities and similarities")
 def evaluate(artifact, text_file, reference, max_tokens, window, threads, as_json):
     """Perplexity of ARTIFACT vs its float reference, and per-layer cosine similarity of hidden states."""
     # pylint: disable=import-outside-toplevel
@@ -265,56 +274,20 @@ def evaluate(artifact, text_file, reference, max_tokens, window, threads, as_jso
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence (for benchmarks).")
 @click.option("--threads", type=int, default=None, help="CPU threads (default: TVM_NUM_THREADS or one per core).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@json_option("the text, tokens and timings (not streamed)")
 def generate(artifact, prompt, max_new_tokens, temperature, top_p, seed, chat, ignore_eos, threads, as_json):
     """Load ARTIFACT and generate text from --prompt, streaming tokens as they come."""
     # pylint: disable=import-outside-toplevel
     import dataclasses
 
-    from .artifact import load_artifact
-    from .host import set_threads
-    from .runtime.generate import check_fits, load_tokenizer
-    from .runtime.generate import generate as run_generate
-    from .runtime.session import Session
+    from .runtime.generate import GenerateOptions, generate_text
 
-    # Every option before the artifact loads, the prompt's length before the library does.
-    validate.threads(threads)
-    validate.text(prompt, "--prompt")
-    validate.tokens(max_new_tokens, "--max-new-tokens")
-    validate.temperature(temperature)
-    validate.probability(top_p, "--top-p")
-    validate.seed(seed)
-    art = load_artifact(artifact)
-    tokenizer = load_tokenizer(art.tokenizer_dir)
-    if chat:
-        if not tokenizer.chat_template:
-            raise MobilecError("this model's tokenizer has no chat template; drop --chat")
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
-    else:
-        prompt_ids = tokenizer.encode(prompt)
-    check_fits(len(prompt_ids), max_new_tokens, int(art.config["context_window"]))
-    set_threads(threads)
-    session = Session(art)
-    stop_ids = frozenset() if ignore_eos else frozenset(i for i in [tokenizer.eos_token_id] if i is not None)
+    def stream(piece: str) -> None:
+        click.echo(piece, nl=False)
+        sys.stdout.flush()
 
-    printed = ""
-    generated: list[int] = []
-
-    def stream(token: int) -> None:
-        nonlocal printed
-        generated.append(token)
-        text = tokenizer.decode(generated, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            click.echo(text[len(printed):], nl=False)
-            sys.stdout.flush()
-            printed = text
-
-    result = run_generate(
-        session, prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-        stop_ids=stop_ids, on_token=None if as_json else stream,
-        decode_text=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-    )
+    options = GenerateOptions(prompt, max_new_tokens, temperature, top_p, seed, chat, ignore_eos, threads)
+    result = generate_text(artifact, options, on_text=None if as_json else stream)
     if as_json:
         click.echo(json.dumps(dataclasses.asdict(result)))
     else:
@@ -345,11 +318,11 @@ def generate(artifact, prompt, max_new_tokens, temperature, top_p, seed, chat, i
               help="Seconds an RPC session may last; the device ends it after that.")
 @click.option("--device-ram-mb", type=float, default=None,
               help="The device's RAM (default: the target's ram_gb); a larger memory estimate is refused before upload.")
-@click.option("--json", "json_file", default=None, type=click.Path(dir_okay=False), help="Write every figure here.")
+@json_option("every figure")
 @click.option("--plot", "plot_file", default=None, type=click.Path(dir_okay=False),
               help="With --sustained: save tok/s over time as a PNG.")
 def bench(artifact, local, rpc_address, tracker_address, key, prompt_len, gen_len, repeat, sustained_s, threads,
-          session_timeout_s, device_ram_mb, json_file, plot_file):
+          session_timeout_s, device_ram_mb, as_json, plot_file):
     """Measure ARTIFACT on a device: time to first token, prefill and decode tok/s, memory, bandwidth roofline.
 
     The library and weight shards are uploaded once; later runs skip shards the device has (same sha256).
@@ -372,7 +345,6 @@ def bench(artifact, local, rpc_address, tracker_address, key, prompt_len, gen_le
             validate.address(address, option)
     if key is not None:
         validate.device_key(key)
-    validate.output_file(json_file, "--json", "json")
     validate.output_file(plot_file, "--plot", "png")
     options = BenchOptions(prompt_len, gen_len, repeat, sustained_s, threads, device_ram_mb)
     options.check(local=rpc_address is None and tracker_address is None)
@@ -383,8 +355,7 @@ def bench(artifact, local, rpc_address, tracker_address, key, prompt_len, gen_le
         result = run_bench(art, device, options, progress=sys.stderr.isatty())
     finally:
         device.close()
-    click.echo(format_table(result))
-    _write_json_option(json_file, result)
+    click.echo(json.dumps(result) if as_json else format_table(result))
     if plot_file:
         plot_sustained(result, plot_file)
 
@@ -396,15 +367,13 @@ def bench(artifact, local, rpc_address, tracker_address, key, prompt_len, gen_le
               help="Tokens in the sequence (KV cache) before the profiled decode steps.")
 @click.option("--steps", type=int, default=16, show_default=True,
               help="Decode steps measured, each three ways: plain, call by call, under the VM instrument.")
-@click.option("--json", "json_file", default=None, type=click.Path(dir_okay=False), help="Write every figure here.")
-def profile(artifact, threads, context_len, steps, json_file):
+@json_option("every figure")
+def profile(artifact, threads, context_len, steps, as_json):
     """Where one decode step of ARTIFACT spends its time on this CPU: per kernel (grouped by projection),
     VM overhead between kernels, host-side Python/FFI; and the floor the memory bandwidth (measured) sets."""
     # pylint: disable=import-outside-toplevel
     from .artifact import load_artifact
     from .runtime.profile import format_profile, profile_report
 
-    validate.output_file(json_file, "--json", "json")
     result = profile_report(load_artifact(artifact), threads, context_len, steps)
-    click.echo(format_profile(result))
-    _write_json_option(json_file, result)
+    click.echo(json.dumps(result) if as_json else format_profile(result))

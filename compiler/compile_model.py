@@ -23,28 +23,18 @@ from .artifact import (
     file_manifest,
     installed_versions,
 )
+from .call_sites import call_site_map
+from .choices import DECODE_ACTIVATIONS
 from .cpu_check import cpu_entry
 from .errors import MobilecError
+from .estimate import estimate_imported, over_budget_message
 from .export import ShardWriter, atomic_directory, check_output
+from .importer import PAGE_SIZE, ImportedModel, import_model, resolve_model_path, target_and_scheme
 from .kernels import integer_dot_gemv
 from .loaders import Checkpoint, open_checkpoint
-from .loaders.default_model import default_model_path
-from .models.llama import LlamaConfig
-from .models.registry import ModelFamily, family_for
 from .passes.apply_tuning_database import tuned_kernels
 from .quantization import awq
-from .quantization.quantize_model import WeightPlan, quantize_model
-from .quantization.schemes import Scheme, get_scheme
-from .targets import TargetSpec, load_target
-
-PAGE_SIZE = 16
-DECODE_ACTIVATIONS = tuple(f"int{bits}" for bits in integer_dot_gemv.ACTIVATION_BITS)
-
-
-def resolve_model_path(model: str | None) -> Path:
-    if model in (None, "default"):
-        return default_model_path()
-    return Path(model)
+from .targets import TargetSpec
 
 
 def model_name(path: Path) -> str:
@@ -53,53 +43,6 @@ def model_name(path: Path) -> str:
 
 def default_output(model_path: Path, quant: str, target: str) -> Path:
     return Path("build") / f"{model_name(model_path)}-{quant}-{target}"
-
-
-@dataclasses.dataclass
-class ImportedModel:
-    family: ModelFamily
-    cfg: LlamaConfig
-    mod: tvm.IRModule | None  # None when imported with export=False
-    params: list  # (name, nn.Parameter) in the order the compiled functions take them
-    sources: dict[str, list[str]]  # float parameter -> checkpoint tensors
-    plan: WeightPlan  # quantized layer -> how to make its stored arrays
-    dtype: str  # activations: the float scheme's dtype, or the target's compute dtype
-    calibration: awq.Calibration | None = None  # --calibrate: scales folded into the float parameters
-
-
-def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_window: int | None,
-                 quant_skip: list[str] = (), quantize: bool = True,
-                 calibration: awq.Calibration | None = None, export: bool = True) -> ImportedModel:
-    """Build the nn.Module for the checkpoint's family, quantize its layers (unless told not to: `inspect`
-    shows the float import first), and export it to a Relax IRModule (unless told not to: the parameters'
-    shapes and dtypes, all `estimate` needs of another scheme, come without the seconds exporting takes)."""
-    validate.context_length(context_window)
-    family = family_for(ckpt.hf_config)
-    cfg = family.config_class.from_hf(ckpt.hf_config, context_window)
-    check_checkpoint_shapes(ckpt, cfg)
-    model = family.model_class(cfg)
-    dtype = scheme.float_dtype or spec.device["compute_dtype"]
-    model.to(dtype)
-    sources = cfg.param_sources()
-    plan = quantize_model(model, scheme, ckpt, sources, list(quant_skip), dtype, calibration) if quantize else {}
-    if not export:  # named_parameters() lists them as export_tvm does
-        return ImportedModel(family, cfg, None, list(model.named_parameters()), sources, plan, dtype, calibration)
-    with spec.model_target():
-        mod, params = model.export_tvm(spec=model.get_default_spec())
-    return ImportedModel(family, cfg, mod, params, sources, plan, dtype, calibration)
-
-
-def check_checkpoint_shapes(ckpt: Checkpoint, cfg: LlamaConfig) -> None:
-    """Every tensor the model reads is in the checkpoint with the shape its config implies, checked by the
-    checkpoint's own tensor names before any weight is read or anything built (a config-only checkpoint, as
-    `estimate` takes, has no tensors to check)."""
-    if not ckpt.tensor_names():
-        return
-    for name, want in cfg.source_shapes().items():
-        got = tuple(int(d) for d in ckpt.shape(name))
-        if got != want:
-            raise MobilecError(f"tensor {name} has shape {got} in {ckpt.description} but its config implies {want}; "
-                               f"the checkpoint and its config disagree")
 
 
 def _stored_array(ckpt: Checkpoint, imported: ImportedModel, name: str, made: dict[str, dict[str, np.ndarray]]):
@@ -159,18 +102,14 @@ def compile_model(
     """Compile and write the artifact; returns a summary (path, timings, sizes, kernels scheduled from the
     target's tuning log, which `no_tuning` leaves unread). A model that does not fit the target's memory is
     refused unless `force`. `decode_activations`: int16 (float-accurate) or int8 (faster, llama.cpp's rounding) for
-    the integer decode GEMVs of x86 CPU targets. The output must be a new path, an empty directory, or an artifact
-    (replaced only with `overwrite`): export.check_output."""
-    # Imported here because estimate imports this module.
-    from .estimate import estimate_imported, over_budget_message  # pylint: disable=import-outside-toplevel
-
+    the integer decode GEMVs of CPU targets with an integer dot product. The output must be a new path, an empty
+    directory, or an artifact (replaced only with `overwrite`): export.check_output."""
     validate.context_length(context_window)
     if output:
         check_output(Path(output), overwrite)  # before anything is loaded or built
-    spec = load_target(target)
+    spec, scheme = target_and_scheme(target, quant)
     _check_decode_activations(decode_activations, spec)
     link.check_toolchain(spec)  # before the build, not after it
-    scheme = get_scheme(quant or spec.device["default_quant"])
     awq.check_options(calibrate, calib_text, scheme.layout)
     model_path = resolve_model_path(model)
     out_dir = Path(output) if output else default_output(model_path, scheme.name, spec.name)
@@ -195,7 +134,7 @@ def compile_model(
             if step == pipeline.APPLY_TUNING_STEP:
                 tuned.extend(tuned_kernels(mod))
 
-        npu = None
+        npu, call_sites = None, None
         if spec.link["method"] == "hexagon":
             lowered = pipeline.run_steps(imported.mod, spec, note_tuned, tuning=not no_tuning,
                                          decode_activations=decode_activations)
@@ -204,6 +143,7 @@ def compile_model(
         else:
             executable = pipeline.build(imported.mod, spec, tuning=not no_tuning, after_step=note_tuned,
                                         decode_activations=decode_activations)
+            call_sites = call_site_map(executable.mod, len(imported.params))
             name, note = link.export_library(executable, spec, tmp / LIBRARY_DIR)
         library = f"{LIBRARY_DIR}/{name}"
         build_seconds = time.perf_counter() - t_build
@@ -232,6 +172,8 @@ def compile_model(
             "cpu": cpu_entry(spec.tvm_target()),
             "library": library,
             **({"npu_coverage": npu} if npu else {}),
+            # which parameters each VM call reads (call_sites.py): what `mobilec profile` labels kernels by
+            **({"call_sites": call_sites} if call_sites else {}),
             "context_window": cfg.context_window_size,
             "prefill_chunk": cfg.prefill_chunk_size,
             "page_size": PAGE_SIZE,

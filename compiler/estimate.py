@@ -19,19 +19,17 @@ import tvm
 from tvm import relax, tirx
 from tvm.sym.analyzer import Analyzer
 
-from . import pipeline
-from .compile_model import PAGE_SIZE, ImportedModel, import_model, resolve_model_path
+from . import pipeline, roofline
 from .errors import MobilecError
-from .inspect_ir import param_bytes
-from .loaders import Checkpoint, ConfigCheckpoint, open_checkpoint
+from .importer import PAGE_SIZE, ImportedModel, import_model, open_model, param_bytes, target_and_scheme
+from .loaders import Checkpoint, ConfigCheckpoint
 from .models.llama import LlamaConfig
-from .quantization.schemes import SCHEMES, Scheme, get_scheme
-from .targets import TargetSpec, load_target
+from .quantization.schemes import SCHEMES, Scheme
+from .targets import TargetSpec
 
 MARGIN = 0.2  # the runtime, library, tokenizer and allocator slack the count above does not see
 GIB = 2**30  # target files give ram_gb and max_alloc_gb in GiB, as passes/verify_device_limits.py reads the latter
 PLANNED_FUNCTIONS = ("prefill", "decode")  # what a deployed model runs (prefill_logits serves `eval` only)
-EMBEDDING = "model.embed_tokens."
 MIN_SUGGESTED_CONTEXT = 128  # shorter windows are of no use for a conversation
 
 
@@ -136,17 +134,15 @@ def _budget(description: str, spec: TargetSpec, quant: str, cfg: LlamaConfig, pa
             plan: ActivationPlan) -> MemoryEstimate:
     """The estimate of a model with these parameters at `cfg`'s context window and prefill chunk."""
     weights = {name: _tensor_bytes(p) for name, p in params}
-    # Decode reads every weight once, but of an untied embedding table only the token's row (a tied one is
-    # also the output layer, read in full).
-    weights_per_token = sum(
-        weights[name] // int(p.shape[0]) if name.startswith(EMBEDDING) and not cfg.tie_word_embeddings
-        else weights[name] for name, p in params
-    )
     size = tvm.DataType(dtype).bits // 8
     # Per layer the cache holds (pages, 2, kv heads, page size, head dim), one page more than the context needs.
     pages = -(-cfg.context_window_size // PAGE_SIZE) + 1
     kv_layer = pages * 2 * cfg.num_key_value_heads * PAGE_SIZE * cfg.head_dim * size
-    kv_read = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * cfg.context_window_size * size
+    read = roofline.decode_read(
+        ((name.startswith(roofline.EMBEDDING), weights[name], int(p.shape[0])) for name, p in params),
+        bool(cfg.tie_word_embeddings),
+        roofline.kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim, size),
+        cfg.context_window_size, "weights + KV cache at the context window")
     planned, largest_planned = plan.at(cfg.prefill_chunk_size)
     # The cache also allocates attention scratch for one prefill chunk: q, k, v and output, and two float32
     # log-sum-exp arrays; sized like activations, counted with them.
@@ -164,14 +160,13 @@ def _budget(description: str, spec: TargetSpec, quant: str, cfg: LlamaConfig, pa
     )
     ram, max_alloc = int(spec.device["ram_gb"] * GIB), int(spec.device["max_alloc_gb"] * GIB)
     bandwidth = float(spec.device["memory_bandwidth_gbs"])
-    bytes_per_token = weights_per_token + kv_read
     return MemoryEstimate(
         model=description, target=spec.name, quant=quant, context=cfg.context_window_size, prefill_chunk=chunk,
         dtype=dtype, weights_bytes=sum(weights.values()), kv_cache_bytes=cfg.num_hidden_layers * kv_layer,
         activation_bytes=activations, margin_bytes=margin, total_bytes=counted + margin, ram_bytes=ram,
         fits=counted + margin <= ram and largest_bytes <= max_alloc, largest_buffer_name=largest_name,
-        largest_buffer_bytes=largest_bytes, max_alloc_bytes=max_alloc, bytes_per_token=bytes_per_token,
-        memory_bandwidth_gbs=bandwidth, decode_floor_ms=bytes_per_token / (bandwidth * 1e9) * 1e3,
+        largest_buffer_bytes=largest_bytes, max_alloc_bytes=max_alloc, bytes_per_token=read.total,
+        memory_bandwidth_gbs=bandwidth, decode_floor_ms=roofline.floor_ms(read.total, bandwidth),
     )
 
 
@@ -179,7 +174,7 @@ def _fitting_quant(ckpt: Checkpoint, imported: ImportedModel, scheme: Scheme, sp
                    plans: dict[str, ActivationPlan], quant_skip: list[str]) -> MemoryEstimate | None:
     """The estimate of the least quantized scheme with smaller weights that fits, if any."""
     context = imported.cfg.context_window_size
-    current = param_bytes(imported.params)
+    current = imported.param_bytes
     smaller = []
     for candidate in SCHEMES.values():
         if candidate.name == scheme.name:
@@ -188,7 +183,7 @@ def _fitting_quant(ckpt: Checkpoint, imported: ImportedModel, scheme: Scheme, sp
             shapes = import_model(ckpt, candidate, spec, context, quant_skip, export=False)
         except MobilecError:
             continue  # a scheme this input cannot take: gguf without a GGUF file, --quant-skip with a float scheme
-        weights = param_bytes(shapes.params)
+        weights = shapes.param_bytes
         if weights < current:
             smaller.append((weights, candidate, shapes))
     for _, candidate, shapes in sorted(smaller, key=lambda item: -item[0]):
@@ -236,12 +231,11 @@ def estimate_memory(model: str | os.PathLike | dict[str, Any] | None, target: st
                     context_window: int | None = None, quant_skip: list[str] = ()) -> MemoryEstimate:
     """The estimate for `model`: a checkpoint path, 'default', a directory with only a config.json, or an HF
     config dict; `target` a target name or .toml path; `quant` by default the target's."""
-    spec = load_target(target)
-    scheme = get_scheme(quant or spec.device["default_quant"])
+    spec, scheme = target_and_scheme(target, quant)
     if isinstance(model, dict):
         ckpt: Checkpoint = ConfigCheckpoint(model, f"a {model.get('model_type')} config")
     else:
-        ckpt = open_checkpoint(resolve_model_path(model), weights_required=False)
+        ckpt = open_model(model, weights_required=False)
     with ckpt:
         imported = import_model(ckpt, scheme, spec, context_window, quant_skip)
         return estimate_imported(ckpt, imported, scheme, spec, quant_skip)

@@ -10,10 +10,8 @@ import tvm
 from tvm import relax, tirx
 
 from . import pipeline, validate
-from .compile_model import import_model, resolve_model_path
 from .errors import MobilecError
-from .loaders import open_checkpoint
-from .quantization.schemes import get_scheme
+from .importer import import_model, open_model, target_and_scheme
 from .targets import load_target
 
 
@@ -26,16 +24,6 @@ def _summary(index: int, step: str, mod: tvm.IRModule, param_bytes: int) -> dict
         "tir_kernels": sum(isinstance(f, tirx.PrimFunc) for f in funcs),
         "param_bytes": param_bytes,
     }
-
-
-def param_bytes(params) -> int:
-    total = 0
-    for _, p in params:
-        n = 1
-        for d in p.shape:
-            n *= int(d)
-        total += n * tvm.DataType(p.dtype).bits // 8
-    return total
 
 
 _DUMP_NAME = re.compile(r"\d\d-[a-z0-9-]+\.py")
@@ -73,8 +61,7 @@ def inspect_model(
     quant_skip: list[str] = (),
 ) -> list[dict[str, Any]]:
     """Run import, quantization and every pipeline step; write `NN-step.py` files into `dump` (all, or `only_step`)."""
-    spec = load_target(target)
-    scheme = get_scheme(quant or spec.device["default_quant"])
+    spec, scheme = target_and_scheme(target, quant)
     names = step_names(target)
     if only_step is not None and only_step not in names:
         raise MobilecError(f"unknown step {only_step!r}; the steps for {spec.name} are: {', '.join(names)}")
@@ -96,11 +83,11 @@ def inspect_model(
         if out is not None and only_step in (None, step):
             (out / f"{index:02d}-{re.sub(r'[^a-z0-9-]', '-', step)}.py").write_text(mod.script())
 
-    with open_checkpoint(resolve_model_path(model)) as ckpt:
+    with open_model(model) as ckpt:
         float_model = import_model(ckpt, scheme, spec, context_window, quant_skip, quantize=False)
-        record(0, "import", float_model.mod, param_bytes(float_model.params))
+        record(0, "import", float_model.mod, float_model.param_bytes)
         imported = import_model(ckpt, scheme, spec, context_window, quant_skip)
-    quant_bytes = param_bytes(imported.params)
+    quant_bytes = imported.param_bytes
     record(1, "quantize", imported.mod, quant_bytes)
     pipeline.run_steps(imported.mod, spec, lambda i, step, mod: record(i + 2, step, mod, quant_bytes))
     return rows

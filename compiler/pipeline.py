@@ -9,6 +9,8 @@ from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 from tvm.s_tir import dlight
 
+from .kernels import integer_dot_gemv
+from .kernels.cpu_attention import vector_lanes
 from .passes.apply_tuning_database import ApplyTuningDatabase
 from .passes.fuse_add_rmsnorm import FuseAddRMSNorm
 from .passes.fuse_dequantize_matmul import FuseDequantizeMatmul
@@ -33,46 +35,49 @@ def _seq(passes: list[tvm.transform.Pass]) -> tvm.transform.Pass:
 
 
 def steps(spec: TargetSpec, tuning: bool = False, decode_activations: str = "int16") -> list[Step]:
-    """The ordered steps for `spec`; each runs inside `with target:`. With `tuning`, kernels tuned faster in
-    tuning_logs/<target>/ (`mobilec tune`) are scheduled from there (compile asks for that). `decode_activations`
-    is the integer width of decode GEMV activations on CPUs with an integer-dot variant (kernels/integer_dot_gemv/)."""
+    """The ordered steps that run for `spec`, each inside `with target:`; a step for some targets only says which in
+    its condition here. With `tuning`, kernels tuned faster in tuning_logs/<target>/ (`mobilec tune`) are scheduled
+    from there (compile asks for that). `decode_activations` is the integer width of decode GEMV activations on CPUs
+    with an integer-dot variant (kernels/integer_dot_gemv/)."""
     target = spec.tvm_target()
     gpu = spec.schedule["rules"] == "gpu"
-    # FuseAddRMSNorm schedules its kernel for CPU threads itself; on a GPU the add and the norm are left to
-    # FuseOps and dlight instead.
-    add_rmsnorm = [] if gpu else [("fuse-add-rmsnorm", FuseAddRMSNorm())]
+    dot_family = integer_dot_gemv.family(target)
+    cpu_lanes = vector_lanes(target)
     schedule_rules = gpu_schedules.rules(spec.schedule) if gpu else cpu_schedules.rules()
-    apply_tuning = [(APPLY_TUNING_STEP, ApplyTuningDatabase(spec.name))] if tuning else []
-    return [
-        ("fuse-transpose-matmul", FuseTransposeMatmul()),
-        # Decode GEMVs of quantized weights on x86 CPUs (AVX2, AVX-512): int16 (or int8) activations times the codes
-        # in integers.
-        ("integer-dot-gemv", IntegerDotGEMV(int(decode_activations.removeprefix("int")))),
+    every_target = True
+    candidates = [
+        ("fuse-transpose-matmul", FuseTransposeMatmul(), every_target),
+        # CPUs with an integer dot product (x86 AVX2 / AVX-512, ARM dotprod / i8mm): decode GEMVs of quantized
+        # weights multiply int16 (or int8) activations by the codes in integers.
+        ("integer-dot-gemv", IntegerDotGEMV(int(decode_activations.removeprefix("int")), dot_family),
+         dot_family is not None),
         # LLVM CPU targets: the paged KV cache's attention kernels (decode, prefill) become vectorized ones.
-        ("cpu-attention", ReplaceCPUAttention()),
+        ("cpu-attention", ReplaceCPUAttention(cpu_lanes), cpu_lanes is not None),
         # Needs the NT_matmul calls above; before FuseOps, so bias/residual adds still fuse into the fused kernel.
-        ("fuse-dequantize-matmul", FuseDequantizeMatmul()),
-        # On high-level ops, before LegalizeOps; takes the residual add that FuseOps would put in the matmul epilogue.
-        *add_rmsnorm,
-        ("fuse-swiglu", FuseSwiGLU()),
-        ("dispatch-library", _seq(cpu_generic.library_dispatch_passes(target))),
-        ("legalize", relax.transform.LegalizeOps()),
-        ("annotate-op-pattern", relax.transform.AnnotateTIROpPattern()),
-        ("fold-constant", relax.transform.FoldConstant()),
-        ("fuse-ops", relax.transform.FuseOps()),
-        ("fuse-tir", relax.transform.FuseTIR()),
-        ("dead-code-elimination", relax.transform.DeadCodeElimination()),
+        ("fuse-dequantize-matmul", FuseDequantizeMatmul(), every_target),
+        # CPU rules: on high-level ops, before LegalizeOps; takes the residual add that FuseOps would put in the
+        # matmul epilogue, and schedules its kernel for CPU threads itself (GPUs leave it to FuseOps and dlight).
+        ("fuse-add-rmsnorm", FuseAddRMSNorm(), not gpu),
+        ("fuse-swiglu", FuseSwiGLU(), every_target),
+        ("dispatch-library", _seq(cpu_generic.library_dispatch_passes(target)), every_target),
+        ("legalize", relax.transform.LegalizeOps(), every_target),
+        ("annotate-op-pattern", relax.transform.AnnotateTIROpPattern(), every_target),
+        ("fold-constant", relax.transform.FoldConstant(), every_target),
+        ("fuse-ops", relax.transform.FuseOps(), every_target),
+        ("fuse-tir", relax.transform.FuseTIR(), every_target),
+        ("dead-code-elimination", relax.transform.DeadCodeElimination(), every_target),
         # Kernels that tuned faster than our rules; dlight skips them (tirx.is_scheduled).
-        *apply_tuning,
-        ("schedule", dlight.ApplyDefaultSchedule(*schedule_rules)),
-        ("lower-dataflow", _seq(cpu_generic.dataflow_lower_passes(target))),
-        ("plan-memory-and-lower", _seq(cpu_generic.finalize_passes(target))),
+        (APPLY_TUNING_STEP, ApplyTuningDatabase(spec.name), tuning),
+        ("schedule", dlight.ApplyDefaultSchedule(*schedule_rules), every_target),
+        ("lower-dataflow", _seq(cpu_generic.dataflow_lower_passes(target)), every_target),
+        ("plan-memory-and-lower", _seq(cpu_generic.finalize_passes(target)), every_target),
         # Once every kernel exists: TVM 0.27's LLVM codegen gives all kernels the noalias setting of the last one.
-        ("mark-noalias", MarkNoalias()),
+        ("mark-noalias", MarkNoalias(), every_target),
         # Buffers here; kernels' threads, local memory and arguments again in build(), once split from the host.
-        ("verify-device-limits", VerifyDeviceLimits(spec.device["max_alloc_gb"])),
-        ("verify-alignment", VerifyAlignment()),
+        ("verify-device-limits", VerifyDeviceLimits(spec.device["max_alloc_gb"]), every_target),
+        ("verify-alignment", VerifyAlignment(), every_target),
     ]
+    return [(name, step) for name, step, runs in candidates if runs]
 
 
 def run_steps(

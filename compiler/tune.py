@@ -18,7 +18,6 @@ import functools
 import logging
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -30,17 +29,17 @@ from pathlib import Path
 from typing import Any
 
 import tvm
-from tvm import relax, rpc, tirx
+from tvm import relax, tirx
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 from tvm.support import cc
 
 from . import link, pipeline, tuning_log, validate
-from .compile_model import import_model, resolve_model_path
+from .choices import TUNE_FUNCTIONS
 from .errors import MobilecError
-from .loaders import open_checkpoint
+from .importer import import_model, open_model
 from .quantization.schemes import get_scheme
-from .runtime.remote import CONNECT_TIMEOUT_S, deadline, last_line, parse_address
+from .rpc_peers import check_key, last_line, open_tracker
 from .targets import TargetSpec, load_target
 
 # A round gives one kernel this many trials, then the next kernel has its turn: a --max-seconds budget then
@@ -51,7 +50,6 @@ BUILD_TIMEOUT_S = 30  # MetaSchedule's default; a kernel slower to compile would
 RUN_TIMEOUT_S = 60
 SESSION_TIMEOUT_S = 300  # one RPC session uploads and times one kernel; TVM's 10 s is too short for a board
 EVALUATOR = ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=100)
-FUNCTIONS = {"decode": ("decode",), "prefill": ("prefill",), "all": ("decode", "prefill")}
 FIX = "delete it or restore it from git, then rerun"
 # MetaSchedule logs every trial at INFO; its warnings still show.
 SEARCH_LOGGER = logging.getLogger(__name__)
@@ -95,7 +93,7 @@ def export_kernel(compiler: str | None, module: tvm.runtime.Module) -> str:
 def kernel_module(model: str | None, spec: TargetSpec, quant: str | None) -> tvm.IRModule:
     """The model as compile has it right before the tuning log is applied: the same import and steps."""
     scheme = get_scheme(quant or spec.device["default_quant"])
-    with open_checkpoint(resolve_model_path(model)) as ckpt:
+    with open_model(model) as ckpt:
         mod = import_model(ckpt, scheme, spec, context_window=None).mod
     steps = pipeline.steps(spec, tuning=True)
     with spec.tvm_target():
@@ -190,21 +188,11 @@ def _library_compiler(spec: TargetSpec) -> str | None:
 
 def tracker_devices(tracker: str, key: str) -> tuple[str, int, int]:
     """(host, port, how many RPC servers the tracker has under `key`); an unknown key is refused with the keys."""
-    host, port = parse_address(tracker, "--tracker")
-    try:
-        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
-        with deadline(CONNECT_TIMEOUT_S, f"{host}:{port} accepts connections but did not answer as an RPC tracker "
-                                         f"within {CONNECT_TIMEOUT_S:g} s; fix --tracker"):
-            tracker_session = rpc.connect_tracker(host, port)
-            servers = [info["key"].split(":", 1)[1] for info in tracker_session.summary()["server_info"]]
-        tracker_session.close()
-    except (RuntimeError, OSError, ValueError, KeyError, TypeError, IndexError) as err:
-        raise MobilecError(f"cannot reach an RPC tracker at {host}:{port} ({last_line(err)}); start it with "
-                           f"`python -m tvm.exec.rpc_tracker --host 0.0.0.0 --port {port}` or fix --tracker") from None
-    if key not in servers:
-        listed = ", ".join(sorted(set(servers))) or "none; no RPC server has registered"
-        raise MobilecError(f"the tracker at {host}:{port} has no device with key {key!r}; its keys: {listed}")
-    return host, port, servers.count(key)
+    host, port = validate.address(tracker, "--tracker")
+    tracker_session, keys = open_tracker(host, port)
+    tracker_session.close()
+    check_key(host, port, key, keys)
+    return host, port, keys.count(key)
 
 
 class _Measurer:
@@ -326,7 +314,7 @@ def tune(model: str | None, target: str, quant: str | None, trials: int, tracker
     measurer = _Measurer(spec, tuning_target, devices, key)
     try:
         print(f"tune: extracting kernels ({spec.name}, measured on {measurer.where})", file=sys.stderr)
-        kernels, left_out = find_kernels(kernel_module(model, spec, quant), spec, FUNCTIONS[only],
+        kernels, left_out = find_kernels(kernel_module(model, spec, quant), spec, TUNE_FUNCTIONS[only],
                                          list(kernel_patterns))
         if not kernels:
             raise MobilecError(f"no kernel to tune among {', '.join(left_out) or 'none matched --kernel'}; "

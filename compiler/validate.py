@@ -189,13 +189,12 @@ def _writable_ancestor(path: Path, name: str) -> None:
 # What an output file of each kind starts with: an existing file is replaced only when it is one (ours, or at
 # least a file of the kind we write), never a file of another kind that happens to sit at that path.
 _FILE_KINDS: dict[str, tuple[str, Callable[[bytes], bool]]] = {
-    "json": ("a JSON file", lambda head: head.lstrip()[:1] in (b"{", b"[")),
     "png": ("a PNG image", lambda head: head.startswith(b"\x89PNG\r\n\x1a\n")),
 }
 
 
 def output_file(value: Any, name: str, kind: str) -> Path | None:
-    """A file a command writes (`kind`: json or png): a new path in a writable directory, or an existing file of
+    """A file a command writes (`kind`: png, bench's --plot): a new path in a writable directory, or an existing file of
     that kind (a previous result, replaced); anything else at the path is refused, so no other file is lost."""
     if value is None:
         return None

@@ -139,12 +139,10 @@ def _bench_in_process(artifact: Path, *args: str) -> subprocess.CompletedProcess
     return subprocess.CompletedProcess(["bench", *args], result.exit_code, result.stdout, result.stderr)
 
 
-def _bench_json(artifact: Path, tmp_path: Path, *args: str) -> dict:
-    out = tmp_path / "bench.json"
-    result = _bench(artifact, *BENCH_ARGS, "--json", str(out), *args)
+def _bench_json(artifact: Path, *args: str) -> dict:
+    result = _bench(artifact, *BENCH_ARGS, "--json", *args)
     assert result.returncode == 0, result.stderr
-    assert "decode (median / p90)" in result.stdout  # the table
-    return json.loads(out.read_text())
+    return json.loads(result.stdout)
 
 
 def _assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> str:
@@ -205,7 +203,7 @@ def _rewrite_norm_weight(artifact: Path) -> str:
 def test_rpc_tokens_equal_local_session_and_shards_upload_once(tiny_artifact, rpc_server, tmp_path):
     address, device_dir = rpc_server
     artifact = _copy(tiny_artifact, tmp_path)
-    first = _bench_json(artifact, tmp_path, "--rpc", address)
+    first = _bench_json(artifact, "--rpc", address)
     assert first["tokens"] == _session_tokens(artifact)
     _assert_sane(first)
     assert first["device"]["kind"] == "rpc" and first["device"]["address"] == address
@@ -219,20 +217,20 @@ def test_rpc_tokens_equal_local_session_and_shards_upload_once(tiny_artifact, rp
              **{s: hashlib.sha256((artifact / PARAMS_DIR / s).read_bytes()).hexdigest() for s in shards}}
     assert {k: v for k, v in _device_files(device_dir, artifact).items() if k in local} == local
 
-    second = _bench_json(artifact, tmp_path, "--rpc", address)
+    second = _bench_json(artifact, "--rpc", address)
     assert second["upload"]["uploaded"] == 0 and second["upload"]["bytes"] == 0
     assert sorted(second["upload"]["skipped_files"]) == sorted(local)
     assert second["tokens"] == first["tokens"]
 
     changed = _rewrite_norm_weight(artifact)
-    third = _bench_json(artifact, tmp_path, "--rpc", address)
+    third = _bench_json(artifact, "--rpc", address)
     assert third["upload"]["uploaded_files"] == [changed]
     # The device computed with the new shard: its tokens are the local Session's on the changed weights.
     assert third["tokens"] == _session_tokens(artifact) != first["tokens"]
 
 
 def test_tracker_with_key_tokens_equal_local_session(tiny_artifact, tracker, tmp_path):
-    result = _bench_json(tiny_artifact, tmp_path, "--tracker", tracker, "--key", KEY)
+    result = _bench_json(tiny_artifact, "--tracker", tracker, "--key", KEY)
     assert result["tokens"] == _session_tokens(tiny_artifact)
     _assert_sane(result)
     assert result["device"]["kind"] == "tracker" and result["device"]["key"] == KEY
@@ -304,7 +302,7 @@ def test_library_for_another_architecture_is_refused_before_upload(tiny_artifact
 
 def test_local_device_with_sustained_run_and_plot(tiny_artifact, tmp_path):
     plot = tmp_path / "sustained.png"
-    result = _bench_json(tiny_artifact, tmp_path, "--device", "local", "--sustained", "3", "--plot", str(plot))
+    result = _bench_json(tiny_artifact, "--device", "local", "--sustained", "3", "--plot", str(plot))
     assert result["tokens"] == _session_tokens(tiny_artifact)
     _assert_sane(result)
     assert result["device"]["kind"] == "local" and result["peak_mem_mb"] > 0

@@ -46,7 +46,7 @@ def _estimate_json(*args) -> dict:
 @pytest.fixture(scope="module")
 def llama_7b_adreno(llama_7b_dir) -> dict:
     return _estimate_json("--model", str(llama_7b_dir), "--target", "android-adreno", "--quant", "q4f16_g32",
-                          "--context", "4096")
+                          "--context-window", "4096")
 
 
 # ---------------------------------------------------------------- (a) weights as compile writes them
@@ -102,7 +102,7 @@ def test_llama_7b_int4_fits_12_gb_phones(llama_7b_adreno, llama_7b_dir):
                                                                   llama_7b_adreno["kv_cache_bytes"] +
                                                                   llama_7b_adreno["activation_bytes"]), abs=1)
     arm64 = _estimate_json("--model", str(llama_7b_dir), "--target", "android-arm64", "--quant", "q4f16_g32",
-                           "--context", "4096")
+                           "--context-window", "4096")
     # the ARM CPU keeps its KV cache in float32: twice the bytes, still within 12 GiB
     assert arm64["kv_cache_bytes"] == 2 * llama_7b_adreno["kv_cache_bytes"] and arm64["fits"]
 
@@ -167,14 +167,14 @@ def test_compile_refuses_a_model_over_the_target_ram(tiny_hf, tmp_path):
 
 
 def test_estimate_json_has_the_documented_keys(tiny_hf):
-    est = _estimate_json("--model", str(tiny_hf), "--quant", "q4f16_g32", "--context", "64")
+    est = _estimate_json("--model", str(tiny_hf), "--quant", "q4f16_g32", "--context-window", "64")
     assert JSON_KEYS <= set(est)
     assert est["total_bytes"] == est["weights_bytes"] + est["kv_cache_bytes"] + est["activation_bytes"] + \
         est["margin_bytes"]
 
 
 def test_estimate_prints_the_budget_table(tiny_hf):
-    result = _run(["estimate", "--model", str(tiny_hf), "--quant", "q4f16_g32", "--context", "64"])
+    result = _run(["estimate", "--model", str(tiny_hf), "--quant", "q4f16_g32", "--context-window", "64"])
     assert result.exit_code == 0, result.output
     for row in ("weights", "KV cache @ 64", "activations", "margin 20%", "total", "largest buffer", "bytes/token",
                 "ms/token", "tok/s"):

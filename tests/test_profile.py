@@ -22,15 +22,9 @@ from compiler.cli import main
 from compiler.compile_model import compile_model
 from compiler.errors import MobilecError
 from compiler.host import measure_read_bandwidth, numpy_read_bandwidth
-from compiler.runtime.bench import bytes_per_token
-from compiler.runtime.profile import (
-    ATTENTION_BUILTIN,
-    artifact_read_bytes,
-    gguf_read_bytes,
-    library_functions,
-    profile_decode_step,
-    vm_call_sites,
-)
+from compiler.roofline import artifact_read_bytes, gguf_read_bytes
+from compiler.call_sites import ATTENTION_BUILTIN, call_site_map, library_functions, vm_call_sites
+from compiler.runtime.profile import format_profile, profile_decode_step
 from compiler.runtime.session import Session
 from tests.helpers.tiny_models import SPECS, build_model, save_compilable_checkpoint, write_gguf
 
@@ -99,7 +93,6 @@ def test_bytes_per_token_equals_a_count_by_hand(artifacts, key):
         assert read.tied_embeddings is tied
         assert (read.weights, read.embedding_table, read.kv_cache) == (weights, table, kv_token * context)
         assert read.total == weights + kv_token * context
-        assert bytes_per_token(art, context) == (read.total, read.source)  # what `mobilec bench` reports
 
 
 @pytest.mark.parametrize("key", sorted(ARTIFACTS))
@@ -108,7 +101,10 @@ def test_read_bytes_are_the_weights_the_compiled_decode_reads(artifacts, key):
     embed reads, are exactly artifact_read_bytes's weights: the tied/untied rule matches the program."""
     art = load_artifact(artifacts[key])
     tensors = art.index["tensors"]
-    sites = vm_call_sites(tvm.runtime.load_module(str(art.library)), len(tensors))
+    library = tvm.runtime.load_module(str(art.library))
+    sites = vm_call_sites(library, len(tensors))
+    # the map compile wrote into the artifact is the one its library's bytecode gives
+    assert art.config["call_sites"] == json.loads(json.dumps(call_site_map(library, len(tensors))))
     decode = {p for site in sites["decode"] for p in site.params}
     embed_only = {p for site in sites["embed"] for p in site.params} - decode
     assert embed_only or art.config["model"]["config"]["tie_word_embeddings"]
@@ -214,12 +210,11 @@ def test_read_bandwidth_is_plausible_and_does_not_depend_on_the_size():
     assert big > 0.4 * numpy_read_bandwidth(96, repeats=3)["numpy_sum_gbs"]
 
 
-def test_cli_profile_json_round_trips(artifacts, tmp_path):
-    out = tmp_path / "profile.json"
+def test_cli_profile_json_round_trips(artifacts):
     result = CliRunner().invoke(main, ["profile", str(artifacts["mha_untied"]), "--threads", "1", "--context-len",
-                                       str(CONTEXT), "--steps", str(STEPS), "--json", str(out)])
+                                       str(CONTEXT), "--steps", str(STEPS), "--json"])
     assert result.exit_code == 0, result.output
-    data = json.loads(out.read_text())
+    data = json.loads(result.stdout)
     assert json.loads(json.dumps(data)) == data
     assert data["threads"] == "1" and data["context_len"] == CONTEXT and data["steps"] == STEPS
     assert data["bandwidth_gbs"] > 0
@@ -227,8 +222,8 @@ def test_cli_profile_json_round_trips(artifacts, tmp_path):
     assert data["bytes_per_token"] == data["read_bytes"]["total"] == artifact_read_bytes(art, CONTEXT).total
     assert data["floor_tok_s"] == pytest.approx(data["bandwidth_gbs"] * 1e9 / data["bytes_per_token"])
     assert data["floor_fraction"] == pytest.approx(data["tok_s"] / data["floor_tok_s"])
-    # the table shows the figures the JSON holds
-    table = result.stdout
+    # the table (without --json) shows the figures the JSON holds
+    table = format_profile(data)
     assert f"{data['wall_ms']:.3f} ms median" in table
     assert f"{data['split_ms']['kernels']:8.3f} ms" in table
     assert f"{data['floor_fraction']:.1%} of the floor" in table

@@ -24,7 +24,7 @@ from compiler.artifact import load_artifact
 from compiler.compile_model import compile_model
 from compiler.loaders import open_checkpoint
 from compiler.loaders.default_model import default_model_path
-from compiler.runtime.generate import load_tokenizer
+from compiler.loaders.tokenizer import load_tokenizer
 from compiler.runtime.session import Session
 from tests.helpers.assertions import assert_mobilec_error
 from tests.helpers.reference import reference_greedy

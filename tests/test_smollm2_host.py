@@ -8,7 +8,8 @@ from click.testing import CliRunner
 
 from compiler.artifact import load_artifact
 from compiler.cli import main
-from compiler.runtime.generate import generate, load_tokenizer
+from compiler.loaders.tokenizer import load_tokenizer
+from compiler.runtime.generate import generate
 from compiler.runtime.session import Session
 from tests.helpers.reference import reference_greedy
 

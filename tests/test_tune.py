@@ -28,7 +28,8 @@ from tvm import rpc
 from compiler import pipeline, tuning_log
 from compiler.artifact import load_artifact
 from compiler.cli import main
-from compiler.compile_model import compile_model, import_model
+from compiler.compile_model import compile_model
+from compiler.importer import import_model
 from compiler.loaders import open_checkpoint
 from compiler.passes.apply_tuning_database import TUNED_ATTR
 from compiler.quantization.schemes import SCHEMES, get_scheme

@@ -269,3 +269,8 @@ def gemm_body(access: GemmAccess, tiles: GemmTiles) -> tirx.PrimFunc:
                                     dot_store(sc, t, small_start + g * _i64(dot_rows) + i, nb, i, j)
 
     return func
+
+
+def replace_kernel(func: tirx.PrimFunc, access: GemmAccess, tiles: GemmTiles) -> tirx.PrimFunc:
+    """`func` (same parameters and buffers) with its body replaced by the GEMM, marked scheduled."""
+    return func.with_body(gemm_body(access, tiles).body).with_attr("tirx.is_scheduled", True)

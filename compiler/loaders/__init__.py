@@ -8,94 +8,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
-
-import numpy as np
 
 from ..errors import MobilecError
+from .checkpoint import Checkpoint, ConfigCheckpoint
 
 __all__ = ["Checkpoint", "ConfigCheckpoint", "open_checkpoint"]
 
 _GGUF_MAGIC = b"GGUF"
 _USAGE = "pass a Hugging Face model directory (config.json + weights) or a .gguf file"
-
-
-class Checkpoint:
-    """A read-only view of one model's weights, config and tokenizer.
-
-    Subclasses fill in `hf_config`, `description` and the tensor accessors; tensors are read one at a
-    time from memory-mapped files, so opening a checkpoint never loads the whole model.
-    """
-
-    hf_config: dict[str, Any]
-    description: str
-
-    def tensor_names(self) -> list[str]:
-        raise NotImplementedError
-
-    def get(self, name: str) -> np.ndarray:
-        """One tensor as a float32 array in HF layout ([out, in] for linear weights)."""
-        raise NotImplementedError
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """One tensor's shape in HF layout, without reading its values (readers override this)."""
-        return tuple(self.get(name).shape)
-
-    def get_gguf_blocks(self, name: str) -> tuple[str, np.ndarray, tuple[int, int]]:
-        """The still-quantized rows of a GGUF tensor; only GGUF checkpoints have them."""
-        raise MobilecError(
-            f"{self.description} is not a GGUF file, so tensor {name!r} has no quantized blocks; "
-            "pass a .gguf checkpoint to reuse its quantization"
-        )
-
-    def save_tokenizer(self, out_dir: str | os.PathLike) -> None:
-        """Write tokenizer files (with the chat template) that `AutoTokenizer.from_pretrained` loads offline."""
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Drop the file mappings; arrays already returned by `get` stay valid."""
-
-    def __enter__(self) -> "Checkpoint":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _missing(self, name: str) -> MobilecError:
-        names = self.tensor_names()
-        hint = f" (it has {len(names)} tensors, e.g. {names[0]!r})" if names else ""
-        return MobilecError(f"tensor {name!r} is not in {self.description}{hint}; check the tensor name")
-
-
-class ConfigCheckpoint(Checkpoint):
-    """A model's config without its weights: enough for shapes and sizes (`mobilec estimate`), not to compile."""
-
-    def __init__(self, hf_config: dict[str, Any], description: str):
-        self.hf_config = hf_config
-        self.description = description
-
-    def tensor_names(self) -> list[str]:
-        return []
-
-    def get(self, name: str) -> np.ndarray:
-        raise MobilecError(f"{self.description} has no weights, so tensor {name!r} cannot be read; "
-                           "pass a model directory with its weight files")
-
-
-def _one_line(e: BaseException) -> str:
-    """The first line of a library's error, to quote inside a one-line MobilecError."""
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
-
-
-def _save_auto_tokenizer(source: Path, out_dir: str | os.PathLike, what: str, **kwargs: Any) -> None:
-    """Let transformers build the tokenizer and write it, so the saved files are exactly what it reloads."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True, **kwargs)
-        tokenizer.save_pretrained(str(out_dir))
-    except Exception as e:  # transformers raises many types here; the user needs one line
-        raise MobilecError(f"could not build the tokenizer of {what} ({_one_line(e)}); check its tokenizer files") from e
 
 
 def open_checkpoint(path: str | os.PathLike, weights_required: bool = True) -> Checkpoint:

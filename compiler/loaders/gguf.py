@@ -17,7 +17,8 @@ from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
 
 from ..errors import MobilecError
-from . import Checkpoint, _one_line, _save_auto_tokenizer
+from .checkpoint import Checkpoint, one_line
+from .tokenizer import save_auto_tokenizer
 
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -76,7 +77,7 @@ class GGUFCheckpoint(Checkpoint):
             self._reader = GGUFReader(path)
         except Exception as e:  # GGUFReader reports truncation as shape/dtype ValueErrors
             raise MobilecError(
-                f"GGUF file {str(path)!r} is truncated or corrupt ({_one_line(e)}); re-download or re-convert it"
+                f"GGUF file {str(path)!r} is truncated or corrupt ({one_line(e)}); re-download or re-convert it"
             ) from e
         size = path.stat().st_size
         for t in self._reader.tensors:
@@ -239,7 +240,7 @@ class GGUFCheckpoint(Checkpoint):
     def save_tokenizer(self, out_dir: str | os.PathLike) -> None:
         if "tokenizer.ggml.model" not in self._reader.fields:
             raise MobilecError(f"{self.description} carries no tokenizer; use a GGUF converted with its tokenizer")
-        _save_auto_tokenizer(self._path.parent, out_dir, self.description, gguf_file=self._path.name)
+        save_auto_tokenizer(self._path.parent, out_dir, self.description, gguf_file=self._path.name)
 
     def close(self) -> None:
         # Dropping the reader drops its memory map; returned arrays own their data (see get).

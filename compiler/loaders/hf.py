@@ -12,7 +12,8 @@ import torch
 from safetensors import safe_open
 
 from ..errors import MobilecError
-from . import Checkpoint, _one_line, _save_auto_tokenizer
+from .checkpoint import Checkpoint, one_line
+from .tokenizer import save_auto_tokenizer
 
 # Checked in this order: an index wins over a single file, safetensors over pickled .bin.
 _WEIGHT_LAYOUTS = (
@@ -28,7 +29,7 @@ def _read_json(path: Path, what: str) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MobilecError(f"{what} {str(path)!r} is not valid JSON ({_one_line(e)}); re-download or fix it") from e
+        raise MobilecError(f"{what} {str(path)!r} is not valid JSON ({one_line(e)}); re-download or fix it") from e
 
 
 def _weight_files(model_dir: Path) -> tuple[list[Path], str, str]:
@@ -58,7 +59,7 @@ class _SafetensorsShard:
             self._file = safe_open(str(path), framework="pt")
         except Exception as e:
             raise MobilecError(
-                f"safetensors file {str(path)!r} is truncated or corrupt ({_one_line(e)}); re-download it"
+                f"safetensors file {str(path)!r} is truncated or corrupt ({one_line(e)}); re-download it"
             ) from e
         self.names = list(self._file.keys())
 
@@ -77,7 +78,7 @@ class _TorchShard:
         except Exception as e:
             raise MobilecError(
                 f"PyTorch weight file {str(path)!r} is truncated, corrupt or in the pre-1.6 format "
-                f"({_one_line(e)}); re-download it or convert it to safetensors"
+                f"({one_line(e)}); re-download it or convert it to safetensors"
             ) from e
         if not isinstance(state, dict):
             raise MobilecError(f"{str(path)!r} does not hold a state dict; re-save it with model.save_pretrained")
@@ -147,7 +148,7 @@ class HFCheckpoint(Checkpoint):
                 f"no tokenizer files in {str(self._dir)!r} (expected one of {', '.join(_TOKENIZER_FILES)}); "
                 "download them with the model"
             )
-        _save_auto_tokenizer(self._dir, out_dir, self.description)
+        save_auto_tokenizer(self._dir, out_dir, self.description)
 
     def close(self) -> None:
         self._where = {}

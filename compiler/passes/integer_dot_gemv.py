@@ -6,9 +6,8 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
-from tvm.target import Target
 
-from ..kernels.integer_dot_gemv import ACTIVATION_BITS, GemvShape, family, gemv, quantize_activation
+from ..kernels.integer_dot_gemv import ACTIVATION_BITS, GemvShape, gemv, quantize_activation
 from ..quantization.modules import LAYOUT_ATTR
 from .ir_walk import rewrite_relax_functions
 
@@ -80,18 +79,15 @@ class _Rewriter(PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="IntegerDotGEMV")
 class IntegerDotGEMV:  # pylint: disable=too-few-public-methods
-    """On CPUs with an integer dot-product variant (x86: AVX2, AVX-VNNI, AVX-512BW, AVX-512 VNNI), decode GEMVs of
-    4/8-bit group codes multiply int16 (or int8) activations by the codes in integer arithmetic. Run inside `with target:`, after FuseTransposeMatmul and before
-    FuseDequantizeMatmul (which fuses the dequantizes still left: prefill, other targets)."""
+    """Decode GEMVs of 4/8-bit group codes -> activation quantize + integer-dot GEMV: int16 (or int8) activations
+    times the codes in integer arithmetic, with the instructions of `dot_family` (compiler/isa.py; the pipeline
+    adds this step for CPUs that have one). After FuseTransposeMatmul and before FuseDequantizeMatmul (which fuses
+    the dequantizes still left: prefill, shapes no variant takes)."""
 
-    def __init__(self, act_bits: int = 16):
+    def __init__(self, act_bits: int, dot_family: str):
         if act_bits not in ACTIVATION_BITS:
             raise ValueError(f"activation bits must be one of {ACTIVATION_BITS}, got {act_bits}")
-        self.act_bits = act_bits
+        self.act_bits, self.dot_family = act_bits, dot_family
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        target = Target.current(allow_none=True)
-        dot_family = None if target is None else family(target)
-        if dot_family is None:
-            return mod
-        return rewrite_relax_functions(mod, _Rewriter(mod, self.act_bits, dot_family))
+        return rewrite_relax_functions(mod, _Rewriter(mod, self.act_bits, self.dot_family))

@@ -5,7 +5,7 @@ TVMPagedKVCache (relax/frontend/nn/llm/kv_cache.py) adds its kernels to the modu
 their GlobalVars to `vm.builtin.paged_attention_kv_cache_create`; the runtime calls them by position. So the swap
 is a plain replacement of the PrimFunc bound to that GlobalVar by one with the same signature and global symbol.
 The kernel is recognised by its global symbol, and its shape (heads, head_dim, page size, dtype) is read from
-its parameters. Only LLVM CPU targets: GPU targets use TVM's GPU kernels, which this leaves alone, as it leaves
+its parameters. The pipeline runs it for LLVM CPU targets only (GPU targets keep TVM's GPU kernels); it leaves
 the sliding-window variants and any shape the vectorized kernel does not take.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import tvm
 from tvm import tirx
-from tvm.target import Target
 
 from ..kernels.cpu_attention import (
     DECODE_SYMBOL,
@@ -23,7 +22,6 @@ from ..kernels.cpu_attention import (
     attention_decode,
     attention_prefill_paged,
     attention_prefill_ragged,
-    vector_lanes,
 )
 
 
@@ -70,37 +68,30 @@ KERNELS = {
 }
 
 
-def replace_cpu_attention(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
-    lanes = vector_lanes(target)
-    if lanes is None:
-        return mod
-    replaced = {}
-    for gv, func in mod.functions_items():
-        symbol = _global_symbol(func)
-        if symbol not in KERNELS:
-            continue
-        read_shape, build = KERNELS[symbol]
-        shape = read_shape(func)
-        if shape is None or not shape.supported(lanes):
-            continue
-        replaced[gv] = build(shape, lanes).with_attrs({**dict(func.attrs), "tirx.noalias": True})
-    if not replaced:
-        return mod
-    mod = mod.clone()
-    for gv, func in replaced.items():
-        mod.update_func(gv, func)
-    return mod
-
-
 @tvm.transform.module_pass(opt_level=0, name="ReplaceCPUAttention")
 class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
-    """On LLVM CPU targets, the paged KV cache's attention kernels (TVM's scalar `batch_decode_paged_kv_cpu`,
-    `batch_prefill_ragged_kv` and `batch_prefill_paged_kv_cpu`) become the vectorized ones of
-    compiler/kernels/cpu_attention.py. Run inside `with target:`; anywhere before
-    the build (TVM's kernels are marked scheduled, so dlight leaves them, as it leaves these)."""
+    """The paged KV cache's attention kernels (TVM's scalar `batch_decode_paged_kv_cpu`, `batch_prefill_ragged_kv`
+    and `batch_prefill_paged_kv_cpu`) -> the vectorized ones of compiler/kernels/cpu_attention.py, at `lanes` float32
+    lanes (the pipeline adds this step for LLVM CPU targets). Anywhere before the build (TVM's kernels are marked
+    scheduled, so dlight leaves them, as it leaves these)."""
+
+    def __init__(self, lanes: int):
+        self.lanes = lanes
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        target = Target.current(allow_none=True)
-        if target is None:
+        replaced = {}
+        for gv, func in mod.functions_items():
+            symbol = _global_symbol(func)
+            if symbol not in KERNELS:
+                continue
+            read_shape, build = KERNELS[symbol]
+            shape = read_shape(func)
+            if shape is None or not shape.supported(self.lanes):
+                continue
+            replaced[gv] = build(shape, self.lanes).with_attrs({**dict(func.attrs), "tirx.noalias": True})
+        if not replaced:
             return mod
-        return replace_cpu_attention(mod, target)
+        mod = mod.clone()
+        for gv, func in replaced.items():
+            mod.update_func(gv, func)
+        return mod

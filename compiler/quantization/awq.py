@@ -250,8 +250,8 @@ def calibrate(ckpt: Checkpoint, layout: GroupLayout, text_file: str | None, log=
     """Record every layer's input statistics on the calibration text, search AWQ scales, keep H for GPTQ."""
     import torch  # pylint: disable=import-outside-toplevel
 
+    from ..loaders.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
     from ..models.registry import family_for  # pylint: disable=import-outside-toplevel
-    from ..runtime.generate import load_tokenizer  # pylint: disable=import-outside-toplevel
 
     family_for(ckpt.hf_config)  # the families we compile are the ones whose layers are folded below
     t0 = time.perf_counter()

@@ -5,7 +5,8 @@ from __future__ import annotations
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
-from .group import GroupLayout, dequantize_te, take_dequantize_te
+from .dequantize_te import dequantize_te, take_dequantize_te
+from .group import GroupLayout
 
 # The dequantize kernels carry their layout: later passes (IntegerDotGEMV) read the codes directly.
 LAYOUT_ATTR = "mobilec.group_layout"

@@ -20,17 +20,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tvm
 from tqdm import tqdm
-from tvm import relax
 
 from .. import validate
 from ..artifact import Artifact
 from ..errors import MobilecError
+from ..roofline import artifact_read_bytes
 from ..targets import load_target
 from .generate import peak_rss_mb
-from .profile import bytes_per_token
-from .remote import Device, Staged, check_runs_on, last_line
+from .remote import Device, check_runs_on
+from .session import Session
 
 SUSTAINED_INTERVAL_S = 1.0
 DEVICE_TIMING_STEPS = 8  # decode steps time_evaluator averages after each run
@@ -76,123 +75,60 @@ def prompt_ids(vocab_size: int, n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab_size, n).astype("int32")
 
 
-class DeviceModel:
-    """The artifact's Relax VM on a device, with one sequence's paged KV cache; greedy tokens picked on the host."""
-
-    def __init__(self, device: Device, artifact: Artifact, staged: Staged):
-        self.device = device
-        with device.errors("loading the library"):
-            try:
-                lib = device.load_module(staged.library)
-            except RuntimeError as err:
-                if "ELF" not in str(err) and "shared object" not in str(err):
-                    raise
-                # The loader rejects a library made for another architecture (not detectable beforehand when
-                # the device's TVM has no LLVM to report its triple).
-                target = artifact.config["target"]
-                raise MobilecError(f"{device.description['name']} cannot load {artifact.library.name} built for "
-                                   f"{target['name']} ({target['tvm_target'].get('mtriple', '')}): {last_line(err)}; "
-                                   f"compile it with a --target for that device") from None
-        device.note_loaded(artifact)
-        with device.errors("loading the weights"):
-            self.vm = relax.VirtualMachine(lib, device.dev)
-            self.params = device.load_params(staged, artifact)
-            cfg = artifact.config
-            self.context_window = int(cfg["context_window"])
-            self.prefill_chunk = int(cfg["prefill_chunk"])
-            self._kv_shapes = [device.shape(n) for n in (1, self.context_window, self.prefill_chunk,
-                                                          int(cfg["page_size"]), 0)]
-            self._seq_ids = device.shape(0)
-            self._one = device.shape(1)
-            self._token = tvm.runtime.tensor(np.zeros(1, "int32"), device.dev)
-            self._embed, self._prefill, self._decode = self.vm["embed"], self.vm["prefill"], self.vm["decode"]
-            self._add_sequence = device.function("vm.builtin.kv_state_add_sequence")
-            self._begin = device.function("vm.builtin.kv_state_begin_forward")
-            self._end = device.function("vm.builtin.kv_state_end_forward")
-            self._item = device.function("ffi.ArrayGetItem")  # a remote tuple comes back as a handle
-        self.kv_cache = None
-        self.length = 0
-        self.fetch_s = 0.0
-
-    def reset(self) -> None:
-        self.kv_cache = self.vm["create_tir_paged_kv_cache"](*self._kv_shapes)
-        self._add_sequence(self.kv_cache, 0)
-        self.length = 0
-
-    def _forward(self, func, tokens, n: int):
-        embed = self._embed(tokens, self.params)
-        self._begin(self.kv_cache, self._seq_ids, self._one if n == 1 else self.device.shape(n))
-        out = func(embed, self.kv_cache, self.params)
-        self._end(self.kv_cache)
-        self.length += n
-        return out
-
-    def _greedy(self, out) -> int:
-        start = time.perf_counter()
-        logits = self._item(out, 0).numpy()
-        self.fetch_s += time.perf_counter() - start
-        return int(np.argmax(logits.reshape(-1)))
-
-    def prefill(self, ids: np.ndarray) -> int:
-        """Append the prompt (in chunks); the greedy token after it."""
-        for start in range(0, len(ids), self.prefill_chunk):
-            chunk = ids[start : start + self.prefill_chunk]
-            out = self._forward(self._prefill, tvm.runtime.tensor(chunk, self.device.dev), len(chunk))
-        return self._greedy(out)
-
-    def decode(self, token: int) -> int:
-        self._token.copyfrom(np.array([token], "int32"))
-        return self._greedy(self._forward(self._decode, self._token, 1))
-
-    def generate(self, ids: np.ndarray, n_tokens: int, on_token=lambda: None) -> Run:
-        self.reset()
-        t0 = time.perf_counter()
-        tokens = [self.prefill(ids)]
-        t1 = time.perf_counter()
-        fetch_before = self.fetch_s
+def generate(session: Session, ids: np.ndarray, n_tokens: int, on_token=lambda: None) -> Run:
+    """A fresh sequence: the prompt, then greedy tokens (picked on the host) up to `n_tokens`, timed."""
+    session.reset()
+    t0 = time.perf_counter()
+    tokens = [int(np.argmax(session.prefill(ids)))]
+    t1 = time.perf_counter()
+    fetch_before = session.fetch_s
+    on_token()
+    while len(tokens) < n_tokens:
+        tokens.append(int(np.argmax(session.decode(tokens[-1]))))
         on_token()
-        while len(tokens) < n_tokens:
-            tokens.append(self.decode(tokens[-1]))
-            on_token()
-        return Run(tokens, t1 - t0, time.perf_counter() - t1, self.fetch_s - fetch_before)
+    return Run(tokens, t1 - t0, time.perf_counter() - t1, session.fetch_s - fetch_before)
 
-    def device_decode_s(self, token: int) -> float:
-        """One decode step timed on the device by time_evaluator, RPC round trips excluded. The step repeats
-        at one position, rewriting the same KV entry, and is committed once at the end."""
-        self._token.copyfrom(np.array([token], "int32"))
-        embed = self._embed(self._token, self.params)
-        self._begin(self.kv_cache, self._seq_ids, self._one)
-        self.vm.save_function("decode", SAVED_DECODE, embed, self.kv_cache, self.params, include_return=False)
-        seconds = self.vm.time_evaluator(SAVED_DECODE, self.device.dev, number=DEVICE_TIMING_STEPS)().mean
-        self._end(self.kv_cache)
-        self.length += 1
-        return seconds
 
-    def sustained(self, ids: np.ndarray, seconds: float, progress: bool) -> dict[str, Any]:
-        """Decode for `seconds`; tok/s per interval over decode time only (restarts at the context window and
-        their prefill are left out, so a falling rate means the device slowed down)."""
-        counts: dict[int, int] = collections.Counter()
-        busy: dict[int, float] = collections.defaultdict(float)
-        last = math.ceil(seconds / SUSTAINED_INTERVAL_S) - 1  # the step that ends past the deadline counts here
-        self.reset()
-        token = self.prefill(ids)
-        start = time.perf_counter()
-        with tqdm(total=round(seconds), desc="sustained", bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s",
-                  file=sys.stderr, disable=not progress) as bar:
-            while (now := time.perf_counter()) - start < seconds:
-                if self.length >= self.context_window:
-                    self.reset()
-                    token = self.prefill(ids)
-                    continue
-                token = self.decode(token)
-                end = time.perf_counter()
-                interval = min(int((end - start) // SUSTAINED_INTERVAL_S), last)
-                counts[interval] += 1
-                busy[interval] += end - now
-                bar.update(min(round(end - start), bar.total) - bar.n)
-        intervals = sorted(busy)
-        return {"interval_s": SUSTAINED_INTERVAL_S, "t_s": [i * SUSTAINED_INTERVAL_S for i in intervals],
-                "tok_s": [counts[i] / busy[i] for i in intervals]}
+def device_decode_s(session: Session, token: int) -> float:
+    """One decode step timed on the device by time_evaluator, RPC round trips excluded. The step repeats at one
+    position, rewriting the same KV entry, and is committed once at the end."""
+    embedded = session.embed(session.token_tensor(token))
+    session.begin_forward(session.kv_cache, session.seq_ids, session.one_token)
+    session.vm.save_function("decode", SAVED_DECODE, embedded, session.kv_cache, session.params, include_return=False)
+    seconds = session.vm.time_evaluator(SAVED_DECODE, session.device.dev, number=DEVICE_TIMING_STEPS)().mean
+    session.end_forward(session.kv_cache)
+    session.length += 1
+    return seconds
+
+
+def sustained(session: Session, ids: np.ndarray, seconds: float, progress: bool) -> dict[str, Any]:
+    """Decode for `seconds`; tok/s per interval over decode time only (restarts at the context window and their
+    prefill are left out, so a falling rate means the device slowed down)."""
+    counts: dict[int, int] = collections.Counter()
+    busy: dict[int, float] = collections.defaultdict(float)
+    last = math.ceil(seconds / SUSTAINED_INTERVAL_S) - 1  # the step that ends past the deadline counts here
+
+    def restart() -> int:
+        session.reset()
+        return int(np.argmax(session.prefill(ids)))
+
+    token = restart()
+    start = time.perf_counter()
+    with tqdm(total=round(seconds), desc="sustained", bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s",
+              file=sys.stderr, disable=not progress) as bar:
+        while (now := time.perf_counter()) - start < seconds:
+            if session.length >= session.context_window:
+                token = restart()
+                continue
+            token = int(np.argmax(session.decode(token)))
+            end = time.perf_counter()
+            interval = min(int((end - start) // SUSTAINED_INTERVAL_S), last)
+            counts[interval] += 1
+            busy[interval] += end - now
+            bar.update(min(round(end - start), bar.total) - bar.n)
+    intervals = sorted(busy)
+    return {"interval_s": SUSTAINED_INTERVAL_S, "t_s": [i * SUSTAINED_INTERVAL_S for i in intervals],
+            "tok_s": [counts[i] / busy[i] for i in intervals]}
 
 
 def _target_device_facts(artifact: Artifact) -> dict[str, Any] | None:
@@ -230,38 +166,36 @@ def run_bench(artifact: Artifact, device: Device, options: BenchOptions, progres
     options.check(int(cfg["context_window"]), local=device.session is None)
     facts = _target_device_facts(artifact)
     check_memory(artifact, options.device_ram_mb, facts)
-    cpu_check = check_runs_on(artifact, device)
+    check_runs_on(artifact, device)  # before anything is uploaded
     with device.bounded():  # nothing on a device waits past its session
-        return _run_bench(artifact, device, options, progress, facts, cpu_check)
+        return _run_bench(artifact, device, options, progress, facts)
 
 
-def _run_bench(artifact: Artifact, device: Device, options: BenchOptions, progress: bool, facts: dict[str, Any] | None,
-               cpu_check: dict[str, Any]) -> dict[str, Any]:
+def _run_bench(artifact: Artifact, device: Device, options: BenchOptions, progress: bool,
+               facts: dict[str, Any] | None) -> dict[str, Any]:
     cfg = artifact.config
     if options.threads is not None:
         with device.errors("setting the thread count"):
             device.set_threads(options.threads)
-    t_stage = time.perf_counter()
-    staged = device.stage(artifact, progress)
-    t_load = time.perf_counter()
-    model = DeviceModel(device, artifact, staged)
-    load_s = time.perf_counter() - t_load
+    session = Session(artifact, device, progress)
+    staged = session.staged
     ids = prompt_ids(int(cfg["model"]["config"]["vocab_size"]), options.prompt_len, options.seed)
     with device.errors("running the benchmark"):
-        model.generate(ids, 2)  # warm-up: the first calls set up the VM's memory pools
+        generate(session, ids, 2)  # warm-up: the first calls set up the VM's memory pools
         with tqdm(total=options.repeat * options.gen_len, desc="bench", unit="tok", file=sys.stderr,
                   disable=not progress) as bar:
             runs, device_step_s = [], []
             for _ in range(options.repeat):
-                runs.append(model.generate(ids, options.gen_len, lambda: bar.update()))
-                device_step_s.append(model.device_decode_s(runs[-1].tokens[-1]))
+                runs.append(generate(session, ids, options.gen_len, lambda: bar.update()))
+                device_step_s.append(device_decode_s(session, runs[-1].tokens[-1]))
         device_tok_s = 1.0 / float(np.median(device_step_s))
-        sustained = model.sustained(ids, options.sustained_s, progress) if options.sustained_s else None
+        sustained_run = sustained(session, ids, options.sustained_s, progress) if options.sustained_s else None
     steps = options.gen_len - 1
     decode_rates = [_rate(steps, r.decode_s) for r in runs]
     decode_tok_s = float(np.median(decode_rates))
     # decode runs from prompt_len to prompt_len + gen_len tokens: its middle stands for the whole
-    per_token, source = bytes_per_token(artifact, options.prompt_len + options.gen_len // 2)
+    read = artifact_read_bytes(artifact, options.prompt_len + options.gen_len // 2)
+    per_token, source = read.total, read.source
     bandwidth = facts["memory_bandwidth_gbs"] if facts else None
 
     def roofline(rate: float) -> float | None:
@@ -274,17 +208,17 @@ def _run_bench(artifact: Artifact, device: Device, options: BenchOptions, progre
         "quant": cfg["quantization"]["name"],
         "target": cfg["target"]["name"],
         "device": device.description,
-        "cpu_check": cpu_check,
+        "cpu_check": session.cpu_check,
         "prompt_len": options.prompt_len,
         "gen_len": options.gen_len,
         "repeat": options.repeat,
         "threads": options.threads,
         "prompt_seed": options.seed,
         "upload": {"uploaded": len(staged.uploaded), "skipped": len(staged.skipped), "bytes": staged.upload_bytes,
-                   "seconds": round(t_load - t_stage, 3), "uploaded_files": staged.uploaded,
+                   "seconds": round(session.stage_s, 3), "uploaded_files": staged.uploaded,
                    "skipped_files": staged.skipped},
         "weights_loaded_by": "vm.builtin.tensor_cache.load on the device",
-        "load_s": round(load_s, 3),
+        "load_s": round(session.load_s, 3),
         "ttft_ms": float(np.median([r.ttft_s for r in runs])) * 1e3,
         "prefill_tok_s": float(np.median([_rate(options.prompt_len, r.ttft_s) for r in runs])),
         "decode_tok_s": decode_tok_s,
@@ -302,7 +236,7 @@ def _run_bench(artifact: Artifact, device: Device, options: BenchOptions, progre
         "roofline_fraction": roofline(decode_tok_s),
         "roofline_fraction_device": roofline(device_tok_s),
         "tokens": runs[0].tokens,
-        "sustained": sustained,
+        "sustained": sustained_run,
     }
 
 

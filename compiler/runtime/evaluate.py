@@ -10,7 +10,7 @@ import numpy as np
 from .. import validate
 from ..artifact import Artifact
 from ..errors import MobilecError
-from .generate import load_tokenizer
+from ..loaders.tokenizer import load_tokenizer
 from .session import Session
 
 

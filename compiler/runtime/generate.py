@@ -6,12 +6,14 @@ import dataclasses
 import resource
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
 from .. import validate
+from ..artifact import load_artifact
 from ..errors import MobilecError
+from ..host import set_threads
+from ..loaders.tokenizer import load_tokenizer
 from .session import Session
 
 
@@ -24,15 +26,6 @@ class GenerationResult:
     prefill_tok_s: float
     decode_tok_s: float
     peak_rss_mb: float
-
-
-def load_tokenizer(tokenizer_dir: Path):
-    from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
-
-    try:
-        return AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    except (OSError, ValueError) as err:
-        raise MobilecError(f"cannot load the tokenizer in {tokenizer_dir}: {str(err).splitlines()[0]}") from None
 
 
 def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
@@ -110,3 +103,64 @@ def generate(
         decode_tok_s=decode_steps / (t_end - t_first) if decode_steps else float("nan"),
         peak_rss_mb=peak_rss_mb(),
     )
+
+
+@dataclasses.dataclass
+class GenerateOptions:
+    """`mobilec generate`'s options."""
+
+    prompt: str
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    chat: bool = False  # wrap the prompt in the tokenizer's chat template
+    ignore_eos: bool = False
+    threads: int | None = None
+
+    def check(self) -> None:
+        validate.threads(self.threads)
+        validate.text(self.prompt, "--prompt")
+        validate.tokens(self.max_new_tokens, "--max-new-tokens")
+        validate.temperature(self.temperature)
+        validate.probability(self.top_p, "--top-p")
+        validate.seed(self.seed)
+
+
+def prompt_token_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if not chat:
+        return tokenizer.encode(prompt)
+    if not tokenizer.chat_template:
+        raise MobilecError("this model's tokenizer has no chat template; drop --chat")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def generate_text(artifact_path: str, options: GenerateOptions,
+                  on_text: Callable[[str], None] | None = None) -> GenerationResult:
+    """`mobilec generate`: the artifact's text for the prompt; `on_text` gets each new piece as it comes (a
+    multi-byte character once whole). Every option is checked before the artifact loads, the prompt's length
+    before the library does."""
+    options.check()
+    artifact = load_artifact(artifact_path)
+    tokenizer = load_tokenizer(artifact.tokenizer_dir)
+    prompt_ids = prompt_token_ids(tokenizer, options.prompt, options.chat)
+    check_fits(len(prompt_ids), options.max_new_tokens, int(artifact.config["context_window"]))
+    set_threads(options.threads)
+    session = Session(artifact)
+    stop_ids = frozenset() if options.ignore_eos else frozenset(i for i in [tokenizer.eos_token_id] if i is not None)
+    printed = ""
+    generated: list[int] = []
+
+    def stream(token: int) -> None:
+        nonlocal printed
+        generated.append(token)
+        text = tokenizer.decode(generated, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            on_text(text[len(printed):])
+            printed = text
+
+    return generate(session, prompt_ids, options.max_new_tokens, temperature=options.temperature,
+                    top_p=options.top_p, seed=options.seed, stop_ids=stop_ids, on_token=stream if on_text else None,
+                    decode_text=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))

@@ -3,9 +3,9 @@
 Three measurements, each on its own:
 - the memory read bandwidth this machine reaches at a thread count: a large array (well above the last-level
   cache) summed by a small TVM kernel, parallel over threads and vectorized, best of a few repeats;
-- the bytes one decode token reads: every weight the decode step uses (the token-embedding table as one row,
-  unless it is also the output layer) and the KV cache up to the context length; the same for a GGUF file as
-  llama.cpp runs it (f16 KV cache). bytes / bandwidth is the decode floor;
+- the bytes one decode token reads (compiler/roofline.py): every weight the decode step uses (the token-embedding
+  table as one row, unless it is also the output layer) and the KV cache up to the context length. bytes /
+  bandwidth is the decode floor;
 - one decode step's time, per kernel (the Relax VM's instrument hook, before and after every call) and split
   into kernels, the VM's own work between them, and the host-side Python/FFI around the VM calls. The step's
   wall time is measured without the instrument, which costs time of its own.
@@ -17,177 +17,23 @@ achieved GB/s is known, whatever the kernel's name.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import re
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tvm
-from tvm.runtime import ShapeTuple
 
 from .. import validate
 from ..artifact import Artifact
+from ..call_sites import ATTENTION_BUILTIN, stored_call_sites
 from ..errors import MobilecError
 from ..host import measure_read_bandwidth, set_threads
+from ..roofline import artifact_read_bytes, floor_figures
 from .session import Session
 
 # ---------------------------------------------------------------------------------------------------------
-# Bytes read per decoded token
-
-EMBEDDING = "model.embed_tokens."
-LM_HEAD = "lm_head."
-
-
-@dataclasses.dataclass(frozen=True)
-class ReadBytes:
-    """What one decode step reads from memory, `context_len` tokens into the sequence."""
-
-    weights: int  # every weight decode reads, the embedding table as embedding_read
-    kv_cache: int  # layers x 2 x kv heads x head dim x context_len x kv_dtype bytes
-    context_len: int
-    tied_embeddings: bool  # the embedding table is also the output layer, so decode reads all of it
-    embedding_table: int  # bytes of the whole token-embedding table
-    embedding_read: int  # of it, what a decode step reads: all of it when tied, else one row
-    kv_bytes_per_token: int  # the KV cache of one token, all layers
-    source: str
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.kv_cache
-
-    def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "total": self.total}
-
-
-def artifact_tied_embeddings(artifact: Artifact) -> bool:
-    """Whether the artifact's output layer is its embedding table: no lm_head.* weights. The model config's
-    tie_word_embeddings, when present, must agree."""
-    tied = not any(t["name"].startswith(LM_HEAD) for t in artifact.index["tensors"])
-    stated = artifact.config["model"]["config"].get("tie_word_embeddings")
-    if stated is not None and bool(stated) != tied:
-        raise MobilecError(f"{artifact.path}: tie_word_embeddings is {stated} but params/index.json "
-                           f"{'has no' if tied else 'has'} lm_head weights; recompile the artifact")
-    return tied
-
-
-def artifact_read_bytes(artifact: Artifact, context_len: int) -> ReadBytes:
-    """Bytes one decode step of `artifact` reads at `context_len` tokens of context, from params/index.json
-    (every tensor is a weight the decode step reads; an untied embedding table, only one row of it) and the
-    model config (the KV cache holds the compute dtype)."""
-    cfg = artifact.config
-    model = cfg["model"]["config"]
-    tensors = artifact.index["tensors"]
-    tied = artifact_tied_embeddings(artifact)
-    embedding = [t for t in tensors if t["name"].startswith(EMBEDDING)]
-    table = sum(t["nbytes"] for t in embedding)
-    row = sum(t["nbytes"] // t["shape"][0] for t in embedding)
-    read = table if tied else row
-    weights = sum(t["nbytes"] for t in tensors) - table + read
-    kv_token = (model["num_hidden_layers"] * 2 * model["num_key_value_heads"] * model["head_dim"]
-                * np.dtype(cfg["compute_dtype"]).itemsize)
-    embedding_note = "tied embedding: read whole" if tied else "untied embedding: one row"
-    return ReadBytes(weights, kv_token * context_len, context_len, tied, table, read, kv_token,
-                     f"params/index.json weights ({embedding_note}) + {cfg['compute_dtype']} KV cache of "
-                     f"{context_len} tokens")
-
-
-def bytes_per_token(artifact: Artifact, position: int) -> tuple[int, str]:
-    """Bytes one decode step reads `position` tokens into the sequence, and where the figure comes from."""
-    read = artifact_read_bytes(artifact, position)
-    return read.total, read.source
-
-
-def gguf_read_bytes(path: str | Path, context_len: int, kv_dtype_bytes: int = 2) -> ReadBytes:
-    """Bytes one llama.cpp decode step of a GGUF model reads at `context_len`: every tensor (token_embd as one
-    row when there is an output.weight, else whole: it is the output layer too) and a KV cache of
-    `kv_dtype_bytes` per value (llama.cpp's default cache type is f16)."""
-    import gguf  # pylint: disable=import-outside-toplevel
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (OSError, ValueError) as err:
-        raise MobilecError(f"cannot read GGUF {path}: {err}") from None
-
-    def field(key: str, default=None):
-        return reader.fields[key].contents() if key in reader.fields else default
-
-    arch = field("general.architecture")
-    heads = field(f"{arch}.attention.head_count")
-    kv_heads = field(f"{arch}.attention.head_count_kv", heads)
-    key_len = field(f"{arch}.attention.key_length", field(f"{arch}.embedding_length") // heads)
-    value_len = field(f"{arch}.attention.value_length", key_len)
-    layers = field(f"{arch}.block_count")
-    by_name = {t.name: t for t in reader.tensors}
-    embd = by_name["token_embd.weight"]
-    tied = "output.weight" not in by_name
-    table = int(embd.n_bytes)
-    read = table if tied else table // int(embd.shape[-1])  # GGUF shapes are [ne0 = hidden, ne1 = vocab]
-    weights = sum(int(t.n_bytes) for t in reader.tensors) - table + read
-    kv_token = layers * kv_heads * (key_len + value_len) * kv_dtype_bytes
-    return ReadBytes(weights, kv_token * context_len, context_len, tied, table, read, kv_token,
-                     f"GGUF tensors ({'no output.weight: token_embd read whole' if tied else 'token_embd: one row'})"
-                     f" + {8 * kv_dtype_bytes}-bit KV cache of {context_len} tokens")
-
-
-# ---------------------------------------------------------------------------------------------------------
 # The VM bytecode: which weights each call reads
-
-_FUNC_LINE = re.compile(r"^@(\S+):\s*$")
-_CALL_LINE = re.compile(r"^\s*call\s+(\S+)\s+in:(.*?)\s*dst:\s*(\S+)\s*$")
-ATTENTION_BUILTIN = "vm.builtin.attention_kv_cache"  # the paged KV cache runs its attention kernels inside it
-
-
-@dataclasses.dataclass(frozen=True)
-class CallSite:
-    name: str
-    params: tuple[int, ...]  # indices into the artifact's parameters of the weights the call reads
-
-
-def vm_call_sites(library: tvm.runtime.Module, n_params: int) -> dict[str, list[CallSite] | None]:
-    """Every Relax VM function of the library: its call instructions in order, with the parameters each
-    reads (followed from `vm.builtin.tuple_getitem` on the packed parameter tuple); None for a function
-    with control flow, whose calls are not one fixed sequence."""
-    functions: dict[str, list[CallSite] | None] = {}
-    current: str | None = None
-    sites: list[CallSite] | None = None
-    params_reg = None
-    reg_param: dict[str, int] = {}
-    for line in library["as_text"]().splitlines():
-        if match := _FUNC_LINE.match(line):
-            current, sites, params_reg, reg_param = match[1], [], None, {}
-            functions[current] = sites
-            continue
-        if line.startswith("@"):  # "@name packed_func;": the function table, listed after each function
-            current = None
-            continue
-        if current is None or not line.strip() or sites is None:
-            continue
-        match = _CALL_LINE.match(line)
-        if match is None:
-            if not line.strip().startswith("ret"):
-                functions[current] = sites = None  # a branch or goto
-            continue
-        name, args, dst = match[1], match[2].replace(",", " ").split(), match[3]
-        if name == "vm.builtin.check_tuple_info" and len(args) > 1 and args[1] == f"i{n_params}":
-            params_reg = args[0]
-        reads = tuple(reg_param[a] for a in args if a in reg_param)
-        reg_param.pop(dst, None)
-        if name == "vm.builtin.tuple_getitem" and args and args[0] == params_reg and args[1].startswith("i"):
-            reg_param[dst] = int(args[1][1:])
-        sites.append(CallSite(name, reads))
-    return functions
-
-
-def library_functions(library: tvm.runtime.Module, sites: dict[str, list[CallSite] | None]) -> set[str]:
-    """The names the VM calls (in `sites`, from vm_call_sites) that are compiled functions of the library
-    (PrimFuncs), not VM builtins."""
-    names = {site.name for calls in sites.values() if calls for site in calls}
-    return {n for n in names if any(m.implements_function(n) for m in library.imports)}
-
 
 def _category(function: str, name: str, params: list[str]) -> str:
     """A readable group: "gemv <projection>" by the weight a call reads, attention, rmsnorm, embedding..."""
@@ -240,24 +86,24 @@ def _phased_step(session: Session, token: int, mark=None) -> dict[str, float]:
     # pylint: disable=protected-access
     clock = time.perf_counter
     t0 = clock()
-    ids = tvm.runtime.tensor(np.asarray([token], dtype="int32"), session.device)
+    ids = session.token_tensor(token)
     t1 = clock()
     if mark:
         mark("embed")
-    embed = session._embed(ids, session.params)
+    embedded = session.embed(ids)
     t2 = clock()
-    session._begin(session.kv_cache, ShapeTuple([0]), ShapeTuple([1]))
+    session.begin_forward(session.kv_cache, session.seq_ids, session.one_token)
     t3 = clock()
     if mark:
         mark("decode")
-    logits, session.kv_cache = session._decode(embed, session.kv_cache, session.params)
+    out = session._decode(embedded, session.kv_cache, session.params)
     t4 = clock()
-    session._end(session.kv_cache)
+    session.end_forward(session.kv_cache)
     t5 = clock()
     if mark:
         mark(None)
     session.length += 1
-    logits.numpy().reshape(-1)
+    session.logits(out)
     t6 = clock()
     return {"input": t1 - t0, "embed_call": t2 - t1, "kv_begin_forward": t3 - t2, "decode_call": t4 - t3,
             "kv_end_forward": t5 - t4, "logits_to_numpy": t6 - t5}
@@ -325,9 +171,11 @@ def profile_decode_step(session: Session, context_len: int, steps: int = DEFAULT
     _check_room(session.context_window, context_len, steps)
     artifact = session.artifact
     tensors = artifact.index["tensors"]
-    lib = tvm.runtime.load_module(str(artifact.library))
-    sites = vm_call_sites(lib, len(tensors))
-    primfuncs = library_functions(lib, sites)
+    if "call_sites" not in artifact.config:
+        raise MobilecError(f"{artifact.path} has no map of the weights its calls read (built for "
+                           f"{artifact.config['target']['name']}, or by an older mobilec); recompile it for a CPU "
+                           f"target")
+    sites, primfuncs = stored_call_sites(artifact.config["call_sites"])
 
     # Session.decode (the wall time), the same calls timed one by one, and a step under the instrument,
     # interleaved so that a noisy neighbour slows all three alike.
@@ -451,13 +299,6 @@ def profile_decode_step(session: Session, context_len: int, steps: int = DEFAULT
 
 # ---------------------------------------------------------------------------------------------------------
 # The whole report: `mobilec profile`
-
-
-def floor_figures(read: ReadBytes, bandwidth_gbs: float, tok_s: float) -> dict[str, float]:
-    """The decode floor at this bandwidth and the share of it `tok_s` reaches."""
-    floor_tok_s = bandwidth_gbs * 1e9 / read.total
-    return {"bytes_per_token": read.total, "floor_tok_s": floor_tok_s, "floor_ms": 1e3 / floor_tok_s,
-            "floor_fraction": tok_s / floor_tok_s}
 
 
 def profile_report(artifact: Artifact, threads: int | None, context_len: int, steps: int = DEFAULT_STEPS,

@@ -19,12 +19,10 @@ import json
 import math
 import os
 import re
-import signal
 import socket
 import struct
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,60 +32,18 @@ import tvm
 from tqdm import tqdm
 from tvm import rpc
 
-from .. import validate
+from .. import rpc_peers, validate
 from ..artifact import PARAMS_DIR, Artifact
 from ..cpu_check import Cpu, check_cpu, this_cpu
 from ..errors import MobilecError
 from ..isa import arch_of_triple
+from ..rpc_peers import check_key, deadline, last_line, open_tracker
 
 TENSOR_CACHE_JSON = "tensor-cache.json"  # the file name vm.builtin.tensor_cache.load reads in its directory
-# Every wait on a peer has a deadline. A TCP connection and a TVM RPC server's (or tracker's) answer to the
-# handshake come at once; a server then starts a session process, slower on a small device or under emulation.
-CONNECT_TIMEOUT_S = 10.0
-SESSION_START_TIMEOUT_S = 120.0
-# A session lasts at most --session-timeout (the server ends it); past that and this grace, the peer is gone.
-SESSION_GRACE_S = 30.0
 # A key no server accepts (TVM's clients send "client:..."): a TVM RPC server answers it with RPC_CODE_MISMATCH
 # at once, without starting a session. The line end makes an HTTP server answer too (with an error page).
 _PROBE_KEY = b"mobilec:probe\r\n"
 _RPC_CODES = {rpc.base.RPC_CODE_SUCCESS, rpc.base.RPC_CODE_DUPLICATE, rpc.base.RPC_CODE_MISMATCH}
-
-
-class _DeadlinePassed(BaseException):
-    """Raised by the SIGALRM handler; a BaseException so that no `except Exception` on the way swallows it."""
-
-
-@contextlib.contextmanager
-def deadline(seconds: float, message: str) -> Iterator[None]:
-    """Raise MobilecError(message) when the block runs past `seconds`. SIGALRM interrupts a blocking socket call,
-    TVM's C++ ones included (on EINTR they run Python's signal handlers, which raise here). Signals reach the main
-    thread only: elsewhere the block runs under the socket timeouts alone. An enclosing deadline is restored."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    outer = signal.getitimer(signal.ITIMER_REAL)[0]
-    if outer and outer <= seconds:  # an enclosing deadline ends first: it stays in charge
-        yield
-        return
-    token = object()
-
-    def expire(_signum, _frame):
-        raise _DeadlinePassed(token)
-
-    started = time.monotonic()
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    except _DeadlinePassed as passed:
-        if passed.args[0] is not token:
-            raise  # an enclosing deadline's
-        raise MobilecError(message) from None
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        if outer:
-            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - started), 1e-3))
 
 
 @dataclasses.dataclass
@@ -171,8 +127,27 @@ class Device:
         """A Shape made on the device: RPC cannot send a Shape object, only a handle to a remote one."""
         return self.function("ffi.Shape")(*dims)
 
-    def load_module(self, path: str):
-        return tvm.runtime.load_module(path) if self.session is None else self.session.load_module(path)
+    def load_library(self, artifact: Artifact, staged: Staged):
+        """The artifact's compiled library, loaded on the device (its files were checked by load_artifact)."""
+        if self.session is None:
+            try:
+                return tvm.runtime.load_module(staged.library)
+            except Exception as err:  # noqa: BLE001  TVM reports a bad .so as a generic error
+                raise MobilecError(f"cannot load {artifact.library}: {str(err).splitlines()[0]}; recompile the "
+                                   f"artifact") from None
+        try:
+            lib = self.session.load_module(staged.library)
+        except RuntimeError as err:
+            if "ELF" not in str(err) and "shared object" not in str(err):
+                raise
+            # The loader rejects a library made for another architecture (not detectable beforehand when the
+            # device's TVM has no LLVM to report its triple).
+            target = artifact.config["target"]
+            raise MobilecError(f"{self.description['name']} cannot load {artifact.library.name} built for "
+                               f"{target['name']} ({target['tvm_target'].get('mtriple', '')}): {last_line(err)}; "
+                               f"compile it with a --target for that device") from None
+        self.note_loaded(artifact)
+        return lib
 
     def set_threads(self, threads: int) -> None:
         # mode 0 = no core pinning, as session.set_threads (pinning fights other processes)
@@ -208,17 +183,18 @@ class Device:
         forever). Nothing for this process."""
         if self.session is None:
             return contextlib.nullcontext()
-        left = self.session_timeout_s - (time.monotonic() - self.started) + SESSION_GRACE_S
+        grace = rpc_peers.SESSION_GRACE_S
+        left = self.session_timeout_s - (time.monotonic() - self.started) + grace
         return deadline(max(left, 1.0), f"the session on {self.description['name']} ran past --session-timeout "
-                                        f"{self.session_timeout_s:g} s (+{SESSION_GRACE_S:g} s) and the device did not "
-                                        f"end it: the device or the network is gone; check them, then rerun")
+                                        f"{self.session_timeout_s:g} s (+{grace:g} s) and the device did not end it: "
+                                        f"the device or the network is gone; check them, then rerun")
 
     def close(self) -> None:
         """End the session now (the server serves one at a time; handles left in a traceback would keep this
         one open until its timeout) and remove local staging files."""
         if self.session is not None:
             # the connection may be gone already, or the peer silent
-            with contextlib.suppress(RuntimeError, MobilecError), deadline(CONNECT_TIMEOUT_S, "closing"):
+            with contextlib.suppress(RuntimeError, MobilecError), deadline(rpc_peers.CONNECT_TIMEOUT_S, "closing"):
                 self.session.get_function("CloseRPCConnection")()
             self.session = None
         if self._work_dir is not None:
@@ -251,17 +227,6 @@ class Device:
         return f"{where} failed while {doing}: {first}"
 
 
-def last_line(err: Exception) -> str:
-    """The line of a TVM error that says what went wrong (its message ends with it, after any context); a
-    message cut short by a dropped connection can end in stray bytes, which are left out."""
-    text = "".join(ch for ch in str(err) if ch.isprintable() or ch == "\n")
-    return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), type(err).__name__)
-
-
-def parse_address(text: str, option: str) -> tuple[str, int]:
-    return validate.address(text, option)
-
-
 def _recv_some(sock: socket.socket, n: int) -> bytes:
     """Up to n bytes, fewer only when the peer closes."""
     data = b""
@@ -274,11 +239,11 @@ def _recv_some(sock: socket.socket, n: int) -> bytes:
 
 
 def check_rpc_server(host: str, port: int) -> None:
-    """That a TVM RPC server listens at host:port, within CONNECT_TIMEOUT_S: TVM's own connect waits forever on a
-    socket that accepts and never answers (a busy server, or something else listening there)."""
+    """That a TVM RPC server listens at host:port, within CONNECT_TIMEOUT_S (rpc_peers): TVM's own connect waits
+    forever on a socket that accepts and never answers (a busy server, or something else listening there)."""
     where = f"{host}:{port}"
     try:
-        sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+        sock = socket.create_connection((host, port), timeout=rpc_peers.CONNECT_TIMEOUT_S)
     except OSError as err:
         raise MobilecError(f"cannot connect to the RPC server at {where} ({err.strerror or err}); start one there "
                            f"(python -m tvm.exec.rpc_server --host 0.0.0.0 --port {port}) or fix --rpc") from None
@@ -288,8 +253,8 @@ def check_rpc_server(host: str, port: int) -> None:
             reply = _recv_some(sock, 4)
         except TimeoutError:
             raise MobilecError(f"{where} accepts connections but did not answer TVM RPC's handshake within "
-                               f"{CONNECT_TIMEOUT_S:g} s: it is not a TVM RPC server, or one busy with another session; "
-                               f"check --rpc (a tracker's address goes to --tracker)") from None
+                               f"{rpc_peers.CONNECT_TIMEOUT_S:g} s: it is not a TVM RPC server, or one busy with "
+                               f"another session; check --rpc (a tracker's address goes to --tracker)") from None
         except OSError:  # reset: a peer that drops unknown handshakes, as a TVM RPC proxy does; TVM's connect decides
             return
     if len(reply) == 4 and struct.unpack("<i", reply)[0] in _RPC_CODES:
@@ -300,27 +265,11 @@ def check_rpc_server(host: str, port: int) -> None:
 
 
 def _request_from_tracker(host: str, port: int, key: str, timeout: int, wait_s: float) -> rpc.RPCSession:
-    """A session on a device with `key`; an unknown key is refused with the keys the tracker has (a request
-    for it would wait forever). Every step has a deadline."""
+    """A session on a device with `key` from the tracker at host:port; every step has a deadline."""
     where = f"{host}:{port}"
-    try:  # TVM's tracker client retries a refused connection for 60 s: fail fast instead
-        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
-    except OSError as err:
-        raise MobilecError(f"cannot reach the RPC tracker at {where} ({err.strerror or err}); start it with "
-                           f"`python -m tvm.exec.rpc_tracker --host 0.0.0.0 --port {port}` or fix --tracker") from None
-    try:
-        with deadline(CONNECT_TIMEOUT_S, f"{where} accepts connections but did not answer as an RPC tracker within "
-                                         f"{CONNECT_TIMEOUT_S:g} s; pass the tracker's address to --tracker (an RPC "
-                                         f"server's goes to --rpc)"):
-            tracker = rpc.connect_tracker(host, port)
-            keys = sorted({info["key"].split(":", 1)[1] for info in tracker.summary()["server_info"]})
-    except (RuntimeError, OSError, ValueError, KeyError, TypeError, IndexError) as err:
-        raise MobilecError(f"{where} does not answer as an RPC tracker ({last_line(err)}); "
-                           f"pass the tracker's address to --tracker (an RPC server's goes to --rpc)") from None
+    tracker, keys = open_tracker(host, port)
     with contextlib.closing(tracker):
-        if key not in keys:
-            listed = ", ".join(keys) if keys else "none; no RPC server has registered"
-            raise MobilecError(f"the tracker at {where} has no device with key {key!r}; its keys: {listed}")
+        check_key(host, port, key, keys)
         try:
             with deadline(wait_s, f"the tracker at {where} gave no {key!r} device within {wait_s:g} s (all busy, or "
                                   f"the device's RPC server does not answer); check the device, then rerun"):
@@ -330,6 +279,11 @@ def _request_from_tracker(host: str, port: int, key: str, timeout: int, wait_s: 
                                f"({last_line(err)}); check the device's RPC server, then rerun") from None
 
 
+def local_device() -> Device:
+    """This process, as a Device."""
+    return Device(None, {"kind": "local", "name": "this process"}, math.inf)
+
+
 def connect(rpc_address: str | None, tracker_address: str | None, key: str | None,
             session_timeout_s: float) -> Device:
     """This process when neither address is given; else a session on a direct RPC server or one from a tracker.
@@ -337,12 +291,12 @@ def connect(rpc_address: str | None, tracker_address: str | None, key: str | Non
     server (or tracker), or never answers, ends this with one line naming its address."""
     validate.seconds(session_timeout_s, "--session-timeout")
     if rpc_address is None and tracker_address is None:
-        return Device(None, {"kind": "local", "name": "this process"}, session_timeout_s)
+        return local_device()
     timeout = math.ceil(session_timeout_s)  # whole seconds, as the server's session option takes them
     # Starting the session is bounded by --session-timeout too, never below the handshake's own deadline.
-    wait_s = max(CONNECT_TIMEOUT_S, min(SESSION_START_TIMEOUT_S, session_timeout_s))
+    wait_s = max(rpc_peers.CONNECT_TIMEOUT_S, min(rpc_peers.SESSION_START_TIMEOUT_S, session_timeout_s))
     if rpc_address is not None:
-        host, port = parse_address(rpc_address, "--rpc")
+        host, port = validate.address(rpc_address, "--rpc")
         description = {"kind": "rpc", "name": f"the RPC server at {host}:{port}", "address": f"{host}:{port}"}
         check_rpc_server(host, port)
         try:
@@ -353,7 +307,7 @@ def connect(rpc_address: str | None, tracker_address: str | None, key: str | Non
             raise MobilecError(f"cannot connect to the RPC server at {host}:{port} ({last_line(err)}); "
                                f"start one there (python -m tvm.exec.rpc_server --host 0.0.0.0 --port {port}) or fix --rpc") from None
     else:
-        host, port = parse_address(tracker_address, "--tracker")
+        host, port = validate.address(tracker_address, "--tracker")
         validate.device_key(key)
         description = {"kind": "tracker", "name": f"the device with key {key!r} from the tracker at {host}:{port}",
                        "address": f"{host}:{port}", "key": key}
@@ -372,7 +326,8 @@ def check_runs_on(artifact: Artifact, device: Device) -> dict[str, Any]:
     target = artifact.config["target"]
     if target["tvm_target"]["kind"] != "llvm":
         raise MobilecError(f"{artifact.path} is built for {target['name']} ({target['tvm_target']['kind']}); "
-                           f"bench runs CPU (llvm) artifacts: compile one with --target host or linux-arm64/android-arm64")
+                           f"mobilec runs CPU (llvm) artifacts: compile one with --target host or "
+                           f"linux-arm64/android-arm64")
     done = check_cpu(artifact.path, artifact.config, device.cpu)
     required = done["required"]
     notes = []

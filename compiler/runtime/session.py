@@ -1,56 +1,62 @@
-"""A loaded artifact on a device: the Relax VM, its weights and one sequence's paged KV cache."""
+"""One sequence of a loaded artifact on a device: the Relax VM, its weights and the paged KV cache. The device is
+this process or an RPC peer (remote.Device, the transport); the calls are the same for both."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import tvm
-import tvm_ffi
 from tvm import relax
-from tvm.runtime import ShapeTuple
 
 from ..artifact import Artifact
-from ..cpu_check import check_runs_here
 from ..errors import MobilecError
+from .remote import Device, check_runs_on, local_device
 
 
 class Session:
-    """Runs prefill/decode for one sequence. Not thread-safe."""
+    """Runs prefill/decode for one sequence and returns the logits on the host. Not thread-safe.
 
-    def __init__(self, artifact: Artifact, device: tvm.runtime.Device | None = None):
+    Everything the VM is handed is made on the device (shapes, the token tensor): RPC cannot send a Shape, and a
+    remote tuple comes back as a handle, read with ffi.ArrayGetItem."""
+
+    def __init__(self, artifact: Artifact, device: Device | None = None, progress: bool = False):
         self.artifact = artifact
-        self.device = device or tvm.cpu()
-        check_runs_here(artifact.path, artifact.config)  # before loading: a missing instruction kills the process
-        try:
-            lib = tvm.runtime.load_module(str(artifact.library))
-        except Exception as err:  # TVM reports a bad .so as a generic error
-            raise MobilecError(f"cannot load {artifact.library}: {str(err).splitlines()[0]}; recompile the artifact") from None
-        self.vm = relax.VirtualMachine(lib, self.device)
-        self.params = tvm_ffi.convert([tvm.runtime.tensor(a, self.device) for a in artifact.load_params()])
-        cfg = artifact.config
-        self.context_window = int(cfg["context_window"])
-        self.prefill_chunk = int(cfg["prefill_chunk"])
-        self.page_size = int(cfg["page_size"])
-        self._embed = self.vm["embed"]
-        self._prefill = self.vm["prefill"]
-        self._prefill_logits = self.vm["prefill_logits"]
-        self._prefill_hidden_states = self.vm["prefill_hidden_states"]
-        self._decode = self.vm["decode"]
-        self._begin = tvm.get_global_func("vm.builtin.kv_state_begin_forward")
-        self._end = tvm.get_global_func("vm.builtin.kv_state_end_forward")
+        self.device = device or local_device()
+        # before loading: a missing instruction kills the process
+        self.cpu_check = check_runs_on(artifact, self.device)
+        started = time.perf_counter()
+        self.staged = self.device.stage(artifact, progress)  # an RPC peer gets the files it lacks
+        staged_at = time.perf_counter()
+        with self.device.errors("loading the library"):
+            lib = self.device.load_library(artifact, self.staged)
+        with self.device.errors("loading the weights"):
+            self.vm = relax.VirtualMachine(lib, self.device.dev)
+            self.params = self.device.load_params(self.staged, artifact)
+            cfg = artifact.config
+            self.context_window = int(cfg["context_window"])
+            self.prefill_chunk = int(cfg["prefill_chunk"])
+            shape = self.device.shape
+            self._kv_shapes = [shape(n) for n in (1, self.context_window, self.prefill_chunk, int(cfg["page_size"]), 0)]
+            self.seq_ids, self.one_token = shape(0), shape(1)
+            self._token = tvm.runtime.tensor(np.zeros(1, "int32"), self.device.dev)
+            self._embed, self._decode = self.vm["embed"], self.vm["decode"]
+            self._prefill, self._prefill_logits = self.vm["prefill"], self.vm["prefill_logits"]
+            self._prefill_hidden_states = self.vm["prefill_hidden_states"]
+            self._add_sequence = self.device.function("vm.builtin.kv_state_add_sequence")
+            self.begin_forward = self.device.function("vm.builtin.kv_state_begin_forward")
+            self.end_forward = self.device.function("vm.builtin.kv_state_end_forward")
+            self._item = self.device.function("ffi.ArrayGetItem")
         self.kv_cache = None
         self.length = 0
+        self.fetch_s = 0.0  # seconds spent bringing logits to the host (bench reports it)
         self.reset()
+        self.stage_s, self.load_s = staged_at - started, time.perf_counter() - staged_at
 
     def reset(self) -> None:
         """Forget the sequence: a fresh KV cache sized to the artifact's context window."""
-        self.kv_cache = self.vm["create_tir_paged_kv_cache"](
-            ShapeTuple([1]),
-            ShapeTuple([self.context_window]),
-            ShapeTuple([self.prefill_chunk]),
-            ShapeTuple([self.page_size]),
-            ShapeTuple([0]),
-        )
-        tvm.get_global_func("vm.builtin.kv_state_add_sequence")(self.kv_cache, 0)
+        self.kv_cache = self.vm["create_tir_paged_kv_cache"](*self._kv_shapes)
+        self._add_sequence(self.kv_cache, 0)
         self.length = 0
 
     def check_room(self, n: int) -> None:
@@ -63,39 +69,51 @@ class Session:
                 f"recompile with a larger --context-window"
             )
 
-    def _forward(self, func, token_ids: np.ndarray):
-        n = len(token_ids)
+    def token_tensor(self, token_id: int):
+        """The one-token input on the device, rewritten in place (no allocation per decode step)."""
+        self._token.copyfrom(np.array([token_id], "int32"))
+        return self._token
+
+    def embed(self, tokens):
+        return self._embed(tokens, self.params)
+
+    def _forward(self, func, tokens, n: int):
         self.check_room(n)
-        embed = self._embed(tvm.runtime.tensor(np.asarray(token_ids, dtype="int32"), self.device), self.params)
-        self._begin(self.kv_cache, ShapeTuple([0]), ShapeTuple([n]))
-        logits, self.kv_cache = func(embed, self.kv_cache, self.params)
-        self._end(self.kv_cache)
+        embedded = self.embed(tokens)
+        self.begin_forward(self.kv_cache, self.seq_ids, self.one_token if n == 1 else self.device.shape(n))
+        out = func(embedded, self.kv_cache, self.params)
+        self.end_forward(self.kv_cache)
         self.length += n
-        return logits
+        return out
+
+    def logits(self, out) -> np.ndarray:
+        """The first output of a model function (its logits), on the host."""
+        start = time.perf_counter()
+        values = self._item(out, 0).numpy()
+        self.fetch_s += time.perf_counter() - start
+        return values
+
+    def _chunks(self, func, token_ids) -> list:
+        ids = np.asarray(token_ids, dtype="int32")
+        self.check_room(len(ids))
+        return [self._forward(func, tvm.runtime.tensor(ids[start : start + self.prefill_chunk], self.device.dev),
+                              len(ids[start : start + self.prefill_chunk]))
+                for start in range(0, len(ids), self.prefill_chunk)]
 
     def prefill(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         """Append the tokens (in chunks); the logits [vocab] after the last one."""
-        self.check_room(len(token_ids))
-        logits = None
-        for start in range(0, len(token_ids), self.prefill_chunk):
-            logits = self._forward(self._prefill, token_ids[start : start + self.prefill_chunk])
-        return logits.numpy().reshape(-1)
+        return self.logits(self._chunks(self._prefill, token_ids)[-1]).reshape(-1)
 
     def prefill_all_logits(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         """Append the tokens; the logits [n, vocab] after each one (perplexity, tests)."""
-        self.check_room(len(token_ids))
-        chunks = [
-            self._forward(self._prefill_logits, token_ids[start : start + self.prefill_chunk]).numpy()[0]
-            for start in range(0, len(token_ids), self.prefill_chunk)
-        ]
-        return np.concatenate(chunks, axis=0)
+        return np.concatenate([self.logits(out)[0] for out in self._chunks(self._prefill_logits, token_ids)], axis=0)
 
     def prefill_hidden_states(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         """Append the tokens (one chunk); every decoder block's output [num_layers, n, hidden]."""
         if len(token_ids) > self.prefill_chunk:
             raise MobilecError(f"at most {self.prefill_chunk} tokens per call, got {len(token_ids)}")
-        return self._forward(self._prefill_hidden_states, token_ids).numpy()
+        return self.logits(self._chunks(self._prefill_hidden_states, token_ids)[0])
 
     def decode(self, token_id: int) -> np.ndarray:
         """Append one token; the logits [vocab] after it."""
-        return self._forward(self._decode, [token_id]).numpy().reshape(-1)
+        return self.logits(self._forward(self._decode, self.token_tensor(token_id), 1)).reshape(-1)

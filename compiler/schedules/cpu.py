@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 
-import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import SBlockInfo, collect_vars_used_in_prim_expr, normalize_prim_func
@@ -20,7 +19,7 @@ from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
 
 from ..isa import cpu_isa
-from ..kernels import prefill_gemm
+from ..kernels import nt_matmul_access, prefill_gemm
 
 
 def _lanes(target: Target, dtype_bits: int) -> int:
@@ -226,7 +225,8 @@ class PrefillMatmul(_NTMatmulRule):
         return gemm if gemm is not None else super().apply(func, target, tunable)
 
     def _outer_product_gemm(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
-        """The kernel replaced by prefill_gemm's (a new PrimFunc with the same parameters), or None."""
+        """The kernel replaced by prefill_gemm's (a new PrimFunc with the same parameters), or None: this rule only
+        chooses it and its tiles; kernels/ builds it."""
         shape = prefill_gemm.tile_shape(target) if self.outer_product else None
         if shape is None:
             return None
@@ -234,7 +234,9 @@ class PrefillMatmul(_NTMatmulRule):
         if matched is None:
             return None
         sch, main, epilogue, producer = matched
-        access = _gemm_access(sch, main, epilogue, producer)
+        access = nt_matmul_access.read(sch.mod["main"], sch.get(main.block_rv),
+                                       None if epilogue is None else sch.get(epilogue.block_rv),
+                                       None if producer is None else sch.get(producer.block_rv))
         if access is None:
             return None
         # The weight tile's dequantize (or copy) along k: all lanes of a vector in one packed word and group.
@@ -242,8 +244,7 @@ class PrefillMatmul(_NTMatmulRule):
         tiles = shape.tiles(access.n, w_lanes=max(_divisor_lanes(shape.lanes, access.k, divisors), 1))
         if tiles is None:
             return None
-        body = prefill_gemm.gemm_body(access, tiles).body
-        return s_tir.Schedule(sch.mod["main"].with_body(body).with_attr("tirx.is_scheduled", True))
+        return s_tir.Schedule(prefill_gemm.replace_kernel(sch.mod["main"], access, tiles))
 
     def schedule(self, sch: s_tir.Schedule, main: SBlockInfo, epilogue: SBlockInfo | None,
                  producer: SBlockInfo | None, lanes: int, k_ext: int, _packed: bool):
@@ -272,119 +273,6 @@ class PrefillMatmul(_NTMatmulRule):
             p_lanes = _divisor_lanes(lanes, k_ext, _k_divisors(sch, producer.block_rv))
             if p_lanes >= 2:
                 sch.vectorize(sch.split(sch.get_loops(producer.block_rv)[-1], [None, p_lanes])[1])
-
-
-def _substitute(expr, vars_to: list[tuple[tirx.Var, tirx.PrimExpr]], load_of=None):
-    """`expr` with each var of `vars_to` replaced, and each load of buffer `load_of[0]` by `load_of[1]` (the
-    load's indices already substituted)."""
-
-    def var(v):
-        new = next((new for old, new in vars_to if old.same_as(v)), None)
-        if new is None:
-            return v
-        # The kernel's indices are int64; a block of int32 iters keeps its own index type.
-        return new if str(new.ty) == str(v.ty) else tirx.Cast(str(v.ty), new)
-
-    def load(node):
-        return load_of[1](node) if node.source.same_as(load_of[0]) else node
-
-    callbacks = [(tvm.ir.expr.Var, var)]
-    if load_of is not None:
-        callbacks.append((tvm.ir.expr.TensorLoad, load))
-    return tvm_ffi.structural_map(expr, callbacks)
-
-
-def _loads(expr) -> list:
-    found = []
-    tvm_ffi.structural_walk(expr, (tvm.ir.expr.TensorLoad, found.append))
-    return found
-
-
-def _gemm_access(sch: s_tir.Schedule, main: SBlockInfo, epilogue: SBlockInfo | None,
-                 producer: SBlockInfo | None) -> prefill_gemm.GemmAccess | None:
-    """The reads and writes of a matched NT matmul kernel as builders over new indices (prefill_gemm), or None
-    when it is not Y[m, n] (+ epilogue) = sum_k x(m, k) * w(n, k) with one row axis m and static N, K."""
-    block = sch.get(main.block_rv)
-    if len(block.iter_vars) != 3 or [int(iv.iter_type) for iv in block.iter_vars] != [0, 0, 2]:
-        return None
-    m, n, k = (iv.var for iv in block.iter_vars)
-    m_ext, n_ext, k_ext = (iv.dom.extent for iv in block.iter_vars)
-    if not isinstance(n_ext, tirx.IntImm) or not isinstance(k_ext, tirx.IntImm):
-        return None
-    if any(not isinstance(iv.dom.min, tirx.IntImm) or iv.dom.min.value != 0 for iv in block.iter_vars):
-        return None
-    red = get_reduction_expr(block)
-    # float32 products summed in float32 (the kernel's tiles are float32)
-    if not isinstance(red, tirx.Mul) or any(str(e.ty) != "float32" for e in (red, red.a, red.b)):
-        return None
-    sides = []
-    for side in (red.a, red.b):
-        used = set().union(*(collect_vars_used_in_prim_expr(i) for load in _loads(side) for i in load.indices))
-        sides.append("w" if n in used and m not in used else "x" if m in used and n not in used else None)
-    if sorted(sides) != ["w", "x"]:
-        return None
-    x_side, w_side = (red.a, red.b) if sides[0] == "x" else (red.b, red.a)
-    params = list(sch.mod["main"].params)
-
-    def is_param(buf) -> bool:
-        return any(p.same_as(buf) for p in params)
-
-    if any(not is_param(load.source) for load in _loads(x_side)):
-        return None
-    w_load_of = None
-    if producer is not None:
-        pblock = sch.get(producer.block_rv)
-        store = pblock.body
-        pvars = [iv.var for iv in pblock.iter_vars]
-        if (not isinstance(store, tirx.BufferStore) or len(pvars) != 2
-                or not all(isinstance(i, tvm.ir.expr.Var) and i.same_as(v) for i, v in zip(store.indices, pvars))):
-            return None
-        for load in _loads(w_side):
-            if not load.source.same_as(store.buffer) or len(load.indices) != 2:
-                return None
-        if any(not is_param(load.source) for load in _loads(store.value)):
-            return None
-
-        def dequantized(load, pvars=pvars, value=store.value):
-            return _substitute(value, list(zip(pvars, load.indices)))
-
-        w_load_of = (store.buffer, dequantized)
-    elif any(not is_param(load.source) for load in _loads(w_side)):
-        return None
-
-    out = block.body
-    if not isinstance(out, tirx.BufferStore):
-        return None
-    if epilogue is None:
-        if not is_param(out.buffer):
-            return None
-
-        def store(mm, nn, value):
-            return out.buffer, [_substitute(i, [(m, mm), (n, nn)]) for i in out.indices], value
-    else:
-        eblock = sch.get(epilogue.block_rv)
-        estore = eblock.body
-        evars = [iv.var for iv in eblock.iter_vars]
-        if not isinstance(estore, tirx.BufferStore) or len(evars) != 2 or not is_param(estore.buffer):
-            return None
-        expect = [_substitute(i, [(m, evars[0]), (n, evars[1])]) for i in out.indices]
-        inter = [load for load in _loads(estore.value) if load.source.same_as(out.buffer)]
-        if not inter or any(not tvm_ffi.structural_equal(list(load.indices), expect) for load in inter):
-            return None
-        if any(not is_param(load.source) for load in _loads(estore.value) if not load.source.same_as(out.buffer)):
-            return None
-
-        def store(mm, nn, value):
-            subs = [(evars[0], mm), (evars[1], nn)]
-            return (estore.buffer, [_substitute(i, subs) for i in estore.indices],
-                    _substitute(estore.value, subs, (out.buffer, lambda _load: value)))
-
-    return prefill_gemm.GemmAccess(
-        m=m_ext, n=int(n_ext.value), k=int(k_ext.value),
-        x=lambda mm, kk: _substitute(x_side, [(m, mm), (k, kk)]),
-        w=lambda nn, kk: _substitute(w_side, [(n, nn), (k, kk)], w_load_of),
-        store=store,
-    )
 
 
 class RowReduction(Reduction):

@@ -13,6 +13,7 @@ from tvm import relax
 from tvm.relax.frontend.nn.llm._decode_kernels import _attention_decode_cpu
 from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill_cpu, _attention_prefill_ragged_cpu
 
+from compiler import pipeline
 from compiler.kernels.cpu_attention import (
     DECODE_SYMBOL,
     PAGED_PREFILL_SYMBOL,
@@ -24,6 +25,7 @@ from compiler.kernels.cpu_attention import (
     vector_lanes,
 )
 from compiler.passes.replace_cpu_attention import ReplaceCPUAttention, decode_shape, ragged_shape
+from compiler.targets import load_target
 from tests.helpers.cpu import X86_FAMILY_TARGETS, assembly, runs_here
 
 AVX512 = X86_FAMILY_TARGETS["avx512bw"]
@@ -345,15 +347,18 @@ def _kv_cache_module(head_dim: int = D):
     return bb.get()
 
 
-def test_pass_swaps_the_kernels_on_llvm_only():
+def test_pass_swaps_the_kernels():
     mod = _kv_cache_module()
-    with AVX512:
-        swapped = ReplaceCPUAttention()(mod)
-    for name, symbol, read_shape in (("tir_attention_decode_cpu", DECODE_SYMBOL, decode_shape),
-                                     ("tir_attention_prefill_ragged_cpu", RAGGED_SYMBOL, ragged_shape),
-                                     ("tir_attention_prefill_cpu", PAGED_PREFILL_SYMBOL,
-                                      lambda f: decode_shape(f, pages_param=2))):
+    swapped = ReplaceCPUAttention(vector_lanes(AVX512))(mod)
+    for name, symbol, read_shape, build in (
+            ("tir_attention_decode_cpu", DECODE_SYMBOL, decode_shape, attention_decode),
+            ("tir_attention_prefill_ragged_cpu", RAGGED_SYMBOL, ragged_shape, attention_prefill_ragged),
+            ("tir_attention_prefill_cpu", PAGED_PREFILL_SYMBOL, lambda f: decode_shape(f, pages_param=2),
+             attention_prefill_paged)):
         new, old = swapped[name], mod[name]
+        # IR out: our kernel for the shape TVM's was built with, under TVM's attributes (and noalias)
+        tvm.ir.assert_structural_equal(new, build(read_shape(old), 16).with_attrs({**dict(old.attrs),
+                                                                                   "tirx.noalias": True}))
         assert not new.same_as(old) and new.attrs["global_symbol"] == symbol
         assert "T.parallel" in new.script() and "T.parallel" not in old.script()
         assert read_shape(new) == read_shape(old)
@@ -361,13 +366,18 @@ def test_pass_swaps_the_kernels_on_llvm_only():
     # the sliding-window variant and the Relax function stay TVM's
     assert swapped["tir_attention_decode_cpu_sliding_window"].same_as(mod["tir_attention_decode_cpu_sliding_window"])
     assert swapped["create"].same_as(mod["create"])
-    for target in (tvm.target.Target({"kind": "cuda"}), tvm.target.Target({"kind": "opencl", "device": "adreno"})):
-        with target:
-            assert ReplaceCPUAttention()(mod).same_as(mod)
-    assert ReplaceCPUAttention()(mod).same_as(mod)  # no target: nothing to size the vectors for
+
+
+def test_pipeline_swaps_attention_on_llvm_cpu_targets_only():
+    """The step's condition is in the pipeline's list: CPU targets have it, GPU targets (TVM's GPU kernels) and
+    Hexagon (its attention runs on the host, with TVM's kernels) do not."""
+    for name, has_step in (("host", True), ("linux-arm64", True), ("android-arm64", True),
+                           ("android-adreno", False), ("android-mali", False), ("hexagon-npu", False)):
+        names = [step for step, _ in pipeline.steps(load_target(name))]
+        assert ("cpu-attention" in names) == has_step, name
 
 
 def test_pass_keeps_shapes_it_does_not_take():
     mod = _kv_cache_module(head_dim=72)
-    with AVX512:  # head_dim 72: not a whole number of 16-lane vectors
-        assert ReplaceCPUAttention()(mod).same_as(mod)
+    # head_dim 72: not a whole number of 16-lane vectors
+    assert ReplaceCPUAttention(vector_lanes(AVX512))(mod).same_as(mod)

@@ -3,6 +3,9 @@
 import numpy as np
 import tvm
 from tvm import relax, tirx
+from tvm.script import ir as I
+from tvm.script import relax as R
+from tvm.script import tirx as T
 
 from compiler import pipeline
 from compiler.passes.fuse_add_rmsnorm import FuseAddRMSNorm
@@ -72,3 +75,39 @@ def test_broadcasting_add_is_left_alone():
     mod = FuseAddRMSNorm()(_module(broadcast=True))
     names = [c.op.name for c in _ops(mod["main"]) if isinstance(c.op, tvm.ir.Op)]
     assert "relax.nn.rms_norm" in names and "relax.call_tir" not in names
+
+
+@I.ir_module(check_well_formed=False)
+class _ExpectedMain:
+    """One add_rms_norm call returns (a + b, rms_norm(a + b)): the sum feeds the next residual add. The kernel is a
+    stand-in (its numerics are tested above)."""
+
+    @T.prim_func(private=True)
+    def add_rms_norm(a: T.handle):
+        T.evaluate(0)
+
+    @R.function
+    def main(a: R.Tensor((1, "seq_len", 48), dtype="float32"), b: R.Tensor((1, "seq_len", 48), dtype="float32"),
+             w: R.Tensor((48,), dtype="float32")) -> R.Tuple(R.Tensor((1, "seq_len", 48), dtype="float32"),
+                                                           R.Tensor((1, "seq_len", 48), dtype="float32")):
+        seq_len = T.int64()
+        cls = _ExpectedMain
+        with R.dataflow():
+            fused = R.call_tir(cls.add_rms_norm, (a, b, w), out_ty=[R.Tensor((1, seq_len, 48), dtype="float32"),
+                                                                     R.Tensor((1, seq_len, 48), dtype="float32")])
+            total: R.Tensor((1, seq_len, 48), dtype="float32") = fused[0]
+            normed: R.Tensor((1, seq_len, 48), dtype="float32") = fused[1]
+            residual: R.Tensor((1, seq_len, 48), dtype="float32") = R.add(total, a)
+            gv: R.Tuple(R.Tensor((1, seq_len, 48), dtype="float32"),
+                        R.Tensor((1, seq_len, 48), dtype="float32")) = normed, residual
+            R.output(gv)
+        return gv
+
+
+def test_ir_in_ir_out():
+    mod = FuseAddRMSNorm()(_module())
+    # map_free_vars: the callee's GlobalVar is matched by position; its name is checked on its own
+    tvm.ir.assert_structural_equal(mod["main"], _ExpectedMain["main"], map_free_vars=True)
+    assert sorted(gv.name_hint for gv in mod.get_global_vars()) == ["add_rms_norm", "main"]
+    # negative control: a broadcasting add is left as it was
+    tvm.ir.assert_structural_equal(FuseAddRMSNorm()(_module(broadcast=True)), _module(broadcast=True))

@@ -3,8 +3,12 @@
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cp
+from tvm.script import ir as I
+from tvm.script import relax as R
+from tvm.script import tirx as T
 
 from compiler.passes.fuse_transpose_matmul import FuseTransposeMatmul
 
@@ -87,3 +91,40 @@ def test_other_permutations_are_left_alone(x_shape, w_shape, axes):
     before = bb.get()
     after = FuseTransposeMatmul()(before)
     tvm.ir.assert_structural_equal(after, before)
+
+
+@I.ir_module
+class _ExpectedNoBias:
+    """x @ permute_dims(w) as one NT_matmul: W read row-major along k, no transposed copy."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def NT_matmul(var_x: T.handle, w: T.Buffer((T.int64(8), T.int64(16)), "float32"), var_out: T.handle):
+        T.func_attr({"op_pattern": 4, "tirx.noalias": True})
+        seq_len = T.int64()
+        x = T.match_buffer(var_x, (T.int64(1), seq_len, T.int64(16)))
+        out = T.match_buffer(var_out, (T.int64(1), seq_len, T.int64(8)))
+        for i0, i1, i2, k in T.grid(T.int64(1), seq_len, T.int64(8), T.int64(16)):
+            with T.sblock("NT_matmul"):
+                v_i0, v_i1, v_i2, v_k = T.axis.remap("SSSR", [i0, i1, i2, k])
+                T.reads(x[v_i0, v_i1, v_k], w[v_i2, v_k])
+                T.writes(out[v_i0, v_i1, v_i2])
+                with T.init():
+                    out[v_i0, v_i1, v_i2] = T.float32(0.0)
+                out[v_i0, v_i1, v_i2] = out[v_i0, v_i1, v_i2] + x[v_i0, v_i1, v_k] * w[v_i2, v_k]
+
+    @R.function
+    def main(x: R.Tensor((1, "seq_len", 16), dtype="float32"),
+             w: R.Tensor((8, 16), dtype="float32")) -> R.Tensor((1, "seq_len", 8), dtype="float32"):
+        seq_len = T.int64()
+        cls = _ExpectedNoBias
+        with R.dataflow():
+            lv = R.call_tir(cls.NT_matmul, (x, w), out_ty=R.Tensor((1, seq_len, 8), dtype="float32"))
+            gv: R.Tensor((1, seq_len, 8), dtype="float32") = lv
+            R.output(gv)
+        return gv
+
+
+def test_ir_in_ir_out():
+    tvm.ir.assert_structural_equal(FuseTransposeMatmul()(_linear_module(bias=False)), _ExpectedNoBias)
+    # negative control: the module before the pass is not the expected one
+    assert not tvm_ffi.structural_equal(_linear_module(bias=False), _ExpectedNoBias)

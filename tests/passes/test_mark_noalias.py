@@ -5,7 +5,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from compiler import pipeline
-from compiler.compile_model import import_model
+from compiler.importer import import_model
 from compiler.loaders import open_checkpoint
 from compiler.passes.mark_noalias import MarkNoalias
 from compiler.quantization.schemes import get_scheme
@@ -44,3 +44,15 @@ def test_every_kernel_of_a_compiled_model_is_noalias(tmp_path):
               if isinstance(f, tirx.PrimFunc) and not _noalias(f)]
     assert "tree_attn_paged_kv_cpu" in before and any(n.startswith("shape_func") for n in before)
     assert all(_noalias(f) for f in seen["mark-noalias"].functions.values() if isinstance(f, tirx.PrimFunc))
+
+
+@T.prim_func(private=True)
+def _copy_noalias(a: T.Buffer((8,), "float32"), b: T.Buffer((8,), "float32")):
+    T.func_attr({"tirx.noalias": True})
+    for i in range(8):
+        b[i] = a[i]
+
+
+def test_ir_in_ir_out():
+    tvm.ir.assert_structural_equal(MarkNoalias()(tvm.IRModule({"plain": _copy})),
+                                   tvm.IRModule({"plain": _copy_noalias}))

@@ -6,6 +6,7 @@ import pytest
 import tvm
 from tvm import te
 
+from compiler.quantization import dequantize_te as D
 from compiler.quantization import group as G
 from compiler.quantization.gguf_blocks import LAYOUTS, convert_blocks
 from compiler.quantization.schemes import SCHEMES
@@ -74,7 +75,7 @@ def test_te_dequantize_matches_numpy(layout):
     stored = G.quantize(rng.standard_normal((n, k)).astype(np.float32), layout)
     names = ["q_weight", "q_scale"] + ([] if layout.symmetric else ["q_min"])
     placeholders = [te.placeholder(stored[x].shape, str(stored[x].dtype), x) for x in names]
-    out = G.dequantize_te(layout, k, "float32")(*placeholders)
+    out = D.dequantize_te(layout, k, "float32")(*placeholders)
     lib = tvm.compile(te.create_prim_func([*placeholders, out]), target="llvm")
     result = tvm.runtime.tensor(np.zeros((n, k), np.float32))
     lib(*[tvm.runtime.tensor(stored[x]) for x in names], result)
@@ -88,7 +89,7 @@ def test_take_dequantize_gathers_rows():
     ids = np.array([7, 0, 7, 3], dtype=np.int32)
     ph_ids = te.placeholder((4,), "int32", "ids")
     ph = [te.placeholder(stored[x].shape, str(stored[x].dtype), x) for x in ("q_weight", "q_scale")]
-    out = G.take_dequantize_te(layout, 64, "float32")(ph_ids, *ph)
+    out = D.take_dequantize_te(layout, 64, "float32")(ph_ids, *ph)
     lib = tvm.compile(te.create_prim_func([ph_ids, *ph, out]), target="llvm")
     result = tvm.runtime.tensor(np.zeros((4, 64), np.float32))
     lib(tvm.runtime.tensor(ids), tvm.runtime.tensor(stored["q_weight"]), tvm.runtime.tensor(stored["q_scale"]), result)

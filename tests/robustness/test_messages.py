@@ -14,7 +14,8 @@ from safetensors.numpy import load_file, save_file
 
 from compiler.artifact import load_artifact
 from compiler.errors import MobilecError
-from compiler.runtime.generate import check_fits, load_tokenizer
+from compiler.loaders.tokenizer import load_tokenizer
+from compiler.runtime.generate import check_fits
 from compiler.runtime.session import Session
 from tests.robustness.conftest import CONTEXT, one_line_error, run_cli
 

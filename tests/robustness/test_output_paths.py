@@ -195,8 +195,7 @@ def test_inspect_dump_refuses_user_files_and_replaces_only_its_own(tiny_checkpoi
     assert sorted(p.name for p in dump.iterdir()) == [first[0]]
 
 
-@pytest.mark.parametrize("kind, good, bad", [("json", b'{"a": 1}', b"# my notes\n"),
-                                             ("png", b"\x89PNG\r\n\x1a\n....", b"GIF89a")])
+@pytest.mark.parametrize("kind, good, bad", [("png", b"\x89PNG\r\n\x1a\n....", b"GIF89a")])
 def test_result_files_replace_only_their_own_kind(tmp_path, kind, good, bad):
     mine = tmp_path / f"mine.{kind}"
     mine.write_bytes(bad)
@@ -211,11 +210,11 @@ def test_result_files_replace_only_their_own_kind(tmp_path, kind, good, bad):
         validate.output_file(tmp_path, f"--{kind}", kind)
 
 
-def test_bench_json_into_a_user_file_is_refused_before_running(tiny_artifact, tmp_path):
+def test_bench_plot_into_a_user_file_is_refused_before_running(tiny_artifact, tmp_path):
     notes = tmp_path / "notes.md"
     notes.write_text("# mine\n")
     started = time.monotonic()
-    one_line_error(run_cli(["bench", tiny_artifact, "--json", notes]), "--json", "not a JSON file")
+    one_line_error(run_cli(["bench", tiny_artifact, "--sustained", "1", "--plot", notes]), "--plot", "not a PNG")
     assert time.monotonic() - started < 10 and notes.read_text() == "# mine\n"
 
 

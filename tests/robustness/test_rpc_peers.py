@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import pytest
 from tvm import rpc
 
+from compiler import rpc_peers
 from compiler.errors import MobilecError
 from compiler.runtime import remote
 from compiler.testing.processes import kill_group, spawn
@@ -27,8 +28,8 @@ BENCH = ["--prompt-len", "4", "--gen-len", "2", "--repeat", "1"]
 
 @pytest.fixture
 def short_deadlines(monkeypatch):
-    monkeypatch.setattr(remote, "CONNECT_TIMEOUT_S", 2.0)
-    monkeypatch.setattr(remote, "SESSION_START_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(rpc_peers, "CONNECT_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(rpc_peers, "SESSION_START_TIMEOUT_S", 3.0)
 
 
 @contextlib.contextmanager
@@ -114,7 +115,7 @@ def test_silent_socket_ends_with_one_line_within_the_deadline(tiny_artifact):
                                 timeout=90)
         elapsed = time.monotonic() - started
     one_line_error(result, address, "did not answer TVM RPC's handshake", "not a TVM RPC server")
-    assert elapsed < remote.CONNECT_TIMEOUT_S + 30  # the deadline, plus this machine's start-up of the CLI
+    assert elapsed < rpc_peers.CONNECT_TIMEOUT_S + 30  # the deadline, plus this machine's start-up of the CLI
 
 
 @pytest.mark.parametrize("peer, needles", [
@@ -176,10 +177,11 @@ def test_deadline_interrupts_a_blocking_tvm_call_and_restores_an_outer_one():
     with _silent_socket() as address:
         host, port = address.rsplit(":", 1)
         started = time.monotonic()
-        with pytest.raises(MobilecError, match="inner"), remote.deadline(30, "outer"), remote.deadline(1, "inner"):
+        with (pytest.raises(MobilecError, match="inner"), rpc_peers.deadline(30, "outer"),
+              rpc_peers.deadline(1, "inner")):
             rpc.connect(host, int(port))  # TVM's C++ handshake: blocks in recv, no timeout of its own
         assert time.monotonic() - started < 5
-    with pytest.raises(MobilecError, match="outer"), remote.deadline(1, "outer"), remote.deadline(30, "inner"):
+    with pytest.raises(MobilecError, match="outer"), rpc_peers.deadline(1, "outer"), rpc_peers.deadline(30, "inner"):
         time.sleep(5)
 
 
@@ -188,7 +190,7 @@ def test_deadline_in_another_thread_leaves_the_block_alone():
     done = []
 
     def work():
-        with remote.deadline(0.05, "x"):
+        with rpc_peers.deadline(0.05, "x"):
             time.sleep(0.2)
             done.append(True)
 

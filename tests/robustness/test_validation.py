@@ -125,7 +125,7 @@ def test_tvm_num_threads_is_checked_too(tiny_artifact):
     (["compile", "--model", "{c}", "-o", "{o}", "--context-window", "0"], "--context-window must be at least 1"),
     (["compile", "--model", "{c}", "-o", "{o}", "--context-window", "-5"], "--context-window must be at least 1"),
     (["compile", "--model", "{c}", "-o", "{o}", "--context-window", str(2**21)], "--context-window must be at most"),
-    (["estimate", "--model", "{c}", "--context", "0"], "--context-window must be at least 1"),
+    (["estimate", "--model", "{c}", "--context-window", "0"], "--context-window must be at least 1"),
     (["inspect", "--model", "{c}", "--context-window", "0"], "--context-window must be at least 1"),
     (["tune", "--model", "{c}", "--trials", "0"], "--trials must be at least 1"),
     (["tune", "--model", "{c}", "--max-seconds", "nan"], "--max-seconds must be a positive number of seconds"),

@@ -15,7 +15,7 @@ from compiler.host import host_features
 from compiler.isa import cpu_isa, missing_features
 from compiler.kernels import prefill_gemm
 from compiler.passes.fuse_transpose_matmul import FuseTransposeMatmul
-from compiler.quantization import group
+from compiler.quantization import dequantize_te, group
 from compiler.schedules import cpu
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
@@ -209,7 +209,7 @@ def _packed_linear(layout, k, m, residual, n=N):
     """y = x @ dequantize(q).T (+ r), as te.create_prim_func lays out the fused dequantize + NT_matmul kernel."""
     x = tvm.te.placeholder((1, m, k), "float32", name="x")
     stored = [tvm.te.placeholder(shape, dtype, name=name) for name, (shape, dtype) in layout.shapes(n, k).items()]
-    w = group.dequantize_te(layout, k, "float32")(*stored)
+    w = dequantize_te.dequantize_te(layout, k, "float32")(*stored)
     kr = tvm.te.reduce_axis((0, k), name="k")
     y = tvm.te.compute((1, m, n), lambda b, s, j: tvm.te.sum(x[b, s, kr] * w[j, kr], axis=kr), name="NT_matmul")
     tensors = [x, *stored]

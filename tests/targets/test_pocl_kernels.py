@@ -59,7 +59,7 @@ pytestmark = [
 @functools.lru_cache(maxsize=None)
 def _kernels(target_name: str, quant: str):
     """(spec, {name: (scheduled PrimFunc, PrimFunc before scheduling)}) for SmolLM2 on the target, fp32."""
-    from compiler.compile_model import import_model
+    from compiler.importer import import_model
     from compiler.loaders import open_checkpoint
     from compiler.loaders.default_model import default_model_path
     from compiler.quantization.schemes import get_scheme

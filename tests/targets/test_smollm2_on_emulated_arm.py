@@ -17,14 +17,13 @@ PROMPT_LEN, GEN_LEN = 8, 6  # qemu runs SmolLM2 at a few tokens per second
 
 def _bench_on_device(artifact, device, gen_len: int, session_timeout: int) -> dict:
     """`mobilec bench` of `artifact` on the emulated device through its tracker: the JSON report."""
-    report = artifact.parent / f"{artifact.name}-bench.json"
     cmd = [sys.executable, "-m", "compiler", "bench", str(artifact),
            "--tracker", f"{device.tracker_host}:{device.tracker_port}", "--key", device.key,
            "--prompt-len", str(PROMPT_LEN), "--gen-len", str(gen_len), "--repeat", "1",
-           "--session-timeout", str(session_timeout), "--json", str(report)]
+           "--session-timeout", str(session_timeout), "--json"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=session_timeout + 600, check=False)
     assert run.returncode == 0, run.stderr[-2000:]
-    return json.loads(report.read_text())
+    return json.loads(run.stdout)
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 from tvm.target import Target
 
+from ...choices import DECODE_ACTIVATIONS
 from ...isa import cpu_isa
 from . import arm, x86
 
@@ -41,7 +42,7 @@ ROWS_PER_TASK = 16
 # down_proj 0.044 -> 0.036 ms, qkv 0.034 -> 0.030, gate_up 0.071 -> 0.068; the 8-bit lm_head, already at ~23 GB/s
 # with the hardware prefetcher alone, went 1.29 -> 1.44 ms with it.
 PREFETCH_BYTES = 2048
-ACTIVATION_BITS = (16, 8)
+ACTIVATION_BITS = tuple(int(name.removeprefix("int")) for name in DECODE_ACTIVATIONS)  # (16, 8)
 # architecture -> the variant file with its families (compiler/isa.py INT_DOT_FAMILIES) and dot step
 VARIANTS = {"x86_64": x86, "aarch64": arm}
 

@@ -1,0 +1,7 @@
+"""The named choices of options, in one place that imports nothing heavy: the CLI offers them (`import
+compiler.cli` must not import TVM) and the modules that implement them read them from here."""
+
+# --decode-activations: the integer width of decode GEMV activations (kernels/integer_dot_gemv/)
+DECODE_ACTIVATIONS = ("int16", "int8")
+# mobilec tune --only: which model functions' kernels are tuned
+TUNE_FUNCTIONS = {"decode": ("decode",), "prefill": ("prefill",), "all": ("decode", "prefill")}

@@ -1,0 +1,101 @@
+"""The import stage every command shares: target file -> quantization scheme -> checkpoint -> the model as a Relax
+IRModule with its parameters (compile, estimate, inspect and tune start here; none imports another command)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import tvm
+
+from . import validate
+from .errors import MobilecError
+from .loaders import Checkpoint, open_checkpoint
+from .loaders.default_model import default_model_path
+from .models.llama import LlamaConfig
+from .models.registry import ModelFamily, family_for
+from .quantization import awq
+from .quantization.quantize_model import WeightPlan, quantize_model
+from .quantization.schemes import Scheme, get_scheme
+from .targets import TargetSpec, load_target
+
+PAGE_SIZE = 16  # tokens per page of the paged KV cache
+
+
+def resolve_model_path(model: str | None) -> Path:
+    if model in (None, "default"):
+        return default_model_path()
+    return Path(model)
+
+
+def open_model(model: str | None, weights_required: bool = True) -> Checkpoint:
+    """The checkpoint of `model` (a path, or None / "default" for SmolLM2), to be used as a context manager."""
+    return open_checkpoint(resolve_model_path(model), weights_required=weights_required)
+
+
+def target_and_scheme(target: str, quant: str | None) -> tuple[TargetSpec, Scheme]:
+    """The target file and the scheme: `quant`, or the target's default."""
+    spec = load_target(target)
+    return spec, get_scheme(quant or spec.device["default_quant"])
+
+
+def param_bytes(params) -> int:
+    """Bytes of (name, nn.Parameter) pairs as stored: the weights a decode step reads once each."""
+    total = 0
+    for _, p in params:
+        n = 1
+        for d in p.shape:
+            n *= int(d)
+        total += n * tvm.DataType(p.dtype).bits // 8
+    return total
+
+
+@dataclasses.dataclass
+class ImportedModel:
+    family: ModelFamily
+    cfg: LlamaConfig
+    mod: tvm.IRModule | None  # None when imported with export=False
+    params: list  # (name, nn.Parameter) in the order the compiled functions take them
+    sources: dict[str, list[str]]  # float parameter -> checkpoint tensors
+    plan: WeightPlan  # quantized layer -> how to make its stored arrays
+    dtype: str  # activations: the float scheme's dtype, or the target's compute dtype
+    calibration: awq.Calibration | None = None  # --calibrate: scales folded into the float parameters
+
+    @property
+    def param_bytes(self) -> int:
+        return param_bytes(self.params)
+
+
+def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_window: int | None,
+                 quant_skip: list[str] = (), quantize: bool = True,
+                 calibration: awq.Calibration | None = None, export: bool = True) -> ImportedModel:
+    """Build the nn.Module for the checkpoint's family, quantize its layers (unless told not to: `inspect`
+    shows the float import first), and export it to a Relax IRModule (unless told not to: the parameters'
+    shapes and dtypes, all `estimate` needs of another scheme, come without the seconds exporting takes)."""
+    validate.context_length(context_window)
+    family = family_for(ckpt.hf_config)
+    cfg = family.config_class.from_hf(ckpt.hf_config, context_window)
+    check_checkpoint_shapes(ckpt, cfg)
+    model = family.model_class(cfg)
+    dtype = scheme.float_dtype or spec.device["compute_dtype"]
+    model.to(dtype)
+    sources = cfg.param_sources()
+    plan = quantize_model(model, scheme, ckpt, sources, list(quant_skip), dtype, calibration) if quantize else {}
+    if not export:  # named_parameters() lists them as export_tvm does
+        return ImportedModel(family, cfg, None, list(model.named_parameters()), sources, plan, dtype, calibration)
+    with spec.model_target():
+        mod, params = model.export_tvm(spec=model.get_default_spec())
+    return ImportedModel(family, cfg, mod, params, sources, plan, dtype, calibration)
+
+
+def check_checkpoint_shapes(ckpt: Checkpoint, cfg: LlamaConfig) -> None:
+    """Every tensor the model reads is in the checkpoint with the shape its config implies, checked by the
+    checkpoint's own tensor names before any weight is read or anything built (a config-only checkpoint, as
+    `estimate` takes, has no tensors to check)."""
+    if not ckpt.tensor_names():
+        return
+    for name, want in cfg.source_shapes().items():
+        got = tuple(int(d) for d in ckpt.shape(name))
+        if got != want:
+            raise MobilecError(f"tensor {name} has shape {got} in {ckpt.description} but its config implies {want}; "
+                               f"the checkpoint and its config disagree")

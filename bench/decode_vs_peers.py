@@ -9,8 +9,8 @@ several, e.g. q0f32 then q4f16_g32, to compare schemes). Every runtime gets the 
 decodes greedily; the token agreement with the first artifact is printed as a sanity check.
 
 Decode is bound by memory bandwidth: the run first measures the read bandwidth at --threads (a TVM kernel
-summing a large array, compiler/runtime/profile.py), and the table shows for each runtime the bytes one
-decode token reads (weights + KV cache at the middle of the generation), the floor tok/s that bandwidth
+summing a large array, compiler/host.py), and the table shows for each runtime the bytes one decode token reads
+(compiler/roofline.py: weights + KV cache at the middle of the generation), the floor tok/s that bandwidth
 allows and the share of it reached. After the table, one decode step of each artifact is profiled: kernels
 by projection, the VM's overhead between them and the host-side Python/FFI. --profile-only skips the peers
 and the rounds (a quick look at the kernels).

@@ -10,24 +10,27 @@ import threading
 
 import click
 
-from . import validate
+from . import stop_signals, validate
 from .choices import DECODE_ACTIVATIONS, TUNE_FUNCTIONS
 from .errors import MobilecError
 from .quantization.schemes import schemes_help
+from .stop_signals import Terminated
 
 # Signals that end a command as Ctrl-C does: the exception unwinds it, so every cleanup on the way runs (a
 # compile's temporary directory is removed), then the process ends by the same signal.
 _ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
-class Terminated(BaseException):
-    """SIGTERM or SIGHUP arrived: raised where the command was, so that its cleanups run."""
-
-
 def _terminate(signum, _frame):
+    stop_signals.note(signum)
     for other in _ENDING_SIGNALS:  # a second signal must not interrupt the cleanups
         signal.signal(other, signal.SIG_IGN)
     raise Terminated(signum)
+
+
+def _interrupt(signum, _frame):
+    stop_signals.note(signum)
+    raise KeyboardInterrupt
 
 
 class _Group(click.Group):
@@ -41,6 +44,9 @@ class _Group(click.Group):
                 if signal.getsignal(signum) is signal.SIG_DFL:
                     signal.signal(signum, _terminate)
                     handled.append(signum)
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                signal.signal(signal.SIGINT, _interrupt)
+                handled.append(signal.SIGINT)
         try:
             return super().invoke(ctx)
         except MobilecError as err:
@@ -60,7 +66,9 @@ class _Group(click.Group):
             raise
         finally:
             for signum in handled:
-                if signal.getsignal(signum) in (_terminate, signal.SIG_IGN):
+                if signum == signal.SIGINT:
+                    signal.signal(signum, signal.default_int_handler)
+                elif signal.getsignal(signum) in (_terminate, signal.SIG_IGN):
                     signal.signal(signum, signal.SIG_DFL)
 
 

@@ -110,8 +110,3 @@ def check_cpu(artifact_path: str | Path, config: dict[str, Any], cpu: Cpu) -> di
             raise MobilecError(f"{artifact_path} is built for a CPU with {', '.join(missing)} (target {target}); "
                                f"{cpu.name} lacks {'it' if len(missing) == 1 else 'them'}: {_rebuild_hint(cpu)}")
     return done
-
-
-def check_runs_here(artifact_path: str | Path, config: dict[str, Any]) -> None:
-    """Refuse, before its library is loaded, an artifact that this machine's CPU cannot run."""
-    check_cpu(artifact_path, config, this_cpu())

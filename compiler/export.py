@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from . import validate
+from . import stop_signals, validate
 from .artifact import ALIGNMENT, CONFIG_FILE, PARAMS_INDEX, PARTIAL_MARKER, SHARD_BYTES, foreign_files
 from .errors import MobilecError
 
@@ -184,6 +184,7 @@ def atomic_directory(final: Path, overwrite: bool = False, name: str = "--output
         try:
             yield tmp
             check_output(final, overwrite, name)  # the path may have changed while this ran
+            stop_signals.raise_if_received()  # a signal TVM's C++ swallowed still stops the command here
             (tmp / PARTIAL_MARKER).unlink()
             _install(tmp, final)
         except OSError as err:

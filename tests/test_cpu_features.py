@@ -19,7 +19,7 @@ from compiler import host
 from compiler.artifact import CONFIG_FILE, load_artifact
 from compiler.cli import main
 from compiler.compile_model import compile_model
-from compiler.cpu_check import Cpu, check_cpu, check_runs_here, cpu_entry, this_cpu
+from compiler.cpu_check import Cpu, check_cpu, cpu_entry, this_cpu
 from compiler.errors import MobilecError
 from compiler.runtime import remote
 from compiler.runtime.session import Session
@@ -195,7 +195,7 @@ def test_session_refuses_before_loading_the_library(artifacts, monkeypatch):
 
 
 def test_negative_control_host_artifact_passes_and_generates(artifacts):
-    check_runs_here(artifacts["host"], load_artifact(artifacts["host"]).config)
+    check_cpu(artifacts["host"], load_artifact(artifacts["host"]).config, this_cpu())
     result = _generate(artifacts["host"], "--json")
     assert result.returncode == 0, result.stderr
     assert len(json.loads(result.stdout)["token_ids"]) == 2

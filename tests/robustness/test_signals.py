@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from compiler.artifact import PARTIAL_MARKER, load_artifact
-from compiler.export import remove_stale_partials
+from compiler import stop_signals
+from compiler.export import atomic_directory, remove_stale_partials
+from compiler.stop_signals import Terminated
 from tests.robustness.conftest import CONTEXT
 
 PARTIAL_TIMEOUT_S = 120  # until the compile has made its temporary directory
@@ -107,3 +109,19 @@ def test_remove_stale_partials_only_removes_marked_dead_ones(tmp_path):
     (user / PARTIAL_MARKER).write_text("garbage")
     assert sorted(remove_stale_partials(out)) == sorted([dead, old])
     assert user.is_dir() and link.is_symlink()
+
+
+@pytest.mark.parametrize("signum, raised", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, Terminated)])
+def test_a_signal_swallowed_inside_tvm_still_stops_the_compile(tmp_path, monkeypatch, signum, raised):
+    """TVM's C++ turns a signal handler's exception into an error of its own and may drop it; the signal was noted,
+    so the output is not installed and the command stops as the signal asks."""
+    monkeypatch.setattr(stop_signals, "_received", [])
+    out = tmp_path / "out"
+    with pytest.raises(raised), atomic_directory(out) as tmp:
+        (tmp / "lib").mkdir()
+        stop_signals.note(signum)  # what the handler did before its exception was lost
+    assert not out.exists() and _partials(out) == []
+    monkeypatch.setattr(stop_signals, "_received", [])
+    with atomic_directory(out) as tmp:  # negative control: no signal, the output is installed
+        (tmp / "lib").mkdir()
+    assert (out / "lib").is_dir()

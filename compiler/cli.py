@@ -38,6 +38,7 @@ class _Group(click.Group):
     SIGTERM/SIGHUP into an exception that unwinds the command before the process ends by that signal."""
 
     def invoke(self, ctx):
+        stop_signals.forget()
         handled = []
         if threading.current_thread() is threading.main_thread():
             for signum in _ENDING_SIGNALS:

@@ -18,6 +18,12 @@ def note(signum: int) -> None:
     _received.append(signum)
 
 
+def forget() -> None:
+    """A new command starts: signals an earlier one in this process received (a notebook that caught its
+    KeyboardInterrupt and runs another) do not stop it."""
+    _received.clear()
+
+
 def raise_if_received() -> None:
     """Raise what the first signal received raised (KeyboardInterrupt for SIGINT), if one came."""
     if not _received:

@@ -14,9 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
-from compiler.artifact import PARTIAL_MARKER, load_artifact
 from compiler import stop_signals
+from compiler.artifact import PARTIAL_MARKER, load_artifact
+from compiler.cli import main
 from compiler.export import atomic_directory, remove_stale_partials
 from compiler.stop_signals import Terminated
 from tests.robustness.conftest import CONTEXT
@@ -125,3 +127,10 @@ def test_a_signal_swallowed_inside_tvm_still_stops_the_compile(tmp_path, monkeyp
     with atomic_directory(out) as tmp:  # negative control: no signal, the output is installed
         (tmp / "lib").mkdir()
     assert (out / "lib").is_dir()
+
+
+def test_a_new_command_forgets_the_signals_of_an_earlier_one(tmp_path, monkeypatch):
+    """In one process (a notebook that caught a KeyboardInterrupt) the next command is not stopped by it."""
+    monkeypatch.setattr(stop_signals, "_received", [signal.SIGINT])
+    result = CliRunner().invoke(main, ["compile", "--help"])
+    assert result.exit_code == 0 and stop_signals._received == []  # pylint: disable=protected-access

@@ -33,10 +33,15 @@ def open_model(model: str | None, weights_required: bool = True) -> Checkpoint:
     return open_checkpoint(resolve_model_path(model), weights_required=weights_required)
 
 
+def scheme_for(spec: TargetSpec, quant: str | None) -> Scheme:
+    """`quant`, or the target's default scheme."""
+    return get_scheme(quant or spec.device["default_quant"])
+
+
 def target_and_scheme(target: str, quant: str | None) -> tuple[TargetSpec, Scheme]:
     """The target file and the scheme: `quant`, or the target's default."""
     spec = load_target(target)
-    return spec, get_scheme(quant or spec.device["default_quant"])
+    return spec, scheme_for(spec, quant)
 
 
 def param_bytes(params) -> int:

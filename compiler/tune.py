@@ -37,8 +37,7 @@ from tvm.support import cc
 from . import link, pipeline, tuning_log, validate
 from .choices import TUNE_FUNCTIONS
 from .errors import MobilecError
-from .importer import import_model, open_model
-from .quantization.schemes import get_scheme
+from .importer import import_model, open_model, scheme_for
 from .rpc_peers import check_key, last_line, open_tracker
 from .targets import TargetSpec, load_target
 
@@ -92,7 +91,7 @@ def export_kernel(compiler: str | None, module: tvm.runtime.Module) -> str:
 
 def kernel_module(model: str | None, spec: TargetSpec, quant: str | None) -> tvm.IRModule:
     """The model as compile has it right before the tuning log is applied: the same import and steps."""
-    scheme = get_scheme(quant or spec.device["default_quant"])
+    scheme = scheme_for(spec, quant)
     with open_model(model) as ckpt:
         mod = import_model(ckpt, scheme, spec, context_window=None).mod
     steps = pipeline.steps(spec, tuning=True)

@@ -27,7 +27,7 @@ from .call_sites import call_site_map
 from .choices import DECODE_ACTIVATIONS
 from .cpu_check import cpu_entry
 from .errors import MobilecError
-from .estimate import estimate_imported, over_budget_message
+from .estimate import RecordMemoryPlan, estimate_imported, over_budget_message, recording
 from .export import ShardWriter, atomic_directory, check_output
 from .importer import PAGE_SIZE, ImportedModel, import_model, resolve_model_path, target_and_scheme
 from .kernels import integer_dot_gemv
@@ -122,27 +122,30 @@ def compile_model(
         calibration = awq.calibrate(ckpt, scheme.layout, calib_text, log) if calibrate else None
         imported = import_model(ckpt, scheme, spec, context_window, quant_skip, calibration=calibration)
         family, cfg = imported.family, imported.cfg
-        memory = estimate_imported(ckpt, imported, scheme, spec, quant_skip)
-        if not memory.fits and not force:
-            raise MobilecError(f"{over_budget_message(memory)}; or --force to compile it anyway")
         log(f"compiling {family.name} for {spec.name} ({scheme.name})")
         t_build = time.perf_counter()
-        (tmp / LIBRARY_DIR).mkdir()
         tuned: list[str] = []
 
         def note_tuned(_index: int, step: str, mod: tvm.IRModule) -> None:
             if step == pipeline.APPLY_TUNING_STEP:
                 tuned.extend(tuned_kernels(mod))
 
-        npu, call_sites = None, None
-        if spec.link["method"] == "hexagon":
+        # The memory estimate reads the activation storage the pipeline plans, so it is made on the way and a
+        # model that does not fit is refused before code generation.
+        recorder = RecordMemoryPlan()
+        with recording(recorder):
             lowered = pipeline.run_steps(imported.mod, spec, note_tuned, tuning=not no_tuning,
                                          decode_activations=decode_activations)
+        memory = estimate_imported(ckpt, imported, scheme, spec, quant_skip, plan=recorder.plan())
+        if not memory.fits and not force:
+            raise MobilecError(f"{over_budget_message(memory)}; or --force to compile it anyway")
+        (tmp / LIBRARY_DIR).mkdir()
+        npu, call_sites = None, None
+        if spec.link["method"] == "hexagon":
             name, npu = hexagon.build_kernels(lowered, spec, tmp / LIBRARY_DIR)
             note = npu.get("note")
         else:
-            executable = pipeline.build(imported.mod, spec, tuning=not no_tuning, after_step=note_tuned,
-                                        decode_activations=decode_activations)
+            executable = pipeline.generate(lowered, spec)
             call_sites = call_site_map(executable.mod, len(imported.params))
             name, note = link.export_library(executable, spec, tmp / LIBRARY_DIR)
         library = f"{LIBRARY_DIR}/{name}"

@@ -65,9 +65,10 @@ class MemoryEstimate:  # pylint: disable=too-many-instance-attributes
 
 
 @tvm.instrument.pass_instrument
-class _AfterMemoryPlanning:
+class RecordMemoryPlan:
     """Keeps the module as LowerAllocTensor leaves it: StaticPlanBlockMemory has assigned the tensors it can
-    plan to storage, and LowerAllocTensor has given every other (dynamic-size) tensor a storage of its own."""
+    plan to storage, and LowerAllocTensor has given every other (dynamic-size) tensor a storage of its own.
+    Compile records it while it builds, so the pipeline runs once."""
 
     def __init__(self):
         self.mod = None
@@ -75,6 +76,11 @@ class _AfterMemoryPlanning:
     def run_after_pass(self, mod: tvm.IRModule, info: tvm.transform.PassInfo) -> None:
         if info.name == "LowerAllocTensor":
             self.mod = mod
+
+    def plan(self) -> ActivationPlan:
+        if self.mod is None:
+            raise RuntimeError("no pipeline step runs LowerAllocTensor, so there is no memory plan to read")
+        return ActivationPlan({name: _storage_sizes(self.mod[name]) for name in PLANNED_FUNCTIONS})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,17 +119,20 @@ def _storage_sizes(func: relax.Function) -> list[tirx.PrimExpr]:
 def plan_activations(mod: tvm.IRModule, spec: TargetSpec) -> ActivationPlan:
     """Run the compile pipeline's steps through memory planning (no code generation) and read the storage
     that prefill and decode allocate."""
-    after = _AfterMemoryPlanning()
-    current = tvm.transform.PassContext.current()
-    with tvm.transform.PassContext(opt_level=current.opt_level, config=current.config,
-                                   instruments=[*current.instruments, after]), spec.tvm_target():
+    recorder = RecordMemoryPlan()
+    with recording(recorder), spec.tvm_target():
         for _, step in pipeline.steps(spec):
             mod = step(mod)
-            if after.mod is not None:
+            if recorder.mod is not None:
                 break
-    if after.mod is None:
-        raise RuntimeError("no pipeline step runs LowerAllocTensor, so there is no memory plan to read")
-    return ActivationPlan({name: _storage_sizes(after.mod[name]) for name in PLANNED_FUNCTIONS})
+    return recorder.plan()
+
+
+def recording(instrument) -> tvm.transform.PassContext:
+    """The current pass context with `instrument` added."""
+    current = tvm.transform.PassContext.current()
+    return tvm.transform.PassContext(opt_level=current.opt_level, config=current.config,
+                                     instruments=[*current.instruments, instrument])
 
 
 def _tensor_bytes(param) -> int:
@@ -210,10 +219,10 @@ def _fitting_context(ckpt: Checkpoint, imported: ImportedModel, scheme: Scheme, 
 
 
 def estimate_imported(ckpt: Checkpoint, imported: ImportedModel, scheme: Scheme, spec: TargetSpec,
-                      quant_skip: list[str] = ()) -> MemoryEstimate:
-    """The estimate of an imported (exported) model; when it does not fit, with the smaller scheme and the
-    shorter context window that would."""
-    plans = {imported.dtype: plan_activations(imported.mod, spec)}
+                      quant_skip: list[str] = (), plan: ActivationPlan | None = None) -> MemoryEstimate:
+    """The estimate of an imported (exported) model, with its activation `plan` if the pipeline already ran
+    (RecordMemoryPlan); when it does not fit, with the smaller scheme and the shorter context window that would."""
+    plans = {imported.dtype: plan or plan_activations(imported.mod, spec)}
     est = _budget(ckpt.description, spec, scheme.name, imported.cfg, imported.params, imported.dtype,
                   plans[imported.dtype])
     if est.fits:

@@ -19,11 +19,11 @@ from tvm.target.codegen import llvm_get_cpu_features, llvm_get_system_cpu, llvm_
 
 from .errors import MobilecError
 from .isa import arch_of_triple, feature_flags
+from .user_cache import cache_path
 
 TRIPLES = {"x86_64": "x86_64-unknown-linux-gnu", "aarch64": "aarch64-linux-gnu"}
 # When LLVM does not know the CPU's name: a baseline the features from /proc/cpuinfo are added to.
 BASELINE_CPU = {"x86_64": "x86-64", "aarch64": "generic"}
-CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mobilec"
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
@@ -217,16 +217,16 @@ def numpy_read_bandwidth(size_mb: float | None = None, repeats: int = BANDWIDTH_
 
 def host_bandwidth_gbs() -> float:
     """This machine's read bandwidth with every usable core (measure_read_bandwidth), measured once per CPU and
-    core count and cached in ~/.cache/mobilec: a target file cannot know the machine it is loaded on."""
+    core count and cached (user_cache.py): a target file cannot know the machine it is loaded on."""
     key = hashlib.sha256(json.dumps([cpu_model_name(), sorted(cpu_flags()), usable_cores()]).encode()).hexdigest()[:16]
-    path = CACHE_DIR / f"host-bandwidth-{key}.json"
+    path = cache_path(f"host-bandwidth-{key}.json")
     try:
         return float(json.loads(path.read_text())["gbs"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
     gbs = measure_read_bandwidth(None, repeats=3)
     try:
-        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"gbs": gbs, "cpu": cpu_model_name(), "cores": usable_cores(),
                                    "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))

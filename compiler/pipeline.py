@@ -109,8 +109,12 @@ class _CheckKernels:
 def build(mod: tvm.IRModule, spec: TargetSpec, tuning: bool = False,
           after_step: Callable[[int, str, tvm.IRModule], None] | None = None,
           decode_activations: str = "int16") -> tvm.runtime.Executable:
-    """Run the pipeline and generate code; the Relax passes are all ours, so TVM's default list is off."""
-    lowered = run_steps(mod, spec, after_step, tuning, decode_activations)
+    """Run the pipeline and generate code."""
+    return generate(run_steps(mod, spec, after_step, tuning, decode_activations), spec)
+
+
+def generate(lowered: tvm.IRModule, spec: TargetSpec) -> tvm.runtime.Executable:
+    """Code for a module the steps have lowered; the Relax passes are all ours, so TVM's default list is off."""
     current = tvm.transform.PassContext.current()
     with tvm.transform.PassContext(opt_level=current.opt_level, config=current.config,
                                    instruments=[*current.instruments, _CheckKernels(spec)]):

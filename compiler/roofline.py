@@ -97,15 +97,15 @@ def gguf_read_bytes(path: str | Path, context_len: int, kv_dtype_bytes: int = 2)
     """Bytes one llama.cpp decode step of a GGUF model reads at `context_len`: every tensor (token_embd as one
     row when there is an output.weight, else whole: it is the output layer too) and a KV cache of
     `kv_dtype_bytes` per value (llama.cpp's default cache type is f16)."""
-    import gguf  # pylint: disable=import-outside-toplevel
+    from .loaders.gguf_file import GGUFFile  # pylint: disable=import-outside-toplevel
 
     try:
-        reader = gguf.GGUFReader(str(path))
-    except (OSError, ValueError) as err:
+        reader = GGUFFile(path)
+    except (OSError, ValueError) as err:  # GGUFFormatError is a ValueError
         raise MobilecError(f"cannot read GGUF {path}: {err}") from None
 
     def field(key: str, default=None):
-        return reader.fields[key].contents() if key in reader.fields else default
+        return reader.fields.get(key, default)
 
     arch = field("general.architecture")
     heads = field(f"{arch}.attention.head_count")

@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp's format): HF names, HF layout and an HF-style config from GGUF metadata.
 
-gguf's GGUFReader memory-maps the file; tensors are dequantized one at a time on request.
+The file is memory-mapped (gguf_file.py); tensors are dequantized one at a time on request.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, LlamaFileType
-from gguf.gguf_reader import ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from gguf.quants import dequantize
 
 from ..errors import MobilecError
 from .checkpoint import Checkpoint, one_line
+from .gguf_file import GGUFFile, GGUFFormatError, GGUFTensor
 from .tokenizer import save_auto_tokenizer
 
 _TOP_LEVEL_NAMES = {
@@ -74,8 +74,8 @@ class GGUFCheckpoint(Checkpoint):
     def __init__(self, path: Path):
         self._path = path
         try:
-            self._reader = GGUFReader(path)
-        except Exception as e:  # GGUFReader reports truncation as shape/dtype ValueErrors
+            self._reader = GGUFFile(path)
+        except (GGUFFormatError, UnicodeDecodeError) as e:
             raise MobilecError(
                 f"GGUF file {str(path)!r} is truncated or corrupt ({one_line(e)}); re-download or re-convert it"
             ) from e
@@ -94,8 +94,7 @@ class GGUFCheckpoint(Checkpoint):
         self.description = f"GGUF {path.name} ({self._file_type()})"
 
     def _field(self, key: str, default: Any = None) -> Any:
-        field = self._reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self._reader.fields.get(key, default)
 
     def _config(self) -> dict[str, Any]:
         a = self._arch
@@ -112,7 +111,7 @@ class GGUFCheckpoint(Checkpoint):
         head_dim = int(self._field(f"{a}.attention.key_length", hidden // heads if heads > 0 else 0))
         # Older converters omit vocab_size; then the tokenizer's token list has the count.
         tokens = self._reader.fields.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None and f"{a}.vocab_size" not in self._reader.fields else None
+        vocab = len(tokens) if tokens is not None and f"{a}.vocab_size" not in self._reader.fields else None
         cfg: dict[str, Any] = {
             "model_type": a,
             "vocab_size": int(vocab if vocab is not None else need("vocab_size")),
@@ -172,7 +171,7 @@ class GGUFCheckpoint(Checkpoint):
         matrices = [t.tensor_type.name for t in self._reader.tensors if len(t.shape) >= 2]
         return Counter(matrices).most_common(1)[0][0] if matrices else "unknown"
 
-    def _tensor(self, name: str) -> ReaderTensor:
+    def _tensor(self, name: str) -> GGUFTensor:
         t = self._tensors.get(name)
         if t is None:
             raise self._missing(name)
@@ -240,7 +239,8 @@ class GGUFCheckpoint(Checkpoint):
     def save_tokenizer(self, out_dir: str | os.PathLike) -> None:
         if "tokenizer.ggml.model" not in self._reader.fields:
             raise MobilecError(f"{self.description} carries no tokenizer; use a GGUF converted with its tokenizer")
-        save_auto_tokenizer(self._path.parent, out_dir, self.description, gguf_file=self._path.name)
+        save_auto_tokenizer(self._path.parent, out_dir, self.description, cache_for=self._path,
+                            gguf_file=self._path.name)
 
     def close(self) -> None:
         # Dropping the reader drops its memory map; returned arrays own their data (see get).

@@ -84,9 +84,12 @@ def _symmetric_scale(g: np.ndarray, layout: GroupLayout) -> np.ndarray:
     """[n, groups, group] values -> the [n, groups] scale (in the stored dtype) that minimizes squared error."""
     idx = np.abs(g).argmax(axis=2)[:, :, None]
     base = np.take_along_axis(g, idx, axis=2)[:, :, 0] / -layout.offset
+    candidates = scale_candidates(layout)
+    if len(candidates) == 1:  # nothing to choose between (4 bits): skip the error computation
+        return (base * np.float32(candidates[0])).astype(layout.scale_dtype)
     best_err = np.full(base.shape, np.inf, np.float32)
     best = np.zeros(base.shape, np.float32)
-    for t in scale_candidates(layout):
+    for t in candidates:
         s = (base * np.float32(t)).astype(layout.scale_dtype).astype(np.float32)
         q = _symmetric_codes(g, s[:, :, None], layout) - layout.offset
         err = np.square(q * s[:, :, None] - g).sum(axis=2)

@@ -2,7 +2,7 @@
 
 `build_image()` makes, once, a Debian bookworm arm64 root filesystem (debootstrap) with a Python venv at
 /opt/tvm holding the aarch64 wheels of the versions pinned in pyproject.toml, and packs it into a tarball in
-`${MOBILEC_CACHE_DIR:-~/.cache/mobilec}/emulated-arm64/`, named by a hash of the pins and the recipe.
+emulated-arm64/ in mobilec's cache (compiler/user_cache.py), named by a hash of the pins and the recipe.
 `start_device()` extracts it next to the tarball once, mounts that read-only at a temporary directory (with
 its own /proc and scratch /tmp), starts an RPC tracker on loopback (host Python) and TVM's RPC server inside
 that chroot (qemu-aarch64 through binfmt_misc), and returns a handle once the tracker offers the server.
@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import MobilecError
+from ..user_cache import cache_path
 from . import processes
 
 # Bump when the image recipe changes, so cached images are rebuilt.
@@ -69,9 +70,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def cache_dir() -> Path:
-    """Where images are kept: ${MOBILEC_CACHE_DIR:-~/.cache/mobilec}/emulated-arm64."""
-    base = os.environ.get("MOBILEC_CACHE_DIR") or Path.home() / ".cache" / "mobilec"
-    return Path(base) / "emulated-arm64"
+    """Where images are kept: emulated-arm64/ in mobilec's cache (user_cache.py)."""
+    return cache_path("emulated-arm64")
 
 
 def _pinned_versions(pyproject: Path = REPO_ROOT / "pyproject.toml") -> dict[str, str]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 
 import gguf
 import numpy as np
@@ -19,6 +21,7 @@ from transformers.modeling_gguf_pytorch_utils import (
 
 from compiler.loaders import open_checkpoint
 from compiler.loaders.default_model import default_model_path
+from compiler.loaders.gguf_file import GGUFFile, GGUFFormatError
 from tests.helpers.assertions import assert_mobilec_error
 from tests.helpers.tiny_models import SPECS, llama_cpp_permute
 
@@ -200,3 +203,57 @@ def test_gguf_missing_metadata(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     assert_mobilec_error(lambda: open_checkpoint(path), "lacks metadata llama.")
+
+
+# --- our GGUF reader (gguf_file.py) against gguf's GGUFReader, and the tokenizer cache ---
+
+
+def _assert_reads_like_gguf_reader(path):
+    ours, theirs = GGUFFile(path), GGUFReader(path)
+    expected = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}  # its own counters
+    assert ours.fields == expected and [type(v) for v in ours.fields.values()] == [type(v) for v in expected.values()]
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.shape, a.tensor_type, a.data_offset, a.n_bytes) == (tuple(map(int, b.shape)), b.tensor_type,
+                                                                      b.data_offset, b.n_bytes), a.name
+        np.testing.assert_array_equal(a.data, np.asarray(b.data).view(np.uint8).reshape(a.data.shape), err_msg=a.name)
+
+
+def test_gguf_file_reads_smollm2_like_gguf_reader(smollm2_path):
+    _assert_reads_like_gguf_reader(smollm2_path)
+
+
+@pytest.mark.parametrize("name", ["llama_odd", "qwen2_bias"])
+def test_gguf_file_reads_tiny_files_like_gguf_reader(tiny, name):
+    _assert_reads_like_gguf_reader(tiny.path(name, "gguf"))
+
+
+@pytest.mark.parametrize("change,message", [(lambda b: b"GGML" + b[4:], "no GGUF magic"),
+                                            (lambda b: b[:4] + (1).to_bytes(4, "little") + b[8:], "GGUF version 1")])
+def test_gguf_file_refuses_other_formats(tiny, tmp_path, change, message):
+    path = tmp_path / "other.gguf"
+    path.write_bytes(change(tiny.path("llama_odd", "gguf").read_bytes()))
+    with pytest.raises(GGUFFormatError, match=message):
+        GGUFFile(path)
+    assert_mobilec_error(lambda: open_checkpoint(path), "other.gguf", message.split()[-1])
+
+
+def test_tokenizer_is_converted_once_then_copied_from_the_cache(smollm2_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOBILEC_CACHE_DIR", str(tmp_path / "cache"))
+    copy = tmp_path / smollm2_path.name
+    shutil.copy(smollm2_path, copy)
+    calls = []
+    convert = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(a) or convert(*a, **k))
+    with open_checkpoint(copy) as ckpt:
+        ckpt.save_tokenizer(tmp_path / "converted")
+        ckpt.save_tokenizer(tmp_path / "copied")
+    assert len(calls) == 1
+    converted = {p.name: p.read_bytes() for p in (tmp_path / "converted").iterdir()}
+    assert converted and converted == {p.name: p.read_bytes() for p in (tmp_path / "copied").iterdir()}
+    # Negative control: the same file changed (a new modification time) is converted again.
+    os.utime(copy, ns=(copy.stat().st_atime_ns, copy.stat().st_mtime_ns + 10**9))
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(a) or 1 / 0)
+    with open_checkpoint(copy) as ckpt:
+        assert_mobilec_error(lambda: ckpt.save_tokenizer(tmp_path / "again"), "could not build the tokenizer")
+    assert len(calls) == 2

@@ -10,7 +10,7 @@ import threading
 
 import click
 
-from . import stop_signals, validate
+from . import stop_signals
 from .choices import DECODE_ACTIVATIONS, TUNE_FUNCTIONS
 from .errors import MobilecError
 from .quantization.schemes import schemes_help
@@ -136,19 +136,16 @@ def targets():
 @click.option("--overwrite", is_flag=True,
               help="Replace the artifact already at --output (only a mobilec artifact with no other files in it).")
 @json_option("the summary")
-def compile(model, target, quant, output, context_window, quant_skip,  # pylint: disable=redefined-builtin
-            calibrate, calib_text, force, no_tuning, decode_activations, overwrite, as_json):
+def compile(as_json, **options):  # pylint: disable=redefined-builtin
     """Compile MODEL for TARGET into an artifact directory (library, weight shards, tokenizer, config).
 
     --output must be a new path, an empty directory, or an artifact (replaced only with --overwrite); anything
     else is refused, so no file of yours is replaced. The artifact is written to a temporary directory beside it
     and renamed at the end: a failed or interrupted compile leaves nothing behind.
     """
-    from .compile_model import compile_model  # pylint: disable=import-outside-toplevel
+    from .compile_model import CompileOptions, compile_model  # pylint: disable=import-outside-toplevel
 
-    summary = compile_model(model, target, quant, output, context_window, progress=not as_json,
-                            quant_skip=list(quant_skip), calibrate=calibrate, calib_text=calib_text, force=force,
-                            no_tuning=no_tuning, decode_activations=decode_activations, overwrite=overwrite)
+    summary = compile_model(CompileOptions(**options, progress=not as_json))
     if as_json:
         click.echo(json.dumps(summary))
         return
@@ -164,7 +161,7 @@ def compile(model, target, quant, output, context_window, quant_skip,  # pylint:
 @click.option("--model", default="default", show_default=True, help="As for `compile`.")
 @click.option("--target", default="host", show_default=True, help="As for `compile`.")
 @click.option("--quant", default=None, help="As for `compile`.")
-@click.option("--tracker", "tracker_address", default=None, metavar="HOST:PORT",
+@click.option("--tracker", default=None, metavar="HOST:PORT",
               help="Measure on the devices a TVM RPC tracker has under --key (all of them in parallel).")
 @click.option("--key", default=None, help="The tracker key of the devices, e.g. rk3588.")
 @click.option("--trials", type=int, default=64, show_default=True,
@@ -176,7 +173,7 @@ def compile(model, target, quant, output, context_window, quant_skip,  # pylint:
 @click.option("--max-seconds", type=float, default=None,
               help="Start no new round of trials after this long; rerunning continues where it stopped.")
 @json_option("the per-kernel table")
-def tune(model, target, quant, tracker_address, key, trials, only, kernel_patterns, max_seconds, as_json):
+def tune(as_json, **options):
     """Tune the kernels of one decode step with MetaSchedule into tuning_logs/<target>/, which compile applies.
 
     Each kernel is weighted by its calls per decode step; every trial is saved as it is measured, so an
@@ -184,10 +181,10 @@ def tune(model, target, quant, tracker_address, key, trials, only, kernel_patter
     default schedule rules.
     """
     # pylint: disable=import-outside-toplevel
-    from .tune import format_table
+    from .tune import TuneOptions, format_table
     from .tune import tune as run_tune
 
-    summary = run_tune(model, target, quant, trials, tracker_address, key, only, list(kernel_patterns), max_seconds)
+    summary = run_tune(TuneOptions(**options))
     click.echo(json.dumps(summary) if as_json else format_table(summary))
 
 
@@ -201,11 +198,11 @@ def tune(model, target, quant, tracker_address, key, trials, only, kernel_patter
               help="Write the IR after each step as NN-step.py TVMScript files here.")
 @click.option("--pass", "only_step", default=None, metavar="NAME", help="Only write the IR after this step.")
 @json_option("the table")
-def inspect(model, target, quant, quant_skip, context_window, dump, only_step, as_json):
+def inspect(as_json, **options):
     """Show what each pipeline step does: Relax functions, TIR kernels and parameter bytes after it."""
-    from .inspect_ir import inspect_model  # pylint: disable=import-outside-toplevel
+    from .inspect_ir import InspectOptions, inspect_model  # pylint: disable=import-outside-toplevel
 
-    rows = inspect_model(model, target, quant, dump, only_step, context_window, list(quant_skip))
+    rows = inspect_model(InspectOptions(**options))
     if as_json:
         click.echo(json.dumps(rows))
         return
@@ -213,8 +210,8 @@ def inspect(model, target, quant, quant_skip, context_window, dump, only_step, a
     for r in rows:
         click.echo(f"{r['index']:2d}  {r['step']:28s} {r['relax_functions']:11d} {r['tir_kernels']:11d} "
                    f"{r['param_bytes'] / 1e6:9.1f}")
-    if dump:
-        click.echo(f"IR written to {dump}/")
+    if options["dump"]:
+        click.echo(f"IR written to {options['dump']}/")
 
 
 @main.command()
@@ -226,12 +223,12 @@ def inspect(model, target, quant, quant_skip, context_window, dump, only_step, a
 @click.option("--context-window", type=int, default=None,
               help="Tokens the KV cache holds, as `compile --context-window`; default min(model max, 2048).")
 @json_option("the estimate")
-def estimate(model, target, quant, quant_skip, context_window, as_json):
+def estimate(as_json, **options):
     """Memory MODEL needs on TARGET (weights, KV cache, activations, 20% margin) against its RAM and largest
     allocation, and the decode speed its memory bandwidth allows; nothing is built."""
-    from .estimate import estimate_memory, format_budget  # pylint: disable=import-outside-toplevel
+    from .estimate import EstimateOptions, estimate_memory, format_budget  # pylint: disable=import-outside-toplevel
 
-    est = estimate_memory(model, target, quant, context_window, list(quant_skip))
+    est = estimate_memory(EstimateOptions(**options))
     click.echo(json.dumps(est.to_json()) if as_json else format_budget(est))
 
 
@@ -244,25 +241,12 @@ def estimate(model, target, quant, quant_skip, context_window, as_json):
 @click.option("--window", type=int, default=512, show_default=True, help="Tokens per window (capped by the artifact).")
 @click.option("--threads", type=int, default=None, help="CPU threads for the compiled model.")
 @json_option("the perplexities and similarities")
-def evaluate(artifact, text_file, reference, max_tokens, window, threads, as_json):
+def evaluate(as_json, **options):
     """Perplexity of ARTIFACT vs its float reference, and per-layer cosine similarity of hidden states."""
-    # pylint: disable=import-outside-toplevel
-    from .artifact import load_artifact
-    from .host import set_threads
-    from .runtime.evaluate import check_reference, eval_windows, load_reference
-    from .runtime.evaluate import evaluate as run_eval
+    from .runtime.evaluate import EvalOptions  # pylint: disable=import-outside-toplevel
+    from .runtime.evaluate import evaluate as run_eval  # pylint: disable=import-outside-toplevel
 
-    # Everything checked before the reference model loads (~30 s).
-    validate.threads(threads)
-    validate.tokens(max_tokens, "--max-tokens", least=2)
-    validate.tokens(window, "--window", least=2)
-    text = validate.read_text_file(text_file, "--text")
-    art = load_artifact(artifact)
-    eval_windows(art, text, max_tokens, window)
-    check_reference(reference or art.config["model"]["path"])
-    set_threads(threads)
-    ref = load_reference(reference or art.config["model"]["path"])
-    result = run_eval(art, text, ref, max_tokens, window)
+    result = run_eval(EvalOptions(**options))
     if as_json:
         click.echo(json.dumps(result))
         return
@@ -284,7 +268,7 @@ def evaluate(artifact, text_file, reference, max_tokens, window, threads, as_jso
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence (for benchmarks).")
 @click.option("--threads", type=int, default=None, help="CPU threads (default: TVM_NUM_THREADS or one per core).")
 @json_option("the text, tokens and timings (not streamed)")
-def generate(artifact, prompt, max_new_tokens, temperature, top_p, seed, chat, ignore_eos, threads, as_json):
+def generate(as_json, **options):
     """Load ARTIFACT and generate text from --prompt, streaming tokens as they come."""
     # pylint: disable=import-outside-toplevel
     import dataclasses
@@ -295,8 +279,7 @@ def generate(artifact, prompt, max_new_tokens, temperature, top_p, seed, chat, i
         click.echo(piece, nl=False)
         sys.stdout.flush()
 
-    options = GenerateOptions(prompt, max_new_tokens, temperature, top_p, seed, chat, ignore_eos, threads)
-    result = generate_text(artifact, options, on_text=None if as_json else stream)
+    result = generate_text(GenerateOptions(**options), on_text=None if as_json else stream)
     if as_json:
         click.echo(json.dumps(dataclasses.asdict(result)))
     else:
@@ -309,11 +292,11 @@ def generate(artifact, prompt, max_new_tokens, temperature, top_p, seed, chat, i
 
 @main.command()
 @click.argument("artifact", type=click.Path())
-@click.option("--device", "local", type=click.Choice(["local"]), default=None,
+@click.option("--device", type=click.Choice(["local"]), default=None,
               help="Run in this process (the default without --rpc or --tracker).")
-@click.option("--rpc", "rpc_address", default=None, metavar="HOST:PORT",
+@click.option("--rpc", default=None, metavar="HOST:PORT",
               help="A TVM RPC server (python -m tvm.exec.rpc_server, or the TVM RPC app on a phone).")
-@click.option("--tracker", "tracker_address", default=None, metavar="HOST:PORT",
+@click.option("--tracker", default=None, metavar="HOST:PORT",
               help="A TVM RPC tracker (python -m tvm.exec.rpc_tracker) to get a device from; with --key.")
 @click.option("--key", default=None, help="The tracker key of the device, e.g. android.")
 @click.option("--prompt-len", type=int, default=128, show_default=True,
@@ -330,43 +313,17 @@ def generate(artifact, prompt, max_new_tokens, temperature, top_p, seed, chat, i
 @json_option("every figure")
 @click.option("--plot", "plot_file", default=None, type=click.Path(dir_okay=False),
               help="With --sustained: save tok/s over time as a PNG.")
-def bench(artifact, local, rpc_address, tracker_address, key, prompt_len, gen_len, repeat, sustained_s, threads,
-          session_timeout_s, device_ram_mb, as_json, plot_file):
+def bench(as_json, **options):
     """Measure ARTIFACT on a device: time to first token, prefill and decode tok/s, memory, bandwidth roofline.
 
     The library and weight shards are uploaded once; later runs skip shards the device has (same sha256).
     """
     # pylint: disable=import-outside-toplevel
-    from .artifact import load_artifact
-    from .runtime import remote
-    from .runtime.bench import BenchOptions, format_table, plot_sustained, run_bench
+    from .runtime.bench import BenchOptions, format_table
+    from .runtime.bench import bench as run_bench
 
-    if sum(x is not None for x in (local, rpc_address, tracker_address)) > 1:
-        raise MobilecError("pass only one of --device local, --rpc HOST:PORT and --tracker HOST:PORT")
-    if (tracker_address is None) != (key is None):
-        raise MobilecError("--tracker and --key go together: pass the tracker's address and the device's key")
-    if plot_file and sustained_s is None:
-        raise MobilecError("--plot draws the --sustained run; add --sustained SECONDS")
-    # Every option, address and output path before the artifact loads or a device is reached.
-    validate.seconds(session_timeout_s, "--session-timeout")
-    for address, option in ((rpc_address, "--rpc"), (tracker_address, "--tracker")):
-        if address is not None:
-            validate.address(address, option)
-    if key is not None:
-        validate.device_key(key)
-    validate.output_file(plot_file, "--plot", "png")
-    options = BenchOptions(prompt_len, gen_len, repeat, sustained_s, threads, device_ram_mb)
-    options.check(local=rpc_address is None and tracker_address is None)
-    art = load_artifact(artifact)
-    options.check(int(art.config["context_window"]), local=rpc_address is None and tracker_address is None)
-    device = remote.connect(rpc_address, tracker_address, key, session_timeout_s)
-    try:
-        result = run_bench(art, device, options, progress=sys.stderr.isatty())
-    finally:
-        device.close()
+    result = run_bench(BenchOptions(**options))
     click.echo(json.dumps(result) if as_json else format_table(result))
-    if plot_file:
-        plot_sustained(result, plot_file)
 
 
 @main.command()
@@ -377,12 +334,11 @@ def bench(artifact, local, rpc_address, tracker_address, key, prompt_len, gen_le
 @click.option("--steps", type=int, default=16, show_default=True,
               help="Decode steps measured, each three ways: plain, call by call, under the VM instrument.")
 @json_option("every figure")
-def profile(artifact, threads, context_len, steps, as_json):
+def profile(as_json, **options):
     """Where one decode step of ARTIFACT spends its time on this CPU: per kernel (grouped by projection),
     VM overhead between kernels, host-side Python/FFI; and the floor the memory bandwidth (measured) sets."""
     # pylint: disable=import-outside-toplevel
-    from .artifact import load_artifact
-    from .runtime.profile import format_profile, profile_report
+    from .runtime.profile import ProfileOptions, format_profile, profile_report
 
-    result = profile_report(load_artifact(artifact), threads, context_len, steps)
+    result = profile_report(ProfileOptions(**options))
     click.echo(json.dumps(result) if as_json else format_profile(result))

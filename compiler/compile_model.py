@@ -84,43 +84,50 @@ def _check_decode_activations(value: str, spec: TargetSpec) -> None:
                            f"with float activations: drop the option")
 
 
-def compile_model(
-    model: str | None,
-    target: str,
-    quant: str | None,
-    output: str | None = None,
-    context_window: int | None = None,
-    progress: bool = True,
-    quant_skip: list[str] = (),
-    calibrate: str | None = None,
-    calib_text: str | None = None,
-    force: bool = False,
-    no_tuning: bool = False,
-    decode_activations: str = "int16",
-    overwrite: bool = False,
-) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class CompileOptions:  # pylint: disable=too-many-instance-attributes
+    """What `mobilec compile` is asked: the checkpoint, the target file, the scheme, where to write, and how."""
+
+    model: str | None = "default"  # an HF directory, a .gguf file, or "default" (SmolLM2-135M)
+    target: str = "host"  # a target name or .toml path
+    quant: str | None = None  # None: the target's default scheme
+    output: str | None = None  # None: build/<model>-<quant>-<target>
+    context_window: int | None = None
+    progress: bool = True  # progress lines on stderr (only when it is a terminal)
+    quant_skip: tuple[str, ...] | list[str] = ()
+    calibrate: str | None = None  # "awq"
+    calib_text: str | None = None
+    force: bool = False  # compile a model the estimate says does not fit
+    no_tuning: bool = False  # ignore tuning_logs/<target>/
+    decode_activations: str = "int16"  # integer width of decode GEMV activations (CPU integer-dot targets)
+    overwrite: bool = False  # replace the artifact at output
+
+
+def compile_model(options: CompileOptions) -> dict[str, Any]:
     """Compile and write the artifact; returns a summary (path, timings, sizes, kernels scheduled from the
     target's tuning log, which `no_tuning` leaves unread). A model that does not fit the target's memory is
     refused unless `force`. `decode_activations`: int16 (float-accurate) or int8 (faster, llama.cpp's rounding) for
     the integer decode GEMVs of CPU targets with an integer dot product. The output must be a new path, an empty
     directory, or an artifact (replaced only with `overwrite`): export.check_output."""
-    validate.context_length(context_window)
-    if output:
-        check_output(Path(output), overwrite)  # before anything is loaded or built
-    spec, scheme = target_and_scheme(target, quant)
+    o = options
+    quant_skip, decode_activations, overwrite = list(o.quant_skip), o.decode_activations, o.overwrite
+    validate.context_length(o.context_window)
+    if o.output:
+        check_output(Path(o.output), overwrite)  # before anything is loaded or built
+    spec, scheme = target_and_scheme(o.target, o.quant)
     _check_decode_activations(decode_activations, spec)
     link.check_toolchain(spec)  # before the build, not after it
-    awq.check_options(calibrate, calib_text, scheme.layout)
-    model_path = resolve_model_path(model)
-    out_dir = Path(output) if output else default_output(model_path, scheme.name, spec.name)
+    awq.check_options(o.calibrate, o.calib_text, scheme.layout)
+    model_path = resolve_model_path(o.model)
+    out_dir = Path(o.output) if o.output else default_output(model_path, scheme.name, spec.name)
     check_output(out_dir, overwrite)
-    progress = progress and sys.stderr.isatty()  # progress text is for people; logs and pipes stay clean
+    progress = o.progress and sys.stderr.isatty()  # progress text is for people; logs and pipes stay clean
     log = (lambda msg: print(msg, file=sys.stderr)) if progress else (lambda msg: None)
     t_start = time.perf_counter()
     with open_checkpoint(model_path) as ckpt, atomic_directory(out_dir, overwrite) as tmp:
         log(f"importing {ckpt.description}")
-        calibration = awq.calibrate(ckpt, scheme.layout, calib_text, log) if calibrate else None
-        imported = import_model(ckpt, scheme, spec, context_window, quant_skip, calibration=calibration)
+        calibration = awq.calibrate(ckpt, scheme.layout, o.calib_text, log) if o.calibrate else None
+        imported = import_model(ckpt, scheme, spec, o.context_window, quant_skip, calibration=calibration)
         family, cfg = imported.family, imported.cfg
         log(f"compiling {family.name} for {spec.name} ({scheme.name})")
         t_build = time.perf_counter()
@@ -134,10 +141,10 @@ def compile_model(
         # model that does not fit is refused before code generation.
         recorder = RecordMemoryPlan()
         with recording(recorder):
-            lowered = pipeline.run_steps(imported.mod, spec, note_tuned, tuning=not no_tuning,
+            lowered = pipeline.run_steps(imported.mod, spec, note_tuned, tuning=not o.no_tuning,
                                          decode_activations=decode_activations)
         memory = estimate_imported(ckpt, imported, scheme, spec, quant_skip, plan=recorder.plan())
-        if not memory.fits and not force:
+        if not memory.fits and not o.force:
             raise MobilecError(f"{over_budget_message(memory)}; or --force to compile it anyway")
         (tmp / LIBRARY_DIR).mkdir()
         npu, call_sites = None, None

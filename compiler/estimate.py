@@ -236,17 +236,28 @@ def estimate_imported(ckpt: Checkpoint, imported: ImportedModel, scheme: Scheme,
     )
 
 
-def estimate_memory(model: str | os.PathLike | dict[str, Any] | None, target: str, quant: str | None = None,
-                    context_window: int | None = None, quant_skip: list[str] = ()) -> MemoryEstimate:
-    """The estimate for `model`: a checkpoint path, 'default', a directory with only a config.json, or an HF
-    config dict; `target` a target name or .toml path; `quant` by default the target's."""
-    spec, scheme = target_and_scheme(target, quant)
+@dataclasses.dataclass(frozen=True)
+class EstimateOptions:
+    """What `mobilec estimate` is asked; the fields mean what they mean for compile (CompileOptions)."""
+
+    # also a directory holding only a config.json, or an HF config dict: no weights are read
+    model: str | os.PathLike | dict[str, Any] | None = "default"
+    target: str = "host"
+    quant: str | None = None
+    context_window: int | None = None
+    quant_skip: tuple[str, ...] | list[str] = ()
+
+
+def estimate_memory(options: EstimateOptions) -> MemoryEstimate:
+    """The estimate for `options.model` on `options.target`, with the target's scheme unless `quant` says."""
+    model, quant_skip = options.model, list(options.quant_skip)
+    spec, scheme = target_and_scheme(options.target, options.quant)
     if isinstance(model, dict):
         ckpt: Checkpoint = ConfigCheckpoint(model, f"a {model.get('model_type')} config")
     else:
         ckpt = open_model(model, weights_required=False)
     with ckpt:
-        imported = import_model(ckpt, scheme, spec, context_window, quant_skip)
+        imported = import_model(ckpt, scheme, spec, options.context_window, quant_skip)
         return estimate_imported(ckpt, imported, scheme, spec, quant_skip)
 
 

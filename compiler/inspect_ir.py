@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -51,17 +52,24 @@ def step_names(target: str) -> list[str]:
     return ["import", "quantize"] + [name for name, _ in pipeline.steps(load_target(target))]
 
 
-def inspect_model(
-    model: str | None,
-    target: str,
-    quant: str | None,
-    dump: str | None = None,
-    only_step: str | None = None,
-    context_window: int | None = None,
-    quant_skip: list[str] = (),
-) -> list[dict[str, Any]]:
+@dataclasses.dataclass(frozen=True)
+class InspectOptions:
+    """What `mobilec inspect` is asked; model, target, quant, context_window and quant_skip as for compile."""
+
+    model: str | None = "default"
+    target: str = "host"
+    quant: str | None = None
+    dump: str | None = None  # write the IR after each step as NN-step.py files here
+    only_step: str | None = None  # only the IR after this step
+    context_window: int | None = None
+    quant_skip: tuple[str, ...] | list[str] = ()
+
+
+def inspect_model(options: InspectOptions) -> list[dict[str, Any]]:
     """Run import, quantization and every pipeline step; write `NN-step.py` files into `dump` (all, or `only_step`)."""
-    spec, scheme = target_and_scheme(target, quant)
+    model, target, dump, only_step = options.model, options.target, options.dump, options.only_step
+    context_window, quant_skip = options.context_window, list(options.quant_skip)
+    spec, scheme = target_and_scheme(target, options.quant)
     names = step_names(target)
     if only_step is not None and only_step not in names:
         raise MobilecError(f"unknown step {only_step!r}; the steps for {spec.name} are: {', '.join(names)}")

@@ -293,16 +293,35 @@ def _open_database(directory: Path) -> tuple[ms.database.JSONDatabase, tuning_lo
         raise MobilecError(f"tuning database in {directory} cannot be loaded ({last_line(err)}); {FIX}") from None
 
 
-def tune(model: str | None, target: str, quant: str | None, trials: int, tracker: str | None = None,
-         key: str | None = None, only: str = "decode", kernel_patterns: list[str] = (),
-         max_seconds: float | None = None) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class TuneOptions:
+    """What `mobilec tune` is asked; model, target and quant as for compile (CompileOptions)."""
+
+    model: str | None = "default"
+    target: str = "host"
+    quant: str | None = None
+    trials: int = 64  # measured schedules per kernel, counting those already in the log
+    tracker: str | None = None  # HOST:PORT of an RPC tracker whose devices under `key` measure
+    key: str | None = None
+    only: str = "decode"  # the function whose kernels are tuned (choices.TUNE_FUNCTIONS)
+    kernel_patterns: tuple[str, ...] | list[str] = ()  # only kernels whose name matches one of these globs
+    max_seconds: float | None = None  # no new round of trials after this long
+
+    def check(self) -> None:
+        if (self.tracker is None) != (self.key is None):
+            raise MobilecError("--tracker and --key go together: pass the tracker's address and the devices' key")
+        validate.count(self.trials, "--trials")
+        validate.seconds(self.max_seconds, "--max-seconds")
+        if self.key is not None:
+            validate.device_key(self.key)
+
+
+def tune(options: TuneOptions) -> dict[str, Any]:
     """Tune, write tuning_logs/<target>/, and return the per-kernel comparison (see format_table)."""
-    if (tracker is None) != (key is None):
-        raise MobilecError("--tracker and --key go together: pass the tracker's address and the devices' key")
-    validate.count(trials, "--trials")
-    validate.seconds(max_seconds, "--max-seconds")
-    if key is not None:
-        validate.device_key(key)
+    options.check()
+    model, target, quant, trials, tracker, key = (options.model, options.target, options.quant, options.trials,
+                                                  options.tracker, options.key)
+    only, kernel_patterns, max_seconds = options.only, options.kernel_patterns, options.max_seconds
     started = time.monotonic()
     spec = load_target(target)
     tuning_target = _tuning_target(spec, on_device=tracker is not None)

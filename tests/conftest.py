@@ -25,19 +25,19 @@ def smollm2_reference(smollm2_gguf):
 
 @pytest.fixture(scope="session")
 def smollm2_q0f32(tmp_path_factory, smollm2_gguf) -> Path:
-    from compiler.compile_model import compile_model
+    from compiler.compile_model import CompileOptions, compile_model
 
     out = tmp_path_factory.mktemp("artifacts") / "smollm2-q0f32"
-    compile_model(str(smollm2_gguf), "host", "q0f32", str(out), context_window=512, progress=False)
+    compile_model(CompileOptions(str(smollm2_gguf), "host", "q0f32", str(out), context_window=512, progress=False))
     return out
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf_exact(tmp_path_factory, smollm2_gguf) -> Path:
-    from compiler.compile_model import compile_model
+    from compiler.compile_model import CompileOptions, compile_model
 
     out = tmp_path_factory.mktemp("artifacts") / "smollm2-gguf"
-    compile_model(str(smollm2_gguf), "host", "gguf", str(out), context_window=512, progress=False)
+    compile_model(CompileOptions(str(smollm2_gguf), "host", "gguf", str(out), context_window=512, progress=False))
     return out
 
 

@@ -28,7 +28,7 @@ from tvm import rpc
 
 from compiler.artifact import CONFIG_FILE, PARAMS_DIR, PARAMS_INDEX, file_manifest, load_artifact
 from compiler.cli import main
-from compiler.compile_model import compile_model
+from compiler.compile_model import CompileOptions, compile_model
 from compiler.runtime.bench import prompt_ids
 from compiler.runtime.remote import slot_name
 from compiler.runtime.session import Session
@@ -88,7 +88,8 @@ def _start_server(tmp: Path, tracker_port: int | None = None) -> tuple[_Process,
 def tiny_artifact(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("bench")
     save_compilable_checkpoint(build_model("llama_gqa"), root / "hf")
-    compile_model(str(root / "hf"), "host", "q0f32", str(root / "tiny"), context_window=64, progress=False)
+    compile_model(CompileOptions(str(root / "hf"), "host", "q0f32", str(root / "tiny"), context_window=64,
+                                 progress=False))
     return root / "tiny"
 
 

@@ -124,12 +124,12 @@ def test_real_entry_point_prints_no_traceback(tmp_path):
 
 
 def test_corrupted_weight_shard_at_generate_time(tmp_path):
-    from compiler.compile_model import compile_model
+    from compiler.compile_model import CompileOptions, compile_model
     from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
     save_compilable_checkpoint(build_model("llama_gqa"), tmp_path / "hf")
     art = tmp_path / "art"
-    compile_model(str(tmp_path / "hf"), "host", "q0f32", str(art), context_window=32, progress=False)
+    compile_model(CompileOptions(str(tmp_path / "hf"), "host", "q0f32", str(art), context_window=32, progress=False))
     ok = _run(["generate", str(art), "--prompt", "the cat", "--max-new-tokens", "2", "--json"])
     assert ok.exit_code == 0, ok.output
     shard = art / "params" / "shard_000.bin"

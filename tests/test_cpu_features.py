@@ -18,7 +18,7 @@ from tvm.target.codegen import llvm_get_cpu_features
 from compiler import host
 from compiler.artifact import CONFIG_FILE, load_artifact
 from compiler.cli import main
-from compiler.compile_model import compile_model
+from compiler.compile_model import CompileOptions, compile_model
 from compiler.cpu_check import Cpu, check_cpu, cpu_entry, this_cpu
 from compiler.errors import MobilecError
 from compiler.runtime import remote
@@ -149,7 +149,8 @@ def artifacts(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("cpu")
     save_compilable_checkpoint(build_model("llama_gqa"), root / "hf")
     for target in ("x86-64-v4", "host"):
-        compile_model(str(root / "hf"), target, "q0f32", str(root / target), context_window=64, progress=False)
+        compile_model(CompileOptions(str(root / "hf"), target, "q0f32", str(root / target), context_window=64,
+                                     progress=False))
     return {target: root / target for target in ("x86-64-v4", "host")}
 
 

@@ -10,8 +10,8 @@ from click.testing import CliRunner
 
 from compiler.artifact import CONFIG_FILE, load_artifact
 from compiler.cli import main
-from compiler.compile_model import compile_model
-from compiler.estimate import GIB, estimate_memory
+from compiler.compile_model import CompileOptions, compile_model
+from compiler.estimate import GIB, EstimateOptions, estimate_memory
 from compiler.targets import TARGETS_DIR
 from tests.helpers.assertions import assert_mobilec_error
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
@@ -55,7 +55,7 @@ def llama_7b_adreno(llama_7b_dir) -> dict:
 @pytest.fixture(scope="module")
 def smollm2_q4f16_g32(tmp_path_factory, smollm2_gguf) -> Path:
     out = tmp_path_factory.mktemp("artifacts") / "smollm2-q4f16_g32"
-    compile_model(str(smollm2_gguf), "host", "q4f16_g32", str(out), context_window=512, progress=False)
+    compile_model(CompileOptions(str(smollm2_gguf), "host", "q4f16_g32", str(out), context_window=512, progress=False))
     return out
 
 
@@ -65,7 +65,7 @@ def smollm2_q4f16_g32(tmp_path_factory, smollm2_gguf) -> Path:
 def test_smollm2_weights_match_the_compiled_params(request, smollm2_gguf, artifact_fixture, quant):
     artifact = load_artifact(request.getfixturevalue(artifact_fixture), verify_checksums=False)
     stored = sum(t["nbytes"] for t in artifact.index["tensors"])
-    est = estimate_memory(str(smollm2_gguf), "host", quant, 512)
+    est = estimate_memory(EstimateOptions(str(smollm2_gguf), "host", quant, 512))
     assert abs(est.weights_bytes - stored) <= 0.01 * stored
     # SmolLM2 ties its embeddings: the table is the output layer, read in full per token.
     kv_read = 30 * 2 * 3 * 64 * 512 * 4
@@ -108,14 +108,14 @@ def test_llama_7b_int4_fits_12_gb_phones(llama_7b_adreno, llama_7b_dir):
 
 
 def test_llama_7b_float32_does_not_fit_and_names_what_would():
-    est = estimate_memory(json.loads(LLAMA_7B_CONFIG.read_text()), "android-adreno", "q0f32", 4096)
+    est = estimate_memory(EstimateOptions(json.loads(LLAMA_7B_CONFIG.read_text()), "android-adreno", "q0f32", 4096))
     assert not est.fits and est.total_bytes > est.ram_bytes
     assert est.fitting_quant == "q8f16_g128" and est.fitting_quant_total_bytes <= est.ram_bytes
     assert est.fitting_context is None  # the float32 weights alone are over 12 GiB
 
 
 def test_llama_7b_long_context_names_a_shorter_one(llama_7b_dir):
-    est = estimate_memory(str(llama_7b_dir), "android-arm64", "q4f16_g32", 32768)
+    est = estimate_memory(EstimateOptions(str(llama_7b_dir), "android-arm64", "q4f16_g32", 32768))
     assert not est.fits
     assert est.fitting_context == 4096  # 8192 tokens of float32 KV cache are 8 GiB on top of 3.6 GiB of weights
 
@@ -142,8 +142,8 @@ def _target_with_ram(tmp_path: Path, ram_bytes: int) -> Path:
 
 
 def test_compile_refuses_a_model_over_the_target_ram(tiny_hf, tmp_path):
-    q0f32 = estimate_memory(str(tiny_hf), "host", "q0f32", 32)
-    q4 = estimate_memory(str(tiny_hf), "host", "q4f16_g32", 32)
+    q0f32 = estimate_memory(EstimateOptions(str(tiny_hf), "host", "q0f32", 32))
+    q4 = estimate_memory(EstimateOptions(str(tiny_hf), "host", "q4f16_g32", 32))
     target = _target_with_ram(tmp_path, (q0f32.total_bytes + q4.total_bytes) // 2)
     out = tmp_path / "build" / "tiny"
     args = ["compile", "--model", str(tiny_hf), "--target", str(target), "--quant", "q0f32", "--context-window", "32",
@@ -191,16 +191,16 @@ def test_compile_still_needs_weights(llama_7b_dir, tmp_path):
 
 def test_estimate_grows_with_context():
     config = build_model("llama_gqa").config.to_dict()
-    short, long = (estimate_memory(config, "host", "q4f16_g32", context) for context in (64, 128))
+    short, long = (estimate_memory(EstimateOptions(config, "host", "q4f16_g32", context)) for context in (64, 128))
     assert long.kv_cache_bytes > short.kv_cache_bytes and long.total_bytes > short.total_bytes
     assert long.bytes_per_token > short.bytes_per_token and long.weights_bytes == short.weights_bytes
 
 
 def test_float32_weights_outweigh_int4():
     config = build_model("llama_gqa").config.to_dict()
-    q0f32, q4 = (estimate_memory(config, "host", quant, 64) for quant in ("q0f32", "q4f16_g32"))
+    q0f32, q4 = (estimate_memory(EstimateOptions(config, "host", quant, 64)) for quant in ("q0f32", "q4f16_g32"))
     assert q0f32.weights_bytes > 2 * q4.weights_bytes and q0f32.decode_floor_ms > q4.decode_floor_ms
 
 
 def test_unknown_target_is_one_line(tiny_hf):
-    assert_mobilec_error(lambda: estimate_memory(str(tiny_hf), "toaster", "q0f32"), "toaster", "host")
+    assert_mobilec_error(lambda: estimate_memory(EstimateOptions(str(tiny_hf), "toaster", "q0f32")), "toaster", "host")

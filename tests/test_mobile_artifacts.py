@@ -10,7 +10,7 @@ import tarfile
 import pytest
 
 from compiler.artifact import CONFIG_FILE, PARAMS_INDEX
-from compiler.compile_model import compile_model
+from compiler.compile_model import CompileOptions, compile_model
 from compiler.targets import load_target
 
 EM_AARCH64, EM_HEXAGON = 183, 164
@@ -25,8 +25,9 @@ def mobile_artifacts(tmp_path_factory, smollm2_gguf):
     built = {}
     for target, quant in BUILDS:
         out = root / f"{target}-{quant}"
-        built[target, quant] = (out, compile_model(str(smollm2_gguf), target, quant, str(out), context_window=512,
-                                                   progress=False))
+        built[target, quant] = (out, compile_model(CompileOptions(str(smollm2_gguf), target, quant, str(out),
+                                                                  context_window=512,
+                                                                  progress=False)))
     return built
 
 

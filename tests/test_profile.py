@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from compiler.artifact import load_artifact
 from compiler.cli import main
-from compiler.compile_model import compile_model
+from compiler.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
 from compiler.host import measure_read_bandwidth, numpy_read_bandwidth
 from compiler.roofline import artifact_read_bytes, gguf_read_bytes
@@ -53,7 +53,8 @@ def artifacts(tmp_path_factory) -> dict:
     for key, (model, quant) in ARTIFACTS.items():
         if not (root / model).exists():
             save_compilable_checkpoint(build_model(model), root / model)
-        compile_model(str(root / model), "host", quant, str(root / key), context_window=64, progress=False)
+        compile_model(CompileOptions(str(root / model), "host", quant, str(root / key), context_window=64,
+                                     progress=False))
         out[key] = root / key
     return out
 

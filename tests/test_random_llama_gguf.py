@@ -21,7 +21,7 @@ from gguf.quants import dequantize
 
 import bench.random_llama_gguf as rlg
 from compiler.artifact import load_artifact
-from compiler.compile_model import compile_model
+from compiler.compile_model import CompileOptions, compile_model
 from compiler.loaders import open_checkpoint
 from compiler.loaders.default_model import default_model_path
 from compiler.loaders.tokenizer import load_tokenizer
@@ -78,7 +78,7 @@ def reference(path):
 @pytest.fixture(scope="module")
 def artifact(path, tmp_path_factory):
     out = tmp_path_factory.mktemp("random_llama_artifact") / "gguf"
-    compile_model(str(path), "host", "gguf", str(out), context_window=64, progress=False)
+    compile_model(CompileOptions(str(path), "host", "gguf", str(out), context_window=64, progress=False))
     return load_artifact(out)
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from compiler.artifact import load_artifact
-from compiler.compile_model import compile_model
+from compiler.compile_model import CompileOptions, compile_model
 from compiler.runtime.session import Session
 from tests.helpers.reference import reference_greedy
 from tests.helpers.tiny_models import SPECS, build_model, save_compilable_checkpoint
@@ -22,7 +22,8 @@ def compiled(request, tmp_path_factory):
     model = build_model(name)
     root = tmp_path_factory.mktemp(name)
     save_compilable_checkpoint(model, root / "hf")
-    compile_model(str(root / "hf"), "host", "q0f32", str(root / "artifact"), context_window=64, progress=False)
+    compile_model(CompileOptions(str(root / "hf"), "host", "q0f32", str(root / "artifact"), context_window=64,
+                                 progress=False))
     return model, Session(load_artifact(root / "artifact"))
 
 

@@ -28,7 +28,7 @@ from tvm import rpc
 from compiler import pipeline, tuning_log
 from compiler.artifact import load_artifact
 from compiler.cli import main
-from compiler.compile_model import compile_model
+from compiler.compile_model import CompileOptions, compile_model
 from compiler.importer import import_model
 from compiler.loaders import open_checkpoint
 from compiler.passes.apply_tuning_database import TUNED_ATTR
@@ -36,7 +36,7 @@ from compiler.quantization.schemes import SCHEMES, get_scheme
 from compiler.runtime.session import Session
 from compiler.targets import load_target
 from compiler.testing.processes import spawn
-from compiler.tune import tune
+from compiler.tune import TuneOptions, tune
 from tests.helpers.reference import fake_quantized, reference_greedy
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
@@ -64,7 +64,7 @@ def tuned(tiny, tmp_path_factory):
     logs = tmp_path_factory.mktemp("tuned") / "tuning_logs"
     with pytest.MonkeyPatch.context() as env:
         env.setenv(tuning_log.TUNING_LOGS_ENV, str(logs))
-        summary = tune(str(tiny[1]), "host", QUANT, TRIALS, kernel_patterns=[GEMV])
+        summary = tune(TuneOptions(str(tiny[1]), "host", QUANT, TRIALS, kernel_patterns=[GEMV]))
     return logs, summary
 
 
@@ -110,7 +110,8 @@ def test_tuning_writes_a_record_per_trial_and_compile_follows_the_comparison(tin
     assert row["applied"] == (entry["tuned_us"] < entry["default_us"])
 
     monkeypatch.setenv(tuning_log.TUNING_LOGS_ENV, str(logs))
-    compiled = compile_model(str(tiny[1]), "host", QUANT, str(tmp_path / "art"), context_window=64, progress=False)
+    compiled = compile_model(CompileOptions(str(tiny[1]), "host", QUANT, str(tmp_path / "art"), context_window=64,
+                                            progress=False))
     assert compiled["tuned_kernels"] == ([GEMV] if row["applied"] else [])
 
 
@@ -128,7 +129,8 @@ def test_compile_schedules_the_kernel_from_its_record(tiny, logs_copy, tmp_path)
     untuned = _kernels_after(hf)["schedule"][GEMV]
     assert not tvm_ffi.structural_equal(seen["schedule"][GEMV].body, untuned.body, map_free_vars=True)
 
-    compiled = compile_model(str(hf), "host", QUANT, str(tmp_path / "art"), context_window=64, progress=False)
+    compiled = compile_model(CompileOptions(str(hf), "host", QUANT, str(tmp_path / "art"), context_window=64,
+                                            progress=False))
     assert compiled["tuned_kernels"] == [GEMV]
     session = Session(load_artifact(tmp_path / "art"))
     tokens, _, decode_logits = reference_greedy(fake_quantized(model, SCHEMES[QUANT].layout), PROMPT, 4)
@@ -147,7 +149,8 @@ def test_negative_control_a_record_slower_than_the_default_is_not_applied(tiny, 
     untuned = _kernels_after(tiny[1])
     assert TUNED_ATTR not in seen[pipeline.APPLY_TUNING_STEP][GEMV].attrs
     assert tvm_ffi.structural_equal(seen["schedule"][GEMV].body, untuned["schedule"][GEMV].body, map_free_vars=True)
-    compiled = compile_model(str(tiny[1]), "host", QUANT, str(tmp_path / "art"), context_window=64, progress=False)
+    compiled = compile_model(CompileOptions(str(tiny[1]), "host", QUANT, str(tmp_path / "art"), context_window=64,
+                                            progress=False))
     assert compiled["tuned_kernels"] == []
 
 
@@ -266,7 +269,8 @@ def test_tracker_tuning_measures_on_both_devices(tiny, two_servers, tmp_path, mo
     tracker, server_logs = two_servers
     monkeypatch.setenv(tuning_log.TUNING_LOGS_ENV, str(tmp_path / "tuning_logs"))
     _one_line_error(["tune", "--model", str(tiny[1]), "--tracker", tracker, "--key", "phone"], RPC_KEY)
-    summary = tune(str(tiny[1]), "host", QUANT, TRIALS, tracker=tracker, key=RPC_KEY, kernel_patterns=[GEMV])
+    summary = tune(TuneOptions(str(tiny[1]), "host", QUANT, TRIALS, tracker=tracker, key=RPC_KEY,
+                               kernel_patterns=[GEMV]))
     assert summary["measured_on"].startswith("2 device(s)")
     assert summary["kernels"][0]["trials"] == TRIALS and summary["kernels"][0]["tuned_us"] > 0
     sessions = [log.read_text().count("connected from") for log in server_logs]
@@ -277,8 +281,8 @@ def test_tuning_for_linux_arm64_on_the_emulated_device(tiny, emulated_arm_device
     """Kernels cross-compiled here and timed on an aarch64 device (under qemu: the flow counts, not the timings)."""
     monkeypatch.setenv(tuning_log.TUNING_LOGS_ENV, str(tmp_path / "tuning_logs"))
     tracker = f"{emulated_arm_device.tracker_host}:{emulated_arm_device.tracker_port}"
-    summary = tune(str(tiny[1]), "linux-arm64", QUANT, 2, tracker=tracker, key=emulated_arm_device.key,
-                   kernel_patterns=[GEMV])
+    summary = tune(TuneOptions(str(tiny[1]), "linux-arm64", QUANT, 2, tracker=tracker, key=emulated_arm_device.key,
+                               kernel_patterns=[GEMV]))
     (row,) = summary["kernels"]
     assert summary["measured_on"].startswith("1 device(s)") and row["trials"] == 2
     assert row["default_us"] > 0 and row["tuned_us"] > 0

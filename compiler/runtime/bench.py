@@ -23,12 +23,12 @@ import numpy as np
 from tqdm import tqdm
 
 from .. import validate
-from ..artifact import Artifact
+from ..artifact import Artifact, load_artifact
 from ..errors import MobilecError
 from ..roofline import artifact_read_bytes
 from ..targets import load_target
 from .generate import peak_rss_mb
-from .remote import Device, check_runs_on
+from .remote import Device, check_runs_on, connect
 from .session import Session
 
 SUSTAINED_INTERVAL_S = 1.0
@@ -36,23 +36,51 @@ DEVICE_TIMING_STEPS = 8  # decode steps time_evaluator averages after each run
 SAVED_DECODE = "mobilec_bench_decode"  # the name the VM keeps the bound decode step under for time_evaluator
 
 
-@dataclasses.dataclass
-class BenchOptions:
+@dataclasses.dataclass(frozen=True)
+class BenchOptions:  # pylint: disable=too-many-instance-attributes
+    """What `mobilec bench` is asked: the artifact, the device (this process, an RPC server, or a tracker's device
+    under a key) and the measurement."""
+
+    artifact: str  # the directory `mobilec compile` wrote
+    device: str | None = None  # "local": this process (also the default without rpc or tracker)
+    rpc: str | None = None  # HOST:PORT of a TVM RPC server
+    tracker: str | None = None  # HOST:PORT of a TVM RPC tracker, with key
+    key: str | None = None
     prompt_len: int = 128
     gen_len: int = 64
     repeat: int = 3
-    sustained_s: float | None = None
+    sustained_s: float | None = None  # then decode this long, tok/s per second
     threads: int | None = None
-    device_ram_mb: float | None = None
+    session_timeout_s: float = 600  # how long an RPC session may last
+    device_ram_mb: float | None = None  # default: the target's ram_gb
+    plot_file: str | None = None  # PNG of the sustained run
     seed: int = 0
+    progress: bool = True  # progress bars on stderr (only when it is a terminal)
 
-    def check(self, context_window: int | None = None, local: bool = True) -> None:
-        """The options by themselves and, given the artifact's context window, against it; `local`: the threads
-        are this machine's (else the device's)."""
+    @property
+    def local(self) -> bool:
+        return self.rpc is None and self.tracker is None
+
+    def check(self, context_window: int | None = None) -> None:
+        """Every option, address and output path by itself and, given the artifact's context window, against it;
+        the threads are this machine's when local (else the device's)."""
+        if sum(x is not None for x in (self.device, self.rpc, self.tracker)) > 1:
+            raise MobilecError("pass only one of --device local, --rpc HOST:PORT and --tracker HOST:PORT")
+        if (self.tracker is None) != (self.key is None):
+            raise MobilecError("--tracker and --key go together: pass the tracker's address and the device's key")
+        if self.plot_file and self.sustained_s is None:
+            raise MobilecError("--plot draws the --sustained run; add --sustained SECONDS")
+        validate.seconds(self.session_timeout_s, "--session-timeout")
+        for address, option in ((self.rpc, "--rpc"), (self.tracker, "--tracker")):
+            if address is not None:
+                validate.address(address, option)
+        if self.key is not None:
+            validate.device_key(self.key)
+        validate.output_file(self.plot_file, "--plot", "png")
         validate.tokens(self.prompt_len, "--prompt-len")
         validate.tokens(self.gen_len, "--gen-len", least=2)
         validate.count(self.repeat, "--repeat")
-        validate.threads(self.threads, local=local)
+        validate.threads(self.threads, local=self.local)
         validate.seconds(self.sustained_s, "--sustained")
         if self.device_ram_mb is not None:
             validate.positive_number(self.device_ram_mb, "--device-ram-mb")
@@ -60,6 +88,22 @@ class BenchOptions:
         if context_window is not None and self.prompt_len + self.gen_len > context_window:
             raise MobilecError(f"--prompt-len {self.prompt_len} + --gen-len {self.gen_len} exceeds the artifact's "
                                f"context window of {context_window}; shorten them or recompile with a larger --context-window")
+
+
+def bench(options: BenchOptions) -> dict[str, Any]:
+    """`mobilec bench`: every option checked before the artifact loads or a device is reached; the figures
+    run_bench measures (and the --plot file written)."""
+    options.check()
+    artifact = load_artifact(options.artifact)
+    options.check(int(artifact.config["context_window"]))
+    device = connect(options.rpc, options.tracker, options.key, options.session_timeout_s)
+    try:
+        result = run_bench(artifact, device, options, progress=options.progress and sys.stderr.isatty())
+    finally:
+        device.close()
+    if options.plot_file:
+        plot_sustained(result, options.plot_file)
+    return result
 
 
 @dataclasses.dataclass
@@ -163,7 +207,7 @@ def run_bench(artifact: Artifact, device: Device, options: BenchOptions, progres
     """Stage the artifact on the device, then time `repeat` generations (after one warm-up) and, if asked, a
     sustained decode; returns the figures `mobilec bench --json` writes."""
     cfg = artifact.config
-    options.check(int(cfg["context_window"]), local=device.session is None)
+    options.check(int(cfg["context_window"]))
     facts = _target_device_facts(artifact)
     check_memory(artifact, options.device_ram_mb, facts)
     check_runs_on(artifact, device)  # before anything is uploaded

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .. import validate
-from ..artifact import Artifact
+from ..artifact import Artifact, load_artifact
 from ..errors import MobilecError
+from ..host import set_threads
 from ..loaders.tokenizer import load_tokenizer
 from .session import Session
 
@@ -86,10 +88,31 @@ def _mean_token_cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean(dots / np.maximum(norms, 1e-30)))
 
 
-def evaluate(artifact: Artifact, text: str, reference, max_tokens: int = 1024, window: int = 512,
-             progress=lambda done, total: None) -> dict[str, Any]:
-    """Perplexity over non-overlapping windows of the text, compiled vs reference; layer cosines on window one."""
+@dataclasses.dataclass(frozen=True)
+class EvalOptions:
+    """What `mobilec eval` is asked."""
+
+    artifact: str  # the directory `mobilec compile` wrote
+    text_file: str  # UTF-8 text to measure perplexity on
+    reference: str | None = None  # the float checkpoint to compare with (default: the one compiled)
+    max_tokens: int = 1024  # evaluate the first N tokens
+    window: int = 512  # tokens per window (capped by the artifact)
+    threads: int | None = None
+
+
+def evaluate(options: EvalOptions, progress=lambda done, total: None) -> dict[str, Any]:
+    """Perplexity over non-overlapping windows of the text, compiled vs reference; layer cosines on window one.
+    Every option, the text and the reference's path are checked before the reference model loads (~30 s)."""
+    validate.threads(options.threads)
+    validate.tokens(options.max_tokens, "--max-tokens", least=2)
+    validate.tokens(options.window, "--window", least=2)
+    text = validate.read_text_file(options.text_file, "--text")
+    artifact = load_artifact(options.artifact)
+    max_tokens, window = options.max_tokens, options.window
     windows = eval_windows(artifact, text, max_tokens, window)
+    reference_path = check_reference(options.reference or artifact.config["model"]["path"])
+    set_threads(options.threads)
+    reference = load_reference(reference_path)
     window = _window_cap(artifact, window)
     session = Session(artifact)
     nll, ref_nll, layer_cosine = [], [], []

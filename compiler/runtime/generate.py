@@ -105,10 +105,11 @@ def generate(
     )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class GenerateOptions:
     """`mobilec generate`'s options."""
 
+    artifact: str  # the directory `mobilec compile` wrote
     prompt: str
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -137,13 +138,13 @@ def prompt_token_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def generate_text(artifact_path: str, options: GenerateOptions,
+def generate_text(options: GenerateOptions,
                   on_text: Callable[[str], None] | None = None) -> GenerationResult:
     """`mobilec generate`: the artifact's text for the prompt; `on_text` gets each new piece as it comes (a
     multi-byte character once whole). Every option is checked before the artifact loads, the prompt's length
     before the library does."""
     options.check()
-    artifact = load_artifact(artifact_path)
+    artifact = load_artifact(options.artifact)
     tokenizer = load_tokenizer(artifact.tokenizer_dir)
     prompt_ids = prompt_token_ids(tokenizer, options.prompt, options.chat)
     check_fits(len(prompt_ids), options.max_new_tokens, int(artifact.config["context_window"]))

@@ -17,6 +17,7 @@ achieved GB/s is known, whatever the kernel's name.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .. import validate
-from ..artifact import Artifact
+from ..artifact import load_artifact
 from ..call_sites import ATTENTION_BUILTIN, stored_call_sites
 from ..errors import MobilecError
 from ..host import measure_read_bandwidth, set_threads
@@ -301,14 +302,27 @@ def profile_decode_step(session: Session, context_len: int, steps: int = DEFAULT
 # The whole report: `mobilec profile`
 
 
-def profile_report(artifact: Artifact, threads: int | None, context_len: int, steps: int = DEFAULT_STEPS,
-                   bandwidth_mb: float | None = None) -> dict[str, Any]:
-    """What `mobilec profile` prints: the bandwidth, bytes per token, floor and the decode step's profile."""
+@dataclasses.dataclass(frozen=True)
+class ProfileOptions:
+    """What `mobilec profile` is asked."""
+
+    artifact: str  # the directory `mobilec compile` wrote
+    threads: int | None = None
+    context_len: int = 128  # tokens in the KV cache before the profiled decode steps
+    steps: int = DEFAULT_STEPS  # decode steps measured
+    bandwidth_mb: float | None = None  # the buffer the bandwidth is measured with (default: host.py's)
+
+
+def profile_report(options: ProfileOptions) -> dict[str, Any]:
+    """Per-kernel, VM and host time of one decode step of the artifact on this CPU, against the floor the
+    measured memory bandwidth sets. Options are checked before the library loads."""
+    threads, context_len, steps = options.threads, options.context_len, options.steps
     validate.threads(threads)
-    _check_room(int(artifact.config["context_window"]), context_len, steps)  # before loading anything
+    artifact = load_artifact(options.artifact)
+    _check_room(int(artifact.config["context_window"]), context_len, steps)  # before the library loads
     set_threads(threads)
     session = Session(artifact)
-    bandwidth = measure_read_bandwidth(threads, bandwidth_mb)
+    bandwidth = measure_read_bandwidth(threads, options.bandwidth_mb)
     read = artifact_read_bytes(artifact, context_len)
     profile = profile_decode_step(session, context_len, steps)
     return {**profile, "bandwidth_gbs": bandwidth, "read_bytes": read.to_json(),

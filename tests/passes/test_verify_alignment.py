@@ -9,7 +9,7 @@ from tvm.script import tirx as T
 
 from compiler import pipeline
 from compiler.artifact import load_artifact
-from compiler.compile_model import compile_model
+from compiler.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
 from compiler.passes.verify_alignment import VerifyAlignment
 from compiler.runtime.session import Session
@@ -56,7 +56,8 @@ def test_compiled_tiny_model_tensors_are_aligned_at_run_time(tmp_path):
     """The pipeline ends with VerifyAlignment; then every tensor a decode step hands a kernel is 64-byte aligned."""
     assert pipeline.steps(load_target("host"))[-1][0] == "verify-alignment"
     save_compilable_checkpoint(build_model("llama_gqa"), tmp_path / "hf")
-    compile_model(str(tmp_path / "hf"), "host", "q4f16_g32", str(tmp_path / "art"), context_window=64, progress=False)
+    compile_model(CompileOptions(str(tmp_path / "hf"), "host", "q4f16_g32", str(tmp_path / "art"), context_window=64,
+                                 progress=False))
     session = Session(load_artifact(tmp_path / "art"))
     session.reset()
     session.prefill_all_logits([3, 7, 1, 4])

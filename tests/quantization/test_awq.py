@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from compiler.artifact import load_artifact
-from compiler.compile_model import compile_model
+from compiler.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
 from compiler.quantization import awq, group
 from compiler.quantization.schemes import get_scheme
@@ -37,8 +37,8 @@ def test_folded_scales_leave_the_float_model_unchanged(gqa_model, tmp_path, monk
     hf_dir, calib, model = gqa_model
     monkeypatch.setattr(awq, "ALPHAS", np.array([1.0]))  # force s = mean|x|, far from 1, so folding is exercised
     out = tmp_path / "a"
-    compile_model(str(hf_dir), "host", "q4f32_g32", str(out), context_window=64, progress=False,
-                  quant_skip=["model", "lm_head"], calibrate="awq", calib_text=str(calib))
+    compile_model(CompileOptions(str(hf_dir), "host", "q4f32_g32", str(out), context_window=64, progress=False,
+                                 quant_skip=["model", "lm_head"], calibrate="awq", calib_text=str(calib)))
     logits = Session(load_artifact(out)).prefill_all_logits(PROMPT)
     _, ref, _ = reference_greedy(model, PROMPT, 1)
     np.testing.assert_allclose(logits, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
@@ -135,6 +135,7 @@ def test_fake_quantize_matches_numpy():
 ])
 def test_bad_calibration_options(tmp_path, quant, calibrate, calib_text, needle):
     with pytest.raises(MobilecError, match=needle):
-        compile_model(str(tmp_path / "missing"), "host", quant, str(tmp_path / "out"), calibrate=calibrate,
-                      calib_text=calib_text, progress=False)
+        compile_model(CompileOptions(str(tmp_path / "missing"), "host", quant, str(tmp_path / "out"),
+                                     calibrate=calibrate,
+                                     calib_text=calib_text, progress=False))
     assert not (tmp_path / "out").exists()

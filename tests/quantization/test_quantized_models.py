@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from compiler.artifact import load_artifact
-from compiler.compile_model import compile_model
+from compiler.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
 from compiler.quantization.schemes import SCHEMES
 from compiler.runtime.session import Session
@@ -31,7 +31,8 @@ def odd_model(tmp_path_factory):
 
 
 def _compiled_logits(path, out, quant, skip=()):
-    compile_model(str(path), "host", quant, str(out), context_window=64, progress=False, quant_skip=list(skip))
+    compile_model(CompileOptions(str(path), "host", quant, str(out), context_window=64, progress=False,
+                                 quant_skip=list(skip)))
     session = Session(load_artifact(out))
     return session.prefill_all_logits(PROMPT)
 
@@ -72,8 +73,9 @@ def test_quant_skip_everything_gives_the_float_model(odd_model, tmp_path):
 
 def test_quant_skip_one_block(odd_model, tmp_path):
     root, _, _ = odd_model
-    compile_model(str(root / "hf"), "host", "q4f16_g32", str(tmp_path / "a"), context_window=64, progress=False,
-                  quant_skip=["model.layers.0"])
+    compile_model(CompileOptions(str(root / "hf"), "host", "q4f16_g32", str(tmp_path / "a"), context_window=64,
+                                 progress=False,
+                                 quant_skip=["model.layers.0"]))
     layers = json.loads((tmp_path / "a" / "mobilec-config.json").read_text())["quantization"]["quantized_layers"]
     assert layers == ["lm_head", "model.embed_tokens"]
     index = json.loads((tmp_path / "a" / "params" / "index.json").read_text())
@@ -84,13 +86,13 @@ def test_quant_skip_one_block(odd_model, tmp_path):
 def test_quant_skip_pattern_that_matches_nothing_is_an_error(odd_model, tmp_path):
     root, _, _ = odd_model
     with pytest.raises(MobilecError, match="matches no layer"):
-        compile_model(str(root / "hf"), "host", "q4f16_g32", str(tmp_path / "b"), progress=False,
-                      quant_skip=["model.layers.7"])
+        compile_model(CompileOptions(str(root / "hf"), "host", "q4f16_g32", str(tmp_path / "b"), progress=False,
+                                     quant_skip=["model.layers.7"]))
     assert not (tmp_path / "b").exists()
 
 
 def test_gguf_scheme_needs_a_gguf_checkpoint(odd_model, tmp_path):
     root, _, _ = odd_model
     with pytest.raises(MobilecError, match="GGUF"):
-        compile_model(str(root / "hf"), "host", "gguf", str(tmp_path / "c"), progress=False)
+        compile_model(CompileOptions(str(root / "hf"), "host", "gguf", str(tmp_path / "c"), progress=False))
     assert not (tmp_path / "c").exists()

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from compiler.artifact import load_artifact
-from compiler.compile_model import compile_model
+from compiler.compile_model import CompileOptions, compile_model
 from compiler.runtime.bench import prompt_ids
 from compiler.runtime.session import Session
 
@@ -49,13 +49,13 @@ def test_arm64_build_on_the_emulated_device_gives_the_x86_tokens(tmp_path, smoll
     if not integer_dot_gemv.available(load_target("host").tvm_target()):
         pytest.skip("this CPU has no x86 integer GEMV to compare with")
     arm = tmp_path / "arm64"
-    compile_model(str(smollm2_gguf), "linux-arm64", "gguf", str(arm), context_window=512, progress=False,
-                  decode_activations=activations)
+    compile_model(CompileOptions(str(smollm2_gguf), "linux-arm64", "gguf", str(arm), context_window=512, progress=False,
+                                 decode_activations=activations))
     host = smollm2_gguf_exact  # host, gguf, int16 activations
     if activations != "int16":
         host = tmp_path / "host"
-        compile_model(str(smollm2_gguf), "host", "gguf", str(host), context_window=512, progress=False,
-                      decode_activations=activations)
+        compile_model(CompileOptions(str(smollm2_gguf), "host", "gguf", str(host), context_window=512, progress=False,
+                                     decode_activations=activations))
     assert load_artifact(arm).config["decode_activations"] == activations
     assert load_artifact(host).config["decode_activations"] == activations
     result = _bench_on_device(arm, emulated_arm_device, ACTIVATION_TOKENS, session_timeout=900)

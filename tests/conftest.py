@@ -1,10 +1,21 @@
-"""Shared fixtures: the default model compiled once per test session, and its float reference."""
+"""Shared fixtures: the default model compiled once per test session, and its float reference; the `slow` marker
+put on every test that needs one of the expensive fixtures."""
 
 from pathlib import Path
 
 import pytest
 
 from compiler.loaders.default_model import default_model_path
+
+# Each compiles or runs the real SmolLM2 model, or starts the emulated arm64 device: a minute or more on 2 cores.
+SLOW_FIXTURES = frozenset({"smollm2_reference", "smollm2_q0f32", "smollm2_gguf_exact", "emulated_arm_device",
+                           "mobile_artifacts"})
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

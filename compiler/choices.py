@@ -5,3 +5,5 @@ compiler.cli` must not import TVM) and the modules that implement them read them
 DECODE_ACTIVATIONS = ("int16", "int8")
 # mobilec tune --only: which model functions' kernels are tuned
 TUNE_FUNCTIONS = {"decode": ("decode",), "prefill": ("prefill",), "all": ("decode", "prefill")}
+# a target file's device.compute_dtype and compile --compute-dtype: activations and KV cache
+COMPUTE_DTYPES = ("float32", "float16")

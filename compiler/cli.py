@@ -11,7 +11,7 @@ import threading
 import click
 
 from . import stop_signals
-from .choices import DECODE_ACTIVATIONS, TUNE_FUNCTIONS
+from .choices import COMPUTE_DTYPES, DECODE_ACTIVATIONS, TUNE_FUNCTIONS
 from .errors import MobilecError
 from .quantization.schemes import schemes_help
 from .stop_signals import Terminated
@@ -135,6 +135,11 @@ def targets():
                    "~1.4x (AVX-512) to ~2x (AVX2) faster GEMVs, and may change greedy output after some tokens.")
 @click.option("--overwrite", is_flag=True,
               help="Replace the artifact already at --output (only a mobilec artifact with no other files in it).")
+@click.option("--host-target", default=None, metavar="TARGET",
+              help="GPU targets: build the host side (the code that launches kernels) for this target file's CPU, "
+                   "e.g. host to run an android-adreno artifact on this machine's OpenCL (PoCL); kernels unchanged.")
+@click.option("--compute-dtype", type=click.Choice(COMPUTE_DTYPES), default=None,
+              help="Activations and KV cache in this dtype instead of the target's (PoCL has no fp16).")
 @json_option("the summary")
 def compile(as_json, **options):  # pylint: disable=redefined-builtin
     """Compile MODEL for TARGET into an artifact directory (library, weight shards, tokenizer, config).

@@ -34,7 +34,7 @@ from .kernels import integer_dot_gemv
 from .loaders import Checkpoint, open_checkpoint
 from .passes.apply_tuning_database import tuned_kernels
 from .quantization import awq
-from .targets import TargetSpec
+from .targets import TargetSpec, with_overrides
 
 
 def model_name(path: Path) -> str:
@@ -101,6 +101,8 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     no_tuning: bool = False  # ignore tuning_logs/<target>/
     decode_activations: str = "int16"  # integer width of decode GEMV activations (CPU integer-dot targets)
     overwrite: bool = False  # replace the artifact at output
+    host_target: str | None = None  # GPU targets: build the host side for this target file's CPU instead
+    compute_dtype: str | None = None  # instead of the target's (PoCL, which runs GPU artifacts here, has no fp16)
 
 
 def compile_model(options: CompileOptions) -> dict[str, Any]:
@@ -115,6 +117,7 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
     if o.output:
         check_output(Path(o.output), overwrite)  # before anything is loaded or built
     spec, scheme = target_and_scheme(o.target, o.quant)
+    spec = with_overrides(spec, o.host_target, o.compute_dtype)
     _check_decode_activations(decode_activations, spec)
     link.check_toolchain(spec)  # before the build, not after it
     awq.check_options(o.calibrate, o.calib_text, scheme.layout)
@@ -177,6 +180,7 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
                 "description": spec.description,
                 "tvm_target": spec.tvm_target_json,
                 "file_sha256": spec.sha256,
+                **({"overrides": spec.overrides} if spec.overrides else {}),
             },
             # the CPU the library's code needs (arch, features): a CPU without them refuses it (cpu_check.py)
             "cpu": cpu_entry(spec.tvm_target()),

@@ -58,6 +58,7 @@ class TargetSpec:
     link: dict[str, Any]  # method, and that method's fields
     schedule: dict[str, Any]
     device: dict[str, Any]
+    overrides: dict[str, str] = dataclasses.field(default_factory=dict)  # with_overrides: what differs from the file
 
     def tvm_target(self) -> tvm.target.Target:
         return tvm.target.Target(self.tvm_target_json)
@@ -250,3 +251,29 @@ def load_target(name_or_path: str) -> TargetSpec:
     except Exception as err:  # TVM raises several error types for bad target JSON
         raise MobilecError(f"target file {path}: TVM rejects [tvm].target: {str(err).splitlines()[0]}") from None
     return spec
+
+
+def with_overrides(spec: TargetSpec, host_target: str | None = None, compute_dtype: str | None = None) -> TargetSpec:
+    """`spec` with its host side built for another target file's CPU (`host_target`: its TVM target and how it
+    links; the device kernels unchanged) and/or another compute dtype: how a phone's GPU artifact runs on this
+    machine (PoCL has no fp16, and this machine is not an aarch64 phone). The artifact records both."""
+    if host_target is None and compute_dtype is None:
+        return spec
+    overrides: dict[str, str] = {}
+    tvm_json, link, device = dict(spec.tvm_target_json), spec.link, dict(spec.device)
+    if host_target is not None:
+        if "host" not in tvm_json or spec.link["method"] == "hexagon":
+            raise MobilecError(f"--host-target applies to GPU targets, whose host side runs on a CPU; {spec.name} "
+                               f"is a {tvm_json['kind']} target: drop the option")
+        host_spec = load_target(host_target)
+        if host_spec.tvm_target_json["kind"] != "llvm":
+            raise MobilecError(f"--host-target {host_target} is a {host_spec.tvm_target_json['kind']} target; pass a "
+                               f"CPU target file (host, linux-arm64, x86-64-v3, ...)")
+        tvm_json["host"] = dict(host_spec.tvm_target_json)
+        link = host_spec.link
+        overrides["host_target"] = host_spec.name
+    if compute_dtype is not None:
+        device["compute_dtype"] = validate.compute_dtype(compute_dtype, "--compute-dtype")
+        overrides["compute_dtype"] = compute_dtype
+    return dataclasses.replace(spec, tvm_target_json=tvm_json, link=link, device=device,
+                               overrides={**spec.overrides, **overrides})

@@ -15,13 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .choices import COMPUTE_DTYPES
 from .errors import MobilecError
 
 # The longest context window (tokens) a command takes: TVM's shapes and the KV cache's page table are int32, and
 # no supported model is trained past 1M positions.
 MAX_CONTEXT = 1 << 20
-# Activation dtypes the compiled kernels support (the KV cache, norms and matmul accumulators in these).
-COMPUTE_DTYPES = ("float32", "float16")
 # Device threads an RPC device may be asked for (this machine's own limit is its usable cores).
 MAX_DEVICE_THREADS = 1024
 MAX_SEED = 2**63 - 1

@@ -106,6 +106,36 @@ class Device:
         features = frozenset(re.findall(r'"([^"]+)":\s*(?:T\.bool\()?(?:True|1)\b', text))
         return Cpu(self.description["name"], arch, features or None)
 
+    def use_device_of(self, artifact: Artifact) -> None:
+        """Run the artifact's kernels where its target puts them: the CPU, or OpenCL (this process loads our
+        OpenCL device, runtime/opencl_device.py; an RPC server must have been started with it:
+        `python -m tvm.exec.rpc_server --load-library build/native/libmobilec_opencl.so`)."""
+        kind = artifact.config["target"]["tvm_target"]["kind"]
+        if kind != "opencl":
+            return
+        if self.session is None:
+            from . import opencl_device  # pylint: disable=import-outside-toplevel
+
+            opencl_device.load()
+            dev = tvm.opencl(0)
+        else:
+            dev = self.session.cl(0)
+        with self.bounded(), self.errors("asking for its OpenCL device"):
+            exists = dev.exist
+        if not exists:
+            where = ("this machine has no OpenCL device: apt-get install pocl-opencl-icd (or the GPU's driver)"
+                     if self.session is None else
+                     f"{self.description['name']} has no OpenCL device: start its RPC server with --load-library "
+                     f"build/native/libmobilec_opencl.so (or use the TVM RPC app on a phone)")
+            raise MobilecError(f"{artifact.library.name} runs its kernels on OpenCL, but {where}")
+        self.dev = dev
+
+    @property
+    def devices(self) -> list:
+        """The VM's devices: the one its kernels run on, then the CPU for its shape computations."""
+        cpu = self.session.cpu() if self.session else tvm.cpu()
+        return [self.dev] if self.dev.dlpack_device_type() == cpu.dlpack_device_type() else [self.dev, cpu]
+
     @property
     def device_type(self) -> int:
         """The DLPack device type as the device itself knows it (without the RPC session mask)."""
@@ -315,19 +345,24 @@ def connect(rpc_address: str | None, tracker_address: str | None, key: str | Non
     return Device(session, description, session_timeout_s)
 
 
+RUNNABLE_KINDS = ("llvm", "opencl")  # Hexagon artifacts need the Hexagon SDK to link, and its runtime to run
+
+
 def artifact_arch(artifact: Artifact) -> str:
     """The CPU architecture the artifact's library is built for ('' when its target names no triple)."""
-    return artifact.config["target"]["tvm_target"].get("mtriple", "").split("-")[0]
+    tvm_target = artifact.config["target"]["tvm_target"]
+    cpu_side = tvm_target if tvm_target["kind"] == "llvm" else tvm_target.get("host", {})
+    return cpu_side.get("mtriple", "").split("-")[0]
 
 
 def check_runs_on(artifact: Artifact, device: Device) -> dict[str, Any]:
     """Refuse an artifact the device cannot run (another kind of code, another architecture, a CPU feature it
     lacks), as far as that can be told without uploading it; returns what was checked (bench's "cpu_check")."""
     target = artifact.config["target"]
-    if target["tvm_target"]["kind"] != "llvm":
+    if target["tvm_target"]["kind"] not in RUNNABLE_KINDS:
         raise MobilecError(f"{artifact.path} is built for {target['name']} ({target['tvm_target']['kind']}); "
-                           f"mobilec runs CPU (llvm) artifacts: compile one with --target host or "
-                           f"linux-arm64/android-arm64")
+                           f"mobilec runs CPU (llvm) and OpenCL artifacts: compile one with --target host, "
+                           f"linux-arm64/android-arm64 or android-adreno/android-mali")
     done = check_cpu(artifact.path, artifact.config, device.cpu)
     required = done["required"]
     notes = []

@@ -25,13 +25,14 @@ class Session:
         self.device = device or local_device()
         # before loading: a missing instruction kills the process
         self.cpu_check = check_runs_on(artifact, self.device)
+        self.device.use_device_of(artifact)
         started = time.perf_counter()
         self.staged = self.device.stage(artifact, progress)  # an RPC peer gets the files it lacks
         staged_at = time.perf_counter()
         with self.device.errors("loading the library"):
             lib = self.device.load_library(artifact, self.staged)
         with self.device.errors("loading the weights"):
-            self.vm = relax.VirtualMachine(lib, self.device.dev)
+            self.vm = relax.VirtualMachine(lib, self.device.devices)
             self.params = self.device.load_params(self.staged, artifact)
             cfg = artifact.config
             self.context_window = int(cfg["context_window"])

@@ -1,0 +1,83 @@
+"""Phone GPU artifacts run end to end on this machine: a tiny Llama compiled for android-adreno and android-mali
+with `--host-target host --compute-dtype float32` runs its kernels through our OpenCL device on PoCL (fp32 only)
+and decodes what the host artifact of the same model decodes; without --host-target the aarch64 host code is
+refused before it loads (negative control)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from compiler.artifact import CONFIG_FILE, load_artifact
+from compiler.compile_model import CompileOptions, compile_model
+from compiler.runtime import opencl_device
+from compiler.runtime.session import Session
+from compiler.targets import load_target, with_overrides
+from tests.helpers.assertions import assert_mobilec_error
+from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
+
+pytestmark = [pytest.mark.slow,  # five compiles
+              pytest.mark.skipif(not opencl_device.available(), reason="no OpenCL platform (apt-get install "
+                                                                       "pocl-opencl-icd)")]
+
+PROMPT = np.array([3, 7, 1, 4, 4, 9, 2, 5, 6, 8, 1, 2, 3], "int32")
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu_artifacts")
+    save_compilable_checkpoint(build_model("llama_gqa"), root / "hf")
+    return root
+
+
+def _compile(root, target: str, quant: str, name: str, **overrides) -> str:
+    out = root / name
+    if not out.exists():
+        compile_model(CompileOptions(str(root / "hf"), target, quant, str(out), context_window=64, progress=False,
+                                     **overrides))
+    return str(out)
+
+
+def _greedy(path: str) -> tuple[np.ndarray, list[int], str]:
+    """(logits of the prompt and each step, greedy tokens, the device the kernels ran on)."""
+    session = Session(load_artifact(path))
+    session.reset()
+    logits = [np.asarray(session.prefill(PROMPT)).reshape(-1)]
+    tokens = [int(logits[-1].argmax())]
+    while len(tokens) < STEPS:
+        logits.append(np.asarray(session.decode(tokens[-1])).reshape(-1))
+        tokens.append(int(logits[-1].argmax()))
+    return np.stack(logits), tokens, str(session.device.dev)
+
+
+@pytest.mark.parametrize("target,quant,atol", [("android-adreno", "q0f32", 1e-4), ("android-mali", "q4f32_g32", 1e-2)])
+def test_gpu_artifact_decodes_the_host_artifacts_tokens_on_opencl(checkpoint, target, quant, atol):
+    gpu = _compile(checkpoint, target, quant, f"{target}-{quant}", host_target="host", compute_dtype="float32")
+    config = json.loads((load_artifact(gpu).path / CONFIG_FILE).read_text())
+    assert config["target"]["overrides"] == {"host_target": "host", "compute_dtype": "float32"}
+    assert config["target"]["tvm_target"]["kind"] == "opencl" and config["compute_dtype"] == "float32"
+    gpu_logits, gpu_tokens, device = _greedy(gpu)
+    assert device.startswith("opencl")
+    host_logits, host_tokens, host_device = _greedy(_compile(checkpoint, "host", quant, f"host-{quant}"))
+    assert host_device.startswith("cpu")
+    assert gpu_tokens == host_tokens
+    np.testing.assert_allclose(gpu_logits, host_logits, atol=atol, rtol=0)
+    # Negative control: the comparison sees a wrong position (the logits move from step to step).
+    assert np.abs(gpu_logits[1:] - host_logits[:-1]).max() > 100 * atol
+
+
+def test_without_host_target_the_phone_host_code_is_refused(checkpoint):
+    phone = _compile(checkpoint, "android-adreno", "q0f32", "adreno-phone-host", compute_dtype="float32")
+    assert_mobilec_error(lambda: Session(load_artifact(phone)), "aarch64")
+
+
+def test_host_target_applies_to_gpu_targets_only():
+    assert_mobilec_error(lambda: with_overrides(load_target("linux-arm64"), host_target="host"), "--host-target",
+                         "GPU targets")
+    assert_mobilec_error(lambda: with_overrides(load_target("android-adreno"), host_target="android-mali"),
+                         "CPU target file")
+    assert_mobilec_error(lambda: with_overrides(load_target("android-adreno"), compute_dtype="int8"),
+                         "--compute-dtype")

@@ -36,6 +36,8 @@ from compiler.targets import load_target
 from compiler.testing.processes import spawn
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
+pytestmark = pytest.mark.slow  # RPC servers and compiled models: ~2 minutes
+
 PROMPT_LEN, GEN_LEN = 12, 8
 BENCH_ARGS = ["--prompt-len", str(PROMPT_LEN), "--gen-len", str(GEN_LEN), "--repeat", "2"]
 KEY = "mobilec-test"

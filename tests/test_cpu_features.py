@@ -34,6 +34,8 @@ from tests.test_bench_rpc import (
     _Process,
 )
 
+pytestmark = pytest.mark.slow  # compiles for several CPUs and runs subprocesses: ~1.5 minutes
+
 HOST_HAS_AVX512 = "avx512f" in host.host_features()
 X86 = "x86_64-unknown-linux-gnu"
 

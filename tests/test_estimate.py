@@ -16,6 +16,8 @@ from compiler.targets import TARGETS_DIR
 from tests.helpers.assertions import assert_mobilec_error
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
+pytestmark = pytest.mark.slow  # compiles SmolLM2: ~6 minutes
+
 LLAMA_7B_CONFIG = Path(__file__).parent / "data" / "llama-2-7b-config.json"
 JSON_KEYS = {"weights_bytes", "kv_cache_bytes", "activation_bytes", "margin_bytes", "total_bytes", "ram_bytes", "fits",
              "largest_buffer_bytes", "largest_buffer_name", "max_alloc_bytes", "bytes_per_token", "decode_floor_ms",
@@ -59,7 +61,6 @@ def smollm2_q4f16_g32(tmp_path_factory, smollm2_gguf) -> Path:
     return out
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("artifact_fixture,quant", [("smollm2_q0f32", "q0f32"), ("smollm2_q4f16_g32", "q4f16_g32"),
                                                     ("smollm2_gguf_exact", "gguf")])
 def test_smollm2_weights_match_the_compiled_params(request, smollm2_gguf, artifact_fixture, quant):

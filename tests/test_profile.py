@@ -28,6 +28,8 @@ from compiler.runtime.profile import format_profile, profile_decode_step
 from compiler.runtime.session import Session
 from tests.helpers.tiny_models import SPECS, build_model, save_compilable_checkpoint, write_gguf
 
+pytestmark = pytest.mark.slow  # compiles and times models: ~1 minute
+
 CONTEXT, STEPS = 8, 6
 # name -> (tiny model, quantization); the q4 one has the dequantizing GEMVs and an int8 embedding table
 ARTIFACTS = {"gqa_tied": ("llama_gqa", "q0f32"), "mha_untied": ("llama_mha_untied", "q0f32"),

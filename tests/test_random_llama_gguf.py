@@ -29,6 +29,8 @@ from compiler.runtime.session import Session
 from tests.helpers.assertions import assert_mobilec_error
 from tests.helpers.reference import reference_greedy
 
+pytestmark = pytest.mark.slow  # writes and compiles a GGUF: ~1 minute
+
 Q = GGMLQuantizationType
 SHAPE = rlg.PRESETS["tiny"]
 PROMPT = "The three primary colors are"

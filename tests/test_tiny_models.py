@@ -9,6 +9,8 @@ from compiler.runtime.session import Session
 from tests.helpers.reference import reference_greedy
 from tests.helpers.tiny_models import SPECS, build_model, save_compilable_checkpoint
 
+pytestmark = pytest.mark.slow  # a compile per model plus transformers: ~1 minute
+
 PROMPT = [3, 7, 1, 4, 4, 9, 2, 5, 6, 8, 10]
 
 

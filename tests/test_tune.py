@@ -40,6 +40,8 @@ from compiler.tune import TuneOptions, tune
 from tests.helpers.reference import fake_quantized, reference_greedy
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
+pytestmark = pytest.mark.slow  # MetaSchedule tuning runs and RPC servers: ~8 minutes on 2 cores
+
 QUANT = "q4f16_g32"
 TRIALS = 4
 MODEL = "llama_mha_untied"  # its int4 build equals numpy's quantize-dequantize model to ~1e-6

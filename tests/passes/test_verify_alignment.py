@@ -52,6 +52,7 @@ def test_misaligned_offset_is_named():
         VerifyAlignment()(_placement_module(32))
 
 
+@pytest.mark.slow  # a compile and a run: ~25 s
 def test_compiled_tiny_model_tensors_are_aligned_at_run_time(tmp_path):
     """The pipeline ends with VerifyAlignment; then every tensor a decode step hands a kernel is 64-byte aligned."""
     assert pipeline.steps(load_target("host"))[-1][0] == "verify-alignment"

@@ -32,6 +32,7 @@ def gqa_model(tmp_path_factory):
     return root / "hf", calib, model
 
 
+@pytest.mark.slow  # a compile and a run: ~25 s
 def test_folded_scales_leave_the_float_model_unchanged(gqa_model, tmp_path, monkeypatch):
     """Every layer kept in float (--quant-skip), scales folded: the compiled logits are transformers' logits."""
     hf_dir, calib, model = gqa_model

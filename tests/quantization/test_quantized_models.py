@@ -13,6 +13,8 @@ from compiler.runtime.session import Session
 from tests.helpers.reference import fake_quantized, reference_greedy
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint, write_gguf
 
+pytestmark = pytest.mark.slow  # a compile per scheme: ~3 minutes
+
 PROMPT = [3, 7, 1, 4, 4, 9, 2, 5, 6, 8, 10, 11, 2]
 # cosine similarity of all logits with the float model's: int4 on random unstructured weights is coarse
 # (0.85-0.95 here), int8 close, float exact. The exact check is against the numpy quantize-dequantize model.

@@ -14,6 +14,8 @@ from compiler.artifact import CONFIG_FILE, FORMAT_VERSION, PARAMS_INDEX, load_ar
 from compiler.errors import MobilecError
 from tests.robustness.conftest import one_line_error, run_cli, run_subprocess
 
+pytestmark = pytest.mark.slow  # compiles and corrupts artifacts: ~1 minute
+
 GENERATE = ["--prompt", "the cat", "--max-new-tokens", "2", "--json"]
 
 

@@ -21,6 +21,8 @@ from compiler.errors import MobilecError
 from compiler.export import atomic_directory
 from tests.robustness.conftest import CONTEXT, one_line_error, run_cli
 
+pytestmark = pytest.mark.slow  # compiles into each kind of output path: ~1.5 minutes
+
 
 def _compile(checkpoint, out, *extra):
     return run_cli(["compile", "--model", checkpoint, "--quant", "q0f32", "--context-window", CONTEXT, "-o", out,

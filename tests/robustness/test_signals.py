@@ -23,6 +23,8 @@ from compiler.export import atomic_directory, remove_stale_partials
 from compiler.stop_signals import Terminated
 from tests.robustness.conftest import CONTEXT
 
+pytestmark = pytest.mark.slow  # interrupts real compiles: ~1 minute
+
 PARTIAL_TIMEOUT_S = 120  # until the compile has made its temporary directory
 
 

@@ -17,6 +17,9 @@ from tvm.s_tir.dlight.analysis import SBlockInfo, is_broadcast_epilogue
 from tvm.s_tir.dlight.base import get_extent
 from tvm.target import Target
 
+from ..quantization.group import NIBBLE_BLOCK
+from . import code_loads
+
 # Each section's fields and their types; compiler/targets.py validates target files against these.
 PARAMETERS: dict[str, dict[str, type]] = {
     "gemv": {"ts": int, "tr": int, "vec": int, "unroll": int, "row_threads": str},
@@ -42,11 +45,21 @@ class Matmul(dlight.gpu.Matmul):
         return self.config
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
-        if self.config.vector_size > 1 and any(getattr(p, "dtype", None) == "uint8" for p in func.params):
-            # Packed codes: the inner loop runs over weight rows, so a vector would gather bytes, and TVM's
-            # OpenCL codegen emits invalid C for an 8-bit vector gather (convert_int8 of a scalar).
-            return Matmul(dataclasses.replace(self.config, vector_size=1)).apply(func, target, tunable)
-        return super().apply(func, _device_only(target), tunable)
+        if not any(getattr(p, "dtype", None) == code_loads.CODE_DTYPE for p in func.params):
+            return super().apply(func, _device_only(target), tunable)
+        # Packed codes. K steps of a whole 32-code block: the 16 bytes one 128-bit load brings are all used
+        # (a 16-code step reads every byte twice, once per nibble). No compute vector: it runs across weight
+        # rows, and TVM's OpenCL codegen emits invalid C for an 8-bit vector gather (convert_int8 of a scalar).
+        packed = Matmul(dataclasses.replace(
+            self.config, micro_size_k=max(self.config.micro_size_k, NIBBLE_BLOCK), vector_size=1))
+        sch = dlight.gpu.Matmul.apply(packed, func, _device_only(target), tunable)
+        if sch is not None:
+            update = next(b for b in sch.get_child_blocks(sch.get_sblock("root"))
+                          if code_loads.code_read_index(sch, b) is not None)
+            loops = sch.get_loops(update)
+            k_outer = max(i for i, loop in enumerate(loops) if sch.get(loop).thread_binding is not None) + 1
+            code_loads.stage_codes(sch, update, loops[k_outer])
+        return sch
 
 
 class GEMV(dlight.gpu.GEMV):
@@ -94,6 +107,10 @@ class GEMV(dlight.gpu.GEMV):
         sch.vectorize(v)
         weights = sch.cache_read(rf, read_buffer_index=1, storage_scope="local")
         sch.compute_at(weights, r, preserve_unit_loops=True)
+        if code_loads.code_read_index(sch, rf) is not None:
+            code_loads.stage_codes(sch, rf, r)
+            # Constant indices into the staged codes let the device compiler keep them in registers.
+            sch.unroll(tile_r_vec_n)
 
         sch.reverse_compute_at(rf2, bx, preserve_unit_loops=True)
         t_r, v, *rows = sch.get_loops(rf2)[1:]

@@ -5,7 +5,8 @@ relax/frontend/nn/llm) walk the keys one row and one query head at a time in sca
 score and check the rotary mode per element. The kernels here have exactly their signatures (the paged KV cache
 calls them by position) and compute the same thing:
 
-- decode: one parallel task per (sequence, chunk of CHUNK_PAGES pages); a task walks its pages in order, and per
+- decode: one parallel task per (sequence, chunk of at most CHUNK_PAGES pages; a short sequence is cut into
+  MIN_DECODE_TASKS chunks, so that its few pages still spread over the cores); a task walks its pages in order, and per
   page first the K rows of every KV head (scores), then the V rows of every head, so K and V are each read in
   memory order: the hardware prefetchers then stream them (reading one head's 4 KiB blocks at a time, or adding
   software prefetches, was 1.5-2x slower from DRAM). The chunks' unnormalized states (sum of p V, running max,
@@ -55,6 +56,10 @@ RAGGED_SYMBOL = "batch_prefill_ragged_kv"
 PAGED_PREFILL_SYMBOL = "batch_prefill_paged_kv_cpu"
 LOG2E = math.log2(math.e)
 CHUNK_PAGES = 8  # pages per parallel task of the decode kernel (128 tokens at page size 16)
+# Decode tasks a sequence of up to MIN_DECODE_TASKS * CHUNK_PAGES pages is cut into: with one task per 8 pages, a
+# 128-256 token context ran on one or two threads (SmolLM2 gguf decode, 2 threads, Zen 1: 12.0 -> 11.0 ms a step);
+# 8 keeps 2, 4 and 8 cores busy, and the extra chunks' merge costs a few hundred vector adds.
+MIN_DECODE_TASKS = 8
 NO_SCORE = -5e4  # TVM's initial running max (and the lse of a sequence with no KV rows)
 MASKED = -3.0e38  # score of the rows past the end of the last page: below any real score
 # 2^f on [-0.5, 0.5] = 1 + f P(f) (Cephes exp2f), relative error 1.7e-7
@@ -152,7 +157,7 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
     """The paged-KV decode kernel: TVM's `batch_decode_paged_kv_cpu` signature (no sliding window)."""
     rope_scaling = rope_scaling or {}
     H_qo, H_kv, D, P, G = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, shape.group
-    dtype, VL, CH = shape.dtype, lanes, chunk_pages
+    dtype, VL, CH, MIN_TASKS = shape.dtype, lanes, chunk_pages, MIN_DECODE_TASKS
     DC, PC = D // VL, P // VL  # vectors per head row, per page of scores
     assert shape.supported(VL), shape
 
@@ -170,10 +175,11 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
         return _sum([q_chunk(c) * k_chunk(c) for c in range(DC)])
 
     @T.macro
-    def chunk_task(task, n_chunks, rope, Q, pages, page_table_indptr, page_table_values, length_info,
+    def chunk_task(task, n_chunks, per_chunk, rope, Q, pages, page_table_indptr, page_table_values, length_info,
                    k_rope_pos_offset, q_rope_position, part_acc, part_max, part_sum, rope_scale, rope_theta,
                    sm_scale):
-        # pages [c * CH, c * CH + CH) of sequence b, every head; the unnormalized state goes to part_*[task]
+        # pages [c * per_chunk, (c + 1) * per_chunk) of sequence b, every head; the unnormalized state goes to
+        # part_*[task]
         acc = T.alloc_buffer((G * D,), "float32")  # one KV head's query heads: sum of p * V at the running max
         scores = T.alloc_buffer((H_qo * P,), "float32")  # one page's scores, then their exp2
         part = T.alloc_buffer((VL,), "float32")
@@ -184,8 +190,8 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
         b: T.let[T.int32] = task // n_chunks
         page_begin: T.let[T.int32] = page_table_indptr[b]
         num_pages: T.let[T.int32] = page_table_indptr[b + 1] - page_begin
-        first: T.let[T.int32] = task % n_chunks * CH
-        count: T.let[T.int32] = T.max(T.min(num_pages - first, CH), 0)
+        first: T.let[T.int32] = task % n_chunks * per_chunk
+        count: T.let[T.int32] = T.max(T.min(num_pages - first, per_chunk), 0)
         q_scale[0] = sm_scale * T.float32(LOG2E)
         for hq in range(H_qo):
             part_max[task * H_qo + hq] = T.float32(NO_SCORE)
@@ -310,29 +316,31 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
         length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=length_info_elem_offset)
 
         with T.sblock("root"):
-            # each sequence's pages in chunks of CH: the chunks run in parallel, each keeps an unnormalized state
-            # (sum of p * V, running max, sum of p) per query head, merged at the end
+            # each sequence's pages in chunks of at most CH (fewer pages each for a short sequence, so that there
+            # are MIN_DECODE_TASKS of them): the chunks run in parallel, each keeps an unnormalized state (sum of
+            # p * V, running max, sum of p) per query head, merged at the end
             most = T.alloc_buffer((1,), "int32")
-            part_acc = T.alloc_buffer((B * ((max_num_pages + CH - 1) // CH) * H_qo * D,), "float32")
-            part_max = T.alloc_buffer((B * ((max_num_pages + CH - 1) // CH) * H_qo,), "float32")
-            part_sum = T.alloc_buffer((B * ((max_num_pages + CH - 1) // CH) * H_qo,), "float32")
+            part_acc = T.alloc_buffer((B * ((max_num_pages + CH - 1) // CH + MIN_TASKS) * H_qo * D,), "float32")
+            part_max = T.alloc_buffer((B * ((max_num_pages + CH - 1) // CH + MIN_TASKS) * H_qo,), "float32")
+            part_sum = T.alloc_buffer((B * ((max_num_pages + CH - 1) // CH + MIN_TASKS) * H_qo,), "float32")
             merged = T.alloc_buffer((3,), "float32")  # max, sum, weight of a chunk
             out_row = T.alloc_buffer((D,), "float32")
             most[0] = 1
             for b in range(B):
                 most[0] = T.max(most[0], page_table_indptr[b + 1] - page_table_indptr[b])
-            n_chunks: T.let[T.int32] = (most[0] + CH - 1) // CH
+            per_chunk: T.let[T.int32] = T.min(CH, (most[0] + MIN_TASKS - 1) // MIN_TASKS)
+            n_chunks: T.let[T.int32] = (most[0] + per_chunk - 1) // per_chunk
             if rotary_mode == 1:
                 # TVM's RoPE expression binds a float Let, which the parallel closure's codegen rejects
                 for task in range(B * n_chunks):
-                    chunk_task(task, n_chunks, True, Q, pages, page_table_indptr, page_table_values, length_info,
-                               k_rope_pos_offset, q_rope_position, part_acc, part_max, part_sum, rope_scale,
-                               rope_theta, sm_scale)
+                    chunk_task(task, n_chunks, per_chunk, True, Q, pages, page_table_indptr, page_table_values,
+                               length_info, k_rope_pos_offset, q_rope_position, part_acc, part_max, part_sum,
+                               rope_scale, rope_theta, sm_scale)
             else:
                 for task in T.parallel(B * n_chunks):
-                    chunk_task(task, n_chunks, False, Q, pages, page_table_indptr, page_table_values, length_info,
-                               k_rope_pos_offset, q_rope_position, part_acc, part_max, part_sum, rope_scale,
-                               rope_theta, sm_scale)
+                    chunk_task(task, n_chunks, per_chunk, False, Q, pages, page_table_indptr, page_table_values,
+                               length_info, k_rope_pos_offset, q_rope_position, part_acc, part_max, part_sum,
+                               rope_scale, rope_theta, sm_scale)
             for b in range(B):
                 for hq in range(H_qo):
                     merged[0] = T.float32(NO_SCORE)

@@ -168,6 +168,8 @@ def measure_bandwidth(threads: int, size_mb: float | None) -> dict:
 def print_profiles(runners, args, bandwidth: float, summary: dict) -> None:
     """Profile one decode step of every artifact at the prompt's length; print it and keep it in the summary."""
     summary["profiles"] = {}
+    if args.profile_steps == 0:
+        return
     for runner in runners:
         if not isinstance(runner, MobilecRunner):
             continue
@@ -194,12 +196,15 @@ def main() -> None:  # pylint: disable=too-many-locals,too-many-statements
                         help="size of the array the bandwidth is measured on (default: 8x the last-level cache, "
                              "at least 256 MiB)")
     parser.add_argument("--profile-steps", type=int, default=DEFAULT_STEPS,
-                        help="decode steps per profile (each run three ways: plain, call by call, instrumented)")
+                        help="decode steps per profile (each run three ways: plain, call by call, instrumented); "
+                             "0: no profiles")
     parser.add_argument("--profile-top", type=int, default=12, help="kernels listed per profile")
     parser.add_argument("--profile-only", action="store_true",
                         help="only the bandwidth, bytes per token and the profiles of the --artifact directories: "
                              "no peers, no rounds")
     args = parser.parse_args()
+    if args.profile_steps < 0 or (args.profile_only and args.profile_steps == 0):
+        parser.error("--profile-steps must be at least 1 (0 skips the profiles, which --profile-only needs)")
 
     set_threads(args.threads)
     gguf = args.gguf or str(default_model_path())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import tvm
@@ -21,6 +22,7 @@ from .passes.mark_noalias import MarkNoalias
 from .passes.replace_cpu_attention import ReplaceCPUAttention
 from .passes.verify_alignment import VerifyAlignment
 from .passes.verify_device_limits import VerifyDeviceLimits
+from .passes.vload_half import VloadHalf, opencl_half_pointers
 from .schedules import cpu as cpu_schedules
 from .schedules import gpu as gpu_schedules
 from .targets import TargetSpec
@@ -69,6 +71,8 @@ def steps(spec: TargetSpec, tuning: bool = False, decode_activations: str = "int
         # Kernels that tuned faster than our rules; dlight skips them (tirx.is_scheduled).
         (APPLY_TUNING_STEP, ApplyTuningDatabase(spec.name), tuning),
         ("schedule", dlight.ApplyDefaultSchedule(*schedule_rules), every_target),
+        # After the schedule, which adds float16 local caches of the scales.
+        ("vload-half", VloadHalf(), _reads_half_with_vload(spec)),
         ("lower-dataflow", _seq(cpu_generic.dataflow_lower_passes(target)), every_target),
         ("plan-memory-and-lower", _seq(cpu_generic.finalize_passes(target)), every_target),
         # Once every kernel exists: TVM 0.27's LLVM codegen gives all kernels the noalias setting of the last one.
@@ -78,6 +82,12 @@ def steps(spec: TargetSpec, tuning: bool = False, decode_activations: str = "int
         ("verify-alignment", VerifyAlignment(), every_target),
     ]
     return [(name, step) for name, step, runs in candidates if runs]
+
+
+def _reads_half_with_vload(spec: TargetSpec) -> bool:
+    """OpenCL computing in float32 (PoCL, devices without cl_khr_fp16): float16 scales and GGUF mins are read with
+    vload_half, and the kernels are emitted without the cl_khr_fp16 requirement."""
+    return spec.tvm_target_json["kind"] == "opencl" and spec.device["compute_dtype"] == "float32"
 
 
 def run_steps(
@@ -116,6 +126,7 @@ def build(mod: tvm.IRModule, spec: TargetSpec, tuning: bool = False,
 def generate(lowered: tvm.IRModule, spec: TargetSpec) -> tvm.runtime.Executable:
     """Code for a module the steps have lowered; the Relax passes are all ours, so TVM's default list is off."""
     current = tvm.transform.PassContext.current()
+    half_pointers = opencl_half_pointers() if _reads_half_with_vload(spec) else contextlib.nullcontext()
     with tvm.transform.PassContext(opt_level=current.opt_level, config=current.config,
-                                   instruments=[*current.instruments, _CheckKernels(spec)]):
+                                   instruments=[*current.instruments, _CheckKernels(spec)]), half_pointers:
         return tvm.compile(lowered, target=spec.tvm_target(), relax_pipeline=None)

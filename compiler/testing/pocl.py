@@ -6,7 +6,8 @@ an OpenCL target, reads the launches from the host function as it is just before
 `launch_params` naming the extents; global size = grid x block), takes the OpenCL source from the device module
 imported under the host module, and enqueues the kernels in order with concrete shapes.
 
-PoCL 3.1 has no cl_khr_fp16 and no subgroups, so only fp32 kernels run here; and it accepts work-group sizes a
+PoCL 3.1 has no cl_khr_fp16 and no subgroups, so only fp32 kernels run here (float16 buffers only as
+passes/vload_half.py reads them, built inside its `opencl_half_pointers`); and it accepts work-group sizes a
 real GPU refuses, so device limits are checked elsewhere (compiler/passes/verify_device_limits.py).
 `reference_llvm` runs a PrimFunc built for the CPU on the same arrays, for comparison.
 """

@@ -177,6 +177,9 @@ def compile(as_json, **options):  # pylint: disable=redefined-builtin
               help="Only kernels whose name matches (repeatable), e.g. 'fused_dequantize*'.")
 @click.option("--max-seconds", type=float, default=None,
               help="Start no new round of trials after this long; rerunning continues where it stopped.")
+@click.option("--host-target", default=None, metavar="TARGET",
+              help="As for `compile`: e.g. host to measure android-adreno kernels on an RPC server here (PoCL).")
+@click.option("--compute-dtype", type=click.Choice(COMPUTE_DTYPES), default=None, help="As for `compile`.")
 @json_option("the per-kernel table")
 def tune(as_json, **options):
     """Tune the kernels of one decode step with MetaSchedule into tuning_logs/<target>/, which compile applies.

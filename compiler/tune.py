@@ -39,7 +39,7 @@ from .choices import TUNE_FUNCTIONS
 from .errors import MobilecError
 from .importer import import_model, open_model, scheme_for
 from .rpc_peers import check_key, last_line, open_tracker
-from .targets import TargetSpec, load_target
+from .targets import TargetSpec, load_target, with_overrides
 
 # A round gives one kernel this many trials, then the next kernel has its turn: a --max-seconds budget then
 # leaves every kernel some tuning instead of all of it to the first.
@@ -155,10 +155,18 @@ def find_kernels(mod: tvm.IRModule, spec: TargetSpec, functions: tuple[str, ...]
 
 
 def _tuning_target(spec: TargetSpec, on_device: bool) -> tvm.target.Target:
-    """The target with `num-cores` (MetaSchedule parallelizes for it), which a target file may leave out."""
-    if spec.tvm_target_json["kind"] != "llvm" or spec.schedule["rules"] != "cpu":
-        raise MobilecError(f"tuning covers CPU targets (kind llvm, cpu rules); {spec.name} is "
-                           f"{spec.tvm_target_json['kind']} with {spec.schedule['rules']} rules")
+    """The target to search for: a CPU one with `num-cores` (MetaSchedule parallelizes for it), which a target file
+    may leave out, or an OpenCL one with its host side, measured on an RPC server."""
+    kind = spec.tvm_target_json["kind"]
+    if kind == "opencl" and spec.schedule["rules"] == "gpu":
+        if not on_device:
+            raise MobilecError(f"{spec.name} kernels run on OpenCL, which tune measures over RPC: pass --tracker "
+                               f"HOST:PORT --key KEY (a server started with --load-library and the absolute path of "
+                               f"build/native/libmobilec_opencl.so, or the TVM RPC app on a phone)")
+        return tvm.target.Target(spec.tvm_target_json)
+    if kind != "llvm" or spec.schedule["rules"] != "cpu":
+        raise MobilecError(f"tuning covers CPU targets (kind llvm, cpu rules) and OpenCL GPU targets; {spec.name} is "
+                           f"{kind} with {spec.schedule['rules']} rules")
     if spec.link["method"] != "native" and not on_device:
         raise MobilecError(f"{spec.name} code runs on a device, not here; pass --tracker HOST:PORT --key KEY")
     target = dict(spec.tvm_target_json)
@@ -168,6 +176,13 @@ def _tuning_target(spec: TargetSpec, on_device: bool) -> tvm.target.Target:
                                f"device's core count there")
         target["num-cores"] = os.cpu_count()
     return tvm.target.Target(target)
+
+
+def _search_rules(target: tvm.target.Target) -> str:
+    """MetaSchedule's rule set for the target: its GPU rules (thread binding, cross-thread reductions) are named
+    after CUDA and fit any GPU kind; the generic LLVM ones for CPUs (the x86/ARM variants add int8 tensor
+    intrinsics, which our float kernels never use)."""
+    return "llvm" if target.kind.name == "llvm" else "cuda"
 
 
 def _library_compiler(spec: TargetSpec) -> str | None:
@@ -201,6 +216,7 @@ class _Measurer:
     def __init__(self, spec: TargetSpec, target: tvm.target.Target, tracker: tuple[str, int, int] | None,
                  key: str | None):
         self.target = target
+        self.device_type = "cpu" if target.kind.name == "llvm" else target.kind.name  # where the runner allocates
         compiler = _library_compiler(spec)
         if tracker is not None:
             host, port, devices = tracker
@@ -219,7 +235,7 @@ class _Measurer:
         """Each scheduled kernel's median latency over `runs` interleaved runs; None where it failed."""
         built = self.builder.build([ms.builder.BuilderInput(mod, self.target) for mod in mods])
         ok = [i for i, b in enumerate(built) if b.error_msg is None]
-        inputs = [ms.runner.RunnerInput(built[i].artifact_path, "cpu",
+        inputs = [ms.runner.RunnerInput(built[i].artifact_path, self.device_type,
                                         ms.arg_info.ArgInfo.from_prim_func(mods[i]["main"])) for i in ok]
         times: dict[int, list[float]] = {i: [] for i in ok}
         try:
@@ -257,12 +273,11 @@ def _search_round(kernel: Kernel, trials: int, measurer: _Measurer, database: ms
     """Up to `trials` more measured schedules for one kernel; the evolutionary search starts from the database's
     best records and skips every schedule already in it."""
     before = len(database)
+    rules = _search_rules(measurer.target)
     with _without_tensor_intrinsics():
         context = ms.TuneContext(
             mod=tuning_log.normalized(kernel.func), target=measurer.target,
-            # The generic LLVM rules: the x86/ARM variants add int8 tensor intrinsics, which our float kernels
-            # never use.
-            space_generator=ms.space_generator.PostOrderApply(sch_rules="llvm", postprocs="llvm", mutator_probs="llvm"),
+            space_generator=ms.space_generator.PostOrderApply(sch_rules=rules, postprocs=rules, mutator_probs=rules),
             search_strategy="evolutionary", task_name=kernel.name, num_threads=os.cpu_count(), logger=SEARCH_LOGGER,
         ).clone()
     ms.tune_tasks(tasks=[context], task_weights=[float(sum(kernel.calls.values()))],
@@ -306,6 +321,8 @@ class TuneOptions:
     only: str = "decode"  # the function whose kernels are tuned (choices.TUNE_FUNCTIONS)
     kernel_patterns: tuple[str, ...] | list[str] = ()  # only kernels whose name matches one of these globs
     max_seconds: float | None = None  # no new round of trials after this long
+    host_target: str | None = None  # GPU targets: the host side for this target file's CPU (as compile's)
+    compute_dtype: str | None = None  # instead of the target's (as compile's)
 
     def check(self) -> None:
         if (self.tracker is None) != (self.key is None):
@@ -323,7 +340,7 @@ def tune(options: TuneOptions) -> dict[str, Any]:
                                                   options.tracker, options.key)
     only, kernel_patterns, max_seconds = options.only, options.kernel_patterns, options.max_seconds
     started = time.monotonic()
-    spec = load_target(target)
+    spec = with_overrides(load_target(target), options.host_target, options.compute_dtype)
     tuning_target = _tuning_target(spec, on_device=tracker is not None)
     devices = tracker_devices(tracker, key) if tracker is not None else None
     directory = tuning_log.log_dir(spec.name)

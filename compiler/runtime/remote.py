@@ -79,6 +79,7 @@ class Device:
             "this machine's CPU (LLVM's name for it, features cut to /proc/cpuinfo's flags)" if session is None else
             "LLVM's host CPU features on the device" if self.cpu.features is not None else None)
         self.description["total_ram_mb"] = round(total / 2**20) if total and total > 0 else None
+        self.description["kernels_on"] = "cpu"  # until use_device_of picks the artifact's device
 
     def _triple(self) -> str | None:
         """The device's target triple, when its TVM has LLVM (a runtime-only build, as on phones, does not)."""
@@ -109,13 +110,14 @@ class Device:
     def use_device_of(self, artifact: Artifact) -> None:
         """Run the artifact's kernels where its target puts them: the CPU, or OpenCL (this process loads our
         OpenCL device, runtime/opencl_device.py; an RPC server must have been started with it:
-        `python -m tvm.exec.rpc_server --load-library build/native/libmobilec_opencl.so`)."""
+        `python -m tvm.exec.rpc_server --load-library /abs/path/build/native/libmobilec_opencl.so`, absolute because
+        the server loads it from each session's work directory)."""
         kind = artifact.config["target"]["tvm_target"]["kind"]
         if kind != "opencl":
             return
-        if self.session is None:
-            from . import opencl_device  # pylint: disable=import-outside-toplevel
+        from . import opencl_device  # pylint: disable=import-outside-toplevel
 
+        if self.session is None:
             opencl_device.load()
             dev = tvm.opencl(0)
         else:
@@ -126,9 +128,10 @@ class Device:
             where = ("this machine has no OpenCL device: apt-get install pocl-opencl-icd (or the GPU's driver)"
                      if self.session is None else
                      f"{self.description['name']} has no OpenCL device: start its RPC server with --load-library "
-                     f"build/native/libmobilec_opencl.so (or use the TVM RPC app on a phone)")
+                     f"{opencl_device.library_path()} (or use the TVM RPC app on a phone)")
             raise MobilecError(f"{artifact.library.name} runs its kernels on OpenCL, but {where}")
         self.dev = dev
+        self.description["kernels_on"] = "opencl"
 
     @property
     def devices(self) -> list:

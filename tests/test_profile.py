@@ -189,7 +189,10 @@ def test_profile_is_consistent_with_the_program_and_its_wall_time(artifacts, key
     assert sum(split.values()) == pytest.approx(prof["wall_ms_best"])
     # what the instrument cannot see is small: the VM between kernels, Session.decode's own Python, noise
     assert abs(split["unattributed"]) < 0.25 * prof["wall_ms_best"] + 0.02, split
-    assert split["vm_overhead"] > -0.25 * prof["wall_ms_best"], split
+    # (+0.1 ms: a tiny model's step is ~0.3 ms, and on a loaded 2-core machine the fastest kernel calls and the
+    # fastest VM call come from different steps; the full suite once saw -0.117 ms here. A profile that counts a
+    # kernel twice is off by the whole step.)
+    assert split["vm_overhead"] > -(0.25 * prof["wall_ms_best"] + 0.1), split
     assert all(k["ms"] >= 0 for k in prof["kernels"])
     assert all(c["ms"] > 0 for c in prof["categories"] if c["category"].startswith("gemv"))
     assert prof["kernels_ms_rows_best"] <= split["kernels"] + 1e-9

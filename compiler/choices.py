@@ -5,5 +5,7 @@ compiler.cli` must not import TVM) and the modules that implement them read them
 DECODE_ACTIVATIONS = ("int16", "int8")
 # mobilec tune --only: which model functions' kernels are tuned
 TUNE_FUNCTIONS = {"decode": ("decode",), "prefill": ("prefill",), "all": ("decode", "prefill")}
-# a target file's device.compute_dtype and compile --compute-dtype: activations and KV cache
+# a target file's device.compute_dtype and compile --compute-dtype: activations (and the KV cache by default)
 COMPUTE_DTYPES = ("float32", "float16")
+# compile/estimate --kv-dtype: how the KV cache stores keys and values (kv_cache_dtype.py)
+KV_DTYPES = ("auto", "f32", "f16", "int8", "int4")

@@ -11,7 +11,7 @@ import threading
 import click
 
 from . import stop_signals
-from .choices import COMPUTE_DTYPES, DECODE_ACTIVATIONS, TUNE_FUNCTIONS
+from .choices import COMPUTE_DTYPES, DECODE_ACTIVATIONS, KV_DTYPES, TUNE_FUNCTIONS
 from .errors import MobilecError
 from .quantization.schemes import schemes_help
 from .stop_signals import Terminated
@@ -139,7 +139,13 @@ def targets():
               help="GPU targets: build the host side (the code that launches kernels) for this target file's CPU, "
                    "e.g. host to run an android-adreno artifact on this machine's OpenCL (PoCL); kernels unchanged.")
 @click.option("--compute-dtype", type=click.Choice(COMPUTE_DTYPES), default=None,
-              help="Activations and KV cache in this dtype instead of the target's (PoCL has no fp16).")
+              help="Activations (and the KV cache, unless --kv-dtype) in this dtype instead of the target's "
+                   "(PoCL has no fp16).")
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="auto", show_default=True,
+              help="How the KV cache stores keys and values. auto: f16 (the target file's device.kv_dtype if it "
+                   "has one), f32 for the unquantized q0f32 and for GPUs computing in float32. f16 halves the "
+                   "cache's bytes (longer contexts, faster long-context decode) for +0.0x% perplexity; int8 and "
+                   "int4 are not implemented yet.")
 @json_option("the summary")
 def compile(as_json, **options):  # pylint: disable=redefined-builtin
     """Compile MODEL for TARGET into an artifact directory (library, weight shards, tokenizer, config).
@@ -230,10 +236,12 @@ def inspect(as_json, **options):
 @click.option("--quant-skip", multiple=True, metavar="PATTERN", help="As for `compile`.")
 @click.option("--context-window", type=int, default=None,
               help="Tokens the KV cache holds, as `compile --context-window`; default min(model max, 2048).")
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="auto", show_default=True, help="As for `compile`.")
 @json_option("the estimate")
 def estimate(as_json, **options):
     """Memory MODEL needs on TARGET (weights, KV cache, activations, 20% margin) against its RAM and largest
-    allocation, and the decode speed its memory bandwidth allows; nothing is built."""
+    allocation, the decode speed its memory bandwidth allows, and the longest context that fits with each KV-cache
+    dtype; nothing is built."""
     from .estimate import EstimateOptions, estimate_memory, format_budget  # pylint: disable=import-outside-toplevel
 
     est = estimate_memory(EstimateOptions(**options))

@@ -24,6 +24,7 @@ from .artifact import (
     installed_versions,
 )
 from .call_sites import call_site_map
+from . import kv_cache_dtype
 from .choices import DECODE_ACTIVATIONS
 from .cpu_check import cpu_entry
 from .errors import MobilecError
@@ -103,6 +104,7 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     overwrite: bool = False  # replace the artifact at output
     host_target: str | None = None  # GPU targets: build the host side for this target file's CPU instead
     compute_dtype: str | None = None  # instead of the target's (PoCL, which runs GPU artifacts here, has no fp16)
+    kv_dtype: str = "auto"  # the KV cache's storage (kv_cache_dtype.py)
 
 
 def compile_model(options: CompileOptions) -> dict[str, Any]:
@@ -119,6 +121,7 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
     spec, scheme = target_and_scheme(o.target, o.quant)
     spec = with_overrides(spec, o.host_target, o.compute_dtype)
     _check_decode_activations(decode_activations, spec)
+    kv_cache_dtype.resolve(o.kv_dtype, spec, scheme)  # a name not implemented is refused before any work
     link.check_toolchain(spec)  # before the build, not after it
     awq.check_options(o.calibrate, o.calib_text, scheme.layout)
     model_path = resolve_model_path(o.model)
@@ -130,7 +133,8 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
     with open_checkpoint(model_path) as ckpt, atomic_directory(out_dir, overwrite) as tmp:
         log(f"importing {ckpt.description}")
         calibration = awq.calibrate(ckpt, scheme.layout, o.calib_text, log) if o.calibrate else None
-        imported = import_model(ckpt, scheme, spec, o.context_window, quant_skip, calibration=calibration)
+        imported = import_model(ckpt, scheme, spec, o.context_window, quant_skip, calibration=calibration,
+                                kv_dtype=o.kv_dtype)
         family, cfg = imported.family, imported.cfg
         log(f"compiling {family.name} for {spec.name} ({scheme.name})")
         t_build = time.perf_counter()
@@ -146,7 +150,7 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
         with recording(recorder):
             lowered = pipeline.run_steps(imported.mod, spec, note_tuned, tuning=not o.no_tuning,
                                          decode_activations=decode_activations)
-        memory = estimate_imported(ckpt, imported, scheme, spec, quant_skip, plan=recorder.plan())
+        memory = estimate_imported(ckpt, imported, scheme, spec, quant_skip, plan=recorder.plan(), kv_dtype=o.kv_dtype)
         if not memory.fits and not o.force:
             raise MobilecError(f"{over_budget_message(memory)}; or --force to compile it anyway")
         (tmp / LIBRARY_DIR).mkdir()
@@ -174,6 +178,7 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
             "quantization": {**scheme.to_json(), "skip": list(quant_skip), "quantized_layers": sorted(imported.plan),
                              "calibration": calibration.summary if calibration else None},
             "compute_dtype": imported.dtype,
+            "kv_dtype": cfg.kv_dtype,
             "decode_activations": decode_activations if integer_dot_gemv.available(spec.tvm_target()) else None,
             "target": {
                 "name": spec.name,

@@ -19,7 +19,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.sym.analyzer import Analyzer
 
-from . import pipeline, roofline
+from . import kv_cache_dtype, pipeline, roofline
 from .errors import MobilecError
 from .importer import PAGE_SIZE, ImportedModel, import_model, open_model, param_bytes, target_and_scheme
 from .loaders import Checkpoint, ConfigCheckpoint
@@ -42,7 +42,8 @@ class MemoryEstimate:  # pylint: disable=too-many-instance-attributes
     quant: str
     context: int
     prefill_chunk: int
-    dtype: str  # activations and KV cache
+    dtype: str  # activations
+    kv_dtype: str  # the KV cache's storage
     weights_bytes: int
     kv_cache_bytes: int
     activation_bytes: int
@@ -59,6 +60,9 @@ class MemoryEstimate:  # pylint: disable=too-many-instance-attributes
     fitting_quant: str | None = None  # when it does not fit: the least quantized smaller scheme that does
     fitting_quant_total_bytes: int | None = None
     fitting_context: int | None = None  # when it does not fit: the longest halved context window that does
+    # the longest context (a multiple of the page size, within the model's) that fits, per KV dtype: exact for
+    # kv_dtype, at most that for the others (their activations are bounded, not planned)
+    context_by_kv_dtype: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -139,26 +143,44 @@ def _tensor_bytes(param) -> int:
     return param_bytes([(None, param)])
 
 
+def _kv_layer_bytes(cfg: LlamaConfig, context: int, value_bytes: int) -> int:
+    """One layer's pages as the runtime allocates them: (pages, 2, kv heads, page size, head dim), one page more
+    than the context needs."""
+    pages = -(-context // PAGE_SIZE) + 1
+    return pages * 2 * cfg.num_key_value_heads * PAGE_SIZE * cfg.head_dim * value_bytes
+
+
+def _attention_scratch(cfg: LlamaConfig, value_bytes: int) -> int:
+    """The cache's attention scratch for one prefill chunk: q, k, v and output in the KV dtype, and two float32
+    log-sum-exp arrays; sized like activations, counted with them."""
+    chunk = cfg.prefill_chunk_size
+    return chunk * cfg.head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * value_bytes \
+        + 2 * chunk * cfg.num_attention_heads * 4
+
+
+def _longest_context(cfg: LlamaConfig, fixed: int, value_bytes: int, ram: int, max_alloc: int) -> int:
+    """The longest context, in whole pages and within the model's, whose total (`fixed` bytes of weights and
+    activations, plus the KV cache) with the margin fits `ram`, and whose per-layer pages fit `max_alloc`; 0 if
+    none."""
+    fixed += _attention_scratch(cfg, value_bytes)
+    per_page = cfg.num_hidden_layers * _kv_layer_bytes(cfg, PAGE_SIZE, value_bytes) // 2  # bytes of one page
+    pages = min(int(ram / (1 + MARGIN) - fixed) // per_page, max_alloc // (per_page // cfg.num_hidden_layers)) - 1
+    return max(0, min(pages * PAGE_SIZE, cfg.max_position_embeddings))
+
+
 def _budget(description: str, spec: TargetSpec, quant: str, cfg: LlamaConfig, params: list, dtype: str,
             plan: ActivationPlan) -> MemoryEstimate:
-    """The estimate of a model with these parameters at `cfg`'s context window and prefill chunk."""
+    """The estimate of a model with these parameters at `cfg`'s context window, prefill chunk and KV dtype."""
     weights = {name: _tensor_bytes(p) for name, p in params}
-    size = tvm.DataType(dtype).bits // 8
-    # Per layer the cache holds (pages, 2, kv heads, page size, head dim), one page more than the context needs.
-    pages = -(-cfg.context_window_size // PAGE_SIZE) + 1
-    kv_layer = pages * 2 * cfg.num_key_value_heads * PAGE_SIZE * cfg.head_dim * size
+    size = kv_cache_dtype.value_bytes(cfg.kv_dtype)
+    kv_layer = _kv_layer_bytes(cfg, cfg.context_window_size, size)
     read = roofline.decode_read(
         ((name.startswith(roofline.EMBEDDING), weights[name], int(p.shape[0])) for name, p in params),
         bool(cfg.tie_word_embeddings),
         roofline.kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim, size),
-        cfg.context_window_size, "weights + KV cache at the context window")
+        cfg.context_window_size, f"weights + {cfg.kv_dtype} KV cache at the context window")
     planned, largest_planned = plan.at(cfg.prefill_chunk_size)
-    # The cache also allocates attention scratch for one prefill chunk: q, k, v and output, and two float32
-    # log-sum-exp arrays; sized like activations, counted with them.
-    chunk = cfg.prefill_chunk_size
-    scratch = chunk * cfg.head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * size \
-        + 2 * chunk * cfg.num_attention_heads * 4
-    activations = planned + scratch
+    activations = planned + _attention_scratch(cfg, size)
     counted = sum(weights.values()) + cfg.num_hidden_layers * kv_layer + activations
     margin = round(MARGIN * counted)
     largest_weight = max(weights, key=weights.get)
@@ -169,18 +191,27 @@ def _budget(description: str, spec: TargetSpec, quant: str, cfg: LlamaConfig, pa
     )
     ram, max_alloc = int(spec.device["ram_gb"] * GIB), int(spec.device["max_alloc_gb"] * GIB)
     bandwidth = float(spec.device["memory_bandwidth_gbs"])
+    # Another KV dtype's activations are not planned: a cache in a dtype other than the activations' adds the cast
+    # q/k/v and output of one prefill chunk, counted here as if never reused, so its context is never overstated.
+    casts = cfg.prefill_chunk_size * cfg.head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    by_kv = {name: _longest_context(cfg, sum(weights.values()) + planned + (
+                 casts * kv_cache_dtype.value_bytes(kv) if kv not in (dtype, cfg.kv_dtype) else 0),
+                 kv_cache_dtype.value_bytes(kv), ram, max_alloc)
+             for name, kv in kv_cache_dtype.TVM_DTYPES.items()}
     return MemoryEstimate(
-        model=description, target=spec.name, quant=quant, context=cfg.context_window_size, prefill_chunk=chunk,
-        dtype=dtype, weights_bytes=sum(weights.values()), kv_cache_bytes=cfg.num_hidden_layers * kv_layer,
+        model=description, target=spec.name, quant=quant, context=cfg.context_window_size,
+        prefill_chunk=cfg.prefill_chunk_size, dtype=dtype, kv_dtype=cfg.kv_dtype,
+        weights_bytes=sum(weights.values()), kv_cache_bytes=cfg.num_hidden_layers * kv_layer,
         activation_bytes=activations, margin_bytes=margin, total_bytes=counted + margin, ram_bytes=ram,
         fits=counted + margin <= ram and largest_bytes <= max_alloc, largest_buffer_name=largest_name,
         largest_buffer_bytes=largest_bytes, max_alloc_bytes=max_alloc, bytes_per_token=read.total,
         memory_bandwidth_gbs=bandwidth, decode_floor_ms=roofline.floor_ms(read.total, bandwidth),
+        context_by_kv_dtype=by_kv,
     )
 
 
 def _fitting_quant(ckpt: Checkpoint, imported: ImportedModel, scheme: Scheme, spec: TargetSpec,
-                   plans: dict[str, ActivationPlan], quant_skip: list[str]) -> MemoryEstimate | None:
+                   plans: dict[str, ActivationPlan], quant_skip: list[str], kv_dtype: str) -> MemoryEstimate | None:
     """The estimate of the least quantized scheme with smaller weights that fits, if any."""
     context = imported.cfg.context_window_size
     current = imported.param_bytes
@@ -189,7 +220,7 @@ def _fitting_quant(ckpt: Checkpoint, imported: ImportedModel, scheme: Scheme, sp
         if candidate.name == scheme.name:
             continue
         try:
-            shapes = import_model(ckpt, candidate, spec, context, quant_skip, export=False)
+            shapes = import_model(ckpt, candidate, spec, context, quant_skip, export=False, kv_dtype=kv_dtype)
         except MobilecError:
             continue  # a scheme this input cannot take: gguf without a GGUF file, --quant-skip with a float scheme
         weights = shapes.param_bytes
@@ -198,7 +229,8 @@ def _fitting_quant(ckpt: Checkpoint, imported: ImportedModel, scheme: Scheme, sp
     for _, candidate, shapes in sorted(smaller, key=lambda item: -item[0]):
         # Activations depend on the compute dtype only: every scheme's dequantization happens inside its matmuls.
         if shapes.dtype not in plans:
-            plans[shapes.dtype] = plan_activations(import_model(ckpt, candidate, spec, context, quant_skip).mod, spec)
+            plans[shapes.dtype] = plan_activations(
+                import_model(ckpt, candidate, spec, context, quant_skip, kv_dtype=kv_dtype).mod, spec)
         est = _budget(ckpt.description, spec, candidate.name, shapes.cfg, shapes.params, shapes.dtype,
                       plans[shapes.dtype])
         if est.fits:
@@ -211,7 +243,8 @@ def _fitting_context(ckpt: Checkpoint, imported: ImportedModel, scheme: Scheme, 
     """The longest halving of the context window that fits with this scheme, if any."""
     context = imported.cfg.context_window_size // 2
     while context >= MIN_SUGGESTED_CONTEXT:
-        cfg = imported.family.config_class.from_hf(ckpt.hf_config, context)
+        cfg = dataclasses.replace(imported.cfg, context_window_size=context,
+                                  prefill_chunk_size=min(context, imported.cfg.prefill_chunk_size))
         if _budget(ckpt.description, spec, scheme.name, cfg, imported.params, imported.dtype, plan).fits:
             return context
         context //= 2
@@ -219,15 +252,17 @@ def _fitting_context(ckpt: Checkpoint, imported: ImportedModel, scheme: Scheme, 
 
 
 def estimate_imported(ckpt: Checkpoint, imported: ImportedModel, scheme: Scheme, spec: TargetSpec,
-                      quant_skip: list[str] = (), plan: ActivationPlan | None = None) -> MemoryEstimate:
+                      quant_skip: list[str] = (), plan: ActivationPlan | None = None,
+                      kv_dtype: str = "auto") -> MemoryEstimate:
     """The estimate of an imported (exported) model, with its activation `plan` if the pipeline already ran
-    (RecordMemoryPlan); when it does not fit, with the smaller scheme and the shorter context window that would."""
+    (RecordMemoryPlan); when it does not fit, with the smaller scheme (its KV cache as `kv_dtype`, the
+    --kv-dtype name `imported` was made with) and the shorter context window that would."""
     plans = {imported.dtype: plan or plan_activations(imported.mod, spec)}
     est = _budget(ckpt.description, spec, scheme.name, imported.cfg, imported.params, imported.dtype,
                   plans[imported.dtype])
     if est.fits:
         return est
-    by_quant = _fitting_quant(ckpt, imported, scheme, spec, plans, list(quant_skip))
+    by_quant = _fitting_quant(ckpt, imported, scheme, spec, plans, list(quant_skip), kv_dtype)
     return dataclasses.replace(
         est,
         fitting_quant=by_quant.quant if by_quant else None,
@@ -246,6 +281,7 @@ class EstimateOptions:
     quant: str | None = None
     context_window: int | None = None
     quant_skip: tuple[str, ...] | list[str] = ()
+    kv_dtype: str = "auto"
 
 
 def estimate_memory(options: EstimateOptions) -> MemoryEstimate:
@@ -257,8 +293,8 @@ def estimate_memory(options: EstimateOptions) -> MemoryEstimate:
     else:
         ckpt = open_model(model, weights_required=False)
     with ckpt:
-        imported = import_model(ckpt, scheme, spec, options.context_window, quant_skip)
-        return estimate_imported(ckpt, imported, scheme, spec, quant_skip)
+        imported = import_model(ckpt, scheme, spec, options.context_window, quant_skip, kv_dtype=options.kv_dtype)
+        return estimate_imported(ckpt, imported, scheme, spec, quant_skip, kv_dtype=options.kv_dtype)
 
 
 def _size(nbytes: float) -> str:
@@ -293,7 +329,7 @@ def format_budget(est: MemoryEstimate) -> str:
     tok_s = 1e3 / est.decode_floor_ms
     rows = [
         ("weights", _size(est.weights_bytes), est.quant),
-        (f"KV cache @ {est.context}", _size(est.kv_cache_bytes), f"{est.dtype}, pages of {PAGE_SIZE} tokens"),
+        (f"KV cache @ {est.context}", _size(est.kv_cache_bytes), f"{est.kv_dtype}, pages of {PAGE_SIZE} tokens"),
         ("activations", _size(est.activation_bytes), f"prefill chunk {est.prefill_chunk}, {est.dtype}"),
         (f"margin {MARGIN:.0%}", _size(est.margin_bytes), ""),
         ("total", _size(est.total_bytes), f"of {_size(est.ram_bytes)} RAM: "
@@ -305,6 +341,8 @@ def format_budget(est: MemoryEstimate) -> str:
         ("decode floor", f"{est.decode_floor_ms:.2f} ms/token",
          f"{tok_s:.1f} tok/s at {est.memory_bandwidth_gbs:g} GB/s"),
     ]
+    rows += [("longest context", f"{tokens} tokens", f"with a {name} KV cache")
+             for name, tokens in est.context_by_kv_dtype.items()]
     lines = [f"{est.model} on {est.target}"] + [f"  {label:18s} {value:>16s}  {note}".rstrip()
                                                 for label, value, note in rows]
     if not est.fits:

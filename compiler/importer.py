@@ -8,7 +8,7 @@ from pathlib import Path
 
 import tvm
 
-from . import validate
+from . import kv_cache_dtype, validate
 from .errors import MobilecError
 from .loaders import Checkpoint, open_checkpoint
 from .loaders.default_model import default_model_path
@@ -73,13 +73,16 @@ class ImportedModel:
 
 def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_window: int | None,
                  quant_skip: list[str] = (), quantize: bool = True,
-                 calibration: awq.Calibration | None = None, export: bool = True) -> ImportedModel:
+                 calibration: awq.Calibration | None = None, export: bool = True,
+                 kv_dtype: str = "auto") -> ImportedModel:
     """Build the nn.Module for the checkpoint's family, quantize its layers (unless told not to: `inspect`
     shows the float import first), and export it to a Relax IRModule (unless told not to: the parameters'
-    shapes and dtypes, all `estimate` needs of another scheme, come without the seconds exporting takes)."""
+    shapes and dtypes, all `estimate` needs of another scheme, come without the seconds exporting takes).
+    `kv_dtype`: a --kv-dtype name (kv_cache_dtype.py)."""
     validate.context_length(context_window)
     family = family_for(ckpt.hf_config)
-    cfg = family.config_class.from_hf(ckpt.hf_config, context_window)
+    cfg = dataclasses.replace(family.config_class.from_hf(ckpt.hf_config, context_window),
+                              kv_dtype=kv_cache_dtype.resolve(kv_dtype, spec, scheme))
     check_checkpoint_shapes(ckpt, cfg)
     model = family.model_class(cfg)
     dtype = scheme.float_dtype or spec.device["compute_dtype"]

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from . import kv_cache_dtype
 from .artifact import Artifact
 from .errors import MobilecError
 
@@ -80,16 +81,18 @@ def artifact_tied_embeddings(artifact: Artifact) -> bool:
 
 def artifact_read_bytes(artifact: Artifact, context_len: int) -> ReadBytes:
     """Bytes one decode step of `artifact` reads at `context_len` tokens of context, from params/index.json
-    (every tensor is a weight the decode step reads) and the model config (the KV cache holds the compute dtype)."""
+    (every tensor is a weight the decode step reads) and the model config (the KV cache's dtype: kv_dtype, or in
+    artifacts older than it, the compute dtype)."""
     cfg = artifact.config
     model = cfg["model"]["config"]
     tied = artifact_tied_embeddings(artifact)
+    kv_dtype = kv_cache_dtype.of_artifact(cfg)
     kv_token = kv_bytes_per_token(model["num_hidden_layers"], model["num_key_value_heads"], model["head_dim"],
-                                  model["head_dim"], np.dtype(cfg["compute_dtype"]).itemsize)
+                                  model["head_dim"], np.dtype(kv_dtype).itemsize)
     embedding_note = "tied embedding: read whole" if tied else "untied embedding: one row"
     return decode_read(((t["name"].startswith(EMBEDDING), t["nbytes"], t["shape"][0])
                         for t in artifact.index["tensors"]), tied, kv_token, context_len,
-                       f"params/index.json weights ({embedding_note}) + {cfg['compute_dtype']} KV cache of "
+                       f"params/index.json weights ({embedding_note}) + {kv_dtype} KV cache of "
                        f"{context_len} tokens")
 
 

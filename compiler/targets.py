@@ -16,6 +16,7 @@ import tvm
 from . import host, validate
 from .data_files import data_dir
 from .errors import MobilecError
+from .kv_cache_dtype import TVM_DTYPES
 from .quantization.schemes import SCHEMES
 from .schedules import gpu as gpu_schedules
 
@@ -134,7 +135,7 @@ def _check_gpu_fields(table: dict[str, Any], path: Path) -> None:
 def _check_no_unknown_fields(table: dict[str, Any], path: Path, link_method: str, rules: str) -> None:
     """A field we do not read (a typo such as `memory_bandwith_gbs`, an option of another version) is refused: a
     target file that silently means something other than it says builds the wrong library."""
-    device_fields = {*REQUIRED_DEVICE_FIELDS, "cpu", *(GPU_LIMIT_FIELDS if rules == "gpu" else ())}
+    device_fields = {*REQUIRED_DEVICE_FIELDS, "cpu", "kv_dtype", *(GPU_LIMIT_FIELDS if rules == "gpu" else ())}
     known = {"": {"name", "description", "tvm", "link", "schedule", "device"}, "tvm": {"target"},
              "link": {"method", *LINK_FIELDS.get(link_method, {})},
              "schedule": {"rules", *(gpu_schedules.PARAMETERS if rules == "gpu" else ())},
@@ -156,6 +157,8 @@ def _check_device_values(device: dict[str, Any], path: Path) -> None:
     """The [device] values that are names (a quantization scheme, a dtype) or bounded by one another."""
     validate.choice(device["default_quant"], tuple(SCHEMES), f"target file {path}: field 'device.default_quant'")
     validate.compute_dtype(device["compute_dtype"], f"target file {path}: field 'device.compute_dtype'")
+    if "kv_dtype" in device:  # what compile --kv-dtype auto picks (kv_cache_dtype.py)
+        validate.choice(device["kv_dtype"], tuple(TVM_DTYPES), f"target file {path}: field 'device.kv_dtype'")
     if device["max_alloc_gb"] > device["ram_gb"]:
         raise MobilecError(f"target file {path}: field 'device.max_alloc_gb' ({device['max_alloc_gb']:g}) is more "
                            f"than 'device.ram_gb' ({device['ram_gb']:g}); one buffer cannot exceed the RAM")

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow  # compiles SmolLM2: ~6 minutes
 LLAMA_7B_CONFIG = Path(__file__).parent / "data" / "llama-2-7b-config.json"
 JSON_KEYS = {"weights_bytes", "kv_cache_bytes", "activation_bytes", "margin_bytes", "total_bytes", "ram_bytes", "fits",
              "largest_buffer_bytes", "largest_buffer_name", "max_alloc_bytes", "bytes_per_token", "decode_floor_ms",
-             "memory_bandwidth_gbs", "context"}
+             "memory_bandwidth_gbs", "context", "kv_dtype", "context_by_kv_dtype"}
 
 
 def _run(args):
@@ -103,8 +103,8 @@ def test_llama_7b_int4_fits_12_gb_phones(llama_7b_adreno, llama_7b_dir):
                                                                   llama_7b_adreno["kv_cache_bytes"] +
                                                                   llama_7b_adreno["activation_bytes"]), abs=1)
     arm64 = _estimate_json("--model", str(llama_7b_dir), "--target", "android-arm64", "--quant", "q4f16_g32",
-                           "--context-window", "4096")
-    # the ARM CPU keeps its KV cache in float32: twice the bytes, still within 12 GiB
+                           "--context-window", "4096", "--kv-dtype", "f32")
+    # a float32 KV cache on the ARM CPU: twice the bytes, still within 12 GiB
     assert arm64["kv_cache_bytes"] == 2 * llama_7b_adreno["kv_cache_bytes"] and arm64["fits"]
 
 
@@ -115,10 +115,12 @@ def test_llama_7b_float32_does_not_fit_and_names_what_would():
     assert est.fitting_context is None  # the float32 weights alone are over 12 GiB
 
 
-def test_llama_7b_long_context_names_a_shorter_one(llama_7b_dir):
-    est = estimate_memory(EstimateOptions(str(llama_7b_dir), "android-arm64", "q4f16_g32", 32768))
+@pytest.mark.parametrize("kv_dtype,fitting", [("f32", 4096), ("f16", 8192)])
+def test_llama_7b_long_context_names_a_shorter_one(llama_7b_dir, kv_dtype, fitting):
+    est = estimate_memory(EstimateOptions(str(llama_7b_dir), "android-arm64", "q4f16_g32", 32768, kv_dtype=kv_dtype))
     assert not est.fits
-    assert est.fitting_context == 4096  # 8192 tokens of float32 KV cache are 8 GiB on top of 3.6 GiB of weights
+    # 8192 tokens of float32 KV cache are 8 GiB on top of 3.6 GiB of weights; of float16, 4 GiB
+    assert est.fitting_context == fitting
 
 
 # ---------------------------------------------------------------- (c) compile refuses what does not fit

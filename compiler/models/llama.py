@@ -34,6 +34,7 @@ class LlamaConfig:
     attention_out_bias: bool = False  # bias on o_proj
     context_window_size: int = 2048
     prefill_chunk_size: int = 2048
+    kv_dtype: str | None = None  # the KV cache's storage (kv_cache_dtype.py); None: the activations' dtype
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], context_window: int | None = None) -> "LlamaConfig":
@@ -223,6 +224,7 @@ class LlamaAttention(nn.Module):
         self.num_q_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
+        self.kv_dtype = cfg.kv_dtype
         qkv_rows = (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_rows, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.num_q_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
@@ -230,9 +232,15 @@ class LlamaAttention(nn.Module):
     def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
         b, s, _ = x.shape
         qkv = op.reshape(self.qkv_proj(x), (b, s, self.num_q_heads + 2 * self.num_kv_heads, self.head_dim))
+        dtype = qkv.dtype
+        # TVM's paged cache takes q/k/v in the dtype it stores (kv_cache_dtype.py)
+        if self.kv_dtype not in (None, dtype):
+            qkv = qkv.astype(self.kv_dtype)
         out = kv_cache.attention_with_fused_qkv(
             layer_id, qkv, self.num_q_heads, sm_scale=1.0 / math.sqrt(self.head_dim)
         )
+        if out.dtype != dtype:
+            out = out.astype(dtype)
         return self.o_proj(op.reshape(out, (b, s, self.num_q_heads * self.head_dim)))
 
 
@@ -338,7 +346,7 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
             rope_ext_factors=relax.prim_value(0),
             rotary_dim=cfg.head_dim,
             enable_disaggregation=False,
-            dtype=self.dtype,
+            dtype=cfg.kv_dtype or self.dtype,
             target=Target.current(),
         )
 

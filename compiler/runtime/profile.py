@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import validate
+from .. import kv_cache_dtype, validate
 from ..artifact import load_artifact
 from ..call_sites import ATTENTION_BUILTIN, stored_call_sites
 from ..errors import MobilecError
@@ -215,7 +215,7 @@ def profile_decode_step(session: Session, context_len: int, steps: int = DEFAULT
     builtin_calls = 0
     model = artifact.config["model"]["config"]
     kv_layer_token = (2 * model["num_key_value_heads"] * model["head_dim"]
-                      * np.dtype(artifact.config["compute_dtype"]).itemsize)
+                      * np.dtype(kv_cache_dtype.of_artifact(artifact.config)).itemsize)
     for step, position in zip(recorded, positions, strict=True):
         seconds_of: dict[tuple[str, str, str], float] = {}
         builtin_calls = 0

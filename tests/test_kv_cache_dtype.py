@@ -1,0 +1,182 @@
+"""--kv-dtype: what `auto` picks per target and scheme, the refusals, the cache's dtype in the exported IR, the
+estimate's KV bytes and longest context per KV dtype, and a tiny model decoding with a float16 cache against
+transformers."""
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+import tvm
+from tvm import relax
+
+from compiler.artifact import CONFIG_FILE, load_artifact
+from compiler.cli import main
+from compiler.compile_model import CompileOptions, compile_model
+from compiler.estimate import GIB, EstimateOptions, estimate_memory
+from compiler.importer import import_model, open_model
+from compiler.kv_cache_dtype import resolve
+from compiler.quantization.schemes import get_scheme
+from compiler.runtime.session import Session
+from compiler.targets import TARGETS_DIR, available_targets, load_target, with_overrides
+from tests.helpers.assertions import assert_mobilec_error
+from tests.helpers.reference import reference_greedy
+from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
+
+PROMPT = [3, 7, 1, 4, 4, 9, 2, 5, 6, 8, 10]
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny") / "hf"
+    save_compilable_checkpoint(build_model("llama_gqa"), d)
+    return d
+
+
+# ---------------------------------------------------------------- what auto picks, and what is refused
+
+
+@pytest.mark.parametrize("target", sorted(available_targets()))
+def test_auto_is_float16_for_quantized_models_on_every_target(target):
+    assert resolve("auto", load_target(target), get_scheme("q4f16_g32")) == "float16"
+
+
+def test_auto_keeps_float32_for_the_unquantized_reference_and_float32_gpus():
+    host = load_target("host")
+    assert resolve("auto", host, get_scheme("q0f32")) == "float32"
+    assert resolve("f16", host, get_scheme("q0f32")) == "float16"  # asked for: given
+    pocl = with_overrides(load_target("android-mali"), "host", "float32")
+    assert resolve("auto", pocl, get_scheme("q4f16_g32")) == "float32"
+    assert_mobilec_error(lambda: resolve("f16", pocl, get_scheme("q4f16_g32")), "--kv-dtype f16", "float32",
+                         "--kv-dtype f32")
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_integer_caches_are_refused_in_one_line_before_any_work(name, tiny_hf, tmp_path):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["compile", "--model", str(tiny_hf), "--quant", "q4f16_g32", "--kv-dtype", name,
+                                       "-o", str(out)])
+    assert result.exit_code == 2, result.output
+    message = result.stderr.strip()
+    assert len(message.splitlines()) == 1 and f"--kv-dtype {name}" in message and "not implemented" in message
+    assert not out.exists()
+
+
+def test_a_target_file_sets_what_auto_picks(tmp_path):
+    text = (TARGETS_DIR / "host.toml").read_text().replace('name = "host"', 'name = "f32-cache"')
+    good = tmp_path / "f32-cache.toml"
+    good.write_text(text.replace("[device]\n", '[device]\nkv_dtype = "f32"\n'))
+    assert resolve("auto", load_target(str(good)), get_scheme("q4f16_g32")) == "float32"
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace("[device]\n", '[device]\nkv_dtype = "int8"\n'))
+    assert_mobilec_error(lambda: load_target(str(bad)), "device.kv_dtype", "'int8'", "f16")
+
+
+# ---------------------------------------------------------------- the exported IR
+
+
+def _kv_cache_dtype_and_casts(model_dir, kv_dtype: str) -> tuple[str, list[str]]:
+    """The dtype the exported module creates its KV cache with, and the dtypes decode casts to."""
+    with open_model(str(model_dir)) as ckpt:
+        mod = import_model(ckpt, get_scheme("q4f16_g32"), load_target("host"), 64, kv_dtype=kv_dtype).mod
+    zeros, casts = [], []
+
+    def visit(expr, into):
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+            if expr.op.name == "relax.zeros":
+                zeros.append(str(expr.attrs.dtype))
+            elif expr.op.name == "relax.astype" and into is casts:
+                casts.append(str(expr.attrs.dtype))
+
+    relax.analysis.post_order_visit(mod["create_tir_paged_kv_cache"], lambda e: visit(e, zeros))
+    relax.analysis.post_order_visit(mod["decode"], lambda e: visit(e, casts))
+    assert len(zeros) == 1, zeros  # the value the runtime allocates pages like
+    return zeros[0], casts
+
+
+def test_a_float16_cache_is_created_and_fed_float16(tiny_hf):
+    layers = build_model("llama_gqa").config.num_hidden_layers
+    dtype, casts = _kv_cache_dtype_and_casts(tiny_hf, "f16")
+    assert dtype == "float16"
+    # per layer: q/k/v to float16 before attention, its output back to float32
+    assert sorted(casts) == sorted(["float16", "float32"] * layers)
+    dtype, casts = _kv_cache_dtype_and_casts(tiny_hf, "f32")  # negative control: no cast
+    assert dtype == "float32" and casts == []
+
+
+# ---------------------------------------------------------------- the estimate
+
+
+def test_estimate_counts_kv_bytes_by_dtype(tiny_hf):
+    f32, f16 = (estimate_memory(EstimateOptions(str(tiny_hf), "host", "q4f16_g32", 256, kv_dtype=name))
+                for name in ("f32", "f16"))
+    assert (f32.kv_dtype, f16.kv_dtype) == ("float32", "float16")
+    assert f32.kv_cache_bytes == 2 * f16.kv_cache_bytes and f32.weights_bytes == f16.weights_bytes
+    assert f32.bytes_per_token - f16.bytes_per_token == f16.kv_cache_bytes * 256 // (256 + 16)
+    assert f32.to_json()["kv_dtype"] == "float32"
+
+
+@pytest.mark.parametrize("kv_dtype", ["f16", "f32"])
+def test_estimate_names_the_longest_context_per_kv_dtype(kv_dtype, tmp_path):
+    """The context it names for the estimated KV dtype fits and one page more does not; for the other dtype (whose
+    activations are bounded, not planned) it fits and is within 5% of the exact one (bounded: the casts of a prefill chunk). A 64 MiB device, so that the
+    model's window is not the limit."""
+    config = {**build_model("llama_gqa").config.to_dict(), "max_position_embeddings": 1 << 22, "num_hidden_layers": 8,
+              "num_key_value_heads": 4, "num_attention_heads": 4}
+    text = (TARGETS_DIR / "host.toml").read_text().replace('name = "host"', 'name = "small"')
+    for field in ("ram_gb", "max_alloc_gb"):
+        text = text.replace(f'{field} = "detect"', f"{field} = 0.0625")
+    target = tmp_path / "small.toml"
+    target.write_text(text)
+
+    def estimate(context, name):
+        return estimate_memory(EstimateOptions(config, str(target), "q4f16_g32", context, kv_dtype=name))
+
+    longest = estimate(4096, kv_dtype).context_by_kv_dtype
+    assert set(longest) == {"f32", "f16"} and longest["f16"] > 1.9 * longest["f32"] > 4096
+    own = longest[kv_dtype]
+    assert estimate(own, kv_dtype).fits and not estimate(own + 16, kv_dtype).fits
+    other = "f32" if kv_dtype == "f16" else "f16"
+    exact = estimate(longest[other], other).context_by_kv_dtype[other]
+    assert estimate(longest[other], other).fits and exact * 0.95 <= longest[other] <= exact
+    assert estimate(4096, kv_dtype).ram_bytes == GIB // 16
+
+
+def test_estimate_cli_takes_kv_dtype(tiny_hf):
+    result = CliRunner().invoke(main, ["estimate", "--model", str(tiny_hf), "--quant", "q4f16_g32",
+                                       "--context-window", "64", "--kv-dtype", "f32", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["kv_dtype"] == "float32"
+    table = CliRunner().invoke(main, ["estimate", "--model", str(tiny_hf), "--quant", "q4f16_g32"]).stdout
+    assert "float16, pages of 16 tokens" in table and "with a f32 KV cache" in table, table
+
+
+# ---------------------------------------------------------------- a float16 cache, compiled and run
+
+
+def _rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+@pytest.mark.slow  # two compiles of a tiny model and transformers: ~1 minute
+def test_float16_cache_decodes_like_transformers(tmp_path_factory):
+    model = build_model("llama_gqa")
+    root = tmp_path_factory.mktemp("kv16")
+    save_compilable_checkpoint(model, root / "hf")
+    sessions = {}
+    for name in ("f16", "f32"):
+        compile_model(CompileOptions(str(root / "hf"), "host", "q0f32", str(root / name), context_window=64,
+                                     progress=False, kv_dtype=name))
+        assert json.loads((root / name / CONFIG_FILE).read_text())["kv_dtype"] == {"f16": "float16",
+                                                                                   "f32": "float32"}[name]
+        sessions[name] = Session(load_artifact(root / name))
+    ref_tokens, ref_prefill, ref_decode = reference_greedy(model, PROMPT, 9)
+    errors, logits = {}, {}
+    for name, session in sessions.items():
+        session.reset()
+        logits[name] = [session.prefill_all_logits(PROMPT)]
+        logits[name] += [session.decode(token) for token in ref_tokens[:-1]]
+        errors[name] = [_rel_err(got, want) for got, want in zip(logits[name], [ref_prefill, *ref_decode])]
+    assert max(errors["f32"]) < 1e-3 and max(errors["f16"]) < 5e-3, errors
+    # negative control: the float16 cache is really used, its rounding of K and V shows in the logits
+    assert max(_rel_err(a, b) for a, b in zip(logits["f16"], logits["f32"])) > 1e-5

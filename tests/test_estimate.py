@@ -66,10 +66,11 @@ def smollm2_q4f16_g32(tmp_path_factory, smollm2_gguf) -> Path:
 def test_smollm2_weights_match_the_compiled_params(request, smollm2_gguf, artifact_fixture, quant):
     artifact = load_artifact(request.getfixturevalue(artifact_fixture), verify_checksums=False)
     stored = sum(t["nbytes"] for t in artifact.index["tensors"])
-    est = estimate_memory(EstimateOptions(str(smollm2_gguf), "host", quant, 512))
+    kv_dtype = {"float32": "f32", "float16": "f16"}[artifact.config["kv_dtype"]]
+    est = estimate_memory(EstimateOptions(str(smollm2_gguf), "host", quant, 512, kv_dtype=kv_dtype))
     assert abs(est.weights_bytes - stored) <= 0.01 * stored
     # SmolLM2 ties its embeddings: the table is the output layer, read in full per token.
-    kv_read = 30 * 2 * 3 * 64 * 512 * 4
+    kv_read = 30 * 2 * 3 * 64 * 512 * {"f32": 4, "f16": 2}[kv_dtype]
     assert est.bytes_per_token == est.weights_bytes + kv_read
     # compile checked and stored the same estimate, for `bench` to read
     assert artifact.config["memory_estimate"] == est.to_json()

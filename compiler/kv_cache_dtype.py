@@ -51,7 +51,7 @@ def resolve(name: str, spec: TargetSpec, scheme: Scheme) -> str:
             return "float32"
         name = spec.device.get("kv_dtype", AUTO)
     dtype = TVM_DTYPES[name]
-    if dtype == INT8 and (gpu or cpu_isa(spec.tvm_target()) is None):
+    if name not in names_for(spec):
         raise MobilecError(f"--kv-dtype int8 on {spec.name}: not implemented on GPU yet (CPU targets only); use f16")
     if gpu and dtype == "float16" and compute == "float32":
         raise MobilecError(f"--kv-dtype f16 on {spec.name} computing in float32: its attention kernels would compute "
@@ -115,11 +115,30 @@ def bytes_per_token_layer(dtype: str, kv_heads: int, head_dim: int) -> int:
 
 
 def scratch_bytes_per_token(dtype: str, heads: int, kv_heads: int, head_dim: int) -> int:
-    """Bytes of the cache's q, k, v and output scratch per token of a prefill chunk, as the runtime allocates them."""
+    """Bytes of the cache's attention scratch per token of a prefill chunk, as the runtime allocates them: q, k, v
+    and output in the cache's (declared) dtype, and two float32 log-sum-exp arrays."""
     if dtype == INT8:
         carrier = Int8Carrier(heads, kv_heads, head_dim)
-        return (2 * carrier.declared_heads + 2 * carrier.declared_kv_heads) * carrier.cell * 4
+        return (2 * carrier.declared_heads + 2 * carrier.declared_kv_heads) * carrier.cell * 4 \
+            + 2 * carrier.declared_heads * 4
+    return (2 * heads + 2 * kv_heads) * head_dim * tvm.DataType(dtype).bits // 8 + 2 * heads * 4
+
+
+def conversion_bytes_per_token(dtype: str, activations: str, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Bytes per prefill token of what a cache in `dtype` adds to the activations: the q/k/v and output cast to a
+    float dtype other than the activations', or (int8) the real output copied out of the carrier's rows."""
+    if dtype == INT8:
+        return heads * head_dim * 4
+    if dtype == activations:
+        return 0
     return (2 * heads + 2 * kv_heads) * head_dim * tvm.DataType(dtype).bits // 8
+
+
+def names_for(spec: TargetSpec) -> list[str]:
+    """The --kv-dtype names (not auto) `spec` takes."""
+    gpu = spec.schedule["rules"] == "gpu"
+    return [name for name, dtype in TVM_DTYPES.items()
+            if dtype != INT8 or not (gpu or cpu_isa(spec.tvm_target()) is None)]
 
 
 def of_artifact(config: dict) -> str:

@@ -52,7 +52,8 @@ def resolve(name: str, spec: TargetSpec, scheme: Scheme) -> str:
         name = spec.device.get("kv_dtype", AUTO)
     dtype = TVM_DTYPES[name]
     if name not in names_for(spec):
-        raise MobilecError(f"--kv-dtype int8 on {spec.name}: not implemented on GPU yet (CPU targets only); use f16")
+        raise MobilecError(f"--kv-dtype int8 on {spec.name}: not implemented on GPU yet (its kernels are for LLVM "
+                           f"CPU targets only); use f16")
     if gpu and dtype == "float16" and compute == "float32":
         raise MobilecError(f"--kv-dtype f16 on {spec.name} computing in float32: its attention kernels would compute "
                            f"in float16, which the device lacks (--compute-dtype float32); use --kv-dtype f32")

@@ -349,8 +349,8 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
         q_rope_position_elem_offset = T.int32()
         length_info_elem_offset = T.int32()
 
-        Q_decl = T.match_buffer(Q_handle, (B, H_qo_decl, D_decl), fdtype)
-        pages_f = T.match_buffer(pages_handle, (max_num_pages, 2, H_kv_decl, P, D_decl), fdtype)
+        Q = T.match_buffer(Q_handle, (B, H_qo_decl, D_decl), fdtype)
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, H_kv_decl, P, D_decl), fdtype)
         page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32",
                                            elem_offset=page_indptr_elem_offset)
         page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32",
@@ -358,15 +358,15 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
         k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32",
                                            elem_offset=k_rope_pos_offset_elem_offset)
         q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_position_elem_offset)
-        output_decl = T.match_buffer(output_handle, (B, H_qo_decl, D_decl), fdtype)
+        output = T.match_buffer(output_handle, (B, H_qo_decl, D_decl), fdtype)
         lse = T.match_buffer(lse_handle, (B, H_qo_decl), "float32")
         length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=length_info_elem_offset)
 
         with T.sblock("root"):
             # the KV layout's views (AttentionShape): the buffers themselves for a float cache
-            Q = T.decl_buffer((B, H_qo, D), fdtype, data=Q_decl.data, strides=(H_qo_decl * D_decl, D, 1))
-            output = T.decl_buffer((B, H_qo, D), fdtype, data=output_decl.data, strides=(H_qo_decl * D_decl, D, 1))
-            pages = T.decl_buffer((max_num_pages, 2, H_kv_decl, P, D), dtype, data=pages_f.data)
+            Q_rows = T.decl_buffer((B, H_qo, D), fdtype, data=Q.data, strides=(H_qo_decl * D_decl, D, 1))
+            output_rows = T.decl_buffer((B, H_qo, D), fdtype, data=output.data, strides=(H_qo_decl * D_decl, D, 1))
+            codes = T.decl_buffer((max_num_pages, 2, H_kv_decl, P, D), dtype, data=pages.data)
             # each sequence's pages in chunks of at most CH (fewer pages each for a short sequence, so that there
             # are MIN_DECODE_TASKS of them): the chunks run in parallel, each keeps an unnormalized state (sum of
             # p * V, running max, sum of p) per query head, merged at the end
@@ -384,12 +384,12 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
             if rotary_mode == 1:
                 # TVM's RoPE expression binds a float Let, which the parallel closure's codegen rejects
                 for task in range(B * n_chunks):
-                    chunk_task(task, n_chunks, per_chunk, inline_rope, Q, pages, pages_f, page_table_indptr,
+                    chunk_task(task, n_chunks, per_chunk, inline_rope, Q_rows, codes, pages, page_table_indptr,
                                page_table_values, length_info, k_rope_pos_offset, q_rope_position, part_acc,
                                part_max, part_sum, rope_scale, rope_theta, sm_scale)
             else:
                 for task in T.parallel(B * n_chunks):
-                    chunk_task(task, n_chunks, per_chunk, False, Q, pages, pages_f, page_table_indptr,
+                    chunk_task(task, n_chunks, per_chunk, False, Q_rows, codes, pages, page_table_indptr,
                                page_table_values, length_info, k_rope_pos_offset, q_rope_position, part_acc,
                                part_max, part_sum, rope_scale, rope_theta, sm_scale)
             for b in range(B):
@@ -413,7 +413,7 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
                     else:
                         lse[b, hq] = T.float32(NO_SCORE)
                     for d in T.unroll(DC):
-                        output[b, hq, vec(d * VL)] = T.Cast(_vec(fdtype, VL), out_row[vec(d * VL)])
+                        output_rows[b, hq, vec(d * VL)] = T.Cast(_vec(fdtype, VL), out_row[vec(d * VL)])
 
     return batch_decode_paged_kv.with_attr("global_symbol", DECODE_SYMBOL)
 
@@ -596,33 +596,35 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, rope_scaling: di
         q_rope_position_elem_offset = T.int32()
         k_rope_pos_offset_elem_offset = T.int32()
 
-        q_decl = T.match_buffer(var_q, (qo_len, H_qo_decl, D_decl), fdtype)
+        q = T.match_buffer(var_q, (qo_len, H_qo_decl, D_decl), fdtype)
         q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        k_f = T.match_buffer(var_k, (kv_len, H_kv_decl, D_decl), fdtype)
-        v_f = T.match_buffer(var_v, (kv_len, H_kv_decl, D_decl), fdtype)
+        k = T.match_buffer(var_k, (kv_len, H_kv_decl, D_decl), fdtype)
+        v = T.match_buffer(var_v, (kv_len, H_kv_decl, D_decl), fdtype)
         kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32",
                                          elem_offset=q_rope_position_elem_offset)
         k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
                                            elem_offset=k_rope_pos_offset_elem_offset)
-        output_decl = T.match_buffer(var_output, (qo_len, H_qo_decl, D_decl), fdtype)
+        output = T.match_buffer(var_output, (qo_len, H_qo_decl, D_decl), fdtype)
         lse = T.match_buffer(var_lse, (qo_len, H_qo_decl), "float32")
 
         with T.sblock("root"):
             # the KV layout's views (AttentionShape): the buffers themselves for a float cache
-            q = T.decl_buffer((qo_len, H_qo, D), fdtype, data=q_decl.data, strides=(H_qo_decl * D_decl, D, 1))
-            output = T.decl_buffer((qo_len, H_qo, D), fdtype, data=output_decl.data,
-                                   strides=(H_qo_decl * D_decl, D, 1))
-            k = T.decl_buffer((kv_len, H_kv_decl, D), dtype, data=k_f.data)
-            v = T.decl_buffer((kv_len, H_kv_decl, D), dtype, data=v_f.data)
+            q_rows = T.decl_buffer((qo_len, H_qo, D), fdtype, data=q.data, strides=(H_qo_decl * D_decl, D, 1))
+            output_rows = T.decl_buffer((qo_len, H_qo, D), fdtype, data=output.data,
+                                        strides=(H_qo_decl * D_decl, D, 1))
+            k_codes = T.decl_buffer((kv_len, H_kv_decl, D), dtype, data=k.data)
+            v_codes = T.decl_buffer((kv_len, H_kv_decl, D), dtype, data=v.data)
             if rotary_mode == 1:
                 for t in range(qo_len):  # serial: TVM's RoPE expression breaks the parallel closure's codegen
-                    query_row(t, inline_rope, q, q_indptr, k, v, k_f, v_f, kv_indptr, None, None, q_rope_position,
-                              k_rope_pos_offset, output, lse, batch_size, causal, rope_scale, rope_theta, sm_scale)
+                    query_row(t, inline_rope, q_rows, q_indptr, k_codes, v_codes, k, v, kv_indptr, None, None,
+                              q_rope_position, k_rope_pos_offset, output_rows, lse, batch_size, causal, rope_scale,
+                              rope_theta, sm_scale)
             else:
                 for t in T.parallel(qo_len):
-                    query_row(t, False, q, q_indptr, k, v, k_f, v_f, kv_indptr, None, None, q_rope_position,
-                              k_rope_pos_offset, output, lse, batch_size, causal, rope_scale, rope_theta, sm_scale)
+                    query_row(t, False, q_rows, q_indptr, k_codes, v_codes, k, v, kv_indptr, None, None,
+                              q_rope_position, k_rope_pos_offset, output_rows, lse, batch_size, causal, rope_scale,
+                              rope_theta, sm_scale)
 
     return batch_prefill_ragged_kv.with_attr("global_symbol", RAGGED_SYMBOL)
 
@@ -669,34 +671,34 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, rope_scaling: dic
         q_rope_position_elem_offset = T.int32()
         length_info_elem_offset = T.int32()
 
-        q_decl = T.match_buffer(var_q, (total_len, H_qo_decl, D_decl), fdtype)
+        q = T.match_buffer(var_q, (total_len, H_qo_decl, D_decl), fdtype)
         q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        pages_f = T.match_buffer(var_pages, (max_num_pages, 2, H_kv_decl, P, D_decl), fdtype)
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, H_kv_decl, P, D_decl), fdtype)
         page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_elem_offset)
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
         k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
                                            elem_offset=k_rope_pos_offset_elem_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32",
                                          elem_offset=q_rope_position_elem_offset)
-        output_decl = T.match_buffer(var_output, (total_len, H_qo_decl, D_decl), fdtype)
+        output = T.match_buffer(var_output, (total_len, H_qo_decl, D_decl), fdtype)
         lse = T.match_buffer(var_lse, (total_len, H_qo_decl), "float32")
         length_info = T.match_buffer(var_length_info, (batch_size,), "int32", elem_offset=length_info_elem_offset)
 
         with T.sblock("root"):
             # the KV layout's views (AttentionShape): the buffers themselves for a float cache
-            q = T.decl_buffer((total_len, H_qo, D), fdtype, data=q_decl.data, strides=(H_qo_decl * D_decl, D, 1))
-            output = T.decl_buffer((total_len, H_qo, D), fdtype, data=output_decl.data,
-                                   strides=(H_qo_decl * D_decl, D, 1))
-            pages = T.decl_buffer((max_num_pages, 2, H_kv_decl, P, D), dtype, data=pages_f.data)
+            q_rows = T.decl_buffer((total_len, H_qo, D), fdtype, data=q.data, strides=(H_qo_decl * D_decl, D, 1))
+            output_rows = T.decl_buffer((total_len, H_qo, D), fdtype, data=output.data,
+                                        strides=(H_qo_decl * D_decl, D, 1))
+            codes = T.decl_buffer((max_num_pages, 2, H_kv_decl, P, D), dtype, data=pages.data)
             if rotary_mode == 1:
                 for t in range(total_len):  # serial: TVM's RoPE expression breaks the parallel closure's codegen
-                    query_row(t, inline_rope, q, q_indptr, pages, pages, pages_f, pages_f, page_indptr, page_values,
-                              length_info, q_rope_position, k_rope_pos_offset, output, lse, batch_size, causal,
+                    query_row(t, inline_rope, q_rows, q_indptr, codes, codes, pages, pages, page_indptr, page_values,
+                              length_info, q_rope_position, k_rope_pos_offset, output_rows, lse, batch_size, causal,
                               rope_scale, rope_theta, sm_scale)
             else:
                 for t in T.parallel(total_len):
-                    query_row(t, False, q, q_indptr, pages, pages, pages_f, pages_f, page_indptr, page_values,
-                              length_info, q_rope_position, k_rope_pos_offset, output, lse, batch_size, causal,
+                    query_row(t, False, q_rows, q_indptr, codes, codes, pages, pages, page_indptr, page_values,
+                              length_info, q_rope_position, k_rope_pos_offset, output_rows, lse, batch_size, causal,
                               rope_scale, rope_theta, sm_scale)
 
     return batch_prefill_paged_kv_cpu.with_attr("global_symbol", PAGED_PREFILL_SYMBOL)
@@ -733,16 +735,16 @@ def int8_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale: floa
         T.func_attr({"op_pattern": 8, "tirx.noalias": True, "tirx.is_scheduled": True})
         seq_len = T.int32()
         position_map_elem_offset = T.int32()
-        qkv_decl = T.match_buffer(var_qkv, (seq_len, H_qo_decl + 2 * H_kv_decl, D_decl), "float32")
-        q_decl = T.match_buffer(var_q, (seq_len, H_qo_decl, D_decl), "float32")
-        k_f = T.match_buffer(var_k, (seq_len, H_kv_decl, D_decl), "float32")
-        v_f = T.match_buffer(var_v, (seq_len, H_kv_decl, D_decl), "float32")
+        qkv = T.match_buffer(var_qkv, (seq_len, H_qo_decl + 2 * H_kv_decl, D_decl), "float32")
+        q = T.match_buffer(var_q, (seq_len, H_qo_decl, D_decl), "float32")
+        k = T.match_buffer(var_k, (seq_len, H_kv_decl, D_decl), "float32")
+        v = T.match_buffer(var_v, (seq_len, H_kv_decl, D_decl), "float32")
         position_map = T.match_buffer(var_position_map, (seq_len,), "int32", elem_offset=position_map_elem_offset)
         with T.sblock("root"):
-            qkv = T.decl_buffer((seq_len, H_qo + 2 * H_kv, D), "float32", data=qkv_decl.data)
-            q = T.decl_buffer((seq_len, H_qo, D), "float32", data=q_decl.data, strides=(H_qo_decl * D_decl, D, 1))
-            k = T.decl_buffer((seq_len, H_kv_decl, D), "int8", data=k_f.data)
-            v = T.decl_buffer((seq_len, H_kv_decl, D), "int8", data=v_f.data)
+            qkv_rows = T.decl_buffer((seq_len, H_qo + 2 * H_kv, D), "float32", data=qkv.data)
+            q_rows = T.decl_buffer((seq_len, H_qo, D), "float32", data=q.data, strides=(H_qo_decl * D_decl, D, 1))
+            k_codes = T.decl_buffer((seq_len, H_kv_decl, D), "int8", data=k.data)
+            v_codes = T.decl_buffer((seq_len, H_kv_decl, D), "int8", data=v.data)
             for s in T.parallel(seq_len):
                 cos = T.alloc_buffer((HALF,), "float32")
                 sin = T.alloc_buffer((HALF,), "float32")
@@ -757,20 +759,20 @@ def int8_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale: floa
                 for h in range(H_qo + H_kv):  # q and k heads: RoPE
                     if apply_rope > 0:
                         for i in range(HALF):
-                            row[i] = cos[i] * qkv[s, h, i] - sin[i] * qkv[s, h, i + HALF]
-                            row[i + HALF] = cos[i] * qkv[s, h, i + HALF] + sin[i] * qkv[s, h, i]
+                            row[i] = cos[i] * qkv_rows[s, h, i] - sin[i] * qkv_rows[s, h, i + HALF]
+                            row[i + HALF] = cos[i] * qkv_rows[s, h, i + HALF] + sin[i] * qkv_rows[s, h, i]
                     else:
                         for d in range(D):
-                            row[d] = qkv[s, h, d]
+                            row[d] = qkv_rows[s, h, d]
                     if h < H_qo:
                         for d in range(D):
-                            q[s, h, d] = row[d]
+                            q_rows[s, h, d] = row[d]
                     else:
-                        quantize(row, k, k_f, s, h - H_qo, amax)
+                        quantize(row, k_codes, k, s, h - H_qo, amax)
                 for h in range(H_kv):
                     for d in range(D):
-                        row[d] = qkv[s, H_qo + H_kv + h, d]
-                    quantize(row, v, v_f, s, h, amax)
+                        row[d] = qkv_rows[s, H_qo + H_kv + h, d]
+                    quantize(row, v_codes, v, s, h, amax)
 
     return fused_rope.with_attr("global_symbol", SPLIT_ROTARY_SYMBOL)
 
@@ -789,14 +791,14 @@ def int8_merge_state(shape: AttentionShape) -> tirx.PrimFunc:
     def merge_state_inplace_cpu(v: T.handle, s: T.handle, v_other: T.handle, s_other: T.handle):
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
         N = T.int32()
-        V_decl = T.match_buffer(v, (N, H_qo_decl, D_decl), "float32")
+        V = T.match_buffer(v, (N, H_qo_decl, D_decl), "float32")
         S = T.match_buffer(s, (N, H_qo_decl), "float32")
-        V_other_decl = T.match_buffer(v_other, (N, H_qo_decl, D_decl), "float32")
+        V_other = T.match_buffer(v_other, (N, H_qo_decl, D_decl), "float32")
         S_other = T.match_buffer(s_other, (N, H_qo_decl), "float32")
         with T.sblock("root"):
-            V = T.decl_buffer((N, H_qo, D), "float32", data=V_decl.data, strides=(H_qo_decl * D_decl, D, 1))
-            V_other = T.decl_buffer((N, H_qo, D), "float32", data=V_other_decl.data,
-                                    strides=(H_qo_decl * D_decl, D, 1))
+            V_rows = T.decl_buffer((N, H_qo, D), "float32", data=V.data, strides=(H_qo_decl * D_decl, D, 1))
+            V_other_rows = T.decl_buffer((N, H_qo, D), "float32", data=V_other.data,
+                                         strides=(H_qo_decl * D_decl, D, 1))
             for n in T.parallel(N):
                 # s_max, then the two weights: through buffers (no float Let inside a parallel loop)
                 state = T.alloc_buffer((3,), "float32")
@@ -805,7 +807,8 @@ def int8_merge_state(shape: AttentionShape) -> tirx.PrimFunc:
                     state[1] = T.exp2(S[n, h] - state[0])
                     state[2] = T.exp2(S_other[n, h] - state[0])
                     for d in range(D):
-                        V[n, h, d] = (V[n, h, d] * state[1] + V_other[n, h, d] * state[2]) / (state[1] + state[2])
+                        V_rows[n, h, d] = (V_rows[n, h, d] * state[1] + V_other_rows[n, h, d] * state[2]) / (
+                            state[1] + state[2])
                     S[n, h] = T.log2(state[1] + state[2]) + state[0]
 
     return merge_state_inplace_cpu.with_attr("global_symbol", MERGE_SYMBOL)

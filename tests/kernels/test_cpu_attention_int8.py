@@ -3,7 +3,7 @@ paged prefill, split + RoPE + quantize, merge of attention states, each on buffe
 allocates the float32 carrier, against numpy: K/V quantized the same way (scale = max|x| / 127 per token and KV
 head), attention over the dequantized values (test_cpu_attention.py's references). SmolLM2's geometry (9 query
 heads, 3 KV heads, head_dim 64: GQA group 3), contexts on and off page boundaries; negative control: a wrong
-stored scale is caught."""
+stored scale is caught. ReplaceCPUAttention on a tiny model's int8 module."""
 
 import functools
 
@@ -12,7 +12,13 @@ import pytest
 import tvm
 from tvm.relax.frontend.nn.llm.position_embedding import llama_rope_with_position_map
 
+from compiler.errors import MobilecError
 from compiler.kernels.cpu_attention import (
+    DECODE_SYMBOL,
+    MERGE_SYMBOL,
+    PAGED_PREFILL_SYMBOL,
+    RAGGED_SYMBOL,
+    SPLIT_ROTARY_SYMBOL,
     AttentionShape,
     attention_decode,
     attention_prefill_paged,
@@ -21,7 +27,8 @@ from compiler.kernels.cpu_attention import (
     int8_split_rotary,
     vector_lanes,
 )
-from compiler.kv_cache_dtype import Int8Carrier
+from compiler.kv_cache_dtype import KV_FORMAT_ATTR, Int8Carrier
+from compiler.passes.replace_cpu_attention import ReplaceCPUAttention
 from tests.kernels.test_cpu_attention import (
     PAGE,
     ROPE_SCALE,
@@ -234,3 +241,59 @@ def test_merge_state_merges_the_real_heads():
     want = (v1 * a[..., None] + v2 * b[..., None]) / (a + b)[..., None]
     np.testing.assert_allclose(from_q_carrier(v.numpy()), want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(s.numpy()[:, :H_QO], np.log2(a + b), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The pass, on a tiny Llama's exported module
+
+
+@pytest.fixture(scope="module")
+def tiny_int8_module(tmp_path_factory):
+    from compiler.importer import import_model, open_model
+    from compiler.quantization.schemes import get_scheme
+    from compiler.targets import load_target
+    from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
+
+    d = tmp_path_factory.mktemp("tiny") / "hf"
+    save_compilable_checkpoint(build_model("llama_gqa"), d)
+    with open_model(str(d)) as ckpt:
+        return {name: import_model(ckpt, get_scheme("q0f32"), load_target("host"), 64, kv_dtype=name).mod
+                for name in ("int8", "f32")}
+
+
+def test_pass_replaces_all_five_kernels_of_an_int8_cache(tiny_int8_module):
+    mod = tiny_int8_module["int8"]
+    swapped = ReplaceCPUAttention(8)(mod)
+    shape = AttentionShape(2, 4, 16, "int8", PAGE)  # the tiny model's real geometry, from the module attr
+    theta = float(mod.attrs[KV_FORMAT_ATTR]["rope_theta"])
+    for symbol, build in ((DECODE_SYMBOL, lambda: attention_decode(shape, 8)),
+                          (RAGGED_SYMBOL, lambda: attention_prefill_ragged(shape, 8)),
+                          (PAGED_PREFILL_SYMBOL, lambda: attention_prefill_paged(shape, 8)),
+                          (SPLIT_ROTARY_SYMBOL, lambda: int8_split_rotary(shape, theta)),
+                          (MERGE_SYMBOL, lambda: int8_merge_state(shape))):
+        old, new = mod[symbol], swapped[symbol]
+        tvm.ir.assert_structural_equal(new, build().with_attrs({**dict(old.attrs), "tirx.noalias": True}))
+        assert [str(p.name) for p in new.params] == [str(p.name) for p in old.params]
+    # TVM's copy kernels move whole cells: they stay
+    for symbol in ("tir_kv_cache_transpose_append", "copy_single_page_cpu", "compact_kv_copy_cpu"):
+        assert swapped[symbol].same_as(mod[symbol])
+    # negative control: a float cache keeps TVM's split and merge
+    f32 = tiny_int8_module["f32"]
+    swapped = ReplaceCPUAttention(8)(f32)
+    assert swapped[SPLIT_ROTARY_SYMBOL].same_as(f32[SPLIT_ROTARY_SYMBOL])
+    assert swapped[MERGE_SYMBOL].same_as(f32[MERGE_SYMBOL])
+    assert not swapped[DECODE_SYMBOL].same_as(f32[DECODE_SYMBOL])
+
+
+def test_pass_refuses_an_int8_geometry_the_kernels_do_not_take(tiny_int8_module):
+    """head_dim 16 in 32-lane vectors: TVM's kernels would misread the carrier, so the build fails, in one line."""
+    with pytest.raises(MobilecError, match="--kv-dtype int8"):
+        ReplaceCPUAttention(32)(tiny_int8_module["int8"])
+
+
+def test_neon_width_builds_for_aarch64():
+    arm = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon", "+dotprod"]})
+    lanes = vector_lanes(arm)
+    for func in (attention_decode(SHAPE, lanes), attention_prefill_ragged(SHAPE, lanes),
+                 attention_prefill_paged(SHAPE, lanes)):
+        assert "fmla" in tvm.tirx.build(tvm.IRModule({"main": func}), target=arm).inspect_source("asm")

@@ -18,7 +18,7 @@ import dataclasses
 
 import tvm
 
-from .choices import KV_DTYPES
+from .choices import KV_DTYPES, KV_DTYPES_IMPLEMENTED
 from .errors import MobilecError
 from .isa import cpu_isa
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .quantization.schemes import Scheme
     from .targets import TargetSpec
 
-TVM_DTYPES = {"f32": "float32", "f16": "float16", "int8": "int8"}  # the names implemented so far
+TVM_DTYPES = dict(zip(KV_DTYPES_IMPLEMENTED, ("float32", "float16", "int8"), strict=True))
 INT8 = "int8"
 AUTO = "f16"  # llama.cpp's default too: half the bytes of float32, +0.00x% perplexity (README)
 

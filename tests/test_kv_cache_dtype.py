@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 import tvm
 from tvm import relax
@@ -216,7 +217,6 @@ def _int8_fake_quantized(model):
     row quantizes to its own codes)."""
     import copy
 
-    import torch
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -235,8 +235,9 @@ def _int8_fake_quantized(model):
 
 @pytest.mark.slow  # a compile of a tiny model and transformers: ~1 minute
 def test_int8_cache_decodes_like_transformers(tmp_path_factory):
-    """Prefill + 8 decode steps with an int8 cache: within 1e-5 of transformers with K/V quantized the same way
-    (so every kernel computes what it should), within 6e-2 of the float model, whose greedy tokens it keeps. The
+    """Prefill + 8 decode steps + a second prefill on the cached tokens (the paged prefill and merge kernels) with
+    an int8 cache: within 1e-5 of transformers with K/V quantized the same way (so every kernel computes what it
+    should), within 6e-2 of the float model, whose greedy tokens it keeps. The
     6e-2: int8 rounds each K/V value by up to max|row| / 254; this random tiny model (head_dim 16, logits of order
     1) shows 4e-2 at most on its prefill logits, a trained model much less (SmolLM2's perplexity: README)."""
     model = build_model("llama_gqa")
@@ -247,13 +248,20 @@ def test_int8_cache_decodes_like_transformers(tmp_path_factory):
     assert json.loads((root / "int8" / CONFIG_FILE).read_text())["kv_dtype"] == "int8"
     session = Session(load_artifact(root / "int8"))
     ref_tokens, ref_prefill, ref_decode = reference_greedy(model, PROMPT, 9)
-    _, quant_prefill, quant_decode = reference_greedy(_int8_fake_quantized(model), PROMPT, 9)
+    quantized = _int8_fake_quantized(model)
+    _, quant_prefill, quant_decode = reference_greedy(quantized, PROMPT, 9)
     session.reset()
     logits = [session.prefill_all_logits(PROMPT)] + [session.decode(token) for token in ref_tokens[:-1]]
-    to_quantized = [_rel_err(got, want) for got, want in zip(logits, [quant_prefill, *quant_decode])]
-    to_float = [_rel_err(got, want) for got, want in zip(logits, [ref_prefill, *ref_decode])]
+    more = [11, 2, 30, 5, 7]
+    logits.append(session.prefill_all_logits(more))
+    sequence = torch.tensor([PROMPT + ref_tokens[:-1] + more])
+    with torch.inference_mode():
+        quant_more = quantized(sequence).logits[0, -len(more):].numpy()
+        float_more = model(sequence).logits[0, -len(more):].numpy()
+    to_quantized = [_rel_err(got, want) for got, want in zip(logits, [quant_prefill, *quant_decode, quant_more])]
+    to_float = [_rel_err(got, want) for got, want in zip(logits, [ref_prefill, *ref_decode, float_more])]
     assert max(to_quantized) < 1e-5, to_quantized
     assert max(to_float) < 6e-2, to_float
     assert min(to_float) > 1e-4  # negative control: the quantization shows, the int8 cache is really used
-    tokens = [int(np.argmax(logits[0][-1]))] + [int(np.argmax(step)) for step in logits[1:]]
+    tokens = [int(np.argmax(logits[0][-1]))] + [int(np.argmax(step)) for step in logits[1:-1]]
     assert sum(a == b for a, b in zip(tokens, ref_tokens)) >= 7, (tokens, ref_tokens)

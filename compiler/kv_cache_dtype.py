@@ -54,6 +54,9 @@ def resolve(name: str, spec: TargetSpec, scheme: Scheme) -> str:
     if name not in names_for(spec):
         raise MobilecError(f"--kv-dtype int8 on {spec.name}: not implemented on GPU yet (its kernels are for LLVM "
                            f"CPU targets only); use f16")
+    if dtype == INT8 and compute != "float32":
+        raise MobilecError(f"--kv-dtype int8 needs float32 activations (its carrier is the float32 projection "
+                           f"output), not {compute}; use f16")
     if gpu and dtype == "float16" and compute == "float32":
         raise MobilecError(f"--kv-dtype f16 on {spec.name} computing in float32: its attention kernels would compute "
                            f"in float16, which the device lacks (--compute-dtype float32); use --kv-dtype f32")
@@ -94,9 +97,6 @@ class Int8Carrier:
     @property
     def declared_heads(self) -> int:
         return self.fused_rows - 2 * self.declared_kv_heads
-
-    def supported(self) -> bool:
-        return self.head_dim % 4 == 0
 
     def module_attr(self) -> dict[str, object]:
         """The real geometry as the importer records it on the IRModule (`KV_FORMAT_ATTR`), for the kernels."""

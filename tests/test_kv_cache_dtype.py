@@ -72,6 +72,12 @@ def test_int8_cache_is_refused_on_gpu_targets(target):
     assert resolve("int8", load_target("host"), get_scheme("q4f16_g32")) == "int8"
 
 
+def test_int8_cache_needs_float32_activations():
+    half = with_overrides(load_target("host"), compute_dtype="float16")
+    assert_mobilec_error(lambda: resolve("int8", half, get_scheme("q4f16_g32")), "--kv-dtype int8", "float32",
+                         "float16")
+
+
 def test_a_target_file_sets_what_auto_picks(tmp_path):
     text = (TARGETS_DIR / "host.toml").read_text().replace('name = "host"', 'name = "f32-cache"')
     good = tmp_path / "f32-cache.toml"

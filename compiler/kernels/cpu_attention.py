@@ -34,6 +34,11 @@ kernel, RopeMode.INLINE) is supported with TVM's own `_rope` expression, on a sl
 use RopeMode.NORMAL (RoPE applied before K enters the cache), which the runtime passes as rotary_mode 0. A query
 row that sees no key (only possible with fewer keys than causal queries) gets output 0 and lse -5e4, as a sequence
 with no KV rows does in TVM's decode kernel (TVM's prefill kernels leave such rows undefined or uniform).
+
+An int8 cache (AttentionShape.dtype "int8", kv_cache_dtype.Int8Carrier) keeps the same kernels: only the KV layout
+changes (views of the declared float32 buffers, a scale per K and V row). Its RoPE is applied when K is quantized
+(int8_split_rotary: RopeMode.NORMAL, models/llama.py), so its kernels have no inline-RoPE path; rotary_mode 1 is
+never passed to them.
 """
 
 

@@ -42,6 +42,9 @@ class LlamaConfig:
         """The float32 geometry an int8 cache is declared with (kv_cache_dtype.Int8Carrier); None for others."""
         if self.kv_dtype != INT8:
             return None
+        if self.head_dim % 4:
+            raise MobilecError(f"--kv-dtype int8: head_dim {self.head_dim} is not a multiple of 4 (a float32 cell "
+                               f"of the carrier holds 4 codes); use f16")
         return Int8Carrier(self.num_attention_heads, self.num_key_value_heads, self.head_dim)
 
     @classmethod
@@ -258,8 +261,6 @@ class LlamaAttention(nn.Module):
         """Attention over an int8 cache declared as its float32 carrier (kv_cache_dtype.Int8Carrier): the float32
         projection output reshaped to the carrier's rows (no copy), and the real output taken back from the start
         of the declared output rows. Our split kernel quantizes K/V into the carrier's cells."""
-        if qkv.dtype != "float32":
-            raise MobilecError("--kv-dtype int8 needs float32 activations (its carrier is float32)")
         b, s, _ = qkv.shape
         c = self.carrier
         out = kv_cache.attention_with_fused_qkv(

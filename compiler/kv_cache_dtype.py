@@ -12,9 +12,8 @@ bytes is ours (kernels/cpu_attention.py, swapped in by passes/replace_cpu_attent
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import dataclasses
+from typing import TYPE_CHECKING
 
 import tvm
 
@@ -110,7 +109,7 @@ def bytes_per_token_layer(dtype: str, kv_heads: int, head_dim: int) -> int:
     """Bytes the runtime allocates for one token's K and V in one layer (an int8 cache: its float32 carrier, codes
     and the cells that hold its scales; counted as allocated, since that is what memory holds and decode reads)."""
     if dtype == INT8:
-        carrier = Int8Carrier(kv_heads, kv_heads, head_dim)
+        carrier = Int8Carrier(kv_heads, kv_heads, head_dim)  # (the query heads do not enter the pages)
         return 2 * carrier.declared_kv_heads * carrier.cell * 4
     return 2 * kv_heads * head_dim * tvm.DataType(dtype).bits // 8
 

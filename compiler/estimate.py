@@ -143,27 +143,26 @@ def _tensor_bytes(param) -> int:
     return param_bytes([(None, param)])
 
 
-def _kv_layer_bytes(cfg: LlamaConfig, context: int, value_bytes: int) -> int:
-    """One layer's pages as the runtime allocates them: (pages, 2, kv heads, page size, head dim), one page more
-    than the context needs."""
+def _kv_layer_bytes(cfg: LlamaConfig, context: int, kv_dtype: str) -> int:
+    """One layer's pages as the runtime allocates them: (pages, 2, kv heads, page size, head dim) as declared
+    (kv_cache_dtype.bytes_per_token_layer), one page more than the context needs."""
     pages = -(-context // PAGE_SIZE) + 1
-    return pages * 2 * cfg.num_key_value_heads * PAGE_SIZE * cfg.head_dim * value_bytes
+    return pages * PAGE_SIZE * kv_cache_dtype.bytes_per_token_layer(kv_dtype, cfg.num_key_value_heads, cfg.head_dim)
 
 
-def _attention_scratch(cfg: LlamaConfig, value_bytes: int) -> int:
-    """The cache's attention scratch for one prefill chunk: q, k, v and output in the KV dtype, and two float32
-    log-sum-exp arrays; sized like activations, counted with them."""
-    chunk = cfg.prefill_chunk_size
-    return chunk * cfg.head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * value_bytes \
-        + 2 * chunk * cfg.num_attention_heads * 4
+def _attention_scratch(cfg: LlamaConfig, kv_dtype: str) -> int:
+    """The cache's attention scratch for one prefill chunk (kv_cache_dtype.scratch_bytes_per_token); sized like
+    activations, counted with them."""
+    return cfg.prefill_chunk_size * kv_cache_dtype.scratch_bytes_per_token(
+        kv_dtype, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
 
 
-def _longest_context(cfg: LlamaConfig, fixed: int, value_bytes: int, ram: int, max_alloc: int) -> int:
+def _longest_context(cfg: LlamaConfig, fixed: int, kv_dtype: str, ram: int, max_alloc: int) -> int:
     """The longest context, in whole pages and within the model's, whose total (`fixed` bytes of weights and
     activations, plus the KV cache) with the margin fits `ram`, and whose per-layer pages fit `max_alloc`; 0 if
     none."""
-    fixed += _attention_scratch(cfg, value_bytes)
-    per_page = cfg.num_hidden_layers * _kv_layer_bytes(cfg, PAGE_SIZE, value_bytes) // 2  # bytes of one page
+    fixed += _attention_scratch(cfg, kv_dtype)
+    per_page = cfg.num_hidden_layers * _kv_layer_bytes(cfg, PAGE_SIZE, kv_dtype) // 2  # bytes of one page
     pages = min(int(ram / (1 + MARGIN) - fixed) // per_page, max_alloc // (per_page // cfg.num_hidden_layers)) - 1
     return max(0, min(pages * PAGE_SIZE, cfg.max_position_embeddings))
 
@@ -172,15 +171,15 @@ def _budget(description: str, spec: TargetSpec, quant: str, cfg: LlamaConfig, pa
             plan: ActivationPlan) -> MemoryEstimate:
     """The estimate of a model with these parameters at `cfg`'s context window, prefill chunk and KV dtype."""
     weights = {name: _tensor_bytes(p) for name, p in params}
-    size = kv_cache_dtype.value_bytes(cfg.kv_dtype)
-    kv_layer = _kv_layer_bytes(cfg, cfg.context_window_size, size)
+    kv_layer = _kv_layer_bytes(cfg, cfg.context_window_size, cfg.kv_dtype)
     read = roofline.decode_read(
         ((name.startswith(roofline.EMBEDDING), weights[name], int(p.shape[0])) for name, p in params),
         bool(cfg.tie_word_embeddings),
-        roofline.kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim, size),
+        cfg.num_hidden_layers * kv_cache_dtype.bytes_per_token_layer(cfg.kv_dtype, cfg.num_key_value_heads,
+                                                                     cfg.head_dim),
         cfg.context_window_size, f"weights + {cfg.kv_dtype} KV cache at the context window")
     planned, largest_planned = plan.at(cfg.prefill_chunk_size)
-    activations = planned + _attention_scratch(cfg, size)
+    activations = planned + _attention_scratch(cfg, cfg.kv_dtype)
     counted = sum(weights.values()) + cfg.num_hidden_layers * kv_layer + activations
     margin = round(MARGIN * counted)
     largest_weight = max(weights, key=weights.get)
@@ -192,12 +191,13 @@ def _budget(description: str, spec: TargetSpec, quant: str, cfg: LlamaConfig, pa
     ram, max_alloc = int(spec.device["ram_gb"] * GIB), int(spec.device["max_alloc_gb"] * GIB)
     bandwidth = float(spec.device["memory_bandwidth_gbs"])
     # Another KV dtype's activations are not planned: a cache in a dtype other than the activations' adds the cast
-    # q/k/v and output of one prefill chunk, counted here as if never reused, so its context is never overstated.
-    casts = cfg.prefill_chunk_size * cfg.head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    # q/k/v and output of one prefill chunk (kv_cache_dtype.conversion_bytes_per_token), counted here as if never
+    # reused, so its context is never overstated.
     by_kv = {name: _longest_context(cfg, sum(weights.values()) + planned + (
-                 casts * kv_cache_dtype.value_bytes(kv) if kv not in (dtype, cfg.kv_dtype) else 0),
-                 kv_cache_dtype.value_bytes(kv), ram, max_alloc)
-             for name, kv in kv_cache_dtype.TVM_DTYPES.items()}
+                 cfg.prefill_chunk_size * kv_cache_dtype.conversion_bytes_per_token(
+                     kv, dtype, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+                 if kv != cfg.kv_dtype else 0), kv, ram, max_alloc)
+             for name, kv in ((name, kv_cache_dtype.TVM_DTYPES[name]) for name in kv_cache_dtype.names_for(spec))}
     return MemoryEstimate(
         model=description, target=spec.name, quant=quant, context=cfg.context_window_size,
         prefill_chunk=cfg.prefill_chunk_size, dtype=dtype, kv_dtype=cfg.kv_dtype,

@@ -4,22 +4,29 @@ The paged KV cache of TVM 0.27's runtime (src/runtime/vm/paged_kv_cache.cc) allo
 scratch, in one dtype and checks that the q/k/v it is given have that dtype. A float16 cache under float32
 activations is therefore built by casting q/k/v to float16 before attention and its output back (models/llama.py);
 the CPU attention kernels (kernels/cpu_attention.py) widen float16 to float32 on load and compute in float32.
+
+An int8 cache (CPU targets only) cannot be declared to that runtime as int8: it is declared as a float32 cache of
+another geometry whose cells carry the packed bytes (Int8Carrier), and every kernel that reads or writes the packed
+bytes is ours (kernels/cpu_attention.py, swapped in by passes/replace_cpu_attention.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import tvm
 
-from .choices import KV_DTYPES
+from .choices import KV_DTYPES, KV_DTYPES_IMPLEMENTED
 from .errors import MobilecError
+from .isa import cpu_isa
 
 if TYPE_CHECKING:
     from .quantization.schemes import Scheme
     from .targets import TargetSpec
 
-TVM_DTYPES = {"f32": "float32", "f16": "float16"}  # the names implemented so far
+TVM_DTYPES = dict(zip(KV_DTYPES_IMPLEMENTED, ("float32", "float16", "int8"), strict=True))
+INT8 = "int8"
 AUTO = "f16"  # llama.cpp's default too: half the bytes of float32, +0.00x% perplexity (README)
 
 
@@ -27,8 +34,7 @@ def check_name(name: str, what: str = "--kv-dtype") -> str:
     if name not in KV_DTYPES:
         raise MobilecError(f"{what} {name!r} is not one of {', '.join(KV_DTYPES)}")
     if name not in TVM_DTYPES and name != "auto":
-        raise MobilecError(f"{what} {name}: integer KV caches are not implemented yet (TVM's paged cache stores K/V "
-                           f"in the dtype of q/k/v; quantized pages need their own attention kernels); use f16 or f32")
+        raise MobilecError(f"{what} {name}: not implemented yet (int8 is, on CPU targets); use int8, f16 or f32")
     return name
 
 
@@ -44,15 +50,95 @@ def resolve(name: str, spec: TargetSpec, scheme: Scheme) -> str:
             return "float32"
         name = spec.device.get("kv_dtype", AUTO)
     dtype = TVM_DTYPES[name]
+    if name not in names_for(spec):
+        raise MobilecError(f"--kv-dtype int8 on {spec.name}: not implemented on GPU yet (its kernels are for LLVM "
+                           f"CPU targets only); use f16")
+    if dtype == INT8 and compute != "float32":
+        raise MobilecError(f"--kv-dtype int8 needs float32 activations (its carrier is the float32 projection "
+                           f"output), not {compute}; use f16")
     if gpu and dtype == "float16" and compute == "float32":
         raise MobilecError(f"--kv-dtype f16 on {spec.name} computing in float32: its attention kernels would compute "
                            f"in float16, which the device lacks (--compute-dtype float32); use --kv-dtype f32")
     return dtype
 
 
-def value_bytes(dtype: str) -> int:
-    """Bytes one stored K or V value takes."""
-    return tvm.DataType(dtype).bits // 8
+@dataclasses.dataclass(frozen=True)
+class Int8Carrier:
+    """The float32 geometry an int8 cache is declared to TVM's runtime with, for a model of `heads` query heads,
+    `kv_heads` KV heads of `head_dim`. Per token and KV head the cache stores head_dim int8 codes (symmetric:
+    scale = max|x| / 127, code = round(x / scale)) and one float32 scale. A declared head row of `cell` float32
+    holds one real head's codes; the scales follow, `cell` to a declared row, in the scale_rows rows after the
+    kv_heads code rows: the scale of KV head h is float [kv_heads + h // cell, h % cell] of the token's rows. The
+    fused qkv projection output, (heads + 2 kv_heads, head_dim) float32 per token, is reshaped for free to
+    fused_rows rows of `cell`; q and the attention output keep their real floats at the start of their declared
+    rows (row-major (heads, head_dim)), which holds them since declared_heads * cell >= heads * head_dim."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def cell(self) -> int:
+        return self.head_dim // 4
+
+    @property
+    def scale_rows(self) -> int:
+        return -(-self.kv_heads // self.cell)
+
+    @property
+    def declared_kv_heads(self) -> int:
+        return self.kv_heads + self.scale_rows
+
+    @property
+    def fused_rows(self) -> int:
+        return 4 * (self.heads + 2 * self.kv_heads)
+
+    @property
+    def declared_heads(self) -> int:
+        return self.fused_rows - 2 * self.declared_kv_heads
+
+    def module_attr(self) -> dict[str, object]:
+        """The real geometry as the importer records it on the IRModule (`KV_FORMAT_ATTR`), for the kernels."""
+        return {"format": INT8, "heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim}
+
+
+KV_FORMAT_ATTR = "mobilec.kv_format"  # IRModule attr: an int8 cache's real geometry (Int8Carrier.module_attr)
+
+
+def bytes_per_token_layer(dtype: str, kv_heads: int, head_dim: int) -> int:
+    """Bytes the runtime allocates for one token's K and V in one layer (an int8 cache: its float32 carrier, codes
+    and the cells that hold its scales; counted as allocated, since that is what memory holds and decode reads)."""
+    if dtype == INT8:
+        carrier = Int8Carrier(kv_heads, kv_heads, head_dim)  # (the query heads do not enter the pages)
+        return 2 * carrier.declared_kv_heads * carrier.cell * 4
+    return 2 * kv_heads * head_dim * tvm.DataType(dtype).bits // 8
+
+
+def scratch_bytes_per_token(dtype: str, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Bytes of the cache's attention scratch per token of a prefill chunk, as the runtime allocates them: q, k, v
+    and output in the cache's (declared) dtype, and two float32 log-sum-exp arrays."""
+    if dtype == INT8:
+        carrier = Int8Carrier(heads, kv_heads, head_dim)
+        return (2 * carrier.declared_heads + 2 * carrier.declared_kv_heads) * carrier.cell * 4 \
+            + 2 * carrier.declared_heads * 4
+    return (2 * heads + 2 * kv_heads) * head_dim * tvm.DataType(dtype).bits // 8 + 2 * heads * 4
+
+
+def conversion_bytes_per_token(dtype: str, activations: str, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Bytes per prefill token of what a cache in `dtype` adds to the activations: the q/k/v and output cast to a
+    float dtype other than the activations', or (int8) the real output copied out of the carrier's rows."""
+    if dtype == INT8:
+        return heads * head_dim * 4
+    if dtype == activations:
+        return 0
+    return (2 * heads + 2 * kv_heads) * head_dim * tvm.DataType(dtype).bits // 8
+
+
+def names_for(spec: TargetSpec) -> list[str]:
+    """The --kv-dtype names (not auto) `spec` takes."""
+    gpu = spec.schedule["rules"] == "gpu"
+    return [name for name, dtype in TVM_DTYPES.items()
+            if dtype != INT8 or not (gpu or cpu_isa(spec.tvm_target()) is None)]
 
 
 def of_artifact(config: dict) -> str:

@@ -9,7 +9,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from . import kv_cache_dtype
 from .artifact import Artifact
@@ -87,8 +86,8 @@ def artifact_read_bytes(artifact: Artifact, context_len: int) -> ReadBytes:
     model = cfg["model"]["config"]
     tied = artifact_tied_embeddings(artifact)
     kv_dtype = kv_cache_dtype.of_artifact(cfg)
-    kv_token = kv_bytes_per_token(model["num_hidden_layers"], model["num_key_value_heads"], model["head_dim"],
-                                  model["head_dim"], np.dtype(kv_dtype).itemsize)
+    kv_token = model["num_hidden_layers"] * kv_cache_dtype.bytes_per_token_layer(
+        kv_dtype, model["num_key_value_heads"], model["head_dim"])
     embedding_note = "tied embedding: read whole" if tied else "untied embedding: one row"
     return decode_read(((t["name"].startswith(EMBEDDING), t["nbytes"], t["shape"][0])
                         for t in artifact.index["tensors"]), tied, kv_token, context_len,

@@ -34,6 +34,11 @@ kernel, RopeMode.INLINE) is supported with TVM's own `_rope` expression, on a sl
 use RopeMode.NORMAL (RoPE applied before K enters the cache), which the runtime passes as rotary_mode 0. A query
 row that sees no key (only possible with fewer keys than causal queries) gets output 0 and lse -5e4, as a sequence
 with no KV rows does in TVM's decode kernel (TVM's prefill kernels leave such rows undefined or uniform).
+
+An int8 cache (AttentionShape.dtype "int8", kv_cache_dtype.Int8Carrier) keeps the same kernels: only the KV layout
+changes (views of the declared float32 buffers, a scale per K and V row). Its RoPE is applied when K is quantized
+(int8_split_rotary: RopeMode.NORMAL, models/llama.py), so its kernels have no inline-RoPE path; rotary_mode 1 is
+never passed to them.
 """
 
 
@@ -50,10 +55,13 @@ from tvm.script import tirx as T
 from tvm.target import Target
 
 from ..isa import cpu_isa
+from ..kv_cache_dtype import INT8, Int8Carrier
 
 DECODE_SYMBOL = "batch_decode_paged_kv_cpu"  # TVM's global symbols of the CPU kernels replaced here
 RAGGED_SYMBOL = "batch_prefill_ragged_kv"
 PAGED_PREFILL_SYMBOL = "batch_prefill_paged_kv_cpu"
+SPLIT_ROTARY_SYMBOL = "fused_rope"  # an int8 cache replaces TVM's split + RoPE and merge of states too
+MERGE_SYMBOL = "merge_state_inplace_cpu"
 LOG2E = math.log2(math.e)
 CHUNK_PAGES = 8  # pages per parallel task of the decode kernel (128 tokens at page size 16)
 # Decode tasks a sequence of up to MIN_DECODE_TASKS * CHUNK_PAGES pages is cut into: with one task per 8 pages, a
@@ -75,7 +83,12 @@ def vector_lanes(target: Target) -> int | None:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionShape:
-    """The shape parameters TVM's CPU attention kernels are built with."""
+    """The shape parameters of the attention kernels (the model's real heads and head_dim), and the KV layout: how
+    the cache stores K and V in the buffers the runtime passes. float32 / float16: the buffers are what they say.
+    int8: they are declared as the float32 carrier of kv_cache_dtype.Int8Carrier, and the kernels read them through
+    views declared over the same memory (`views`): q and the output as (tokens, real heads, head_dim) float32 rows
+    strided by the declared row, the K/V codes as int8 rows (a declared row of head_dim / 4 floats is one real
+    head's head_dim codes), and the scales as floats of the declared buffer (`scale`)."""
 
     num_kv_heads: int
     num_qo_heads: int
@@ -87,9 +100,33 @@ class AttentionShape:
     def group(self) -> int:
         return self.num_qo_heads // self.num_kv_heads
 
+    @property
+    def carrier(self) -> Int8Carrier | None:
+        return Int8Carrier(self.num_qo_heads, self.num_kv_heads, self.head_dim) if self.dtype == INT8 else None
+
+    @property
+    def float_dtype(self) -> str:
+        """The dtype the buffers are declared with, and q's and the output's."""
+        return "float32" if self.dtype == INT8 else self.dtype
+
+    @property
+    def declared(self) -> tuple[int, int, int]:
+        """(query heads, KV heads, head_dim) of the buffers as the runtime allocates them."""
+        c = self.carrier
+        if c is None:
+            return self.num_qo_heads, self.num_kv_heads, self.head_dim
+        return c.declared_heads, c.declared_kv_heads, c.cell
+
+    def scale(self, load, h):
+        """The scale of KV head h's row, `load(declared head, cell)` reading the float32 buffer at the row's
+        position; None for a float cache, whose rows are not scaled."""
+        c = self.carrier
+        return None if c is None else load(self.num_kv_heads + h // c.cell, h % c.cell)
+
     def supported(self, lanes: int) -> bool:
         return (self.num_qo_heads % self.num_kv_heads == 0 and self.head_dim % lanes == 0
-                and self.head_dim % 2 == 0 and self.page_size % lanes == 0 and self.dtype in ("float32", "float16"))
+                and self.head_dim % 2 == 0 and self.page_size % lanes == 0
+                and self.dtype in ("float32", "float16", INT8))
 
 
 def _vec(dtype: str, lanes: int) -> str:
@@ -152,13 +189,20 @@ def _sum(terms):
     return functools.reduce(lambda a, b: a + b, terms)
 
 
+def _scaled(value, scale):
+    """A score (q . k) times its K row's scale (an int8 cache), or as it is (a float cache: scale None)."""
+    return value if scale is None else value * scale
+
+
 def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, Any] | None = None,
                      chunk_pages: int = CHUNK_PAGES) -> tirx.PrimFunc:
     """The paged-KV decode kernel: TVM's `batch_decode_paged_kv_cpu` signature (no sliding window)."""
     rope_scaling = rope_scaling or {}
     H_qo, H_kv, D, P, G = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, shape.group
-    dtype, VL, CH, MIN_TASKS = shape.dtype, lanes, chunk_pages, MIN_DECODE_TASKS
+    dtype, fdtype, VL, CH, MIN_TASKS = shape.dtype, shape.float_dtype, lanes, chunk_pages, MIN_DECODE_TASKS
+    H_qo_decl, H_kv_decl, D_decl = shape.declared
     DC, PC = D // VL, P // VL  # vectors per head row, per page of scores
+    scaled, inline_rope = shape.carrier is not None, shape.carrier is None
     assert shape.supported(VL), shape
 
     def vec(base):
@@ -170,16 +214,19 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
     def page_v(pages, page, h, r, c):
         return _f32(pages[page, 1, h, r, vec(c * VL)], dtype, VL)
 
+    def page_scale(pages_f, page, kv, h, r):
+        return shape.scale(lambda row, cell: pages_f[page, kv, row, r, cell], h)
+
     def dot_terms(q_chunk, k_chunk):
         """sum_c q[chunk c] * k[chunk c]: VL partial sums of one score."""
         return _sum([q_chunk(c) * k_chunk(c) for c in range(DC)])
 
     @T.macro
-    def chunk_task(task, n_chunks, per_chunk, rope, Q, pages, page_table_indptr, page_table_values, length_info,
-                   k_rope_pos_offset, q_rope_position, part_acc, part_max, part_sum, rope_scale, rope_theta,
-                   sm_scale):
+    def chunk_task(task, n_chunks, per_chunk, rope, Q, pages, pages_f, page_table_indptr, page_table_values,
+                   length_info, k_rope_pos_offset, q_rope_position, part_acc, part_max, part_sum, rope_scale,
+                   rope_theta, sm_scale):
         # pages [c * per_chunk, (c + 1) * per_chunk) of sequence b, every head; the unnormalized state goes to
-        # part_*[task]
+        # part_*[task]. Q, pages: the views of the KV layout (AttentionShape); pages_f: the pages as declared
         acc = T.alloc_buffer((G * D,), "float32")  # one KV head's query heads: sum of p * V at the running max
         scores = T.alloc_buffer((H_qo * P,), "float32")  # one page's scores, then their exp2
         part = T.alloc_buffer((VL,), "float32")
@@ -235,10 +282,11 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
                     for r in range(rows):
                         for g in T.unroll(G):
                             part[vec(0)] = dot_terms(
-                                lambda c, h=h, g=g: _f32(Q[b, h * G + g, vec(c * VL)], dtype, VL)
+                                lambda c, h=h, g=g: _f32(Q[b, h * G + g, vec(c * VL)], fdtype, VL)
                                     * _bcast(q_scale[0], VL),
                                 page_k(pages, page, h, r))
-                            scores[(h * G + g) * P + r] = _hsum(part, 0, VL)
+                            scores[(h * G + g) * P + r] = _scaled(_hsum(part, 0, VL),
+                                                                  page_scale(pages_f, page, 0, h, r))
                 for r in range(P - rows):
                     for g in T.unroll(G):
                         scores[(h * G + g) * P + rows + r] = T.float32(MASKED)
@@ -267,6 +315,10 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
                         acc[vec(g * D + c * VL)] = part_acc[vec((task * H_qo + h * G + g) * D + c * VL)] * _bcast(
                             rescale[h * G + g], VL)
                 for r in range(rows):
+                    if scaled:  # the V row's scale folded into its weights
+                        for g in T.unroll(G):
+                            scores[(h * G + g) * P + r] = scores[(h * G + g) * P + r] * page_scale(
+                                pages_f, page, 1, h, r)
                     for g in T.unroll(G):
                         for c in T.unroll(DC):
                             acc[vec(g * D + c * VL)] = (acc[vec(g * D + c * VL)] + _bcast(
@@ -302,8 +354,8 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
         q_rope_position_elem_offset = T.int32()
         length_info_elem_offset = T.int32()
 
-        Q = T.match_buffer(Q_handle, (B, H_qo, D), dtype)
-        pages = T.match_buffer(pages_handle, (max_num_pages, 2, H_kv, P, D), dtype)
+        Q = T.match_buffer(Q_handle, (B, H_qo_decl, D_decl), fdtype)
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, H_kv_decl, P, D_decl), fdtype)
         page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32",
                                            elem_offset=page_indptr_elem_offset)
         page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32",
@@ -311,11 +363,15 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
         k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32",
                                            elem_offset=k_rope_pos_offset_elem_offset)
         q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_position_elem_offset)
-        output = T.match_buffer(output_handle, (B, H_qo, D), dtype)
-        lse = T.match_buffer(lse_handle, (B, H_qo), "float32")
+        output = T.match_buffer(output_handle, (B, H_qo_decl, D_decl), fdtype)
+        lse = T.match_buffer(lse_handle, (B, H_qo_decl), "float32")
         length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=length_info_elem_offset)
 
         with T.sblock("root"):
+            # the KV layout's views (AttentionShape): the buffers themselves for a float cache
+            Q_rows = T.decl_buffer((B, H_qo, D), fdtype, data=Q.data, strides=(H_qo_decl * D_decl, D, 1))
+            output_rows = T.decl_buffer((B, H_qo, D), fdtype, data=output.data, strides=(H_qo_decl * D_decl, D, 1))
+            codes = T.decl_buffer((max_num_pages, 2, H_kv_decl, P, D), dtype, data=pages.data)
             # each sequence's pages in chunks of at most CH (fewer pages each for a short sequence, so that there
             # are MIN_DECODE_TASKS of them): the chunks run in parallel, each keeps an unnormalized state (sum of
             # p * V, running max, sum of p) per query head, merged at the end
@@ -333,14 +389,14 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
             if rotary_mode == 1:
                 # TVM's RoPE expression binds a float Let, which the parallel closure's codegen rejects
                 for task in range(B * n_chunks):
-                    chunk_task(task, n_chunks, per_chunk, True, Q, pages, page_table_indptr, page_table_values,
-                               length_info, k_rope_pos_offset, q_rope_position, part_acc, part_max, part_sum,
-                               rope_scale, rope_theta, sm_scale)
+                    chunk_task(task, n_chunks, per_chunk, inline_rope, Q_rows, codes, pages, page_table_indptr,
+                               page_table_values, length_info, k_rope_pos_offset, q_rope_position, part_acc,
+                               part_max, part_sum, rope_scale, rope_theta, sm_scale)
             else:
                 for task in T.parallel(B * n_chunks):
-                    chunk_task(task, n_chunks, per_chunk, False, Q, pages, page_table_indptr, page_table_values,
-                               length_info, k_rope_pos_offset, q_rope_position, part_acc, part_max, part_sum,
-                               rope_scale, rope_theta, sm_scale)
+                    chunk_task(task, n_chunks, per_chunk, False, Q_rows, codes, pages, page_table_indptr,
+                               page_table_values, length_info, k_rope_pos_offset, q_rope_position, part_acc,
+                               part_max, part_sum, rope_scale, rope_theta, sm_scale)
             for b in range(B):
                 for hq in range(H_qo):
                     merged[0] = T.float32(NO_SCORE)
@@ -362,7 +418,7 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
                     else:
                         lse[b, hq] = T.float32(NO_SCORE)
                     for d in T.unroll(DC):
-                        output[b, hq, vec(d * VL)] = T.Cast(_vec(dtype, VL), out_row[vec(d * VL)])
+                        output_rows[b, hq, vec(d * VL)] = T.Cast(_vec(fdtype, VL), out_row[vec(d * VL)])
 
     return batch_decode_paged_kv.with_attr("global_symbol", DECODE_SYMBOL)
 
@@ -373,8 +429,9 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
     rows, as the decode kernel walks pages. Keys are the ragged k/v rows of the new tokens, or (`paged`) the
     sequence's pages, a block being a page."""
     H_qo, H_kv, D, G = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.group
-    dtype, VL, P = shape.dtype, lanes, block
+    dtype, fdtype, VL, P = shape.dtype, shape.float_dtype, lanes, block
     DC, PC = D // VL, P // VL
+    scaled = shape.carrier is not None
 
     def vec(base):
         return T.ramp(base, 1, VL)
@@ -388,10 +445,17 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
             return k[page_values[kv_begin + blk], kv, h, r, index]
         return (k if kv == 0 else v)[kv_begin + blk * P + r, h, index]
 
+    def key_scale(k_f, v_f, page_values, kv_begin, blk, h, r, kv):
+        """The scale of key row r of block blk (an int8 cache; None for a float one), from the declared buffers."""
+        if paged:
+            return shape.scale(lambda row, cell: k_f[page_values[kv_begin + blk], kv, row, r, cell], h)
+        return shape.scale(lambda row, cell: (k_f if kv == 0 else v_f)[kv_begin + blk * P + r, row, cell], h)
+
     @T.macro
-    def query_row(t, rope, q, q_indptr, k, v, kv_indptr, page_values, length_info, q_rope_position,
+    def query_row(t, rope, q, q_indptr, k, v, k_f, v_f, kv_indptr, page_values, length_info, q_rope_position,
                   k_rope_pos_offset, output, lse, batch_size, causal, rope_scale, rope_theta, sm_scale):
-        # k, v: the ragged keys and values (paged: both the pages); kv_indptr: ragged rows or (paged) pages
+        # k, v: the ragged keys and values (paged: both the pages); kv_indptr: ragged rows or (paged) pages.
+        # q, k, v, output: the views of the KV layout (AttentionShape); k_f, v_f: k and v as declared
         acc = T.alloc_buffer((G * D,), "float32")
         scores = T.alloc_buffer((G * P,), "float32")
         part = T.alloc_buffer((VL,), "float32")
@@ -454,11 +518,12 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
                     for r in range(rows):
                         for g in T.unroll(G):
                             part[vec(0)] = dot_terms(
-                                lambda c, h=h, g=g: _f32(q[t, h * G + g, vec(c * VL)], dtype, VL)
+                                lambda c, h=h, g=g: _f32(q[t, h * G + g, vec(c * VL)], fdtype, VL)
                                     * _bcast(q_scale[0], VL),
                                 lambda c, blk=blk, h=h, r=r: _f32(
                                     key(k, v, page_values, kv_begin, blk, h, r, 0, vec(c * VL)), dtype, VL))
-                            scores[g * P + r] = _hsum(part, 0, VL)
+                            scores[g * P + r] = _scaled(_hsum(part, 0, VL),
+                                                        key_scale(k_f, v_f, page_values, kv_begin, blk, h, r, 0))
                 for r in range(P - rows):
                     for g in T.unroll(G):
                         scores[g * P + rows + r] = T.float32(MASKED)
@@ -480,13 +545,17 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
                     for c in T.unroll(DC):
                         acc[vec(g * D + c * VL)] = acc[vec(g * D + c * VL)] * _bcast(rescale[0], VL)
                 for r in range(rows):
+                    if scaled:  # the V row's scale folded into its weights
+                        for g in T.unroll(G):
+                            scores[g * P + r] = scores[g * P + r] * key_scale(k_f, v_f, page_values, kv_begin, blk,
+                                                                              h, r, 1)
                     for g in T.unroll(G):
                         for c in T.unroll(DC):
                             acc[vec(g * D + c * VL)] = acc[vec(g * D + c * VL)] + _bcast(scores[g * P + r], VL) * _f32(
                                 key(k, v, page_values, kv_begin, blk, h, r, 1, vec(c * VL)), dtype, VL)
             for g in T.unroll(G):
                 for c in T.unroll(DC):
-                    output[t, h * G + g, vec(c * VL)] = T.Cast(_vec(dtype, VL), acc[vec(g * D + c * VL)] * _bcast(
+                    output[t, h * G + g, vec(c * VL)] = T.Cast(_vec(fdtype, VL), acc[vec(g * D + c * VL)] * _bcast(
                         T.if_then_else(run_sum[g] > T.float32(0), T.float32(1) / run_sum[g], T.float32(0)), VL))
                 lse[t, h * G + g] = T.if_then_else(run_sum[g] > T.float32(0), run_max[g] + T.log2(run_sum[g]),
                                                    T.float32(NO_SCORE))
@@ -499,7 +568,9 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, rope_scaling: di
     """Self-attention among the new tokens of a prefill: TVM's `batch_prefill_ragged_kv` signature (its CPU
     variant, `_attention_prefill_ragged_cpu`), head_dim the same for q/k and v. One parallel task per query row
     (_prefill_row_macro), keys in blocks of `block` rows; shape.page_size is not used."""
-    H_qo, H_kv, D, dtype = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.dtype
+    H_qo, D, dtype, fdtype = shape.num_qo_heads, shape.head_dim, shape.dtype, shape.float_dtype
+    H_qo_decl, H_kv_decl, D_decl = shape.declared
+    inline_rope = shape.carrier is None
     assert shape.supported(lanes) and block % lanes == 0, shape
     query_row = _prefill_row_macro(shape, lanes, rope_scaling or {}, paged=False, block=block)
 
@@ -530,27 +601,35 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, rope_scaling: di
         q_rope_position_elem_offset = T.int32()
         k_rope_pos_offset_elem_offset = T.int32()
 
-        q = T.match_buffer(var_q, (qo_len, H_qo, D), dtype)
+        q = T.match_buffer(var_q, (qo_len, H_qo_decl, D_decl), fdtype)
         q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        k = T.match_buffer(var_k, (kv_len, H_kv, D), dtype)
-        v = T.match_buffer(var_v, (kv_len, H_kv, D), dtype)
+        k = T.match_buffer(var_k, (kv_len, H_kv_decl, D_decl), fdtype)
+        v = T.match_buffer(var_v, (kv_len, H_kv_decl, D_decl), fdtype)
         kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32",
                                          elem_offset=q_rope_position_elem_offset)
         k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
                                            elem_offset=k_rope_pos_offset_elem_offset)
-        output = T.match_buffer(var_output, (qo_len, H_qo, D), dtype)
-        lse = T.match_buffer(var_lse, (qo_len, H_qo), "float32")
+        output = T.match_buffer(var_output, (qo_len, H_qo_decl, D_decl), fdtype)
+        lse = T.match_buffer(var_lse, (qo_len, H_qo_decl), "float32")
 
         with T.sblock("root"):
+            # the KV layout's views (AttentionShape): the buffers themselves for a float cache
+            q_rows = T.decl_buffer((qo_len, H_qo, D), fdtype, data=q.data, strides=(H_qo_decl * D_decl, D, 1))
+            output_rows = T.decl_buffer((qo_len, H_qo, D), fdtype, data=output.data,
+                                        strides=(H_qo_decl * D_decl, D, 1))
+            k_codes = T.decl_buffer((kv_len, H_kv_decl, D), dtype, data=k.data)
+            v_codes = T.decl_buffer((kv_len, H_kv_decl, D), dtype, data=v.data)
             if rotary_mode == 1:
                 for t in range(qo_len):  # serial: TVM's RoPE expression breaks the parallel closure's codegen
-                    query_row(t, True, q, q_indptr, k, v, kv_indptr, None, None, q_rope_position, k_rope_pos_offset,
-                              output, lse, batch_size, causal, rope_scale, rope_theta, sm_scale)
+                    query_row(t, inline_rope, q_rows, q_indptr, k_codes, v_codes, k, v, kv_indptr, None, None,
+                              q_rope_position, k_rope_pos_offset, output_rows, lse, batch_size, causal, rope_scale,
+                              rope_theta, sm_scale)
             else:
                 for t in T.parallel(qo_len):
-                    query_row(t, False, q, q_indptr, k, v, kv_indptr, None, None, q_rope_position, k_rope_pos_offset,
-                              output, lse, batch_size, causal, rope_scale, rope_theta, sm_scale)
+                    query_row(t, False, q_rows, q_indptr, k_codes, v_codes, k, v, kv_indptr, None, None,
+                              q_rope_position, k_rope_pos_offset, output_rows, lse, batch_size, causal, rope_scale,
+                              rope_theta, sm_scale)
 
     return batch_prefill_ragged_kv.with_attr("global_symbol", RAGGED_SYMBOL)
 
@@ -560,7 +639,9 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, rope_scaling: dic
     """New tokens against the KV cache's pages (a prefill after earlier tokens, or a chunked one): TVM's
     `batch_prefill_paged_kv_cpu` signature (no sliding window). One parallel task per query row
     (_prefill_row_macro), one block per page."""
-    H_qo, H_kv, D, P, dtype = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, shape.dtype
+    H_qo, D, P, dtype, fdtype = shape.num_qo_heads, shape.head_dim, shape.page_size, shape.dtype, shape.float_dtype
+    H_qo_decl, H_kv_decl, D_decl = shape.declared
+    inline_rope = shape.carrier is None
     assert shape.supported(lanes), shape
     query_row = _prefill_row_macro(shape, lanes, rope_scaling or {}, paged=True, block=P)
 
@@ -595,29 +676,144 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, rope_scaling: dic
         q_rope_position_elem_offset = T.int32()
         length_info_elem_offset = T.int32()
 
-        q = T.match_buffer(var_q, (total_len, H_qo, D), dtype)
+        q = T.match_buffer(var_q, (total_len, H_qo_decl, D_decl), fdtype)
         q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        pages = T.match_buffer(var_pages, (max_num_pages, 2, H_kv, P, D), dtype)
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, H_kv_decl, P, D_decl), fdtype)
         page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_elem_offset)
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
         k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
                                            elem_offset=k_rope_pos_offset_elem_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32",
                                          elem_offset=q_rope_position_elem_offset)
-        output = T.match_buffer(var_output, (total_len, H_qo, D), dtype)
-        lse = T.match_buffer(var_lse, (total_len, H_qo), "float32")
+        output = T.match_buffer(var_output, (total_len, H_qo_decl, D_decl), fdtype)
+        lse = T.match_buffer(var_lse, (total_len, H_qo_decl), "float32")
         length_info = T.match_buffer(var_length_info, (batch_size,), "int32", elem_offset=length_info_elem_offset)
 
         with T.sblock("root"):
+            # the KV layout's views (AttentionShape): the buffers themselves for a float cache
+            q_rows = T.decl_buffer((total_len, H_qo, D), fdtype, data=q.data, strides=(H_qo_decl * D_decl, D, 1))
+            output_rows = T.decl_buffer((total_len, H_qo, D), fdtype, data=output.data,
+                                        strides=(H_qo_decl * D_decl, D, 1))
+            codes = T.decl_buffer((max_num_pages, 2, H_kv_decl, P, D), dtype, data=pages.data)
             if rotary_mode == 1:
                 for t in range(total_len):  # serial: TVM's RoPE expression breaks the parallel closure's codegen
-                    query_row(t, True, q, q_indptr, pages, pages, page_indptr, page_values, length_info,
-                              q_rope_position, k_rope_pos_offset, output, lse, batch_size, causal, rope_scale,
-                              rope_theta, sm_scale)
+                    query_row(t, inline_rope, q_rows, q_indptr, codes, codes, pages, pages, page_indptr, page_values,
+                              length_info, q_rope_position, k_rope_pos_offset, output_rows, lse, batch_size, causal,
+                              rope_scale, rope_theta, sm_scale)
             else:
                 for t in T.parallel(total_len):
-                    query_row(t, False, q, q_indptr, pages, pages, page_indptr, page_values, length_info,
-                              q_rope_position, k_rope_pos_offset, output, lse, batch_size, causal, rope_scale,
-                              rope_theta, sm_scale)
+                    query_row(t, False, q_rows, q_indptr, codes, codes, pages, pages, page_indptr, page_values,
+                              length_info, q_rope_position, k_rope_pos_offset, output_rows, lse, batch_size, causal,
+                              rope_scale, rope_theta, sm_scale)
 
     return batch_prefill_paged_kv_cpu.with_attr("global_symbol", PAGED_PREFILL_SYMBOL)
+
+
+def int8_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale: float = 1.0) -> tirx.PrimFunc:
+    """An int8 cache's `tir_split_rotary` (TVM's `fused_rope` signature: qkv, position_map, q, k, v, apply_rope),
+    on the float32 carrier (kv_cache_dtype.Int8Carrier): reads the fused projection output as the real (tokens,
+    heads + 2 kv_heads, head_dim) floats, applies RoPE to q and k as TVM's llama_rope_with_position_map does
+    (rotate-half, freq = position * rope_scale / theta^(2i / head_dim), when apply_rope > 0), writes q to the start
+    of its declared rows and quantizes k (after RoPE) and v per token and KV head: scale = max|x| / 127 into the
+    scale cells, round(x / scale) as int8 codes into the head's row. One parallel task per token; cos and sin go
+    through buffers (a float Let inside a parallel loop breaks the CPU codegen)."""
+    c = shape.carrier
+    assert c is not None, shape
+    H_qo, H_kv, D = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim
+    H_qo_decl, H_kv_decl, D_decl = shape.declared
+    HALF = D // 2
+
+    @T.macro
+    def quantize(row, codes, scales, s, h, amax):
+        amax[0] = T.float32(0)
+        for d in range(D):
+            amax[0] = T.max(amax[0], T.fabs(row[d]))
+        scales[s, H_kv + h // c.cell, h % c.cell] = amax[0] / T.float32(127)
+        amax[0] = T.if_then_else(amax[0] > T.float32(0), T.float32(127) / amax[0], T.float32(0))
+        for d in range(D):
+            codes[s, h, d] = T.Cast("int8", T.round(row[d] * amax[0]))
+
+    # pylint: disable=too-many-locals
+    @T.prim_func(private=True, s_tir=True)
+    def fused_rope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, var_k: T.handle,
+                   var_v: T.handle, apply_rope: T.int64):
+        T.func_attr({"op_pattern": 8, "tirx.noalias": True, "tirx.is_scheduled": True})
+        seq_len = T.int32()
+        position_map_elem_offset = T.int32()
+        qkv = T.match_buffer(var_qkv, (seq_len, H_qo_decl + 2 * H_kv_decl, D_decl), "float32")
+        q = T.match_buffer(var_q, (seq_len, H_qo_decl, D_decl), "float32")
+        k = T.match_buffer(var_k, (seq_len, H_kv_decl, D_decl), "float32")
+        v = T.match_buffer(var_v, (seq_len, H_kv_decl, D_decl), "float32")
+        position_map = T.match_buffer(var_position_map, (seq_len,), "int32", elem_offset=position_map_elem_offset)
+        with T.sblock("root"):
+            qkv_rows = T.decl_buffer((seq_len, H_qo + 2 * H_kv, D), "float32", data=qkv.data)
+            q_rows = T.decl_buffer((seq_len, H_qo, D), "float32", data=q.data, strides=(H_qo_decl * D_decl, D, 1))
+            k_codes = T.decl_buffer((seq_len, H_kv_decl, D), "int8", data=k.data)
+            v_codes = T.decl_buffer((seq_len, H_kv_decl, D), "int8", data=v.data)
+            for s in T.parallel(seq_len):
+                cos = T.alloc_buffer((HALF,), "float32")
+                sin = T.alloc_buffer((HALF,), "float32")
+                freq = T.alloc_buffer((1,), "float32")
+                row = T.alloc_buffer((D,), "float32")
+                amax = T.alloc_buffer((1,), "float32")
+                for i in range(HALF):
+                    freq[0] = T.Cast("float32", position_map[s]) * T.float32(rope_scale) / T.pow(
+                        T.float32(rope_theta), T.Cast("float32", i * 2) / T.float32(D))
+                    cos[i] = T.cos(freq[0])
+                    sin[i] = T.sin(freq[0])
+                for h in range(H_qo + H_kv):  # q and k heads: RoPE
+                    if apply_rope > 0:
+                        for i in range(HALF):
+                            row[i] = cos[i] * qkv_rows[s, h, i] - sin[i] * qkv_rows[s, h, i + HALF]
+                            row[i + HALF] = cos[i] * qkv_rows[s, h, i + HALF] + sin[i] * qkv_rows[s, h, i]
+                    else:
+                        for d in range(D):
+                            row[d] = qkv_rows[s, h, d]
+                    if h < H_qo:
+                        for d in range(D):
+                            q_rows[s, h, d] = row[d]
+                    else:
+                        quantize(row, k_codes, k, s, h - H_qo, amax)
+                for h in range(H_kv):
+                    for d in range(D):
+                        row[d] = qkv_rows[s, H_qo + H_kv + h, d]
+                    quantize(row, v_codes, v, s, h, amax)
+
+    return fused_rope.with_attr("global_symbol", SPLIT_ROTARY_SYMBOL)
+
+
+def int8_merge_state(shape: AttentionShape) -> tirx.PrimFunc:
+    """An int8 cache's `tir_attention_merge_state_cpu` (TVM's `merge_state_inplace_cpu` signature: v, s, v_other,
+    s_other, merging into v and s): the attention states of the real query heads, whose output rows lie at the
+    start of the declared rows (AttentionShape views) and whose lse the kernels here write at [n, hq], hq < heads.
+    TVM's merges every declared head as a (declared heads, head_dim / 4) row, which pairs lse with the wrong
+    floats."""
+    assert shape.carrier is not None, shape
+    H_qo, D = shape.num_qo_heads, shape.head_dim
+    H_qo_decl, _, D_decl = shape.declared
+
+    @T.prim_func(private=True, s_tir=True)
+    def merge_state_inplace_cpu(v: T.handle, s: T.handle, v_other: T.handle, s_other: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        N = T.int32()
+        V = T.match_buffer(v, (N, H_qo_decl, D_decl), "float32")
+        S = T.match_buffer(s, (N, H_qo_decl), "float32")
+        V_other = T.match_buffer(v_other, (N, H_qo_decl, D_decl), "float32")
+        S_other = T.match_buffer(s_other, (N, H_qo_decl), "float32")
+        with T.sblock("root"):
+            V_rows = T.decl_buffer((N, H_qo, D), "float32", data=V.data, strides=(H_qo_decl * D_decl, D, 1))
+            V_other_rows = T.decl_buffer((N, H_qo, D), "float32", data=V_other.data,
+                                         strides=(H_qo_decl * D_decl, D, 1))
+            for n in T.parallel(N):
+                # s_max, then the two weights: through buffers (no float Let inside a parallel loop)
+                state = T.alloc_buffer((3,), "float32")
+                for h in range(H_qo):
+                    state[0] = T.max(S[n, h], S_other[n, h])
+                    state[1] = T.exp2(S[n, h] - state[0])
+                    state[2] = T.exp2(S_other[n, h] - state[0])
+                    for d in range(D):
+                        V_rows[n, h, d] = (V_rows[n, h, d] * state[1] + V_other_rows[n, h, d] * state[2]) / (
+                            state[1] + state[2])
+                    S[n, h] = T.log2(state[1] + state[2]) + state[0]
+
+    return merge_state_inplace_cpu.with_attr("global_symbol", MERGE_SYMBOL)

@@ -13,6 +13,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.target import Target
 
 from ..errors import MobilecError
+from ..kv_cache_dtype import INT8, Int8Carrier
 
 
 @dataclasses.dataclass
@@ -35,6 +36,16 @@ class LlamaConfig:
     context_window_size: int = 2048
     prefill_chunk_size: int = 2048
     kv_dtype: str | None = None  # the KV cache's storage (kv_cache_dtype.py); None: the activations' dtype
+
+    @property
+    def int8_carrier(self) -> Int8Carrier | None:
+        """The float32 geometry an int8 cache is declared with (kv_cache_dtype.Int8Carrier); None for others."""
+        if self.kv_dtype != INT8:
+            return None
+        if self.head_dim % 4:
+            raise MobilecError(f"--kv-dtype int8: head_dim {self.head_dim} is not a multiple of 4 (a float32 cell "
+                               f"of the carrier holds 4 codes); use f16")
+        return Int8Carrier(self.num_attention_heads, self.num_key_value_heads, self.head_dim)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], context_window: int | None = None) -> "LlamaConfig":
@@ -225,12 +236,15 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.kv_dtype = cfg.kv_dtype
+        self.carrier = cfg.int8_carrier
         qkv_rows = (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_rows, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.num_q_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
         b, s, _ = x.shape
+        if self.carrier is not None:
+            return self.o_proj(self._int8_cache_attention(self.qkv_proj(x), kv_cache, layer_id))
         qkv = op.reshape(self.qkv_proj(x), (b, s, self.num_q_heads + 2 * self.num_kv_heads, self.head_dim))
         dtype = qkv.dtype
         # TVM's paged cache takes q/k/v in the dtype it stores (kv_cache_dtype.py)
@@ -242,6 +256,20 @@ class LlamaAttention(nn.Module):
         if out.dtype != dtype:
             out = out.astype(dtype)
         return self.o_proj(op.reshape(out, (b, s, self.num_q_heads * self.head_dim)))
+
+    def _int8_cache_attention(self, qkv: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
+        """Attention over an int8 cache declared as its float32 carrier (kv_cache_dtype.Int8Carrier): the float32
+        projection output reshaped to the carrier's rows (no copy), and the real output taken back from the start
+        of the declared output rows. Our split kernel quantizes K/V into the carrier's cells."""
+        b, s, _ = qkv.shape
+        c = self.carrier
+        out = kv_cache.attention_with_fused_qkv(
+            layer_id, op.reshape(qkv, (b, s, c.fused_rows, c.cell)), c.declared_heads,
+            sm_scale=1.0 / math.sqrt(self.head_dim))
+        real = 4 * self.num_q_heads  # declared rows holding the real output
+        if c.declared_heads > real:
+            out = op.split(out, [real], axis=2)[0]
+        return op.reshape(out, (b, s, self.num_q_heads * self.head_dim))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -324,6 +352,11 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
         support_sliding_window: tirx.Var,
     ) -> PagedKVCache:
         cfg = self.cfg
+        carrier = cfg.int8_carrier
+        heads, kv_heads, head_dim, dtype = (
+            (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.kv_dtype or self.dtype)
+            if carrier is None else
+            (carrier.declared_heads, carrier.declared_kv_heads, carrier.cell, "float32"))
         return TIRPagedKVCache(
             attn_kind="mha",
             max_batch_size=max_batch_size,
@@ -333,10 +366,10 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
             support_sliding_window=support_sliding_window,
             layer_partition=relax.ShapeExpr([0, cfg.num_hidden_layers]),
             num_hidden_layers=cfg.num_hidden_layers,
-            num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=cfg.num_key_value_heads,
-            qk_head_dim=cfg.head_dim,
-            v_head_dim=cfg.head_dim,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            qk_head_dim=head_dim,
+            v_head_dim=head_dim,
             mla_original_qk_head_dim=0,
             mla_original_v_head_dim=0,
             rope_mode=RopeMode.NORMAL,
@@ -344,9 +377,9 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
             rope_theta=cfg.rope_theta,
             rope_scaling={},
             rope_ext_factors=relax.prim_value(0),
-            rotary_dim=cfg.head_dim,
+            rotary_dim=head_dim,
             enable_disaggregation=False,
-            dtype=cfg.kv_dtype or self.dtype,
+            dtype=dtype,
             target=Target.current(),
         )
 

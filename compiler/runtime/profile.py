@@ -214,8 +214,8 @@ def profile_decode_step(session: Session, context_len: int, steps: int = DEFAULT
     row_seconds: list[dict[tuple[str, str, str], float]] = []
     builtin_calls = 0
     model = artifact.config["model"]["config"]
-    kv_layer_token = (2 * model["num_key_value_heads"] * model["head_dim"]
-                      * np.dtype(kv_cache_dtype.of_artifact(artifact.config)).itemsize)
+    kv_layer_token = kv_cache_dtype.bytes_per_token_layer(kv_cache_dtype.of_artifact(artifact.config),
+                                                          model["num_key_value_heads"], model["head_dim"])
     for step, position in zip(recorded, positions, strict=True):
         seconds_of: dict[tuple[str, str, str], float] = {}
         builtin_calls = 0

@@ -80,7 +80,8 @@ def reference(path):
 @pytest.fixture(scope="module")
 def artifact(path, tmp_path_factory):
     out = tmp_path_factory.mktemp("random_llama_artifact") / "gguf"
-    compile_model(CompileOptions(str(path), "host", "gguf", str(out), context_window=64, progress=False))
+    compile_model(CompileOptions(str(path), "host", "gguf", str(out), context_window=64, progress=False,
+                                 kv_dtype="f32"))
     return load_artifact(out)
 
 

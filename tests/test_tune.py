@@ -113,7 +113,7 @@ def test_tuning_writes_a_record_per_trial_and_compile_follows_the_comparison(tin
 
     monkeypatch.setenv(tuning_log.TUNING_LOGS_ENV, str(logs))
     compiled = compile_model(CompileOptions(str(tiny[1]), "host", QUANT, str(tmp_path / "art"), context_window=64,
-                                            progress=False))
+                                            progress=False, kv_dtype="f32"))
     assert compiled["tuned_kernels"] == ([GEMV] if row["applied"] else [])
 
 
@@ -132,7 +132,7 @@ def test_compile_schedules_the_kernel_from_its_record(tiny, logs_copy, tmp_path)
     assert not tvm_ffi.structural_equal(seen["schedule"][GEMV].body, untuned.body, map_free_vars=True)
 
     compiled = compile_model(CompileOptions(str(hf), "host", QUANT, str(tmp_path / "art"), context_window=64,
-                                            progress=False))
+                                            progress=False, kv_dtype="f32"))
     assert compiled["tuned_kernels"] == [GEMV]
     session = Session(load_artifact(tmp_path / "art"))
     tokens, _, decode_logits = reference_greedy(fake_quantized(model, SCHEMES[QUANT].layout), PROMPT, 4)
@@ -152,7 +152,7 @@ def test_negative_control_a_record_slower_than_the_default_is_not_applied(tiny, 
     assert TUNED_ATTR not in seen[pipeline.APPLY_TUNING_STEP][GEMV].attrs
     assert tvm_ffi.structural_equal(seen["schedule"][GEMV].body, untuned["schedule"][GEMV].body, map_free_vars=True)
     compiled = compile_model(CompileOptions(str(tiny[1]), "host", QUANT, str(tmp_path / "art"), context_window=64,
-                                            progress=False))
+                                            progress=False, kv_dtype="f32"))
     assert compiled["tuned_kernels"] == []
 
 

@@ -39,7 +39,7 @@ def test_folded_scales_leave_the_float_model_unchanged(gqa_model, tmp_path, monk
     monkeypatch.setattr(awq, "ALPHAS", np.array([1.0]))  # force s = mean|x|, far from 1, so folding is exercised
     out = tmp_path / "a"
     compile_model(CompileOptions(str(hf_dir), "host", "q4f32_g32", str(out), context_window=64, progress=False,
-                                 quant_skip=["model", "lm_head"], calibrate="awq", calib_text=str(calib)))
+                                 kv_dtype="f32", quant_skip=["model", "lm_head"], calibrate="awq", calib_text=str(calib)))
     logits = Session(load_artifact(out)).prefill_all_logits(PROMPT)
     _, ref, _ = reference_greedy(model, PROMPT, 1)
     np.testing.assert_allclose(logits, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())

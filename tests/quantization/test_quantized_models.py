@@ -34,7 +34,7 @@ def odd_model(tmp_path_factory):
 
 def _compiled_logits(path, out, quant, skip=()):
     compile_model(CompileOptions(str(path), "host", quant, str(out), context_window=64, progress=False,
-                                 quant_skip=list(skip)))
+                                 quant_skip=list(skip), kv_dtype="f32"))
     session = Session(load_artifact(out))
     return session.prefill_all_logits(PROMPT)
 
@@ -76,7 +76,7 @@ def test_quant_skip_everything_gives_the_float_model(odd_model, tmp_path):
 def test_quant_skip_one_block(odd_model, tmp_path):
     root, _, _ = odd_model
     compile_model(CompileOptions(str(root / "hf"), "host", "q4f16_g32", str(tmp_path / "a"), context_window=64,
-                                 progress=False,
+                                 progress=False, kv_dtype="f32",
                                  quant_skip=["model.layers.0"]))
     layers = json.loads((tmp_path / "a" / "mobilec-config.json").read_text())["quantization"]["quantized_layers"]
     assert layers == ["lm_head", "model.embed_tokens"]

@@ -13,7 +13,7 @@ import numpy as np
 import tvm
 from tqdm import tqdm
 
-from . import hexagon, link, pipeline, validate
+from . import hexagon, kv_cache_dtype, link, pipeline, validate
 from .artifact import (
     CONFIG_FILE,
     FORMAT_VERSION,
@@ -24,7 +24,6 @@ from .artifact import (
     installed_versions,
 )
 from .call_sites import call_site_map
-from . import kv_cache_dtype
 from .choices import DECODE_ACTIVATIONS
 from .cpu_check import cpu_entry
 from .errors import MobilecError

@@ -162,8 +162,8 @@ def _longest_context(cfg: LlamaConfig, fixed: int, kv_dtype: str, ram: int, max_
     activations, plus the KV cache) with the margin fits `ram`, and whose per-layer pages fit `max_alloc`; 0 if
     none."""
     fixed += _attention_scratch(cfg, kv_dtype)
-    per_page = cfg.num_hidden_layers * _kv_layer_bytes(cfg, PAGE_SIZE, kv_dtype) // 2  # bytes of one page
-    pages = min(int(ram / (1 + MARGIN) - fixed) // per_page, max_alloc // (per_page // cfg.num_hidden_layers)) - 1
+    layer_page = PAGE_SIZE * kv_cache_dtype.bytes_per_token_layer(kv_dtype, cfg.num_key_value_heads, cfg.head_dim)
+    pages = min(int(ram / (1 + MARGIN) - fixed) // (cfg.num_hidden_layers * layer_page), max_alloc // layer_page) - 1
     return max(0, min(pages * PAGE_SIZE, cfg.max_position_embeddings))
 
 

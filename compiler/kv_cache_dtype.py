@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 TVM_DTYPES = dict(zip(KV_DTYPES_IMPLEMENTED, ("float32", "float16", "int8"), strict=True))
 INT8 = "int8"
-AUTO = "f16"  # llama.cpp's default too: half the bytes of float32, +0.00x% perplexity (README)
+AUTO = "f16"  # llama.cpp's default too: half the bytes of float32, within 0.001% perplexity on SmolLM2 (README)
 
 
 def check_name(name: str, what: str = "--kv-dtype") -> str:

@@ -9,7 +9,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-
 from . import kv_cache_dtype
 from .artifact import Artifact
 from .errors import MobilecError

@@ -206,7 +206,7 @@ class GGUFCheckpoint(Checkpoint):
         except NotImplementedError as e:
             raise MobilecError(
                 f"{name} is stored as {t.tensor_type.name}, which cannot be dequantized; "
-                "use a GGUF quantized as Q4_0, Q4_1, Q8_0, F16 or F32"
+                "use a GGUF quantized as Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F16 or F32"
             ) from e
         order = self._row_order(name, values.shape[0])
         if order is not None:

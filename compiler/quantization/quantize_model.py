@@ -78,14 +78,11 @@ def quantize_model(
             continue
         weight_sources = sources[f"{path}.weight"]
         if scheme.kind == "gguf":
-            typed = [ckpt.get_gguf_blocks(src) for src in weight_sources]
-            types = {t for t, _, _ in typed}
-            if len(types) != 1:
-                raise MobilecError(f"{path} joins GGUF tensors of types {sorted(types)}; --quant gguf needs one type")
-            layout = layout_for(types.pop(), weight_sources[0])
+            layout = layout_for({src: ckpt.get_gguf_blocks(src)[0] for src in weight_sources}, path)
             if layout is None:
                 continue
-            plan[path] = lambda s=weight_sources: _concat([convert_blocks(*ckpt.get_gguf_blocks(x)[:2]) for x in s])
+            plan[path] = lambda s=weight_sources, lay=layout: _concat(
+                [convert_blocks(*ckpt.get_gguf_blocks(x)[:2], lay) for x in s])
         else:
             layout = output_layer_layout(scheme.layout) if _is_output_layer(path, layer) else scheme.layout
             quantizer = calibration.quantize if calibration else lambda _path, w, lay: quantize(w, lay)

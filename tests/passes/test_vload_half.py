@@ -110,7 +110,7 @@ def test_the_fp16_extension_goes_only_where_half_is_a_pointer_target():
 
 # A decode GEMV in GGUF's Q4_1 layout (float16 scale d and min m per 32 codes), as SmolLM2's gguf artifact has.
 N, K = 64, 256
-LAYOUT = LAYOUTS["Q4_1"][0]
+LAYOUT = LAYOUTS["Q4_1"]
 
 
 def _q4_1_gemv() -> tirx.PrimFunc:

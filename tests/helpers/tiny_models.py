@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import gguf
 import numpy as np
@@ -133,11 +133,14 @@ def _add_char_tokenizer(w: gguf.GGUFWriter, vocab_size: int) -> None:
     w.add_eos_token_id(1)
 
 
-def write_gguf(model: PreTrainedModel, path: str | Path, tokenizer: bool = False) -> Path:
+def write_gguf(model: PreTrainedModel, path: str | Path, tokenizer: bool = False,
+               quantize: Callable[[str, np.ndarray], tuple[gguf.GGMLQuantizationType, np.ndarray] | None] | None = None,
+               ) -> Path:
     """Write `model` as an F32 GGUF the way llama.cpp's converter lays it out (names, metadata, q/k order).
 
     With `tokenizer`, a character-level tokenizer is included (compiling needs one); tokenizer round trips
-    of real vocabularies are tested on SmolLM2's GGUF.
+    of real vocabularies are tested on SmolLM2's GGUF. `quantize(gguf name, float data in the file's row order)`
+    returns (ggml type, raw block bytes) for a tensor to store quantized, or None to keep it F32.
     """
     cfg = model.config
     arch = cfg.model_type
@@ -168,7 +171,11 @@ def write_gguf(model: PreTrainedModel, path: str | Path, tokenizer: bool = False
         elif arch == "llama" and ".k_proj." in hf_name:
             data = llama_cpp_permute(data, cfg.num_key_value_heads)
         gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        w.add_tensor(gguf_name, np.ascontiguousarray(data))
+        stored = quantize(gguf_name, data) if quantize else None
+        if stored is None:
+            w.add_tensor(gguf_name, np.ascontiguousarray(data))
+        else:
+            w.add_tensor(gguf_name, stored[1], raw_dtype=stored[0])  # a uint8 byte shape: gguf derives the values
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -185,37 +185,48 @@ def _gemv_case(ggml_type: str, act_bits: int, dot_family: str):
 
 
 @pytest.mark.parametrize("dot_family", RUNNABLE)
-@pytest.mark.parametrize("ggml_type,act_bits", [("Q4_K", 16), ("Q4_K", 8), ("Q5_K", 16)])
+@pytest.mark.parametrize("ggml_type,act_bits", [("Q4_K", 16), ("Q4_K", 8), ("Q5_K", 16), ("Q6_K", 16)])
 def test_integer_dot_gemv_on_k_quants_matches_gguf_values_times_x(ggml_type, act_bits, dot_family):
     shape, arrays, x, ref = _gemv_case(ggml_type, act_bits, dot_family)
     assert shape.supported()
-    got = _run(tvm.tirx.build(_module(shape), target=X86_FAMILY_TARGETS[dot_family]), shape, x, arrays)
+    lib = tvm.tirx.build(_module(shape), target=X86_FAMILY_TARGETS[dot_family])
     tol = (2e-4 if act_bits == 16 else 2e-2) * np.abs(ref).max()  # activation rounding: 1/65534 or 1/254 per block
-    assert np.abs(got - ref).max() < tol
-    # negative control: one sub-block's float32 min off by one step of dmin changes that row alone
+    assert np.abs(_run(lib, shape, x, arrays) - ref).max() < tol
+    # negative controls: one group's float32 min off by 1 changes that row alone; Q6_K: a block's two half scales
+    # swapped (a kernel that used one scale per block, or the wrong half, fails like this)
     changed = dict(arrays, q_min=arrays["q_min"].copy())
     changed["q_min"][5, 0] -= 1.0
-    diff = np.abs(_run(tvm.tirx.build(_module(shape), target=X86_FAMILY_TARGETS[dot_family]), shape, x, changed) - ref)
+    diff = np.abs(_run(lib, shape, x, changed) - ref)
     assert diff[5] > 5 * tol and np.delete(diff, 5).max() < tol
+    if ggml_type == "Q6_K":
+        swapped = dict(arrays, q_scale=arrays["q_scale"].copy())
+        swapped["q_scale"][:, [0, 1]] = swapped["q_scale"][:, [1, 0]]
+        assert np.abs(_run(lib, shape, x, swapped) - ref).max() > 5 * tol
 
 
 @pytest.mark.parametrize("dot_family", list(X86_FAMILY_TARGETS) + list(ARM_FAMILY_TARGETS))
-def test_every_family_builds_the_q4k_gemv(dot_family):
-    """Built, not run, for every x86 and aarch64 family: its dot instructions read the Q4_K layout."""
+@pytest.mark.parametrize("ggml_type", K_QUANTS)
+def test_every_family_builds_k_quant_gemvs(dot_family, ggml_type):
+    """Built, not run, for every x86 and aarch64 family with int16 activations: its dot instructions read the
+    layout. Left to the float GEMV: Q6_K's 16-value groups on aarch64 (arm.py has a lane per block) and 8-bit
+    asymmetric codes on dotprod (it centres 8-bit codes)."""
     target = {**X86_FAMILY_TARGETS, **ARM_FAMILY_TARGETS}[dot_family]
-    layout = LAYOUTS["Q4_K"]
+    layout = LAYOUTS[ggml_type]
     shape = GemvShape(N, K, layout.bits, layout.group, layout.symmetric, layout.scale_dtype, 16, dot_family)
+    if (ggml_type, dot_family) in {("Q6_K", "i8mm"), ("Q6_K", "dotprod"), ("Q5_K", "dotprod")}:
+        assert not shape.supported()
+        return
     assert shape.supported()
     asm = assembly(tvm.tirx.build(_module(shape), target=target))
-    instruction = "vpmaddwd" if dot_family in X86_FAMILY_TARGETS else "sdot"
+    instruction = "vpmaddwd" if dot_family in X86_FAMILY_TARGETS else "s?u?s?dot"
     assert re.search(rf"\b{instruction}\b", asm), dot_family
 
 
-def test_q6k_and_int8_q5k_shapes_are_left_to_the_float_gemv():
-    """16-value groups (Q6_K), and asymmetric 8-bit codes where the family centres them (Q5_K with int8
-    activations on AVX2, dotprod), are not integer-dot shapes: IntegerDotGEMV leaves them to the float GEMV."""
-    q6 = LAYOUTS["Q6_K"]
-    assert not GemvShape(N, K, q6.bits, q6.group, q6.symmetric, q6.scale_dtype, 16, "avx2").supported()
-    q5 = LAYOUTS["Q5_K"]
-    assert not GemvShape(N, K, q5.bits, q5.group, q5.symmetric, q5.scale_dtype, 8, "avx2").supported()
-    assert GemvShape(N, K, q5.bits, q5.group, q5.symmetric, q5.scale_dtype, 8, "avxvnni").supported()
+def test_int8_activations_leave_centred_8_bit_k_quants_to_the_float_gemv():
+    """Asymmetric 8-bit codes where the family centres them (int8 activations on AVX2 or AVX-512BW without VNNI,
+    dotprod) are not integer-dot shapes: IntegerDotGEMV leaves Q5_K and Q6_K there to the float GEMV."""
+    for ggml_type in ("Q5_K", "Q6_K"):
+        lay = LAYOUTS[ggml_type]
+        for dot_family in ("avx2", "avx512bw", "avxvnni", "dotprod"):
+            shape = GemvShape(N, K, lay.bits, lay.group, lay.symmetric, lay.scale_dtype, 8, dot_family)
+            assert shape.supported() == (dot_family == "avxvnni"), (ggml_type, dot_family)  # vpdpbusd: uncentred

@@ -15,9 +15,10 @@ variant turns them into int32 lanes, each a sum of products of one block, and sa
 kernel stores the activations so that every instruction reads them contiguously; the activation kernel also writes
 its per-block terms already repeated per lane, so the only shuffle left widens the two weight scales of a 4-bit
 step to [d0 ..., d1 ...]. A variant may also step through 4 blocks with a lane each and a shorter last step,
-several rows at a time, the mins' term per step (arm.py). Every variant file defines the same names: FAMILIES,
-TAIL_STEPS, ROWS_TOGETHER, MINS_PER_STEP, reduce_rows, blocks_per_step, qmax, centered, split_int16, int32_lanes,
-activation_index and step_dot.
+several rows at a time, the mins' term per step (arm.py). Asymmetric 8-bit codes may also have a scale and min per
+16 values (GGUF Q6_K) where the variant sums each half of a block in its own half of the lanes (x86.py). Every
+variant file defines the same names: FAMILIES, TAIL_STEPS, ROWS_TOGETHER, MINS_PER_STEP, HALF_BLOCK_GROUPS,
+reduce_rows, blocks_per_step, qmax, centered, split_int16, int32_lanes, activation_index and step_dot.
 
 SmolLM2 decode GEMVs, one Zen 3 core (AVX2), weights in cache, int16 activations: 4-bit gate_up 0.128 ms with
 vpmovzxbw widening, 0.093 ms widened in-lane (x86.py); int8 activations 0.062 ms.
@@ -141,23 +142,32 @@ class GemvShape:
     @property
     def sum_terms(self) -> int:
         """Length of the activation sum terms: per lane (symmetric: folded into each step's FMA; asymmetric with
-        mins_per_step) or per 32-value block (asymmetric: one dot with the row's mins after the steps)."""
-        return self.lane_terms if self.symmetric or self.mins_per_step else self.k // BLOCK
+        mins_per_step) or per group of 32 or 16 values (asymmetric: one dot with the row's mins after the steps)."""
+        return self.lane_terms if self.symmetric or self.mins_per_step else self.k // self.group
+
+    @property
+    def half_block_groups(self) -> bool:
+        """A scale and min per 16 values: asymmetric 8-bit codes (one block per step), on a variant whose lanes sum
+        each half of a block apart (HALF_BLOCK_GROUPS)."""
+        return (self.group == BLOCK // 2 and self.bits == 8 and not self.symmetric
+                and _variant(self.family).HALF_BLOCK_GROUPS)
 
     def supported(self) -> bool:
         # Both 32-code blocks of a 4-bit step must fall in one group, or each have their own (group 32); mins
-        # are read per 32-value block; centred codes drop the -offset term, which only symmetric codes have.
+        # are read per group of at most 32 values; centred codes drop the -offset term, which only symmetric codes
+        # have.
         return (self.bits in (4, 8) and self.act_bits in ACTIVATION_BITS and any(
                     self.family in module.FAMILIES for module in VARIANTS.values())
-                and self.k % BLOCK == 0 and self.group % BLOCK == 0
+                and self.k % BLOCK == 0 and (self.group % BLOCK == 0 or self.half_block_groups)
                 and (self.tail_blocks == 0 or _variant(self.family).TAIL_STEPS)
-                and (self.group == BLOCK or self.group % (BLOCK * self.blocks_per_step) == 0)
-                and (self.symmetric or (self.group == BLOCK and not self.centered)))
+                and (self.group <= BLOCK or self.group % (BLOCK * self.blocks_per_step) == 0)
+                and (self.symmetric or (self.group <= BLOCK and not self.centered)))
 
     def activation_name(self) -> str:
-        """What the activation kernel depends on: K, the code order (bits, and the family's lanes), the sum term and
-        the int width."""
-        return f"int{self.bits}_{'sym' if self.symmetric else 'asym'}_k{self.k}_a{self.act_bits}_l{self.lanes}"
+        """What the activation kernel depends on: K, the code order (bits, and the family's lanes), the sum terms
+        (per 16 values for 16-value groups) and the int width."""
+        halves = "_g16" if self.half_block_groups else ""
+        return f"int{self.bits}_{'sym' if self.symmetric else 'asym'}{halves}_k{self.k}_a{self.act_bits}_l{self.lanes}"
 
     def name(self) -> str:
         kind = "sym" if self.symmetric else "asym"
@@ -167,11 +177,12 @@ class GemvShape:
 def quantize_activation(shape: GemvShape, x_shape: tuple[int, ...]) -> tirx.PrimFunc:
     """x [..., K] float32 (one row) -> xq [K] (int16 or int8) in the GEMV's code order, xs float32 [lane_terms]
     (per lane, its block's scale) and xo float32 [sum_terms] (symmetric codes: per lane, -offset * xs * sum q /
-    lanes; asymmetric: per block, xs * sum q)."""
+    lanes; asymmetric: per group of 32 or 16 values, xs * its sum of q)."""
     k, lanes, qmax, act = shape.k, shape.lanes_per_block, float(shape.qmax), shape.act_dtype
+    halves = 2 if shape.half_block_groups else 1  # sum terms per block (asymmetric): one per group
     sum_factor = -(1 << (shape.bits - 1)) / lanes
     symmetric = shape.symmetric
-    lane_sums = symmetric or shape.mins_per_step  # xo per lane, else per block
+    lane_sums = symmetric or shape.mins_per_step  # xo per lane, else per group
     order = _variant(shape.family).activation_index
     split = shape.split_int16
     blocks = k // BLOCK
@@ -185,16 +196,17 @@ def quantize_activation(shape: GemvShape, x_shape: tuple[int, ...]) -> tirx.Prim
             xf = T.decl_buffer((k,), "float32", data=x.data)
             xb = T.decl_buffer((k * shape.act_bits // 8,), "int8", data=xq.data)  # the planes of split int16
             amax = T.alloc_buffer((1,), "float32", scope="local")
-            qsum = T.alloc_buffer((1,), "int32", scope="local")
+            qsum = T.alloc_buffer((halves,), "int32", scope="local")
             for b in range(k // BLOCK):
                 amax[0] = T.float32(0)
                 for j in range(BLOCK):
                     amax[0] = T.max(amax[0], T.fabs(xf[b * BLOCK + j]))
                 inv = T.if_then_else(amax[0] > T.float32(0), T.float32(qmax) / amax[0], T.float32(0))
-                qsum[0] = 0
+                for h in range(halves):
+                    qsum[h] = 0
                 for j in range(BLOCK):
                     q = T.Cast("int32", T.round(xf[b * BLOCK + j] * inv))
-                    qsum[0] = qsum[0] + q
+                    qsum[j // (BLOCK // halves)] = qsum[j // (BLOCK // halves)] + q
                     if split:
                         high = T.shift_right(q + 128, 8)  # q = 256 high + low, both in -128..127
                         xb[order(shape, b, j, 0)] = T.Cast("int8", q - high * 256)
@@ -208,7 +220,8 @@ def quantize_activation(shape: GemvShape, x_shape: tuple[int, ...]) -> tirx.Prim
                     elif lane_sums:
                         xo[b * lanes + lane] = amax[0] / T.float32(qmax) * T.Cast("float32", qsum[0]) / T.float32(lanes)
                 if not lane_sums:
-                    xo[b] = amax[0] / T.float32(qmax) * T.Cast("float32", qsum[0])
+                    for h in range(halves):
+                        xo[b * halves + h] = amax[0] / T.float32(qmax) * T.Cast("float32", qsum[h])
             if padding > 0:
                 for lane in range(padding):
                     xs[blocks * lanes + lane] = T.float32(0)
@@ -223,6 +236,9 @@ def _lane_scale(shape: GemvShape, buf, n, step, blocks: int | None = None):
     whose other lanes are zero), as float32 x lanes."""
     bps, per_block, lanes = shape.blocks_per_step, shape.lanes_per_block, shape.lanes
     count = bps if blocks is None else blocks
+    if shape.half_block_groups:  # one block per step: the first half of the lanes sums its first 16 codes
+        halves = T.Cast("float32x2", buf[n, T.ramp(step * 2, 1, 2)])
+        return T.Shuffle([halves] * (lanes // 2), [i * 2 // lanes for i in range(lanes)])  # inputs >= outputs
     if bps > 1 and shape.group == BLOCK:
         scales = T.Cast(f"float32x{count}", buf[n, T.ramp(step * bps, 1, count)])
         if count == lanes:

@@ -40,6 +40,7 @@ LANES = 4
 # vectors live: spills and register moves, Neoverse-N2 model 4.9 instead of 4.1 cycles per 32 codes).
 ROWS_TOGETHER = 4
 MINS_PER_STEP = True  # asymmetric codes: the step's 4 mins times the 4 blocks' activation sums, one FMA
+HALF_BLOCK_GROUPS = False  # a lane per block: 16-value groups (GGUF Q6_K) stay with the float GEMV
 
 
 # int_dot family -> whether it has an unsigned x signed int8 dot product (usdot)

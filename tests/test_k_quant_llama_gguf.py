@@ -100,7 +100,9 @@ def test_compiled_k_quants_match_transformers_for_32_greedy_tokens(artifact, ref
     tokens = [int(np.argmax(session.prefill(PROMPT)))]
     for step in range(31):
         logits = session.decode(tokens[-1])
-        assert np.abs(logits - ref_decode[step]).max() < 1e-4 * scale, f"decode step {step}"
+        # decode GEMVs quantize activations to int16 per 32 values (~2e-5 each, integer_dot_gemv); chained through
+        # this model's 0.5-std random weights they reach ~2e-4 of the logits' scale (prefill, float: 1e-4)
+        assert np.abs(logits - ref_decode[step]).max() < 1e-3 * scale, f"decode step {step}"
         tokens.append(int(np.argmax(logits)))
     assert tokens == ref_tokens
     assert len(set(tokens)) > 3  # not a degenerate repetition that any model would produce
@@ -110,8 +112,8 @@ def test_compiled_k_quants_match_transformers_for_32_greedy_tokens(artifact, ref
 
 
 def test_k_quant_layers_keep_their_layouts_and_decode_on_integer_dot_gemvs(artifact):
-    """Float32 scales per sub-block (Q4_K int4 g32, Q5_K int8 g32, the mixed q/k/v int8 g16); the Q4_K and Q5_K
-    decode GEMVs are the integer-dot kernels on a CPU that has them."""
+    """Float32 scales per sub-block (Q4_K int4 g32, Q5_K int8 g32, Q6_K and the mixed q/k/v int8 g16); their decode
+    GEMVs are the integer-dot kernels on a CPU that has them."""
     shapes = {t["name"]: (tuple(t["shape"]), t["dtype"]) for t in artifact.index["tensors"]}
     hidden = CONFIG["hidden_size"]
     assert shapes["model.layers.0.mlp.gate_up_proj.q_scale"] == ((2 * CONFIG["intermediate_size"], hidden // 32),
@@ -124,6 +126,8 @@ def test_k_quant_layers_keep_their_layouts_and_decode_on_integer_dot_gemvs(artif
         symbols = artifact.library.read_bytes()
         assert b"integer_dot_gemv_int4_g32_asym_float32_" in symbols
         assert b"integer_dot_gemv_int8_g32_asym_float32_" in symbols
+        if artifact.config["cpu"]["arch"] == "x86_64":  # Q6_K's 16-value groups (arm.py leaves them to the float GEMV)
+            assert b"integer_dot_gemv_int8_g16_asym_float32_" in symbols
 
 
 def test_llama_cpp_decodes_the_same_tokens(path, reference):

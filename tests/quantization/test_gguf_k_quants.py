@@ -181,23 +181,31 @@ def _gemv_case(ggml_type: str, act_bits: int, dot_family: str):
     shape = GemvShape(N, K, layout.bits, layout.group, layout.symmetric, layout.scale_dtype, act_bits, dot_family)
     x = rng.standard_normal(K).astype(np.float32)
     x[7] = 30.0  # an outlier, as hidden states have
-    return shape, convert_blocks(ggml_type, raw, layout), x, _reference(ggml_type, raw) @ x
+    return shape, convert_blocks(ggml_type, raw, layout), x, _reference(ggml_type, raw)
 
 
 @pytest.mark.parametrize("dot_family", RUNNABLE)
 @pytest.mark.parametrize("ggml_type,act_bits", [("Q4_K", 16), ("Q4_K", 8), ("Q5_K", 16), ("Q6_K", 16)])
 def test_integer_dot_gemv_on_k_quants_matches_gguf_values_times_x(ggml_type, act_bits, dot_family):
-    shape, arrays, x, ref = _gemv_case(ggml_type, act_bits, dot_family)
+    shape, arrays, x, weights = _gemv_case(ggml_type, act_bits, dot_family)
+    ref = weights @ x
     assert shape.supported()
     lib = tvm.tirx.build(_module(shape), target=X86_FAMILY_TARGETS[dot_family])
+    got = _run(lib, shape, x, arrays)
     tol = (2e-4 if act_bits == 16 else 2e-2) * np.abs(ref).max()  # activation rounding: 1/65534 or 1/254 per block
-    assert np.abs(_run(lib, shape, x, arrays) - ref).max() < tol
+    assert np.abs(got - ref).max() < tol
+    # and exactly what the rounded activations give, up to float32 sums: the rounding is the only difference
+    blocks = x.reshape(-1, 32)
+    step = np.abs(blocks).max(axis=1, keepdims=True) / shape.qmax
+    rounded = weights @ (np.round(blocks / step) * step).reshape(-1)
+    assert np.abs(got - rounded).max() < (1e-5 if act_bits == 16 else 1e-4) * np.abs(rounded).max()
     # negative controls: one group's float32 min off by 1 changes that row alone; Q6_K: a block's two half scales
     # swapped (a kernel that used one scale per block, or the wrong half, fails like this)
-    changed = dict(arrays, q_min=arrays["q_min"].copy())
-    changed["q_min"][5, 0] -= 1.0
-    diff = np.abs(_run(lib, shape, x, changed) - ref)
-    assert diff[5] > 5 * tol and np.delete(diff, 5).max() < tol
+    for group in (0, 1):  # Q6_K: both halves of the first block
+        changed = dict(arrays, q_min=arrays["q_min"].copy())
+        changed["q_min"][5, group] -= 1.0
+        diff = np.abs(_run(lib, shape, x, changed) - ref)
+        assert diff[5] > 5 * tol and np.delete(diff, 5).max() < tol
     if ggml_type == "Q6_K":
         swapped = dict(arrays, q_scale=arrays["q_scale"].copy())
         swapped["q_scale"][:, [0, 1]] = swapped["q_scale"][:, [1, 0]]

@@ -112,8 +112,8 @@ def test_compiled_k_quants_match_transformers_for_32_greedy_tokens(artifact, ref
 
 
 def test_k_quant_layers_keep_their_layouts_and_decode_on_integer_dot_gemvs(artifact):
-    """Float32 scales per sub-block (Q4_K int4 g32, Q5_K int8 g32, Q6_K and the mixed q/k/v int8 g16); their decode
-    GEMVs are the integer-dot kernels on a CPU that has them."""
+    """Float32 scales per sub-block (Q4_K int4 g32 and Q5_K int8 g32 with mins, Q6_K int8 g16 about code 32, the
+    mixed q/k/v int8 g16 with mins); their decode GEMVs are the integer-dot kernels on a CPU that has them."""
     shapes = {t["name"]: (tuple(t["shape"]), t["dtype"]) for t in artifact.index["tensors"]}
     hidden = CONFIG["hidden_size"]
     assert shapes["model.layers.0.mlp.gate_up_proj.q_scale"] == ((2 * CONFIG["intermediate_size"], hidden // 32),
@@ -121,13 +121,14 @@ def test_k_quant_layers_keep_their_layouts_and_decode_on_integer_dot_gemvs(artif
     assert shapes["model.layers.0.self_attn.qkv_proj.q_weight"][0][1] == hidden  # widened to 8-bit codes
     assert shapes["model.layers.0.self_attn.qkv_proj.q_min"][0][1] == hidden // 16
     assert shapes["model.layers.1.self_attn.qkv_proj.q_scale"][0][1] == hidden // 32
-    assert shapes["lm_head.q_scale"][0] == (CONFIG["vocab_size"], hidden // 16)
+    assert shapes["lm_head.q_scale"][0] == (CONFIG["vocab_size"], hidden // 16) and "lm_head.q_min" not in shapes
     if artifact.config["decode_activations"] is not None:  # this CPU has an integer-dot family
         symbols = artifact.library.read_bytes()
         assert b"integer_dot_gemv_int4_g32_asym_float32_" in symbols
         assert b"integer_dot_gemv_int8_g32_asym_float32_" in symbols
-        if artifact.config["cpu"]["arch"] == "x86_64":  # Q6_K's 16-value groups (arm.py leaves them to the float GEMV)
-            assert b"integer_dot_gemv_int8_g16_asym_float32_" in symbols
+        if artifact.config["cpu"]["arch"] == "x86_64":  # 16-value groups (arm.py leaves them to the float GEMV)
+            assert b"integer_dot_gemv_int8_g16_sym_float32_" in symbols  # Q6_K
+            assert b"integer_dot_gemv_int8_g16_asym_float32_" in symbols  # Q4_K q/k joined with a Q6_K v
 
 
 def test_llama_cpp_decodes_the_same_tokens(path, reference):

@@ -57,7 +57,7 @@ class _Rewriter(PyExprMutator):
         stored = list(producer.args[1].fields)
         shape = GemvShape(n=y_shape[-1], k=x_shape[-1], bits=int(layout["bits"]), group=int(layout["group"]),
                           symmetric=bool(layout["symmetric"]), scale_dtype=str(stored[1].ty.dtype),
-                          act_bits=self.act_bits, family=self.dot_family)
+                          act_bits=self.act_bits, family=self.dot_family, zero_code=int(layout["offset"]))
         if not shape.supported():
             return None
         return x, stored, shape, x_shape, y_shape

@@ -3,9 +3,9 @@
 Q4_0 / Q4_1 / Q8_0 keep their bytes (codes and fp16 scales). The K-quants pack 256 values per super-block with
 fp16 `d` (and `dmin`) and 6- or 8-bit integer scales per sub-block; each sub-block's scale d * sc and min dmin * m
 is exact in float32 (11 mantissa bits times an integer of at most 8 bits), so they become 32-value (Q4_K, Q5_K)
-or 16-value (Q6_K) groups with float32 scales and mins, and every product code * scale is exact too: the stored
-values are gguf's, bit for bit. The price is bytes: 6 / 10 / 12 bits per weight instead of the file's
-4.5 / 5.5 / 6.5625 (the integer-dot GEMVs take Q4_K and Q5_K; Q6_K's 16-value groups go to the float GEMV).
+groups with float32 scales and mins, or 16-value (Q6_K) groups with float32 scales about code 32, and every
+product code * scale is exact too (at most 24 significant bits): the stored values are gguf's, bit for bit. The
+price is bytes: 6 / 10 / 10 bits per weight instead of the file's 4.5 / 5.5 / 6.5625.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ LAYOUTS: dict[str, GroupLayout] = {
     "Q8_0": GroupLayout(8, 32, True, "float16"),  # f16 d, 32 int8: w = q d  (stored as q + 128)
     "Q4_K": GroupLayout(4, 32, False, "float32"),  # w = (d sc) q - dmin m, q 4 bits, sc and m 6 bits
     "Q5_K": GroupLayout(8, 32, False, "float32"),  # as Q4_K with 5-bit q (8-bit codes: we have no 5-bit layout)
-    "Q6_K": GroupLayout(8, 16, False, "float32"),  # w = (d sc) (q - 32), q 6 bits, sc int8: min = -32 d sc
+    "Q6_K": GroupLayout(8, 16, True, "float32", zero_code=32),  # w = (d sc) (q - 32), q 6 bits, sc int8
 }
 FLOAT_TYPES = ("F32", "F16")
 SUPPORTED_TYPES = ", ".join([*LAYOUTS, *FLOAT_TYPES])
@@ -109,8 +109,9 @@ def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _k_quant(ggml_type: str, blocks: np.ndarray) -> dict[str, np.ndarray]:
     """Q4_K (144 bytes: d, dmin, 12 scale bytes, 128 nibble bytes), Q5_K (176: the same with 32 bytes of fifth bits
     before the nibbles), Q6_K (210: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, d) -> codes per
-    value in order, float32 scales and mins per sub-block."""
+    value in order, float32 scales (and Q4_K/Q5_K's mins) per sub-block."""
     rows, n_blocks, _ = blocks.shape
+    out = {}
     if ggml_type == "Q6_K":
         # values 128h + r of a super-block: low 4 bits from byte 64h + r % 64 (nibble r // 64), high 2 bits from
         # byte 32h + r % 32 (bits 2 (r // 32) and up)
@@ -118,11 +119,10 @@ def _k_quant(ggml_type: str, blocks: np.ndarray) -> dict[str, np.ndarray]:
         high = blocks[:, :, 128:192].reshape(rows, n_blocks, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
         codes = (low & 0x0F).reshape(rows, n_blocks, 256) | ((high & 0x03).reshape(rows, n_blocks, 256) << 4)
         scale = _fp16(blocks, 208).astype(np.float32)[:, :, None] * blocks[:, :, 192:208].view(np.int8)
-        minv = scale * np.float32(-32)
     else:
         sc, m = _k_scales_mins(blocks[:, :, 4:16])
         scale = _fp16(blocks, 0).astype(np.float32)[:, :, None] * sc
-        minv = -(_fp16(blocks, 2).astype(np.float32)[:, :, None] * m)
+        out["q_min"] = (-(_fp16(blocks, 2).astype(np.float32)[:, :, None] * m)).astype(np.float32).reshape(rows, -1)
         # each 32 nibble bytes hold two sub-blocks: value i of the first in the low nibble of byte i, of the second
         # in the high one
         nibbles = blocks[:, :, -128:].reshape(rows, n_blocks, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
@@ -130,6 +130,6 @@ def _k_quant(ggml_type: str, blocks: np.ndarray) -> dict[str, np.ndarray]:
         if ggml_type == "Q5_K":  # bit s of byte i: the fifth bit of value i of sub-block s
             fifth = blocks[:, :, 16:48].reshape(rows, n_blocks, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
             codes = codes | ((fifth & 0x01).reshape(rows, n_blocks, 256) << 4)
-    layout = LAYOUTS[ggml_type]
-    return {"q_weight": pack_codes(codes.reshape(rows, -1), layout.bits),
-            "q_scale": scale.astype(np.float32).reshape(rows, -1), "q_min": minv.astype(np.float32).reshape(rows, -1)}
+    out["q_weight"] = pack_codes(codes.reshape(rows, -1), LAYOUTS[ggml_type].bits)
+    out["q_scale"] = scale.astype(np.float32).reshape(rows, -1)
+    return out

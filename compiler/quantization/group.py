@@ -17,7 +17,8 @@ NIBBLE_BLOCK = 32
 class GroupLayout:
     """`bits`-bit codes (4 or 8) stored as uint8 along K; one scale (and min) per `group` values.
 
-    Symmetric: w = (code - 2^(bits-1)) * scale.  Asymmetric: w = code * scale + min.
+    Symmetric: w = (code - offset) * scale, offset 2^(bits-1) unless `zero_code` is set.  Asymmetric:
+    w = code * scale + min.
     Any K is accepted: a K that `group` does not divide (576 with group 128) ends in a shorter group; 4-bit
     codes are stored up to the next 32-code block (zero codes in the padding, sliced away by the kernels).
     """
@@ -26,10 +27,11 @@ class GroupLayout:
     group: int
     symmetric: bool
     scale_dtype: str
+    zero_code: int | None = None  # symmetric codes' zero other than 2^(bits-1): GGUF Q6_K's 6-bit codes centre on 32
 
     @property
     def offset(self) -> int:
-        return 1 << (self.bits - 1)
+        return 1 << (self.bits - 1) if self.zero_code is None else self.zero_code
 
     def padded_k(self, k: int) -> int:
         """K rounded up to whole groups: the zero-padded width used while computing scales."""
@@ -48,7 +50,9 @@ class GroupLayout:
         return out
 
     def describe(self) -> str:
-        kind = "symmetric" if self.symmetric else "asymmetric (scale + min)"
+        kind = "asymmetric (scale + min)"
+        if self.symmetric:
+            kind = "symmetric" if self.zero_code is None else f"symmetric about code {self.zero_code}"
         return f"int{self.bits} {kind}, group {self.group}, {self.scale_dtype} scales"
 
 

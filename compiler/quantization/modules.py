@@ -28,7 +28,8 @@ class _QuantizedWeight(nn.Module):
         del dtype
 
     def dequantized_weight(self) -> Tensor:
-        layout = {"bits": self.layout.bits, "group": self.layout.group, "symmetric": self.layout.symmetric}
+        layout = {"bits": self.layout.bits, "group": self.layout.group, "symmetric": self.layout.symmetric,
+                  "offset": self.layout.offset}
         return op.tensor_expr_op(dequantize_te(self.layout, self.in_features, self.dtype), "dequantize", self._stored(),
                                  attrs={LAYOUT_ATTR: layout})
 

@@ -23,7 +23,7 @@ class Scheme:
             return f"no quantization, {self.float_dtype} weights and activations"
         if self.kind == "gguf":
             return ("keep a GGUF file's values bit for bit (GGUF input only): Q4_0/Q4_1/Q8_0 blocks as stored; "
-                    "Q4_K/Q5_K/Q6_K with float32 scales per sub-block, 6/10/12 bits per weight instead of 4.5/5.5/6.6")
+                    "Q4_K/Q5_K/Q6_K with float32 scales per sub-block, 6/10/10 bits per weight instead of 4.5/5.5/6.6")
         return f"{self.layout.describe()} (embedding and lm_head: int8, group 32)"
 
     def to_json(self) -> dict:

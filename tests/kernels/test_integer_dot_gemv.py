@@ -115,11 +115,13 @@ def test_negative_controls_fail_the_same_tolerance():
     assert diff[7] > 100 * tol and np.delete(diff, 7).max() < tol
 
 
-@pytest.mark.parametrize("bits,grp,k,symmetric", [(4, 32, 96, True), (4, 48, 192, True), (8, 16, 64, True),
+@pytest.mark.parametrize("bits,grp,k,symmetric", [(4, 32, 96, True), (4, 48, 192, True), (4, 16, 64, True),
                                                    (4, 32, 100, True), (3, 32, 64, True), (4, 64, 128, False)])
 def test_refuses_shapes_it_cannot_step_through(bits, grp, k, symmetric):
-    """4-bit steps take two 32-code blocks (K/64 whole), groups hold whole blocks, bits 4 or 8, mins per 32."""
+    """4-bit steps take two 32-code blocks (K/64 whole), groups hold whole blocks (8-bit codes on x86: also halves,
+    tests/quantization/test_gguf_k_quants.py), bits 4 or 8, mins per 32 (or 16)."""
     assert not GemvShape(N, k, bits, grp, symmetric, "float16").supported()
+    assert not GemvShape(N, k, 8, 16, True, "float16", family="dotprod").supported()  # arm.py: a lane per block
 
 
 # family -> (act bits -> instructions its GEMV must contain, and must not)

@@ -34,7 +34,7 @@ SSE4 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu",
 def _module(tagged=True):
     """decode(x[1, 1, K]) and prefill(x[1, seq, K]): x @ dequantize(q).T + residual, as QuantizedLinear emits it."""
     bb = relax.BlockBuilder()
-    attrs = {LAYOUT_ATTR: {"bits": 4, "group": 32, "symmetric": True}} if tagged else {}
+    attrs = {LAYOUT_ATTR: {"bits": 4, "group": 32, "symmetric": True, "offset": 8}} if tagged else {}
     for name, rows in (("decode", 1), ("prefill", tirx.Var("seq_len", "int64"))):
         x = relax.Var("x", relax.TensorType([1, rows, K], "float32"))
         residual = relax.Var("residual", relax.TensorType([1, rows, N], "float32"))

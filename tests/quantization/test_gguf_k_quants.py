@@ -178,7 +178,8 @@ def _gemv_case(ggml_type: str, act_bits: int, dot_family: str):
     rng = np.random.default_rng(4)
     raw = k_quants.quantize(rng.standard_normal((N, K)).astype(np.float32) * 0.1, Q[ggml_type])
     layout = LAYOUTS[ggml_type]
-    shape = GemvShape(N, K, layout.bits, layout.group, layout.symmetric, layout.scale_dtype, act_bits, dot_family)
+    shape = GemvShape(N, K, layout.bits, layout.group, layout.symmetric, layout.scale_dtype, act_bits, dot_family,
+                      layout.zero_code)
     x = rng.standard_normal(K).astype(np.float32)
     x[7] = 30.0  # an outlier, as hidden states have
     return shape, convert_blocks(ggml_type, raw, layout), x, _reference(ggml_type, raw)
@@ -199,11 +200,12 @@ def test_integer_dot_gemv_on_k_quants_matches_gguf_values_times_x(ggml_type, act
     step = np.abs(blocks).max(axis=1, keepdims=True) / shape.qmax
     rounded = weights @ (np.round(blocks / step) * step).reshape(-1)
     assert np.abs(got - rounded).max() < (1e-5 if act_bits == 16 else 1e-4) * np.abs(rounded).max()
-    # negative controls: one group's float32 min off by 1 changes that row alone; Q6_K: a block's two half scales
-    # swapped (a kernel that used one scale per block, or the wrong half, fails like this)
+    # negative controls: one group's float32 min (Q6_K: scale) off by 1 changes that row alone; Q6_K: a block's two
+    # half scales swapped (a kernel that used one scale per block, or the wrong half, fails like this)
+    name = "q_min" if "q_min" in arrays else "q_scale"
     for group in (0, 1):  # Q6_K: both halves of the first block
-        changed = dict(arrays, q_min=arrays["q_min"].copy())
-        changed["q_min"][5, group] -= 1.0
+        changed = dict(arrays, **{name: arrays[name].copy()})
+        changed[name][5, group] += 1.0
         diff = np.abs(_run(lib, shape, x, changed) - ref)
         assert diff[5] > 5 * tol and np.delete(diff, 5).max() < tol
     if ggml_type == "Q6_K":
@@ -216,11 +218,12 @@ def test_integer_dot_gemv_on_k_quants_matches_gguf_values_times_x(ggml_type, act
 @pytest.mark.parametrize("ggml_type", K_QUANTS)
 def test_every_family_builds_k_quant_gemvs(dot_family, ggml_type):
     """Built, not run, for every x86 and aarch64 family with int16 activations: its dot instructions read the
-    layout. Left to the float GEMV: Q6_K's 16-value groups on aarch64 (arm.py has a lane per block) and 8-bit
+    layout. Left to the float GEMV: Q6_K's 16-value groups on aarch64 (arm.py has a lane per block) and Q5_K's 8-bit
     asymmetric codes on dotprod (it centres 8-bit codes)."""
     target = {**X86_FAMILY_TARGETS, **ARM_FAMILY_TARGETS}[dot_family]
     layout = LAYOUTS[ggml_type]
-    shape = GemvShape(N, K, layout.bits, layout.group, layout.symmetric, layout.scale_dtype, 16, dot_family)
+    shape = GemvShape(N, K, layout.bits, layout.group, layout.symmetric, layout.scale_dtype, 16, dot_family,
+                      layout.zero_code)
     if (ggml_type, dot_family) in {("Q6_K", "i8mm"), ("Q6_K", "dotprod"), ("Q5_K", "dotprod")}:
         assert not shape.supported()
         return
@@ -231,10 +234,11 @@ def test_every_family_builds_k_quant_gemvs(dot_family, ggml_type):
 
 
 def test_int8_activations_leave_centred_8_bit_k_quants_to_the_float_gemv():
-    """Asymmetric 8-bit codes where the family centres them (int8 activations on AVX2 or AVX-512BW without VNNI,
-    dotprod) are not integer-dot shapes: IntegerDotGEMV leaves Q5_K and Q6_K there to the float GEMV."""
+    """Asymmetric 8-bit codes, or symmetric ones about code 32, where the family centres codes about 128 (int8
+    activations on AVX2 or AVX-512BW without VNNI, dotprod) are not integer-dot shapes: IntegerDotGEMV leaves Q5_K
+    and Q6_K there to the float GEMV."""
     for ggml_type in ("Q5_K", "Q6_K"):
         lay = LAYOUTS[ggml_type]
         for dot_family in ("avx2", "avx512bw", "avxvnni", "dotprod"):
-            shape = GemvShape(N, K, lay.bits, lay.group, lay.symmetric, lay.scale_dtype, 8, dot_family)
+            shape = GemvShape(N, K, lay.bits, lay.group, lay.symmetric, lay.scale_dtype, 8, dot_family, lay.zero_code)
             assert shape.supported() == (dot_family == "avxvnni"), (ggml_type, dot_family)  # vpdpbusd: uncentred

@@ -77,6 +77,11 @@ class GemvShape:
     scale_dtype: str
     act_bits: int = 16
     family: str = "avx512bw"
+    zero_code: int | None = None  # symmetric codes' zero (GroupLayout.zero_code); None: 2^(bits-1)
+
+    @property
+    def offset(self) -> int:
+        return 1 << (self.bits - 1) if self.zero_code is None else self.zero_code
 
     @property
     def act_dtype(self) -> str:
@@ -147,10 +152,9 @@ class GemvShape:
 
     @property
     def half_block_groups(self) -> bool:
-        """A scale and min per 16 values: asymmetric 8-bit codes (one block per step), on a variant whose lanes sum
-        each half of a block apart (HALF_BLOCK_GROUPS)."""
-        return (self.group == BLOCK // 2 and self.bits == 8 and not self.symmetric
-                and _variant(self.family).HALF_BLOCK_GROUPS)
+        """A scale (and min) per 16 values: 8-bit codes (one block per step), on a variant whose lanes sum each half
+        of a block apart (HALF_BLOCK_GROUPS)."""
+        return self.group == BLOCK // 2 and self.bits == 8 and _variant(self.family).HALF_BLOCK_GROUPS
 
     def supported(self) -> bool:
         # Both 32-code blocks of a 4-bit step must fall in one group, or each have their own (group 32); mins
@@ -161,13 +165,15 @@ class GemvShape:
                 and self.k % BLOCK == 0 and (self.group % BLOCK == 0 or self.half_block_groups)
                 and (self.tail_blocks == 0 or _variant(self.family).TAIL_STEPS)
                 and (self.group <= BLOCK or self.group % (BLOCK * self.blocks_per_step) == 0)
-                and (self.symmetric or (self.group <= BLOCK and not self.centered)))
+                and (self.symmetric or (self.group <= BLOCK and not self.centered))
+                and not (self.centered and self.offset != 128))  # centring subtracts 128, not another zero
 
     def activation_name(self) -> str:
         """What the activation kernel depends on: K, the code order (bits, and the family's lanes), the sum terms
         (per 16 values for 16-value groups) and the int width."""
+        kind = "asym" if not self.symmetric else "sym" if self.offset == 1 << (self.bits - 1) else f"sym{self.offset}"
         halves = "_g16" if self.half_block_groups else ""
-        return f"int{self.bits}_{'sym' if self.symmetric else 'asym'}{halves}_k{self.k}_a{self.act_bits}_l{self.lanes}"
+        return f"int{self.bits}_{kind}{halves}_k{self.k}_a{self.act_bits}_l{self.lanes}"
 
     def name(self) -> str:
         kind = "sym" if self.symmetric else "asym"
@@ -176,11 +182,11 @@ class GemvShape:
 
 def quantize_activation(shape: GemvShape, x_shape: tuple[int, ...]) -> tirx.PrimFunc:
     """x [..., K] float32 (one row) -> xq [K] (int16 or int8) in the GEMV's code order, xs float32 [lane_terms]
-    (per lane, its block's scale) and xo float32 [sum_terms] (symmetric codes: per lane, -offset * xs * sum q /
-    lanes; asymmetric: per group of 32 or 16 values, xs * its sum of q)."""
+    (per lane, its block's scale) and xo float32 [sum_terms] (symmetric codes: per lane, -offset * xs * the sum of q
+    over the lane's group / its lanes; asymmetric: per group of 32 or 16 values, xs * its sum of q)."""
     k, lanes, qmax, act = shape.k, shape.lanes_per_block, float(shape.qmax), shape.act_dtype
-    halves = 2 if shape.half_block_groups else 1  # sum terms per block (asymmetric): one per group
-    sum_factor = -(1 << (shape.bits - 1)) / lanes
+    halves = 2 if shape.half_block_groups else 1  # groups per block: each half of the lanes sums its own
+    sum_factor = -shape.offset / (lanes // halves)
     symmetric = shape.symmetric
     lane_sums = symmetric or shape.mins_per_step  # xo per lane, else per group
     order = _variant(shape.family).activation_index
@@ -216,7 +222,8 @@ def quantize_activation(shape: GemvShape, x_shape: tuple[int, ...]) -> tirx.Prim
                 for lane in range(lanes):
                     xs[b * lanes + lane] = amax[0] / T.float32(qmax)
                     if symmetric:
-                        xo[b * lanes + lane] = amax[0] / T.float32(qmax) * T.Cast("float32", qsum[0]) * T.float32(sum_factor)
+                        xo[b * lanes + lane] = (amax[0] / T.float32(qmax) * T.Cast("float32", qsum[lane * halves // lanes])
+                                                * T.float32(sum_factor))
                     elif lane_sums:
                         xo[b * lanes + lane] = amax[0] / T.float32(qmax) * T.Cast("float32", qsum[0]) / T.float32(lanes)
                 if not lane_sums:

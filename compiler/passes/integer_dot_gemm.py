@@ -55,11 +55,10 @@ class _Rewriter(PyExprMutator):
         quantize = self._kernel(f"quantize_rows_{shape.activation_name()}", lambda: quantize_rows(shape))
         product = self._kernel(f"integer_dot_gemm_{shape.name()}", lambda: gemm(shape))
         panels = (rows + TILE_M - 1) // TILE_M
-        act = self.builder_.emit(relax.call_tir(quantize, [x], [
-            relax.TensorType([panels, TILE_M * shape.k], "int8"),
-            relax.TensorType([panels, shape.terms_per_panel], "float32"),
-            relax.TensorType([panels, shape.terms_per_panel], "float32")]))
-        parts = [self.builder_.emit(relax.TupleGetItem(act, i)) for i in range(3)]
+        outputs = [relax.TensorType([panels, TILE_M * shape.k], "int8"),
+                   *[relax.TensorType([panels, shape.terms_per_panel], "float32")] * (2 if shape.activation_sums else 1)]
+        act = self.builder_.emit(relax.call_tir(quantize, [x], outputs))
+        parts = [self.builder_.emit(relax.TupleGetItem(act, i)) for i in range(len(outputs))]
         return relax.call_tir(product, [*parts, *stored], call.ty)
 
 

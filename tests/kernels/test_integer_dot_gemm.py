@@ -65,13 +65,13 @@ def _run(lib, shape: GemmShape, name: str, x: np.ndarray, arrays: dict, dev, per
     panels = -(-rows // TILE_M)
     xq = tvm.runtime.empty((panels, TILE_M * shape.k), "int8", dev)
     xs = tvm.runtime.empty((panels, shape.terms_per_panel), "float32", dev)
-    xo = tvm.runtime.empty((panels, shape.terms_per_panel), "float32", dev)
-    lib[f"quantize_{name}"](tvm.runtime.tensor(x.reshape(1, rows, -1), dev), xq, xs, xo)
+    sums = [tvm.runtime.empty((panels, shape.terms_per_panel), "float32", dev)] if shape.activation_sums else []
+    lib[f"quantize_{name}"](tvm.runtime.tensor(x.reshape(1, rows, -1), dev), xq, xs, *sums)
     if permute_codes is not None:
         xq = tvm.runtime.tensor(permute_codes(xq.numpy()), dev)
     stored = [tvm.runtime.tensor(arrays[s], dev) for s in ("q_weight", "q_scale", "q_min") if s in arrays]
     y = tvm.runtime.empty((1, rows, shape.n), "float32", dev)
-    lib[f"gemm_{name}"](xq, xs, xo, *stored, y)
+    lib[f"gemm_{name}"](xq, xs, *sums, *stored, y)
     return y.numpy().reshape(rows, shape.n)
 
 
@@ -87,15 +87,15 @@ def test_family_follows_the_target():
     (4, 32, 100, 8, True, "i8mm"), (4, 16, 128, 8, True, "i8mm"), (3, 32, 128, 8, True, "i8mm"),
     (4, 32, 128, 6, True, "i8mm"), (8, 32, 128, 8, False, "dotprod"), (4, 32, 128, 8, True, "avx2")])
 def test_refuses_shapes_it_cannot_tile(bits, grp, k, n, symmetric, dot_family):
-    """Whole 32-value blocks and groups, 4 or 8 bits, N in tiles of 4, no asymmetric centred codes, ARM families."""
+    """Whole 32-value blocks and groups, 4 or 8 bits, N in tiles of 4, no asymmetric 8-bit codes, ARM families."""
     assert not GemmShape(n, k, bits, grp, symmetric, "float16", dot_family).supported()
 
 
-# family, bits -> instructions its GEMM must contain, and must not
+# family, bits -> instructions its GEMM must contain, and must not (symmetric codes: centred with eor)
 INSTRUCTIONS = {
-    ("i8mm", 4): (["smmla"], ["usmmla", "sdot"]),
-    ("i8mm", 8): (["usmmla"], ["sdot", "eor"]),
-    ("dotprod", 4): (["sdot"], ["smmla", "usmmla"]),
+    ("i8mm", 4): (["smmla", "eor"], ["usmmla", "sdot"]),
+    ("i8mm", 8): (["smmla", "eor"], ["usmmla", "sdot"]),
+    ("dotprod", 4): (["sdot", "eor"], ["smmla", "usmmla"]),
     ("dotprod", 8): (["sdot", "eor"], ["smmla", "usmmla"]),
 }
 
@@ -104,7 +104,8 @@ INSTRUCTIONS = {
 @pytest.mark.parametrize("bits", [4, 8])
 def test_each_family_emits_its_instructions(dot_family, bits):
     """Compiled for aarch64 (never run here): a block of an 8 x 4 tile is 32 smmla or 64 sdot by element, the float
-    work one convert per 4 int32 lanes per block, and no vector spills."""
+    work one convert per 4 int32 lanes per block; with i8mm no vector register is spilled (dotprod's tile spills
+    one or two per block)."""
     shape = GemmShape(64, 576, bits, 32, True, "float16", dot_family)
     lib = tvm.tirx.build(tvm.IRModule({"gemm": gemm(shape).with_attr("global_symbol", "gemm")}),
                          target=FAMILY_TARGETS[dot_family])
@@ -114,12 +115,25 @@ def test_each_family_emits_its_instructions(dot_family, bits):
     for instruction in must + must_not:
         assert (instruction in words) == (instruction in must), f"{dot_family} int{bits}: {instruction}"
     if dot_family == "i8mm":
-        assert words.count("smmla") + words.count("usmmla") == 32
+        assert words.count("smmla") == 32
+        assert not re.search(r"\b(ldr|ldp)\s+q\d+, (q\d+, )?\[sp", asm), "vector registers reloaded from the stack"
     else:  # by element: the W row's 4 values repeated from a lane, no horizontal sums
         assert len(re.findall(r"sdot\s+v\d+\.4s, v\d+\.16b, v\d+\.4b\[\d\]", asm)) == 64
         assert "addp" not in words
-    assert words.count("scvtf") == 8
-    assert not re.search(r"\bstr\s+q\d+, \[sp", asm), "vector registers spilled"
+    # 4-bit codes centred as 16 (c - 8): the convert divides by 16 (fixed point, 4 fraction bits)
+    converts = re.findall(r"scvtf\s+v\d+\.4s, v\d+\.4s(, #4)?", asm)
+    assert converts == ["" if bits == 8 else ", #4"] * 8
+
+
+def test_asymmetric_codes_are_centred_only_when_symmetric():
+    """Asymmetric 4-bit codes (Q4_1) go in as they are, 0..15, with the mins' term; asymmetric 8-bit codes are
+    refused (0..255 are not int8)."""
+    shape = GemmShape(64, 576, 4, 32, False, "float16", "i8mm")
+    words = re.findall(r"^\s+([a-z][a-z0-9.]*)\s+v\d+\.", assembly(tvm.tirx.build(
+        tvm.IRModule({"gemm": gemm(shape).with_attr("global_symbol", "gemm")}), target=FAMILY_TARGETS["i8mm"])),
+        flags=re.MULTILINE)
+    assert "eor" not in words and words.count("smmla") == 32 and shape.activation_sums
+    assert not GemmShape(64, 576, 8, 32, False, "float16", "i8mm").supported()
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,10 @@ the variant's instruction reads (arm.py: pairs of rows 8 values at a time for `s
 `sdot`), rows past M as zeros. A register tile is 8 X rows x 4 W rows: 8 int32x4 block tiles (each a 2x2 or 4x1
 piece of it, the variant's), per block
 
-    acc += (float(dot) * xs + xo) * d          symmetric:  xo = -offset * xs * sum q  (offset 8 or 128)
-    acc += float(dot) * xs * d + xo * m        asymmetric: xo = xs * sum q            (w = d c + m)
+    acc += float(dot) * xs * d                 symmetric: codes centred in registers, dot = sum (c - offset) q
+    acc += float(dot) * xs * d + xo * m        asymmetric: xo = xs * sum q  (w = d c + m)
 
-with xs, xo per lane (the activation kernel repeats them in the tile's lane order) and d, m the block's weight
+with xs (and xo) per lane (the activation kernel repeats them in the tile's lane order) and d, m the block's weight
 scale and min: the scales once per block per output, never per code. 8 float32x4 accumulators + 8 block tiles +
 the block's W operands + 4 X operands fit NEON's 32 registers. Each parallel task takes TASK_N rows of W and walks
 every panel of X for them (the task's W codes stay in cache).
@@ -86,13 +86,13 @@ class GemmShape:
         return max(t for t in range(TILE_N, MAX_TASK_N + 1, TILE_N) if self.n % t == 0)
 
     @property
-    def centered(self) -> bool:
-        return arm.centered(self)
+    def activation_sums(self) -> bool:
+        """Asymmetric codes: the activation kernel also writes xo = xs sum q for the mins' term."""
+        return not self.symmetric
 
     def supported(self) -> bool:
-        # centred codes drop the -offset term, which only symmetric codes have
         return (self.family in arm.FAMILIES and self.bits in (4, 8) and self.k % BLOCK == 0
-                and self.group % BLOCK == 0 and self.n % TILE_N == 0 and (self.symmetric or not self.centered))
+                and self.group % BLOCK == 0 and self.n % TILE_N == 0 and arm.takes(self))
 
     def activation_name(self) -> str:
         return f"k{self.k}_{'sym' if self.symmetric else 'asym'}{self.bits}_{self.family}"
@@ -111,74 +111,95 @@ def activation_offset(shape: GemmShape, row, value):
 
 
 def quantize_rows(shape: GemmShape) -> tirx.PrimFunc:
-    """x [1, M, k] float32 -> xq int8 [panels, TILE_M k] (activation_offset's order), xs, xo float32 [panels,
-    terms_per_panel] (per block and activation vector 4 lanes, lane l for row l % rows_per_vector of the vector;
-    xo: symmetric -offset xs sum q, asymmetric xs sum q); rows past M are zeros."""
+    """x [1, M, k] float32 -> xq int8 [panels, TILE_M k] (activation_offset's order), xs float32 [panels,
+    terms_per_panel] (per block and activation vector 4 lanes, lane l for row l // columns_per_tile of it) and,
+    for asymmetric codes, xo = xs sum q in the same order; rows past M are zeros."""
     k, rows, vectors, lanes = shape.k, shape.rows_per_vector, shape.vectors_per_panel, arm.LANES
-    sum_factor = float(-(1 << (shape.bits - 1))) if shape.symmetric else 1.0
+    columns = shape.columns_per_tile
     terms = shape.terms_per_panel
+    sums = shape.activation_sums
 
-    @T.prim_func(private=True, s_tir=True)
-    def quantize(x_handle: T.handle, xq_handle: T.handle, xs_handle: T.handle, xo_handle: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        m = T.int64()
-        x = T.match_buffer(x_handle, (1, m, k), "float32")
-        xq = T.match_buffer(xq_handle, ((m + TILE_M - 1) // TILE_M, TILE_M * k), "int8")
-        xs = T.match_buffer(xs_handle, ((m + TILE_M - 1) // TILE_M, terms), "float32")
-        xo = T.match_buffer(xo_handle, ((m + TILE_M - 1) // TILE_M, terms), "float32")
-        with T.sblock("root"):
-            amax = T.alloc_buffer((1,), "float32", scope="local")
-            qsum = T.alloc_buffer((1,), "int32", scope="local")
-            for p in T.parallel((m + TILE_M - 1) // TILE_M):
-                for i in range(TILE_M):
-                    for b in range(k // BLOCK):
-                        amax[0] = T.float32(0)
-                        if p * TILE_M + i < m:
-                            for j in range(BLOCK):
-                                amax[0] = T.max(amax[0], T.fabs(x[0, p * TILE_M + i, b * BLOCK + j]))
-                        inv = T.if_then_else(amax[0] > T.float32(0), T.float32(QMAX) / amax[0], T.float32(0))
-                        qsum[0] = 0
+    @T.macro
+    def body(m, x, xq, xs, xo):
+        amax = T.alloc_buffer((1,), "float32", scope="local")
+        qsum = T.alloc_buffer((1,), "int32", scope="local")
+        for p in T.parallel((m + TILE_M - 1) // TILE_M):
+            for i in range(TILE_M):
+                for b in range(k // BLOCK):
+                    amax[0] = T.float32(0)
+                    if p * TILE_M + i < m:
                         for j in range(BLOCK):
-                            # rows past M: amax 0, so q 0 (x is not read there)
-                            q = T.Cast("int32", T.round(T.if_then_else(
-                                p * TILE_M + i < m, x[0, p * TILE_M + i, b * BLOCK + j], T.float32(0)) * inv))
-                            qsum[0] = qsum[0] + q
-                            xq[p, activation_offset(shape, i, b * BLOCK + j)] = T.Cast("int8", q)
-                        for copy in range(lanes // rows):
-                            # the lanes of row i in its vector's 4-lane terms
-                            xs[p, (b * vectors + i // rows) * lanes + copy * rows + i % rows] = amax[0] / T.float32(QMAX)
-                            xo[p, (b * vectors + i // rows) * lanes + copy * rows + i % rows] = (
-                                amax[0] / T.float32(QMAX) * T.Cast("float32", qsum[0]) * T.float32(sum_factor))
+                            amax[0] = T.max(amax[0], T.fabs(x[0, p * TILE_M + i, b * BLOCK + j]))
+                    inv = T.if_then_else(amax[0] > T.float32(0), T.float32(QMAX) / amax[0], T.float32(0))
+                    qsum[0] = 0
+                    for j in range(BLOCK):
+                        # rows past M: amax 0, so q 0 (x is not read there)
+                        q = T.Cast("int32", T.round(T.if_then_else(
+                            p * TILE_M + i < m, x[0, p * TILE_M + i, b * BLOCK + j], T.float32(0)) * inv))
+                        qsum[0] = qsum[0] + q
+                        xq[p, activation_offset(shape, i, b * BLOCK + j)] = T.Cast("int8", q)
+                    for copy in range(columns):
+                        # the lanes of row i in its vector's 4-lane terms
+                        xs[p, (b * vectors + i // rows) * lanes + i % rows * columns + copy] = amax[0] / T.float32(QMAX)
+                        if sums:
+                            xo[p, (b * vectors + i // rows) * lanes + i % rows * columns + copy] = (
+                                amax[0] / T.float32(QMAX) * T.Cast("float32", qsum[0]))
+
+    if sums:
+        @T.prim_func(private=True, s_tir=True)
+        def quantize(x_handle: T.handle, xq_handle: T.handle, xs_handle: T.handle, xo_handle: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            m = T.int64()
+            x = T.match_buffer(x_handle, (1, m, k), "float32")
+            xq = T.match_buffer(xq_handle, ((m + TILE_M - 1) // TILE_M, TILE_M * k), "int8")
+            xs = T.match_buffer(xs_handle, ((m + TILE_M - 1) // TILE_M, terms), "float32")
+            xo = T.match_buffer(xo_handle, ((m + TILE_M - 1) // TILE_M, terms), "float32")
+            with T.sblock("root"):
+                body(m, x, xq, xs, xo)
+    else:
+        @T.prim_func(private=True, s_tir=True)
+        def quantize(x_handle: T.handle, xq_handle: T.handle, xs_handle: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            m = T.int64()
+            x = T.match_buffer(x_handle, (1, m, k), "float32")
+            xq = T.match_buffer(xq_handle, ((m + TILE_M - 1) // TILE_M, TILE_M * k), "int8")
+            xs = T.match_buffer(xs_handle, ((m + TILE_M - 1) // TILE_M, terms), "float32")
+            with T.sblock("root"):
+                body(m, x, xq, xs, None)
 
     return quantize
 
 
-def _lane_weights(shape: GemmShape, buf, n, block):
-    """The weight scale (or min) of W row n + l // rows_per_vector for each lane l, as float32x4."""
-    rows, column = shape.rows_per_vector, block * BLOCK // shape.group
-    if shape.columns_per_tile == 1:
+def _lane_weights(shape: GemmShape, buf, tile_n, unit, block):
+    """The weight scale (or min) of W row tile_n + unit * columns_per_tile + l % columns_per_tile for each lane l, as
+    float32x4."""
+    column, columns = block * BLOCK // shape.group, shape.columns_per_tile
+    n = tile_n + unit * columns
+    if columns == 1:
         return T.broadcast(T.Cast("float32", buf[n, column]), arm.LANES)
-    return T.Shuffle([T.broadcast(T.Cast("float32", buf[n + c, column]), rows) for c in range(shape.columns_per_tile)],
-                     list(range(arm.LANES)))
+    repeats = arm.LANES // columns
+    return T.Shuffle([T.broadcast(T.Cast("float32", buf[n + c, column]), repeats) for c in range(columns)],
+                     [lane % columns * repeats + lane // columns for lane in range(arm.LANES)])
 
 
-def _block_term(shape: GemmShape, xq, xs, xo, w, d, m, p, n, block, vector):
-    """One block's float32x4 contribution to the tile of W rows from n and activation vector `vector` of panel p,
+def _block_term(shape: GemmShape, xq, xs, xo, w, d, m, p, tile_n, unit, block, vector):
+    """One block's float32x4 contribution to unit `unit` of the tile of W rows from tile_n (its W rows from
+    n = tile_n + unit * columns_per_tile) and activation vector `vector` of panel p,
     built as one expression (a vector bound to a name inside a kernel is spilled to the stack by the Relax build)."""
     vectors = shape.vectors_per_panel
-    dot = T.Cast("float32x4", arm.block_dot(shape, w, xq, n, block,
+    n = tile_n + unit * shape.columns_per_tile
+    dot = arm.to_float(shape, arm.block_dot(shape, w, xq, n, block,
                                             lambda step: (p, T.ramp((step * vectors + vector) * 16, 1, 16))))
     terms = T.ramp((block * vectors + vector) * arm.LANES, 1, arm.LANES)
-    scale = _lane_weights(shape, d, n, block)
-    if shape.centered:  # the dot already holds sum (c - 128) q
+    scale = _lane_weights(shape, d, tile_n, unit, block)
+    if shape.symmetric:  # centred codes: the dot holds sum (c - offset) q
         return dot * xs[p, terms] * scale
-    if shape.symmetric:
-        return (dot * xs[p, terms] + xo[p, terms]) * scale
-    return dot * xs[p, terms] * scale + xo[p, terms] * _lane_weights(shape, m, n, block)
+    return dot * xs[p, terms] * scale + xo[p, terms] * _lane_weights(shape, m, tile_n, unit, block)
 
 
 def gemm(shape: GemmShape) -> tirx.PrimFunc:
-    """(xq, xs, xo, codes, scales[, mins]) -> y [1, M, n] float32; tasks of task_n W rows in parallel."""
+    """(xq, xs, codes, scales) or (xq, xs, xo, codes, scales, mins) -> y [1, M, n] float32; tasks of task_n W
+    rows in parallel."""
     assert shape.supported(), shape
     n_rows, k, groups, task_n = shape.n, shape.k, -(-shape.k // shape.group), shape.task_n
     code_bytes, sdt, terms = k * shape.bits // 8, shape.scale_dtype, shape.terms_per_panel
@@ -199,27 +220,25 @@ def gemm(shape: GemmShape) -> tirx.PrimFunc:
                         for u in T.unroll(units):
                             for v in T.unroll(vectors):
                                 acc[T.ramp((u * vectors + v) * 4, 1, 4)] = acc[T.ramp((u * vectors + v) * 4, 1, 4)] + (
-                                    _block_term(shape, xq, xs, xo, w, d, mins, p,
-                                                t * task_n + nb * TILE_N + u * columns, b, v))
+                                    _block_term(shape, xq, xs, xo, w, d, mins, p, t * task_n + nb * TILE_N, u, b, v))
                     for u in T.unroll(units):
                         for v in T.unroll(vectors):
                             for lane in T.unroll(4):
-                                if p * TILE_M + v * rows + lane % rows < m:
-                                    y[0, p * TILE_M + v * rows + lane % rows,
-                                      t * task_n + nb * TILE_N + u * columns + lane // rows] = acc[(u * vectors + v) * 4 + lane]
+                                if p * TILE_M + v * rows + lane // columns < m:
+                                    y[0, p * TILE_M + v * rows + lane // columns,
+                                      t * task_n + nb * TILE_N + u * columns + lane % columns] = acc[(u * vectors + v) * 4 + lane]
 
     if shape.symmetric:
         @T.prim_func(private=True, s_tir=True)
-        def func(xq_handle: T.handle, xs_handle: T.handle, xo_handle: T.handle,
-                 w: T.Buffer((n_rows, code_bytes), "uint8"), d: T.Buffer((n_rows, groups), sdt), y_handle: T.handle):
+        def func(xq_handle: T.handle, xs_handle: T.handle, w: T.Buffer((n_rows, code_bytes), "uint8"),
+                 d: T.Buffer((n_rows, groups), sdt), y_handle: T.handle):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
             m = T.int64()
             y = T.match_buffer(y_handle, (1, m, n_rows), "float32")
             xq = T.match_buffer(xq_handle, ((m + TILE_M - 1) // TILE_M, TILE_M * k), "int8")
             xs = T.match_buffer(xs_handle, ((m + TILE_M - 1) // TILE_M, terms), "float32")
-            xo = T.match_buffer(xo_handle, ((m + TILE_M - 1) // TILE_M, terms), "float32")
             with T.sblock("root"):
-                tasks(m, xq, xs, xo, w, d, None, y)
+                tasks(m, xq, xs, None, w, d, None, y)
     else:
         @T.prim_func(private=True, s_tir=True)
         def func(xq_handle: T.handle, xs_handle: T.handle, xo_handle: T.handle,

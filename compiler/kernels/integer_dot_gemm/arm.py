@@ -2,11 +2,11 @@
 32-value block, with NEON's int8 matrix multiply (i8mm) or indexed dot product (dotprod).
 
 - i8mm: `smmla` multiplies two rows of 8 int8 by two rows of 8 int8 into a 2x2 int32 tile; 4 of them cover a block
-  for 2 X rows (first operand) x 2 W rows (second), lanes [m0 n0, m0 n1, m1 n0, m1 n1]: the W scales of a pair are
-  [d0, d1] repeated, one `dup` of a 64-bit lane from the tile's 4 scales. X is stored in pairs of rows,
-  8 values of each per 16 bytes (the activation kernel writes that order), one load per operand. A W pair is
-  two 8-byte halves joined; for 4-bit codes the halves are joined before the nibbles are split, so a block of 2 rows
-  is 2 joins and 2-3 operations per 16 bytes.
+  for 2 X rows (first operand) x 2 W rows (second), lanes [m0 n0, m0 n1, m1 n0, m1 n1]. X is stored in pairs of
+  rows, 8 values of each per 16 bytes (the activation kernel writes that order), one load per operand. A W pair is
+  two 8-byte halves joined (W stays in its stored row-major layout, which the decode GEMV reads too); for 4-bit
+  codes the halves are joined before the nibbles are split, so a block of 2 rows is 2 joins and 3 operations per
+  16 bytes (llama.cpp's repacked Q4_0 has the rows interleaved and the codes pre-flipped at load time: 1).
 - dotprod: `sdot` by element: the first operand holds 4 X rows x 4 values, the second one 32-bit lane of a W row
   (4 values) repeated; lane i sums row i's 4 products. 8 per block give a column of 4 outputs without horizontal
   sums.

@@ -14,6 +14,12 @@ with xs (and xo) per lane (the activation kernel repeats them in the tile's lane
 scale and min: the scales once per block per output, never per code. 8 float32x4 accumulators + 8 block tiles +
 the block's W operands + 4 X operands fit NEON's 32 registers. Each parallel task takes TASK_N rows of W and walks
 every panel of X for them (the task's W codes stay in cache).
+
+llvm-mca (bench/arm_gemm_mca.py), cycles per 32 x 32 output tile over one 32-value block, Neoverse-N2 / Cortex-A510
+(A55) models: smmla Q4_0 1442 / 4768 against llama.cpp's repacked i8mm GEMM's 1313 / 4176 (its weights interleaved
+and pre-flipped at load time; ours stay in the layout the decode GEMV reads), Q4_1 2178 / 5856 and Q8_0 1779 / 5072
+against its two-row smmla dot products' 5210 / 13573 and 3869 / 10757; sdot Q4_0 2116 / 6496 against its repacked
+dotprod GEMM's 1697 / 4336. Larger tiles (12 or 16 X rows) spilled and modelled slower.
 """
 
 from __future__ import annotations

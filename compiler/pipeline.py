@@ -10,13 +10,14 @@ from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 from tvm.s_tir import dlight
 
-from .kernels import integer_dot_gemv
+from .kernels import integer_dot_gemm, integer_dot_gemv
 from .kernels.cpu_attention import vector_lanes
 from .passes.apply_tuning_database import ApplyTuningDatabase
 from .passes.fuse_add_rmsnorm import FuseAddRMSNorm
 from .passes.fuse_dequantize_matmul import FuseDequantizeMatmul
 from .passes.fuse_swiglu import FuseSwiGLU
 from .passes.fuse_transpose_matmul import FuseTransposeMatmul
+from .passes.integer_dot_gemm import IntegerDotGEMM
 from .passes.integer_dot_gemv import IntegerDotGEMV
 from .passes.mark_noalias import MarkNoalias
 from .passes.replace_cpu_attention import ReplaceCPUAttention
@@ -44,6 +45,9 @@ def steps(spec: TargetSpec, tuning: bool = False, decode_activations: str = "int
     target = spec.tvm_target()
     gpu = spec.schedule["rules"] == "gpu"
     dot_family = integer_dot_gemv.family(target)
+    # Prefill in integers only where decode already rounds activations to int8 as llama.cpp does: the float
+    # prefill stays the default (int16 decode activations keep the float model's results).
+    gemm_family = integer_dot_gemm.family(target) if decode_activations == "int8" else None
     cpu_lanes = vector_lanes(target)
     schedule_rules = gpu_schedules.rules(spec.schedule) if gpu else cpu_schedules.rules()
     every_target = True
@@ -53,6 +57,9 @@ def steps(spec: TargetSpec, tuning: bool = False, decode_activations: str = "int
         # weights multiply int16 (or int8) activations by the codes in integers.
         ("integer-dot-gemv", IntegerDotGEMV(int(decode_activations.removeprefix("int")), dot_family),
          dot_family is not None),
+        # aarch64 with i8mm (smmla) or dotprod (sdot), int8 decode activations: prefill matmuls of quantized weights
+        # quantize X rows to int8 per 32 values and multiply them by the codes in integers.
+        ("integer-dot-gemm", IntegerDotGEMM(gemm_family), gemm_family is not None),
         # LLVM CPU targets: the paged KV cache's attention kernels (decode, prefill) become vectorized ones.
         ("cpu-attention", ReplaceCPUAttention(cpu_lanes), cpu_lanes is not None),
         # Needs the NT_matmul calls above; before FuseOps, so bias/residual adds still fuse into the fused kernel.

@@ -78,7 +78,8 @@ AVX2_SHAPE = TileShape(lanes=8, register_tiles=((6, 2), (4, 3), (2, 2)), task_ti
 def tile_shape(target: Target) -> TileShape | None:
     """The tiles for the target's CPU, or None where the kernel is not used: x86 CPUs with FMA and 512-bit
     (AVX-512) or 256-bit (AVX) vectors. aarch64 (NEON: 4 lanes, 32 registers) and x86 without FMA keep the
-    row-tile schedule (compiler/schedules/cpu.py): nothing measured for them."""
+    row-tile schedule (compiler/schedules/cpu.py): nothing measured for them (aarch64 with i8mm or dotprod and int8
+    activations: quantized matmuls become integer GEMMs first, compiler/kernels/integer_dot_gemm)."""
     isa = cpu_isa(target)
     if isa is None or isa.arch != "x86_64" or not isa.has("fma"):
         return None

@@ -26,6 +26,22 @@ def _static_shape(ty) -> tuple[int, ...] | None:
         return None
 
 
+def quantized_nt_matmul(rewriter: PyExprMutator, call: relax.Call):
+    """(x, the stored weight arrays, the dequantize's layout attribute) when `call` is a float32
+    NT_matmul(x, dequantize(...)) whose dequantize carries its layout, else None. `rewriter` has `mod`."""
+    if call.op != _CALL_TIR or not call.args[0].name_hint.startswith("NT_matmul"):
+        return None
+    x, w = call.args[1].fields
+    producer = rewriter.lookup_binding(w) if isinstance(w, relax.Var) else None
+    if not isinstance(producer, relax.Call) or producer.op != _CALL_TIR:
+        return None
+    callee = rewriter.mod[producer.args[0]]
+    layout = callee.attrs.get(LAYOUT_ATTR) if callee.attrs is not None else None
+    if layout is None or x.ty.dtype != "float32" or call.ty.dtype != "float32":
+        return None
+    return x, list(producer.args[1].fields), layout
+
+
 @mutator
 class _Rewriter(PyExprMutator):
     def __init__(self, mod: tvm.IRModule, act_bits: int, dot_family: str):
@@ -41,20 +57,13 @@ class _Rewriter(PyExprMutator):
 
     def _match(self, call: relax.Call):
         """(x, stored weight arrays, GemvShape) when `call` is NT_matmul(one-row x, dequantize(...)), else None."""
-        if call.op != _CALL_TIR or not call.args[0].name_hint.startswith("NT_matmul"):
+        matched = quantized_nt_matmul(self, call)
+        if matched is None:
             return None
-        x, w = call.args[1].fields
-        producer = self.lookup_binding(w) if isinstance(w, relax.Var) else None
-        if not isinstance(producer, relax.Call) or producer.op != _CALL_TIR:
-            return None
-        callee = self.mod[producer.args[0]]
-        layout = callee.attrs.get(LAYOUT_ATTR) if callee.attrs is not None else None
+        x, stored, layout = matched
         x_shape, y_shape = _static_shape(x.ty), _static_shape(call.ty)
-        if layout is None or x_shape is None or y_shape is None or any(d != 1 for d in x_shape[:-1]):
+        if x_shape is None or y_shape is None or any(d != 1 for d in x_shape[:-1]):
             return None
-        if x.ty.dtype != "float32" or call.ty.dtype != "float32":
-            return None
-        stored = list(producer.args[1].fields)
         shape = GemvShape(n=y_shape[-1], k=x_shape[-1], bits=int(layout["bits"]), group=int(layout["group"]),
                           symmetric=bool(layout["symmetric"]), scale_dtype=str(stored[1].ty.dtype),
                           act_bits=self.act_bits, family=self.dot_family, zero_code=int(layout["offset"]))

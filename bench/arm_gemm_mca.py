@@ -1,0 +1,153 @@
+"""Prefill GEMMs on ARM cores, modelled instruction by instruction: mobilec's integer GEMM against llama.cpp's.
+
+    .venv/bin/pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /tmp/lcpp  # its source, once
+    tar -xzf /tmp/lcpp/llama_cpp_python-0.3.36.tar.gz -C /tmp/lcpp
+    .venv/bin/python bench/arm_gemm_mca.py --llama-cpp /tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp/ggml
+
+Ours: compiler/kernels/integer_dot_gemm built by TVM for the modelled core's `-mcpu` with the features of
+targets/android-arm64.toml (i8mm: smmla) and targets/linux-arm64.toml (dotprod: sdot), K = 576 (SmolLM2's hidden
+size; the block loop does not depend on it). llama.cpp's, compiled by clang-15 from its own sources for the same
+core (nothing of it is kept): the i8mm GEMM of repacked Q4_0 (`ggml_gemm_q4_0_4x8_q8_0`, repack.cpp, inline
+assembly), its dotprod one (`ggml_gemm_q4_0_4x4_q8_0`), and the two-row dot products (`ggml_vec_dot_*` with
+nrc = 2, quants.c: `smmla` on 2 rows x 2 columns) for Q4_0, Q4_1 and Q8_0. For each, the innermost loop with the
+most integer multiply instructions is modelled by `llvm-mca-15` (`-mcpu=neoverse-n2`, the big-core model;
+`-mcpu=cortex-a510`, which llvm-15 models as the in-order Cortex-A55) and scaled to one 32 x 32 output tile over
+one 32-value block of K (32768 multiply-adds; smmla does 32, sdot 16): cycles per tile = loop cycles x 32768 /
+the loop's multiply-adds. Activation quantization (ours, llama.cpp's quantize_mat_q8_0) is left out of both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import tvm
+from arm_gemv_mca import (CLANG, CLANG_CPU, CORE_MODELS, MCA, OBJDUMP, Loop, _asm_functions, _clean, _loops, _mnemonic,
+                          _objdump_functions)
+
+from compiler.kernels.integer_dot_gemm import GemmShape, gemm
+from compiler.targets import load_target
+
+CLANGXX = "clang++-15"
+TILE_MACS = 32 * 32 * 32
+MACS = {"smmla": 32, "usmmla": 32, "sdot": 16}  # multiply-adds per instruction
+FORMATS = {"Q4_0": (4, True), "Q4_1": (4, False), "Q8_0": (8, True)}  # GGUF block -> bits, symmetric
+TARGETS = {"i8mm": "android-arm64", "dotprod": "linux-arm64"}
+# llama.cpp's kernels: (label, source file, function, instruction family, formats)
+LLAMA_KERNELS = [
+    ("gemm_q4_0_4x8 (repack, i8mm)", "repack.cpp", "ggml_gemm_q4_0_4x8_q8_0", "i8mm", ("Q4_0",)),
+    ("gemm_q4_0_4x4 (repack, dotprod)", "repack.cpp", "ggml_gemm_q4_0_4x4_q8_0", "dotprod", ("Q4_0",)),
+    ("vec_dot_q4_0_q8_0 nrc=2", "quants.c", "ggml_vec_dot_q4_0_q8_0", "i8mm", ("Q4_0",)),
+    ("vec_dot_q4_1_q8_1 nrc=2", "quants.c", "ggml_vec_dot_q4_1_q8_1", "i8mm", ("Q4_1",)),
+    ("vec_dot_q8_0_q8_0 nrc=2", "quants.c", "ggml_vec_dot_q8_0_q8_0", "i8mm", ("Q8_0",)),
+]
+
+
+def _macs(ops, first, last) -> int:
+    return sum(MACS.get(_mnemonic(t), 0) for _, t in ops[first:last + 1] if t)
+
+
+def _gemm_loop(ops) -> tuple[Loop, int] | None:
+    """The innermost loop with the most multiply-adds (smmla or sdot), and its multiply-adds per iteration."""
+    loops = _loops(ops)
+    inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
+    inner = [lp for lp in inner if _macs(ops, *lp) > 0]
+    if not inner:
+        return None
+    hot = max(inner, key=lambda lp: _macs(ops, *lp))
+    return Loop(_clean(ops, *hot), 0), _macs(ops, *hot)
+
+
+def _tile_cycles(found: tuple[Loop, int], cpu: str) -> tuple[float, float]:
+    """(cycles, instructions) per 32 x 32 tile over one 32-value block."""
+    loop, macs = found
+    return loop.mca(cpu) * TILE_MACS / macs, (len(loop.body) - 1) * TILE_MACS / macs
+
+
+def _ours(fmt: str, dot_family: str, cpu: str) -> tuple[Loop, int]:
+    bits, symmetric = FORMATS[fmt]
+    target = tvm.target.Target({**load_target(TARGETS[dot_family]).tvm_target_json, "mcpu": cpu})
+    shape = GemmShape(576, 576, bits, 32, symmetric, "float16", dot_family)
+    funcs = _asm_functions(tvm.tirx.build(tvm.IRModule({"gemm": gemm(shape).with_attr("global_symbol", "gemm")}),
+                                          target=target).inspect_source("asm"))
+    return next(found for ops in funcs.values() if (found := _gemm_loop(ops)))
+
+
+def _llama(ggml: Path, source: str, dot_family: str, cpu: str, work: Path) -> dict[str, list]:
+    """llama.cpp's ARM `source` compiled by clang-15 for `cpu` (NEON, +nosve; +i8mm for the i8mm kernels) and
+    disassembled: its inline assembly writes smmla as `.inst` words, which only the disassembler names."""
+    features = "+nosve" + ("+i8mm" if dot_family == "i8mm" else "+noi8mm")
+    obj = work / f"{source}-{cpu}-{dot_family}.o"
+    if not obj.exists():
+        compiler = CLANGXX if source.endswith(".cpp") else CLANG
+        subprocess.run([compiler, "--target=aarch64-linux-gnu", f"-mcpu={CLANG_CPU.get(cpu, cpu)}{features}", "-O3",
+                        "-c", "-I", "include", "-I", "src", "-I", "src/ggml-cpu", "-D_GNU_SOURCE",
+                        f"src/ggml-cpu/arch/arm/{source}", "-o", str(obj)], cwd=ggml, check=True, capture_output=True,
+                       text=True)
+    return _objdump_functions(obj)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-cpp", required=True, type=Path,
+                        help="llama.cpp's ggml directory (vendor/llama.cpp/ggml of the llama-cpp-python sdist)")
+    args = parser.parse_args()
+    for tool in (MCA, OBJDUMP, CLANG, CLANGXX):
+        if shutil.which(tool) is None:
+            parser.error(f"{tool} not found (Debian: apt-get install llvm-15 clang-15)")
+    if not (args.llama_cpp / "src/ggml-cpu/arch/arm/repack.cpp").is_file():
+        parser.error(f"no src/ggml-cpu/arch/arm/repack.cpp under {args.llama_cpp}; see the download lines in --help")
+    work = Path(tempfile.mkdtemp(prefix="arm-gemm-mca-"))
+    try:
+        report(args.llama_cpp, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def report(ggml: Path, work: Path) -> None:
+    print("cycles (instructions) per 32 x 32 output tile over one 32-value block of K, both built for the modelled "
+          "core (clang-15 for llama.cpp; Cortex-A710/X2 stand in for A715/X3)")
+    header = f"{'kernel':<44} {'format':<6} " + " ".join(f"{cpu:>18}" for cpu in CORE_MODELS)
+    print(header)
+    print("-" * len(header))
+    figures = {}
+    for fmt in FORMATS:
+        for dot_family in TARGETS:
+            cells = []
+            for cpu in CORE_MODELS:
+                cycles, instructions = _tile_cycles(_ours(fmt, dot_family, cpu), cpu)
+                figures["mobilec", dot_family, fmt, cpu] = cycles
+                cells.append(f"{cycles:>9.0f} ({instructions:>5.0f})")
+            label = f"mobilec integer_dot_gemm ({'smmla' if dot_family == 'i8mm' else 'sdot'}, {dot_family})"
+            print(f"{label:<44} {fmt:<6} " + " ".join(f"{c:>18}" for c in cells))
+        for label, source, function, dot_family, formats in LLAMA_KERNELS:
+            if fmt not in formats:
+                continue
+            cells = []
+            for cpu in CORE_MODELS:
+                funcs = _llama(ggml, source, dot_family, cpu, work)
+                ops = funcs[function]
+                cycles, instructions = _tile_cycles(_gemm_loop(ops), cpu)
+                figures[label, dot_family, fmt, cpu] = cycles
+                cells.append(f"{cycles:>9.0f} ({instructions:>5.0f})")
+            print(f"{'llama.cpp ' + label:<44} {fmt:<6} " + " ".join(f"{c:>18}" for c in cells))
+    for cpu in CORE_MODELS:
+        for dot_family in TARGETS:
+            theirs = {key: value for key, value in figures.items()
+                      if key[0] != "mobilec" and key[1] == dot_family and key[3] == cpu}
+            for (label, _, fmt, _), value in theirs.items():
+                ratio = figures["mobilec", dot_family, fmt, cpu] / value
+                print(f"{cpu:<12} {dot_family:<8} {fmt}: mobilec / llama.cpp {label}: {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

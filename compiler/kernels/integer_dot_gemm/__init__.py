@@ -1,0 +1,262 @@
+"""Prefill GEMM on the CPU's integer matrix instructions: Y[m, n] = sum_k X[m, k] W[n, k] for many rows of X, W in
+4/8-bit group codes as stored (the decode GEMV's layouts, compiler/kernels/integer_dot_gemv).
+
+X is quantized as the decode GEMV's int8 activations are (`--decode-activations int8`): per row and 32 values, one
+float scale xs and int8 q = round(x / xs). The activation kernel writes them in panels of TILE_M rows, in the order
+the variant's instruction reads (arm.py: pairs of rows 8 values at a time for `smmla`, fours 4 at a time for
+`sdot`), rows past M as zeros. A register tile is 8 X rows x 4 W rows: 8 int32x4 block tiles (each a 2x2 or 4x1
+piece of it, the variant's), per block
+
+    acc += float(dot) * xs * d                 symmetric: codes centred in registers, dot = sum (c - offset) q
+    acc += float(dot) * xs * d + xo * m        asymmetric: xo = xs * sum q  (w = d c + m)
+
+with xs (and xo) per lane (the activation kernel repeats them in the tile's lane order) and d, m the block's weight
+scale and min: the scales once per block per output, never per code. 8 float32x4 accumulators + 8 block tiles +
+the block's W operands + 4 X operands fit NEON's 32 registers. Each parallel task takes TASK_N rows of W and walks
+every panel of X for them (the task's W codes stay in cache).
+
+llvm-mca (bench/arm_gemm_mca.py), cycles per 32 x 32 output tile over one 32-value block, Neoverse-N2 / Cortex-A510
+(A55) models: smmla Q4_0 1442 / 4768 against llama.cpp's repacked i8mm GEMM's 1313 / 4176 (its weights interleaved
+and pre-flipped at load time; ours stay in the layout the decode GEMV reads), Q4_1 2178 / 5856 and Q8_0 1779 / 5072
+against its two-row smmla dot products' 5210 / 13573 and 3869 / 10757; sdot Q4_0 2116 / 6496 against its repacked
+dotprod GEMM's 1697 / 4336. Larger tiles (12 or 16 X rows) spilled and modelled slower.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tvm import tirx
+from tvm.script import tirx as T
+from tvm.target import Target
+
+from ...isa import cpu_isa
+from . import arm
+
+BLOCK = 32  # activation values per scale, and the values of one block product
+TILE_M = 8  # X rows of a register tile (and of an activation panel)
+TILE_N = 4  # W rows of a register tile
+MAX_TASK_N = 64  # W rows per parallel task, at most
+QMAX = 127
+
+
+def family(target: Target) -> str | None:
+    """The integer matrix family the GEMM uses on `target` (compiler/isa.py), or None where it has no variant."""
+    isa = cpu_isa(target)
+    if isa is None or isa.arch != "aarch64" or isa.int_dot not in arm.FAMILIES:
+        return None
+    return isa.int_dot
+
+
+def available(target: Target) -> bool:
+    return family(target) is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmShape:
+    """Y [1, M, n] = X [1, M, k] W^T, W stored as `bits`-bit codes with one scale (and min) per `group` values, with
+    the instructions of `family` ("i8mm": smmla, "dotprod": sdot)."""
+
+    n: int
+    k: int
+    bits: int
+    group: int
+    symmetric: bool
+    scale_dtype: str
+    family: str
+
+    @property
+    def rows_per_vector(self) -> int:
+        return arm.rows_per_vector(self.family)
+
+    @property
+    def columns_per_tile(self) -> int:
+        return arm.columns_per_tile(self.family)
+
+    @property
+    def vectors_per_panel(self) -> int:
+        """16-byte activation vectors side by side per step of a panel (its rows / rows per vector)."""
+        return TILE_M // self.rows_per_vector
+
+    @property
+    def blocks(self) -> int:
+        return self.k // BLOCK
+
+    @property
+    def terms_per_panel(self) -> int:
+        """Per panel, the activation terms xs and xo: a 4-lane vector per block and activation vector."""
+        return self.blocks * self.vectors_per_panel * arm.LANES
+
+    @property
+    def task_n(self) -> int:
+        return max(t for t in range(TILE_N, MAX_TASK_N + 1, TILE_N) if self.n % t == 0)
+
+    @property
+    def activation_sums(self) -> bool:
+        """Asymmetric codes: the activation kernel also writes xo = xs sum q for the mins' term."""
+        return not self.symmetric
+
+    def supported(self) -> bool:
+        return (self.family in arm.FAMILIES and self.bits in (4, 8) and self.k % BLOCK == 0
+                and self.group % BLOCK == 0 and self.n % TILE_N == 0 and arm.takes(self))
+
+    def activation_name(self) -> str:
+        return f"k{self.k}_{'sym' if self.symmetric else 'asym'}{self.bits}_{self.family}"
+
+    def name(self) -> str:
+        kind = "sym" if self.symmetric else "asym"
+        return f"int{self.bits}_g{self.group}_{kind}_{self.scale_dtype}_{self.family}_n{self.n}_k{self.k}"
+
+
+def activation_offset(shape: GemmShape, row, value):
+    """Where X[row, value] of a panel (row < TILE_M) goes in the panel's int8 codes: vectors of rows_per_vector
+    rows x 16 / rows_per_vector values, the panel's vectors for one step side by side."""
+    rows = shape.rows_per_vector
+    width = 16 // rows
+    return (value // width * shape.vectors_per_panel + row // rows) * 16 + row % rows * width + value % width
+
+
+def quantize_rows(shape: GemmShape) -> tirx.PrimFunc:
+    """x [1, M, k] float32 -> xq int8 [panels, TILE_M k] (activation_offset's order), xs float32 [panels,
+    terms_per_panel] (per block and activation vector 4 lanes, lane l for row l // columns_per_tile of it) and,
+    for asymmetric codes, xo = xs sum q in the same order; rows past M are zeros."""
+    k, rows, vectors, lanes = shape.k, shape.rows_per_vector, shape.vectors_per_panel, arm.LANES
+    columns = shape.columns_per_tile
+    terms = shape.terms_per_panel
+    sums = shape.activation_sums
+
+    @T.macro
+    def body(m, x, xq, xs, xo):
+        amax = T.alloc_buffer((1,), "float32", scope="local")
+        qsum = T.alloc_buffer((1,), "int32", scope="local")
+        for p in T.parallel((m + TILE_M - 1) // TILE_M):
+            for i in range(TILE_M):
+                for b in range(k // BLOCK):
+                    amax[0] = T.float32(0)
+                    if p * TILE_M + i < m:
+                        for j in range(BLOCK):
+                            amax[0] = T.max(amax[0], T.fabs(x[0, p * TILE_M + i, b * BLOCK + j]))
+                    inv = T.if_then_else(amax[0] > T.float32(0), T.float32(QMAX) / amax[0], T.float32(0))
+                    qsum[0] = 0
+                    for j in range(BLOCK):
+                        # rows past M: amax 0, so q 0 (x is not read there)
+                        q = T.Cast("int32", T.round(T.if_then_else(
+                            p * TILE_M + i < m, x[0, p * TILE_M + i, b * BLOCK + j], T.float32(0)) * inv))
+                        qsum[0] = qsum[0] + q
+                        xq[p, activation_offset(shape, i, b * BLOCK + j)] = T.Cast("int8", q)
+                    for copy in range(columns):
+                        # the lanes of row i in its vector's 4-lane terms
+                        xs[p, (b * vectors + i // rows) * lanes + i % rows * columns + copy] = amax[0] / T.float32(QMAX)
+                        if sums:
+                            xo[p, (b * vectors + i // rows) * lanes + i % rows * columns + copy] = (
+                                amax[0] / T.float32(QMAX) * T.Cast("float32", qsum[0]))
+
+    if sums:
+        @T.prim_func(private=True, s_tir=True)
+        def quantize(x_handle: T.handle, xq_handle: T.handle, xs_handle: T.handle, xo_handle: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            m = T.int64()
+            x = T.match_buffer(x_handle, (1, m, k), "float32")
+            xq = T.match_buffer(xq_handle, ((m + TILE_M - 1) // TILE_M, TILE_M * k), "int8")
+            xs = T.match_buffer(xs_handle, ((m + TILE_M - 1) // TILE_M, terms), "float32")
+            xo = T.match_buffer(xo_handle, ((m + TILE_M - 1) // TILE_M, terms), "float32")
+            with T.sblock("root"):
+                body(m, x, xq, xs, xo)
+    else:
+        @T.prim_func(private=True, s_tir=True)
+        def quantize(x_handle: T.handle, xq_handle: T.handle, xs_handle: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            m = T.int64()
+            x = T.match_buffer(x_handle, (1, m, k), "float32")
+            xq = T.match_buffer(xq_handle, ((m + TILE_M - 1) // TILE_M, TILE_M * k), "int8")
+            xs = T.match_buffer(xs_handle, ((m + TILE_M - 1) // TILE_M, terms), "float32")
+            with T.sblock("root"):
+                body(m, x, xq, xs, None)
+
+    return quantize
+
+
+def _lane_weights(shape: GemmShape, buf, tile_n, unit, block):
+    """The weight scale (or min) of W row tile_n + unit * columns_per_tile + l % columns_per_tile for each lane l, as
+    float32x4."""
+    column, columns = block * BLOCK // shape.group, shape.columns_per_tile
+    n = tile_n + unit * columns
+    if columns == 1:
+        return T.broadcast(T.Cast("float32", buf[n, column]), arm.LANES)
+    repeats = arm.LANES // columns
+    return T.Shuffle([T.broadcast(T.Cast("float32", buf[n + c, column]), repeats) for c in range(columns)],
+                     [lane % columns * repeats + lane // columns for lane in range(arm.LANES)])
+
+
+def _block_term(shape: GemmShape, xq, xs, xo, w, d, m, p, tile_n, unit, block, vector):
+    """One block's float32x4 contribution to unit `unit` of the tile of W rows from tile_n (its W rows from
+    n = tile_n + unit * columns_per_tile) and activation vector `vector` of panel p,
+    built as one expression (a vector bound to a name inside a kernel is spilled to the stack by the Relax build)."""
+    vectors = shape.vectors_per_panel
+    n = tile_n + unit * shape.columns_per_tile
+    dot = arm.to_float(shape, arm.block_dot(shape, w, xq, n, block,
+                                            lambda step: (p, T.ramp((step * vectors + vector) * 16, 1, 16))))
+    terms = T.ramp((block * vectors + vector) * arm.LANES, 1, arm.LANES)
+    scale = _lane_weights(shape, d, tile_n, unit, block)
+    if shape.symmetric:  # centred codes: the dot holds sum (c - offset) q
+        return dot * xs[p, terms] * scale
+    return dot * xs[p, terms] * scale + xo[p, terms] * _lane_weights(shape, m, tile_n, unit, block)
+
+
+def gemm(shape: GemmShape) -> tirx.PrimFunc:
+    """(xq, xs, codes, scales) or (xq, xs, xo, codes, scales, mins) -> y [1, M, n] float32; tasks of task_n W
+    rows in parallel."""
+    assert shape.supported(), shape
+    n_rows, k, groups, task_n = shape.n, shape.k, -(-shape.k // shape.group), shape.task_n
+    code_bytes, sdt, terms = k * shape.bits // 8, shape.scale_dtype, shape.terms_per_panel
+    rows, columns, vectors = shape.rows_per_vector, shape.columns_per_tile, shape.vectors_per_panel
+    units = TILE_N // columns  # tiles along n
+    tiles = vectors * units
+
+    @T.macro
+    def tasks(m, xq, xs, xo, w, d, mins, y):
+        for t in T.parallel(n_rows // task_n):
+            for p in range((m + TILE_M - 1) // TILE_M):
+                for nb in range(task_n // TILE_N):
+                    # default scope: a stack array LLVM keeps in registers
+                    acc = T.alloc_buffer((tiles * 4,), "float32")
+                    for tile in T.unroll(tiles):
+                        acc[T.ramp(tile * 4, 1, 4)] = T.broadcast(T.float32(0), 4)
+                    for b in range(k // BLOCK):
+                        for u in T.unroll(units):
+                            for v in T.unroll(vectors):
+                                acc[T.ramp((u * vectors + v) * 4, 1, 4)] = acc[T.ramp((u * vectors + v) * 4, 1, 4)] + (
+                                    _block_term(shape, xq, xs, xo, w, d, mins, p, t * task_n + nb * TILE_N, u, b, v))
+                    for u in T.unroll(units):
+                        for v in T.unroll(vectors):
+                            for lane in T.unroll(4):
+                                if p * TILE_M + v * rows + lane // columns < m:
+                                    y[0, p * TILE_M + v * rows + lane // columns,
+                                      t * task_n + nb * TILE_N + u * columns + lane % columns] = acc[(u * vectors + v) * 4 + lane]
+
+    if shape.symmetric:
+        @T.prim_func(private=True, s_tir=True)
+        def func(xq_handle: T.handle, xs_handle: T.handle, w: T.Buffer((n_rows, code_bytes), "uint8"),
+                 d: T.Buffer((n_rows, groups), sdt), y_handle: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            m = T.int64()
+            y = T.match_buffer(y_handle, (1, m, n_rows), "float32")
+            xq = T.match_buffer(xq_handle, ((m + TILE_M - 1) // TILE_M, TILE_M * k), "int8")
+            xs = T.match_buffer(xs_handle, ((m + TILE_M - 1) // TILE_M, terms), "float32")
+            with T.sblock("root"):
+                tasks(m, xq, xs, None, w, d, None, y)
+    else:
+        @T.prim_func(private=True, s_tir=True)
+        def func(xq_handle: T.handle, xs_handle: T.handle, xo_handle: T.handle,
+                 w: T.Buffer((n_rows, code_bytes), "uint8"), d: T.Buffer((n_rows, groups), sdt),
+                 mins: T.Buffer((n_rows, groups), sdt), y_handle: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            m = T.int64()
+            y = T.match_buffer(y_handle, (1, m, n_rows), "float32")
+            xq = T.match_buffer(xq_handle, ((m + TILE_M - 1) // TILE_M, TILE_M * k), "int8")
+            xs = T.match_buffer(xs_handle, ((m + TILE_M - 1) // TILE_M, terms), "float32")
+            xo = T.match_buffer(xo_handle, ((m + TILE_M - 1) // TILE_M, terms), "float32")
+            with T.sblock("root"):
+                tasks(m, xq, xs, xo, w, d, mins, y)
+
+    return func

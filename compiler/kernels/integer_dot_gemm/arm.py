@@ -1,0 +1,110 @@
+"""aarch64 variants of the integer prefill GEMM's block product: a 4-lane int32 tile of X rows times W rows over one
+32-value block, with NEON's int8 matrix multiply (i8mm) or indexed dot product (dotprod).
+
+- i8mm: `smmla` multiplies two rows of 8 int8 by two rows of 8 int8 into a 2x2 int32 tile; 4 of them cover a block
+  for 2 X rows (first operand) x 2 W rows (second), lanes [m0 n0, m0 n1, m1 n0, m1 n1]. X is stored in pairs of
+  rows, 8 values of each per 16 bytes (the activation kernel writes that order), one load per operand. A W pair is
+  two 8-byte halves joined (W stays in its stored row-major layout, which the decode GEMV reads too); for 4-bit
+  codes the halves are joined before the nibbles are split, so a block of 2 rows is 2 joins and 3 operations per
+  16 bytes (llama.cpp's repacked Q4_0 has the rows interleaved and the codes pre-flipped at load time: 1).
+- dotprod: `sdot` by element: the first operand holds 4 X rows x 4 values, the second one 32-bit lane of a W row
+  (4 values) repeated; lane i sums row i's 4 products. 8 per block give a column of 4 outputs without horizontal
+  sums.
+- Symmetric codes go in centred, c - offset, so that no activation-sum term is left: 8-bit codes as c ^ 0x80;
+  4-bit codes as 16 (c - 8), the nibbles of b ^ 0x88 shifted into (b << 4) or masked in place (b & 0xF0) as signed
+  bytes, and the 16 taken out by the int-to-float convert (fixed point, 4 fraction bits). Asymmetric codes go in
+  as they are (4-bit only: 0..15 are valid int8) and the min's term is added per block from the activation sums.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+# int_dot family (compiler/isa.py) -> X rows per 16-byte activation vector: smmla pairs, sdot fours
+ROWS_PER_VECTOR = {"i8mm": 2, "dotprod": 4}
+FAMILIES = tuple(ROWS_PER_VECTOR)
+LANES = 4  # int32 lanes of a tile
+
+
+def rows_per_vector(family: str) -> int:
+    return ROWS_PER_VECTOR[family]
+
+
+def columns_per_tile(family: str) -> int:
+    """W rows a 4-lane tile covers: lane l is X row l // columns_per_tile and W row l % columns_per_tile."""
+    return LANES // ROWS_PER_VECTOR[family]
+
+
+def takes(shape) -> bool:
+    """Asymmetric codes must be valid int8 as they are: 4-bit."""
+    return shape.symmetric or shape.bits == 4
+
+
+def centered(shape) -> bool:
+    """Symmetric codes go in as c - offset (4-bit: times 16, see fraction_bits)."""
+    return shape.symmetric
+
+
+def fraction_bits(shape) -> int:
+    """The block sums are 2^fraction_bits times the products of codes and activations (centred 4-bit codes: 16)."""
+    return 4 if shape.symmetric and shape.bits == 4 else 0
+
+
+def _operand(shape, packed, part):
+    """Codes from 16 bytes of W: 4-bit part 0 the low nibbles, 1 the high ones; 8-bit the bytes."""
+    if shape.bits == 8:
+        return T.bitwise_xor(packed, T.broadcast(T.uint8(128), 16)) if centered(shape) else packed
+    if centered(shape):
+        flipped = T.bitwise_xor(packed, T.broadcast(T.uint8(0x88), 16))
+        return (T.shift_left(flipped, T.broadcast(T.uint8(4), 16)) if part == 0
+                else T.bitwise_and(flipped, T.broadcast(T.uint8(0xF0), 16)))
+    return (T.bitwise_and(packed, T.broadcast(T.uint8(15), 16)) if part == 0
+            else T.shift_right(packed, T.broadcast(T.uint8(4), 16)))
+
+
+def _codes(shape, w, n, block, half):
+    """16 codes of W row n for block `block` (half 0: values 0-15, 1: 16-31)."""
+    if shape.bits == 4:
+        return _operand(shape, w[n, T.ramp(block * 16, 1, 16)], half)
+    return _operand(shape, w[n, T.ramp(block * 32 + half * 16, 1, 16)], 0)
+
+
+def _pair_operand(shape, w, n, block, chunk):
+    """W rows n, n + 1, values 8 chunk .. 8 chunk + 7 of the block, row n in bytes 0-7: smmla's second operand."""
+    if shape.bits == 4:
+        # join 8-byte halves of the packed bytes, then split nibbles: chunks 0, 1 low nibbles, 2, 3 high
+        packed = [w[n + r, T.ramp(block * 16 + chunk % 2 * 8, 1, 8)] for r in (0, 1)]
+        return _operand(shape, T.Shuffle(packed, list(range(16))), chunk // 2)
+    return _operand(shape, T.Shuffle([w[n + r, T.ramp(block * 32 + chunk * 8, 1, 8)] for r in (0, 1)],
+                                     list(range(16))), 0)
+
+
+def _lane(codes, index: int):
+    """32-bit lane `index` of 16 code bytes repeated 4 times, as int8x16 (LLVM folds it into sdot's element form)."""
+    return T.reinterpret("int8x16", T.Shuffle([T.reinterpret("int32x4", codes)], [index] * 4))
+
+
+def block_dot(shape, w, xq, n, block, x_vector):
+    """int32x4: the tile of W rows from n (columns_per_tile of them) times the X rows of activation vectors
+    `x_vector(chunk)` (16 bytes; chunk: 8 values per vector with i8mm, 4 with dotprod) over block `block`."""
+    acc = T.broadcast(T.int32(0), LANES)
+    if shape.family == "i8mm":
+        for chunk in range(4):
+            acc = T.call_llvm_pure_intrin("int32x4", "llvm.aarch64.neon.smmla.v4i32.v16i8", acc,
+                                          xq[x_vector(block * 4 + chunk)],
+                                          T.reinterpret("int8x16", _pair_operand(shape, w, n, block, chunk)))
+        return acc
+    for half in (0, 1):
+        codes = _codes(shape, w, n, block, half)
+        for index in range(4):
+            acc = T.call_llvm_pure_intrin("int32x4", "llvm.aarch64.neon.sdot.v4i32.v16i8", acc,
+                                          xq[x_vector(block * 8 + half * 4 + index)], _lane(codes, index))
+    return acc
+
+
+def to_float(shape, ints):
+    """float32x4 of a tile's block sums, divided by 2^fraction_bits in the convert itself (scvtf's fixed-point form)."""
+    if fraction_bits(shape) == 0:
+        return T.Cast("float32x4", ints)
+    return T.call_llvm_pure_intrin("float32x4", "llvm.aarch64.neon.vcvtfxs2fp.v4f32.v4i32", ints,
+                                   T.int32(fraction_bits(shape)))

@@ -1,0 +1,74 @@
+"""IntegerDotGEMM: which matmuls it rewrites (many rows, tagged dequantize, aarch64 with i8mm or dotprod, int8 decode
+activations), the IR it leaves, and the instructions of the compiled libraries of the ARM target files (built and
+disassembled here, never run; their numerics: tests/kernels/test_integer_dot_gemm.py on the emulated device)."""
+
+import re
+import shutil
+import subprocess
+import tarfile
+
+import pytest
+
+from compiler import pipeline
+from compiler.kernels import integer_dot_gemm, integer_dot_gemv
+from compiler.passes.fuse_transpose_matmul import FuseTransposeMatmul
+from compiler.passes.integer_dot_gemm import IntegerDotGEMM
+from compiler.passes.integer_dot_gemv import IntegerDotGEMV
+from compiler.targets import load_target
+from tests.passes.test_integer_dot_gemv import HOST, _callees, _module
+
+OBJDUMP = "llvm-objdump-15"
+
+
+def _rewrite(target_name: str):
+    target = load_target(target_name).tvm_target()
+    mod = IntegerDotGEMV(8, integer_dot_gemv.family(target))(FuseTransposeMatmul()(_module()))
+    return IntegerDotGEMM(integer_dot_gemm.family(target))(mod)
+
+
+@pytest.mark.parametrize("target,family", [("linux-arm64", "dotprod"), ("android-arm64", "i8mm")])
+def test_prefill_matmul_becomes_row_quantize_plus_integer_gemm(target, family):
+    mod = _rewrite(target)
+    prefill = [c for c in _callees(mod["prefill"]) if not c.startswith("add")]
+    assert prefill == ["quantize_rows_k128_sym4_" + family, f"integer_dot_gemm_int4_g32_sym_float16_{family}_n48_k128"]
+    # panels of 8 rows of the symbolic row count: int8 codes and one scale per lane
+    script = mod["prefill"].script()
+    assert 'R.Tensor(((seq_len + 8 - 1) // 8, 1024), dtype="int8")' in script, script
+    gemm = next(f for gv, f in mod.functions_items() if gv.name_hint.startswith("integer_dot_gemm"))
+    assert int(gemm.attrs["op_pattern"]) == 8 and gemm.attrs["tirx.is_scheduled"]
+    # decode keeps its GEMV
+    assert any(c.startswith("integer_dot_gemv") for c in _callees(mod["decode"]))
+
+
+def test_pipeline_has_the_step_only_with_int8_decode_activations():
+    """Numerics change against the float prefill (int8 activations, llama.cpp's rounding), so the GEMM comes with
+    `--decode-activations int8`, on aarch64 targets with i8mm or dotprod only."""
+    for name, int8_step in (("linux-arm64", True), ("android-arm64", True), ("x86-64-v3", False),
+                            ("android-adreno", False), ("host", integer_dot_gemm.available(HOST.tvm_target()))):
+        spec = load_target(name)
+        assert ("integer-dot-gemm" in [s for s, _ in pipeline.steps(spec, decode_activations="int8")]) == int8_step
+        assert "integer-dot-gemm" not in [s for s, _ in pipeline.steps(spec, decode_activations="int16")]
+
+
+def _disassembly(target_name: str, decode_activations: str, folder) -> str:
+    """The library the pipeline builds for `target_name`, as object files (no link), disassembled."""
+    executable = pipeline.build(_module(), load_target(target_name), decode_activations=decode_activations)
+    path = folder / f"{target_name}-{decode_activations}.tar"
+    executable.export_library(str(path))
+    out = folder / path.stem
+    with tarfile.open(path) as tar:
+        tar.extractall(out, filter="data")
+    return "\n".join(subprocess.run([OBJDUMP, "-d", "--no-show-raw-insn", "--mattr=+dotprod,+i8mm", str(obj)],
+                                    capture_output=True, text=True, check=True).stdout for obj in out.rglob("*.o"))
+
+
+@pytest.mark.skipif(shutil.which(OBJDUMP) is None, reason=f"{OBJDUMP} not installed (Debian: llvm-15)")
+@pytest.mark.parametrize("target,instruction", [
+    ("android-arm64", r"\bsmmla\s+v\d+\.4s, v\d+\.16b, v\d+\.16b"),
+    ("linux-arm64", r"\bsdot\s+v\d+\.4s, v\d+\.16b, v\d+\.4b\[\d\]"),  # by element: the GEMV's sdots are not
+])
+def test_target_libraries_have_the_gemm_instruction(tmp_path, target, instruction):
+    """android-arm64 (i8mm): the prefill GEMM is smmla; linux-arm64 (dotprod): sdot by element. Without int8
+    activations the prefill stays float: neither instruction is in the library."""
+    assert re.search(instruction, _disassembly(target, "int8", tmp_path))
+    assert not re.search(instruction, _disassembly(target, "int16", tmp_path))

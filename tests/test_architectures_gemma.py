@@ -1,5 +1,6 @@
-"""Gemma 3 (gemma3_text): a tiny seeded random Gemma3ForCausalLM compiled at q0f32 against transformers' own model
-(eager attention), negative controls for what is Gemma's own, and the config refusals."""
+"""Gemma 3 (gemma3_text): a tiny seeded random Gemma3ForCausalLM (sliding window 8, shorter than the sequences)
+compiled at q0f32 against transformers' own model (eager attention), negative controls for what is Gemma's own, and
+the config refusals."""
 
 import dataclasses
 import json
@@ -7,11 +8,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from tvm.relax.frontend.nn.llm.kv_cache import RopeMode
 
 from compiler.artifact import load_artifact
 from compiler.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
-from compiler.models.gemma import Gemma3TextConfig
+from compiler.models.gemma import Gemma3TextConfig, GemmaForCausalLM
 from compiler.models.registry import family_for
 from compiler.runtime.session import Session
 from tests.helpers.reference import reference_greedy
@@ -51,6 +53,7 @@ def test_gemma3_logits_and_32_greedy_tokens_match_transformers(gemma3):
     while len(tokens) < 32:
         tokens.append(int(np.argmax(session.decode(tokens[-1]))))
     assert tokens == ref_tokens
+    assert int(session.artifact.config["prefill_chunk"]) == 8  # the 20-token prompt went in 3 chunks
 
 
 def _reference_prefill(model) -> np.ndarray:
@@ -59,7 +62,7 @@ def _reference_prefill(model) -> np.ndarray:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("change", ["one_rope_base", "no_linear_scaling", "no_embedding_scale", "head_dim_scale",
-                                    "no_qk_norm"])
+                                    "no_qk_norm", "no_sliding_window"])
 def test_gemma3_negative_controls_differ(gemma3, change):
     """transformers' model with one of Gemma's details undone is far from ours: each detail is tested."""
     model, session = gemma3
@@ -77,6 +80,8 @@ def test_gemma3_negative_controls_differ(gemma3, change):
             other = _with_config(other, rope_parameters={**other.config.rope_parameters,
                                                          "full_attention": {"rope_type": "default",
                                                                             "rope_theta": 1000.0}})
+        elif change == "no_sliding_window":  # every key visible in the sliding layers too
+            other = _with_config(other, sliding_window=64)
         elif change == "no_embedding_scale":
             other.model.embed_tokens.embed_scale.fill_(1.0)
         elif change == "head_dim_scale":
@@ -101,7 +106,9 @@ def test_gemma3_config_reads_layer_types_rope_bases_and_scale():
     cfg = Gemma3TextConfig.from_hf(_hf_config(), context_window=64)
     assert cfg.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
     assert (cfg.rope(0), cfg.rope(1)) == ((10.0, 1.0), (1000.0, 4.0))
-    assert (cfg.query_pre_attn_scalar, cfg.head_dim, cfg.sliding_window) == (24, 16, 64)
+    assert (cfg.query_pre_attn_scalar, cfg.head_dim, cfg.sliding_window) == (24, 16, 8)
+    # prompts go in chunks of at most the window: the cache's ragged kernel (new tokens among themselves) has none
+    assert cfg.prefill_chunk_size == 8
     assert family_for(_hf_config()).name == "gemma3_text"
 
 
@@ -127,6 +134,22 @@ def test_gemma3_older_config_fields():
 def test_gemma3_config_refusals_name_the_field(changes, field):
     with pytest.raises(MobilecError, match=field):
         Gemma3TextConfig.from_hf(_hf_config(**changes), context_window=64)
+
+
+def test_gemma3_cache_layers_are_sliding_only_where_the_window_binds():
+    window_binds = GemmaForCausalLM(Gemma3TextConfig.from_hf(_hf_config(), context_window=64)).kv_cache_attention()
+    assert window_binds["attn_kind"] == ["mha_sliding", "mha", "mha_sliding"]
+    assert window_binds["layer_sliding_window_size"] == 8 and window_binds["rope_mode"] == RopeMode.NONE
+    fits = GemmaForCausalLM(Gemma3TextConfig.from_hf(_hf_config(), context_window=8)).kv_cache_attention()
+    assert fits == {"attn_kind": "mha", "rope_mode": RopeMode.NONE}
+
+
+def test_gemma3_sliding_window_is_refused_on_targets_without_our_cpu_kernels(tmp_path):
+    save_compilable_checkpoint(build_model("gemma3"), tmp_path / "hf")
+    with pytest.raises(MobilecError, match="--context-window 8 or less"):
+        compile_model(CompileOptions(str(tmp_path / "hf"), "android-adreno", "q0f32", str(tmp_path / "out"),
+                                     context_window=64, progress=False))
+    assert not (tmp_path / "out").exists()
 
 
 def test_gemma3_int8_kv_cache_is_refused():

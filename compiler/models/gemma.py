@@ -70,20 +70,16 @@ class GemmaConfig(LlamaConfig):
                                "model would diverge from the checkpoint")
         layer_types = _layer_types(hf, _whole(hf, "num_hidden_layers"))
         window = _whole(hf, "sliding_window") if SLIDING in layer_types else 0
-        max_pos = hf.get("max_position_embeddings", 2048)
-        if context_window is None and isinstance(max_pos, int) and window:
-            context_window = min(max_pos, 2048, window)
-        if window and context_window is not None and context_window > window:
-            raise MobilecError(f"--context-window {context_window} exceeds the model's sliding_window {window}: "
-                               f"mobilec does not implement the sliding window yet, so the context must fit in it "
-                               f"(--context-window {window} or less)")
         final_cap = hf.get("final_logit_softcapping")
         # Llama's fields from a view of the config without what is Gemma's (checked here): activation and RoPE
         llama_view = {k: v for k, v in hf.items() if k not in (
             "hidden_activation", "hidden_act", "rope_scaling", "rope_parameters", "rope_theta")}
         base = LlamaConfig.from_hf({**llama_view, "rope_theta": global_theta}, context_window)
+        # TVM's cache computes the new tokens among themselves without the window (one ragged kernel for all
+        # layers): chunks of at most the window keep every such pair inside it
+        fields = {**dataclasses.asdict(base), "prefill_chunk_size": min(base.prefill_chunk_size, window or math.inf)}
         return cls(
-            **dataclasses.asdict(base),
+            **fields,
             query_pre_attn_scalar=_positive(hf, "query_pre_attn_scalar", float(base.head_dim)),
             sliding_window=window,
             layer_types=tuple(layer_types),
@@ -274,5 +270,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return logits if cap is None else op.tanh(logits / cap) * cap
 
     def kv_cache_attention(self) -> dict[str, Any]:
-        """Full attention in every layer (the context fits in the sliding window), no RoPE in the cache."""
-        return {"attn_kind": "mha", "rope_mode": RopeMode.NONE}
+        """No RoPE in the cache (applied here); the sliding layers as "mha_sliding" when the context window exceeds
+        their window (the cache then gives their kernels the window's pages; TVM's runtime keeps every page), else
+        full attention everywhere, the same thing there."""
+        cfg = self.cfg
+        if SLIDING not in cfg.layer_types or cfg.context_window_size <= cfg.sliding_window:
+            return {"attn_kind": "mha", "rope_mode": RopeMode.NONE}
+        return {"attn_kind": ["mha_sliding" if kind == SLIDING else "mha" for kind in cfg.layer_types],
+                "rope_mode": RopeMode.NONE, "layer_sliding_window_size": cfg.sliding_window}

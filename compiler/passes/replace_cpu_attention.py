@@ -6,7 +6,12 @@ their GlobalVars to `vm.builtin.paged_attention_kv_cache_create`; the runtime ca
 is a plain replacement of the PrimFunc bound to that GlobalVar by one with the same signature and global symbol.
 The kernel is recognised by its global symbol, and its shape (heads, head_dim, page size, dtype) is read from
 its parameters. The pipeline runs it for LLVM CPU targets only (GPU targets keep TVM's GPU kernels); it leaves
-the sliding-window variants and any shape the vectorized kernel does not take.
+any shape the vectorized kernel does not take.
+
+The cache also holds `_sliding_window` variants of the decode and paged prefill kernels, called for the layers of
+attention kind "mha_sliding" only. A model with such layers says their window in the module attr
+LAYER_SLIDING_WINDOW_ATTR (TVM bakes it into its prefill kernel, whose CPU version also misreads its softmax
+state): then both are replaced by ours, or the build fails; without the attr they are never called and stay.
 
 An int8 KV cache (kv_cache_dtype.Int8Carrier) is declared to TVM as a float32 cache of another geometry, whose
 cells TVM's kernels would read as floats: the importer records the real geometry as the module attr
@@ -23,9 +28,11 @@ from tvm import tirx
 from ..errors import MobilecError
 from ..kernels.cpu_attention import (
     DECODE_SYMBOL,
+    LAYER_SLIDING_WINDOW_ATTR,
     MERGE_SYMBOL,
     PAGED_PREFILL_SYMBOL,
     RAGGED_SYMBOL,
+    SLIDING_SUFFIX,
     SPLIT_ROTARY_SYMBOL,
     AttentionShape,
     attention_decode,
@@ -78,6 +85,14 @@ KERNELS = {
     RAGGED_SYMBOL: (ragged_shape, attention_prefill_ragged),
     PAGED_PREFILL_SYMBOL: (lambda func: decode_shape(func, pages_param=2), attention_prefill_paged),
 }
+# global symbol -> (its shape, our kernel for that shape, lanes and window) for the "mha_sliding" layers
+SLIDING_KERNELS = {
+    DECODE_SYMBOL + SLIDING_SUFFIX: (decode_shape, lambda shape, lanes, _: attention_decode(shape, lanes,
+                                                                                            sliding=True)),
+    PAGED_PREFILL_SYMBOL + SLIDING_SUFFIX: (lambda func: decode_shape(func, pages_param=2),
+                                            lambda shape, lanes, window: attention_prefill_paged(
+                                                shape, lanes, sliding_window=window)),
+}
 
 
 @tvm.transform.module_pass(opt_level=0, name="ReplaceCPUAttention")
@@ -101,9 +116,19 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
         return mod
 
     def _float(self, mod: tvm.IRModule) -> dict:
+        window = mod.attrs.get(LAYER_SLIDING_WINDOW_ATTR) if mod.attrs is not None else None
         replaced = {}
         for gv, func in mod.functions_items():
             symbol = _global_symbol(func)
+            if window is not None and symbol in SLIDING_KERNELS:
+                read_shape, build = SLIDING_KERNELS[symbol]
+                shape = read_shape(func)
+                if shape is None or not shape.supported(self.lanes):
+                    raise MobilecError(f"sliding-window attention: {symbol} of shape {shape} is not taken by the "
+                                       f"{self.lanes}-lane CPU kernels, and TVM's CPU kernel is not right")
+                replaced[gv] = build(shape, self.lanes, int(window)).with_attrs(
+                    {**dict(func.attrs), "tirx.noalias": True})
+                continue
             if symbol not in KERNELS:
                 continue
             read_shape, build = KERNELS[symbol]
@@ -117,6 +142,8 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
         """The five kernels of an int8 cache, for the real geometry in `kv_format` (Int8Carrier.module_attr); TVM's
         would misread the carrier, so a kernel missing or a geometry the vectorized kernels do not take fails."""
         funcs = {_global_symbol(func): (gv, func) for gv, func in mod.functions_items()}
+        if mod.attrs.get(LAYER_SLIDING_WINDOW_ATTR) is not None:
+            raise MobilecError("--kv-dtype int8 with sliding-window attention layers is not implemented; use f16")
         if str(kv_format["format"]) != INT8 or DECODE_SYMBOL not in funcs:
             raise MobilecError(f"{KV_FORMAT_ATTR} {dict(kv_format)}: not an int8 cache with TVM's CPU kernels")
         page_size = int(funcs[DECODE_SYMBOL][1].params[1].shape[3])

@@ -58,13 +58,14 @@ _COMMON = dict(max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=50000.
 
 # Architectures with a test file of their own (tests/test_architectures_gemma.py), not in SPECS' loops (GGUF, profile).
 GEMMA_SPECS: dict[str, tuple[type, type, dict[str, Any]]] = {
-    # Gemma 3: sliding layers around a global one, RoPE bases far apart (10 vs 1000, linear factor 4 on the global
-    # layer) so that each matters within a short prompt, query_pre_attn_scalar 24 != head_dim 16.
+    # Gemma 3: sliding layers around a global one, a window of 8 (shorter than the tests' sequences), RoPE bases far
+    # apart (10 vs 1000, linear factor 4 on the global layer) so that each matters within a short prompt,
+    # query_pre_attn_scalar 24 != head_dim 16.
     "gemma3": (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
         dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=64,
+             num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
                               "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0}},

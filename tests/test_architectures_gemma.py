@@ -1,6 +1,6 @@
-"""Gemma 3 (gemma3_text): a tiny seeded random Gemma3ForCausalLM (sliding window 8, shorter than the sequences)
-compiled at q0f32 against transformers' own model (eager attention), negative controls for what is Gemma's own, and
-the config refusals."""
+"""Gemma 3 (gemma3_text) and Gemma 2: tiny seeded random Gemma3ForCausalLM / Gemma2ForCausalLM (sliding window 8,
+shorter than the sequences; Gemma 2 with capped attention scores and logits) compiled at q0f32 against transformers'
+own models (eager attention), negative controls for what is Gemma's own, and the config refusals."""
 
 import dataclasses
 import json
@@ -13,7 +13,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import RopeMode
 from compiler.artifact import load_artifact
 from compiler.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
-from compiler.models.gemma import Gemma3TextConfig, GemmaForCausalLM
+from compiler.models.gemma import Gemma2Config, Gemma3TextConfig, GemmaForCausalLM
 from compiler.models.registry import family_for
 from compiler.runtime.session import Session
 from tests.helpers.reference import reference_greedy
@@ -26,23 +26,32 @@ def _rel_err(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
-def _hf_config(**changes) -> dict:
-    return {**build_model("gemma3").config.to_dict(), **changes}
+def _hf_config(name: str = "gemma3", **changes) -> dict:
+    return {**build_model(name).config.to_dict(), **changes}
 
 
 @pytest.fixture(scope="module")
-def gemma3(tmp_path_factory):
-    model = build_model("gemma3")
-    root = tmp_path_factory.mktemp("gemma3")
-    save_compilable_checkpoint(model, root / "hf")
-    compile_model(CompileOptions(str(root / "hf"), "host", "q0f32", str(root / "artifact"), context_window=64,
-                                 progress=False))
-    return model, Session(load_artifact(root / "artifact"))
+def compiled(tmp_path_factory):
+    """name -> (transformers' model, a Session of its q0f32 build), each compiled once."""
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            model = build_model(name)
+            root = tmp_path_factory.mktemp(name)
+            save_compilable_checkpoint(model, root / "hf")
+            compile_model(CompileOptions(str(root / "hf"), "host", "q0f32", str(root / "artifact"),
+                                         context_window=64, progress=False))
+            built[name] = model, Session(load_artifact(root / "artifact"))
+        return built[name]
+
+    return get
 
 
 @pytest.mark.slow
-def test_gemma3_logits_and_32_greedy_tokens_match_transformers(gemma3):
-    model, session = gemma3
+@pytest.mark.parametrize("name", ["gemma3", "gemma2"])
+def test_logits_and_32_greedy_tokens_match_transformers(compiled, name):
+    model, session = compiled(name)
     ref_tokens, ref_prefill, ref_decode = reference_greedy(model, PROMPT, 32)
     session.reset()
     assert _rel_err(session.prefill_all_logits(PROMPT), ref_prefill) < 1e-4
@@ -63,9 +72,9 @@ def _reference_prefill(model) -> np.ndarray:
 @pytest.mark.slow
 @pytest.mark.parametrize("change", ["one_rope_base", "no_linear_scaling", "no_embedding_scale", "head_dim_scale",
                                     "no_qk_norm", "no_sliding_window"])
-def test_gemma3_negative_controls_differ(gemma3, change):
+def test_gemma3_negative_controls_differ(compiled, change):
     """transformers' model with one of Gemma's details undone is far from ours: each detail is tested."""
-    model, session = gemma3
+    model, session = compiled("gemma3")
     session.reset()
     ours = session.prefill_all_logits(PROMPT)
     assert _rel_err(ours, _reference_prefill(model)) < 1e-4
@@ -91,6 +100,18 @@ def test_gemma3_negative_controls_differ(gemma3, change):
             for layer in other.model.layers:
                 layer.self_attn.q_norm.weight.fill_(0.0)  # (1 + 0): the normalization stays, the weights go
                 layer.self_attn.k_norm.weight.fill_(0.0)
+    assert _rel_err(ours, _reference_prefill(other)) > 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change", ["attn_logit_softcapping", "final_logit_softcapping", "sliding_window"])
+def test_gemma2_negative_controls_differ(compiled, change):
+    """Without the attention cap, the logit cap or the window, transformers' Gemma 2 is far from ours."""
+    model, session = compiled("gemma2")
+    session.reset()
+    ours = session.prefill_all_logits(PROMPT)
+    assert _rel_err(ours, _reference_prefill(model)) < 1e-4
+    other = _with_config(model, **{change: 64 if change == "sliding_window" else None})
     assert _rel_err(ours, _reference_prefill(other)) > 1e-2
 
 
@@ -123,7 +144,7 @@ def test_gemma3_older_config_fields():
 
 
 @pytest.mark.parametrize("changes, field", [
-    (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    (dict(attn_logit_softcapping=-1.0), "attn_logit_softcapping"),
     (dict(hidden_activation="silu"), "hidden_activation"),
     (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
     (dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
@@ -144,12 +165,28 @@ def test_gemma3_cache_layers_are_sliding_only_where_the_window_binds():
     assert fits == {"attn_kind": "mha", "rope_mode": RopeMode.NONE}
 
 
-def test_gemma3_sliding_window_is_refused_on_targets_without_our_cpu_kernels(tmp_path):
-    save_compilable_checkpoint(build_model("gemma3"), tmp_path / "hf")
-    with pytest.raises(MobilecError, match="--context-window 8 or less"):
+@pytest.mark.parametrize("name, context, message", [
+    ("gemma3", 64, "sliding window.*--context-window 8 or less"),
+    ("gemma2", 8, r"\(capped attention scores \(attn_logit_softcapping\)\)"),
+])
+def test_what_only_our_cpu_kernels_do_is_refused_on_other_targets(tmp_path, name, context, message):
+    save_compilable_checkpoint(build_model(name), tmp_path / "hf")
+    with pytest.raises(MobilecError, match=message):
         compile_model(CompileOptions(str(tmp_path / "hf"), "android-adreno", "q0f32", str(tmp_path / "out"),
-                                     context_window=64, progress=False))
+                                     context_window=context, progress=False))
     assert not (tmp_path / "out").exists()
+
+
+def test_gemma2_config():
+    cfg = Gemma2Config.from_hf(_hf_config("gemma2"), context_window=64)
+    assert cfg.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert (cfg.rope(0), cfg.rope(1)) == ((50000.0, 1.0), (50000.0, 1.0)) and not cfg.qk_norm
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (20.0, 5.0)
+    assert family_for(_hf_config("gemma2")).name == "gemma2"
+    with pytest.raises(MobilecError, match="linear"):
+        Gemma2Config.from_hf(_hf_config("gemma2", rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                   "rope_theta": 1e4}), 64)
+    assert "self_attn.q_norm" not in " ".join(name for names in cfg.param_sources().values() for name in names)
 
 
 def test_gemma3_int8_kv_cache_is_refused():

@@ -64,6 +64,8 @@ PAGED_PREFILL_SYMBOL = "batch_prefill_paged_kv_cpu"
 SLIDING_SUFFIX = "_sliding_window"
 # module attr: the window of the "mha_sliding" layers, which TVM bakes into its sliding prefill kernel
 LAYER_SLIDING_WINDOW_ATTR = "mobilec_layer_sliding_window"
+# module attr: Gemma 2's attn_logit_softcapping, which TVM's kernels do not implement
+ATTN_LOGIT_CAP_ATTR = "mobilec_attn_logit_softcapping"
 SPLIT_ROTARY_SYMBOL = "fused_rope"  # an int8 cache replaces TVM's split + RoPE and merge of states too
 MERGE_SYMBOL = "merge_state_inplace_cpu"
 LOG2E = math.log2(math.e)
@@ -198,6 +200,24 @@ def _scaled(value, scale):
     return value if scale is None else value * scale
 
 
+def _score_cap(cap: float):
+    """A T.macro capping one score in place as Gemma 2's attn_logit_softcapping does: cap * tanh(q.k * sm_scale /
+    cap), in the kernels' log2 units (the score is q.k * sm_scale * log2 e), with tanh(x) = 1 - 2 / (1 + e^2x) and
+    e^2x = 2^(2 score / cap) by _exp2 (clamped at 2^126, where tanh is 1 in float32); the exponent goes through the
+    1-element buffer `arg` (no float Let in a parallel loop). Nothing without a cap (0)."""
+
+    capped = cap > 0
+
+    @T.macro
+    def cap_score(scores, index, arg):
+        if capped:
+            arg[0] = T.min(scores[index] * T.float32(2 / cap), T.float32(126))
+            scores[index] = T.float32(cap * LOG2E) * (
+                T.float32(1) - T.float32(2) / (T.float32(1) + _exp2(arg[0], 1)))
+
+    return cap_score
+
+
 def _length_info_shape(batch, sliding: bool):
     """length_info's shape: [b] rows used in each sequence's last page, or (a sliding-window kernel) [3, b]: those
     rows, the window's offset in its first page, the attention-sink rows."""
@@ -220,12 +240,13 @@ def _window_checks(sliding: bool):
 
 
 def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, Any] | None = None,
-                     chunk_pages: int = CHUNK_PAGES, sliding: bool = False) -> tirx.PrimFunc:
+                     chunk_pages: int = CHUNK_PAGES, sliding: bool = False, logit_cap: float = 0.0) -> tirx.PrimFunc:
     """The paged-KV decode kernel: TVM's `batch_decode_paged_kv_cpu` signature, or (`sliding`) its
     `_sliding_window` variant for "mha_sliding" layers: the cache passes the pages of the window only and length_info
     [3, b] (rows used in the last page, offset of the window's first row in the first page, attention-sink rows),
     and the keys are the rows from that offset on. Sinks (only from kv_state's sequence-wide sliding window, which
-    mobilec never enables) fail an assert; no inline RoPE (RopeMode.NONE or NORMAL)."""
+    mobilec never enables) fail an assert; no inline RoPE (RopeMode.NONE or NORMAL). `logit_cap`: the scores capped
+    (_score_cap)."""
     rope_scaling = rope_scaling or {}
     H_qo, H_kv, D, P, G = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, shape.group
     dtype, fdtype, VL, CH, MIN_TASKS = shape.dtype, shape.float_dtype, lanes, chunk_pages, MIN_DECODE_TASKS
@@ -233,6 +254,7 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
     DC, PC = D // VL, P // VL  # vectors per head row, per page of scores
     scaled, inline_rope = shape.carrier is not None, shape.carrier is None and not sliding
     window_checks = _window_checks(sliding)
+    cap_score = _score_cap(logit_cap)
     assert shape.supported(VL), shape
 
     def vec(base):
@@ -271,6 +293,7 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
         rescale = T.alloc_buffer((H_qo,), "float32")
         # through a buffer: a float Let (as CSE makes of a repeated product) breaks the CPU codegen
         q_scale = T.alloc_buffer((1,), "float32")
+        cap_arg = T.alloc_buffer((1,), "float32")
         b: T.let[T.int32] = task // n_chunks
         page_begin: T.let[T.int32] = page_table_indptr[b]
         num_pages: T.let[T.int32] = page_table_indptr[b + 1] - page_begin
@@ -316,6 +339,7 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
                             part[vec(0)] = dot_terms(lambda c, h=h, g=g: q_rot[vec((h * G + g) * D + c * VL)],
                                                      lambda c: k_rot[vec(c * VL)])
                             scores[(h * G + g) * P + r] = _hsum(part, 0, VL)
+                            cap_score(scores, (h * G + g) * P + r, cap_arg)
                 else:
                     for r in range(start, rows):
                         for g in T.unroll(G):
@@ -325,6 +349,7 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
                                 page_k(pages, page, h, r))
                             scores[(h * G + g) * P + r] = _scaled(_hsum(part, 0, VL),
                                                                   page_scale(pages_f, page, 0, h, r))
+                            cap_score(scores, (h * G + g) * P + r, cap_arg)
                 for r in range(P - rows):
                     for g in T.unroll(G):
                         scores[(h * G + g) * P + rows + r] = T.float32(MASKED)
@@ -468,18 +493,19 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
 
 
 def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str, Any], paged: bool, block: int,
-                       sliding_window: int = 0):
+                       sliding_window: int = 0, logit_cap: float = 0.0):
     """The work of one query row of a prefill kernel, as a T.macro: for each KV head, its `group` query heads walk
     the visible keys (causal: up to the row's own position, aligned at the end of the keys) in blocks of `block`
     rows, as the decode kernel walks pages. Keys are the ragged k/v rows of the new tokens, or (`paged`) the
     sequence's pages, a block being a page. With a `sliding_window` (paged only: the "mha_sliding" layers' kernel)
     the pages are the window's, its keys start at length_info[1, b] in the first page, and with `causal` the query
     row i of a sequence sees only the last max(window - i - 1, 0) of them, as TVM's _causal_or_sliding_cross_mask
-    (the cached keys before the new tokens, which the ragged kernel covers)."""
+    (the cached keys before the new tokens, which the ragged kernel covers). `logit_cap`: _score_cap."""
     H_qo, H_kv, D, G = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.group
     dtype, fdtype, VL, P = shape.dtype, shape.float_dtype, lanes, block
     DC, PC = D // VL, P // VL
     scaled = shape.carrier is not None
+    cap_score = _score_cap(logit_cap)
 
     def vec(base):
         return T.ramp(base, 1, VL)
@@ -525,6 +551,7 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
         new_max = T.alloc_buffer((1,), "float32")
         rescale = T.alloc_buffer((1,), "float32")
         q_scale = T.alloc_buffer((1,), "float32")  # a float Let (CSE of a repeated product) breaks the codegen
+        cap_arg = T.alloc_buffer((1,), "float32")
         seq = T.alloc_buffer((1,), "int32")
         # the sequence of query row t: the number of sequences that end at or before t
         seq[0] = 0
@@ -581,6 +608,7 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
                             part[vec(0)] = dot_terms(lambda c, h=h, g=g: q_rot[vec((h * G + g) * D + c * VL)],
                                                      lambda c: k_rot[vec(c * VL)])
                             scores[g * P + r] = _hsum(part, 0, VL)
+                            cap_score(scores, g * P + r, cap_arg)
                 else:
                     for r in range(start, rows):
                         for g in T.unroll(G):
@@ -591,6 +619,7 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
                                     key(k, v, page_values, kv_begin, blk, h, r, 0, vec(c * VL)), dtype, VL))
                             scores[g * P + r] = _scaled(_hsum(part, 0, VL),
                                                         key_scale(k_f, v_f, page_values, kv_begin, blk, h, r, 0))
+                            cap_score(scores, g * P + r, cap_arg)
                 for r in range(P - rows):
                     for g in T.unroll(G):
                         scores[g * P + rows + r] = T.float32(MASKED)
@@ -635,7 +664,7 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
 
 
 def attention_prefill_ragged(shape: AttentionShape, lanes: int, rope_scaling: dict[str, Any] | None = None,
-                             block: int = 16) -> tirx.PrimFunc:
+                             block: int = 16, logit_cap: float = 0.0) -> tirx.PrimFunc:
     """Self-attention among the new tokens of a prefill: TVM's `batch_prefill_ragged_kv` signature (its CPU
     variant, `_attention_prefill_ragged_cpu`), head_dim the same for q/k and v. One parallel task per query row
     (_prefill_row_macro), keys in blocks of `block` rows; shape.page_size is not used."""
@@ -643,7 +672,7 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, rope_scaling: di
     H_qo_decl, H_kv_decl, D_decl = shape.declared
     inline_rope = shape.carrier is None
     assert shape.supported(lanes) and block % lanes == 0, shape
-    query_row = _prefill_row_macro(shape, lanes, rope_scaling or {}, paged=False, block=block)
+    query_row = _prefill_row_macro(shape, lanes, rope_scaling or {}, paged=False, block=block, logit_cap=logit_cap)
 
     # pylint: disable=too-many-locals,too-many-statements
     @T.prim_func(private=True, s_tir=True)
@@ -706,7 +735,7 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, rope_scaling: di
 
 
 def attention_prefill_paged(shape: AttentionShape, lanes: int, rope_scaling: dict[str, Any] | None = None,
-                            sliding_window: int = 0) -> tirx.PrimFunc:
+                            sliding_window: int = 0, logit_cap: float = 0.0) -> tirx.PrimFunc:
     """New tokens against the KV cache's pages (a prefill after earlier tokens, or a chunked one): TVM's
     `batch_prefill_paged_kv_cpu` signature, or (a `sliding_window`) its `_sliding_window` variant for the
     "mha_sliding" layers (_prefill_row_macro; no sinks, no inline RoPE: _window_checks). One parallel task per query
@@ -718,7 +747,7 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, rope_scaling: dic
     window_checks = _window_checks(sliding)
     assert shape.supported(lanes), shape
     query_row = _prefill_row_macro(shape, lanes, rope_scaling or {}, paged=True, block=P,
-                                   sliding_window=sliding_window)
+                                   sliding_window=sliding_window, logit_cap=logit_cap)
 
     # pylint: disable=too-many-locals,too-many-statements
     @T.prim_func(private=True, s_tir=True)

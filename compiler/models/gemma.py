@@ -5,7 +5,8 @@ sqrt(hidden_size) in the activations' dtype; every RMSNorm multiplies by (1 + we
 the MLP each sit between a pre- and a post-norm; the MLP is gelu_tanh(gate) * up; the softmax scale is
 1 / sqrt(query_pre_attn_scalar); layers alternate sliding-window and global attention. Gemma 3 adds q/k RMSNorms per
 head before RoPE and a RoPE base of its own for the sliding layers (linear scaling on the global ones only); Gemma 2
-caps the final logits with cap * tanh(logits / cap).
+caps the attention scores (attn_logit_softcapping, in mobilec's CPU attention kernels) and the final logits with
+cap * tanh(x / cap).
 
 RoPE bases that differ per layer are not something TVM's paged cache does (one rope_theta): the cache runs with
 RopeMode.NONE and RoPE is applied here, before q/k/v enter it, at the positions the cache reports."""
@@ -22,6 +23,7 @@ from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode
 
 from ..errors import MobilecError
+from ..kernels.cpu_attention import ATTN_LOGIT_CAP_ATTR, LAYER_SLIDING_WINDOW_ATTR
 from ..kv_cache_dtype import INT8
 from .llama import Embedding, LlamaAttention, LlamaConfig, LlamaForCausalLM, _positive, _whole
 
@@ -39,6 +41,7 @@ class GemmaConfig(LlamaConfig):
     rope_local_theta: float = 10000.0  # RoPE base of the sliding layers
     rope_global_factor: float = 1.0  # linear RoPE scaling of the global layers (positions / factor)
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
     qk_norm: bool = True  # Gemma 3: RMSNorm of each q and k head before RoPE
 
     @property
@@ -64,13 +67,10 @@ class GemmaConfig(LlamaConfig):
         if hf.get("use_bidirectional_attention"):
             raise MobilecError("config.json: use_bidirectional_attention=true (non-causal attention) is not "
                                "implemented; mobilec compiles causal decoders")
-        if hf.get("attn_logit_softcapping") is not None:
-            raise MobilecError(f"config.json: attn_logit_softcapping {hf['attn_logit_softcapping']!r} (capped "
-                               "attention scores) is not implemented by mobilec's attention kernels; compiled, the "
-                               "model would diverge from the checkpoint")
         layer_types = _layer_types(hf, _whole(hf, "num_hidden_layers"))
         window = _whole(hf, "sliding_window") if SLIDING in layer_types else 0
-        final_cap = hf.get("final_logit_softcapping")
+        caps = {key: None if hf.get(key) is None else _positive(hf, key, None)
+                for key in ("final_logit_softcapping", "attn_logit_softcapping")}
         # Llama's fields from a view of the config without what is Gemma's (checked here): activation and RoPE
         llama_view = {k: v for k, v in hf.items() if k not in (
             "hidden_activation", "hidden_act", "rope_scaling", "rope_parameters", "rope_theta")}
@@ -85,7 +85,7 @@ class GemmaConfig(LlamaConfig):
             layer_types=tuple(layer_types),
             rope_local_theta=local_theta,
             rope_global_factor=global_factor,
-            final_logit_softcapping=None if final_cap is None else _positive(hf, "final_logit_softcapping", None),
+            **caps,
             qk_norm=qk_norm,
         )
 
@@ -133,6 +133,20 @@ class Gemma3TextConfig(GemmaConfig):
         return cls._from_gemma_hf(
             hf, context_window, local_theta=_positive(local, "rope_theta", 10000.0),
             global_theta=_positive(full, "rope_theta", 1000000.0), global_factor=factor, qk_norm=True)
+
+
+class Gemma2Config(GemmaConfig):
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], context_window: int | None = None) -> "Gemma2Config":
+        """One RoPE for every layer: rope_theta, or transformers 5's rope_parameters."""
+        params = hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta")}
+        if _rope_kind(params) != "default":
+            raise MobilecError(f"config.json: RoPE scaling {_rope_kind(params)!r} is not implemented for Gemma 2 "
+                               "(plain RoPE)")
+        theta = _positive({"rope_theta": params.get("rope_theta") or hf.get("rope_theta") or 10000.0},
+                          "rope_theta", None)
+        return cls._from_gemma_hf(hf, context_window, local_theta=theta, global_theta=theta, global_factor=1.0,
+                                  qk_norm=False)
 
 
 def _rope_kind(params: dict[str, Any]) -> str:
@@ -269,12 +283,25 @@ class GemmaForCausalLM(LlamaForCausalLM):
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else op.tanh(logits / cap) * cap
 
+    def _window_binds(self) -> bool:
+        cfg = self.cfg
+        return SLIDING in cfg.layer_types and cfg.context_window_size > cfg.sliding_window
+
+    def cpu_attention_attrs(self) -> dict[str, Any]:
+        """The sliding layers' window when it binds, the attention scores' cap when there is one."""
+        attrs: dict[str, Any] = {}
+        if self._window_binds():
+            attrs[LAYER_SLIDING_WINDOW_ATTR] = self.cfg.sliding_window
+        if self.cfg.attn_logit_softcapping is not None:
+            attrs[ATTN_LOGIT_CAP_ATTR] = self.cfg.attn_logit_softcapping
+        return attrs
+
     def kv_cache_attention(self) -> dict[str, Any]:
         """No RoPE in the cache (applied here); the sliding layers as "mha_sliding" when the context window exceeds
         their window (the cache then gives their kernels the window's pages; TVM's runtime keeps every page), else
         full attention everywhere, the same thing there."""
         cfg = self.cfg
-        if SLIDING not in cfg.layer_types or cfg.context_window_size <= cfg.sliding_window:
+        if not self._window_binds():
             return {"attn_kind": "mha", "rope_mode": RopeMode.NONE}
         return {"attn_kind": ["mha_sliding" if kind == SLIDING else "mha" for kind in cfg.layer_types],
                 "rope_mode": RopeMode.NONE, "layer_sliding_window_size": cfg.sliding_window}

@@ -347,6 +347,11 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
     def decode(self, input_embed: Tensor, kv_cache: PagedKVCache):
         return self._logits(self.model(input_embed, kv_cache)), kv_cache
 
+    def cpu_attention_attrs(self) -> dict[str, Any]:
+        """Module attrs for what this model's attention needs of mobilec's CPU kernels beyond TVM's
+        (passes/replace_cpu_attention.py); a model with any compiles for LLVM CPU targets only. None here."""
+        return {}
+
     def kv_cache_attention(self) -> dict[str, Any]:
         """The paged KV cache's attention kind per layer and RoPE mode: full attention everywhere, RoPE applied
         by the cache (RopeMode.NORMAL: to k before it is stored, with cfg.rope_theta)."""

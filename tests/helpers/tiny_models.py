@@ -18,7 +18,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel,
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel,
                           Qwen2Config, Qwen2ForCausalLM)
 
 from tests.helpers.tiny_tokenizer import save_tiny_tokenizer
@@ -70,6 +70,16 @@ GEMMA_SPECS: dict[str, tuple[type, type, dict[str, Any]]] = {
              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
                               "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0}},
              tie_word_embeddings=True, attn_implementation="eager"),
+    ),
+    # Gemma 2: alternating sliding (window 8) and global layers, attention scores capped at 20 and logits at 5,
+    # small enough that both caps change the result of these random weights.
+    "gemma2": (
+        Gemma2ForCausalLM,
+        Gemma2Config,
+        dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+             attn_logit_softcapping=20.0, final_logit_softcapping=5.0, tie_word_embeddings=True,
+             attn_implementation="eager"),
     ),
 }
 

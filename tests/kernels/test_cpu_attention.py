@@ -2,8 +2,8 @@
 against the cached pages (paged), numerics
 against TVM's own CPU kernels and a numpy softmax on random data (context lengths on and off page/block boundaries,
 GQA groups 1 and 3, batches of 1 to 3 sequences, causal or not, both rotary modes, float16), the sliding-window
-variants of decode and paged prefill against numpy, negative controls (a wrong page table, a shifted causal mask, the
-window ignored), and ReplaceCPUAttention's swap (LLVM targets only)."""
+variants of decode and paged prefill and capped scores (Gemma 2) against numpy, negative controls (a wrong page table,
+a shifted causal mask, the window or the cap ignored), and ReplaceCPUAttention's swap (LLVM targets only)."""
 
 import functools
 
@@ -359,9 +359,11 @@ def _window_view(cache: dict, ctx: list[int], window: int, sink: int = 0) -> dic
     return dict(cache, values=np.array(values, "int32"), indptr=np.array(indptr, "int32"), last=info)
 
 
-def _numpy_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """softmax(q k^T * sm_scale) v for one query head: q [D], k and v [n, D]."""
+def _numpy_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cap: float | None = None) -> np.ndarray:
+    """softmax(q k^T * sm_scale) v for one query head: q [D], k and v [n, D]; scores capped as Gemma 2 with a cap."""
     scores = k.astype("float64") @ q.astype("float64") * SM_SCALE
+    if cap is not None:
+        scores = cap * np.tanh(scores / cap)
     weights = np.exp(scores - scores.max())
     return weights @ v.astype("float64") / weights.sum()
 
@@ -426,6 +428,48 @@ def test_sliding_kernels_refuse_attention_sinks_and_inline_rope():
     q = np.zeros((2, 9, D), "float32")
     with pytest.raises(RuntimeError, match="sinks"):
         _run_paged_prefill(prefill, _window_view(cache, [40], 24, sink=4), q, np.array([0, 2], "int32"), causal=1)
+
+
+CAP = 1.5  # scores here are ~N(0, 2): capping at 1.5 changes most of them
+
+
+@functools.cache
+def _capped_kernels(h_kv: int, h_qo: int, window: int):
+    """(decode, ragged prefill, sliding paged prefill) with scores capped at CAP, built for RUN."""
+    shape, lanes = AttentionShape(h_kv, h_qo, D, "float32", PAGE), vector_lanes(RUN)
+    return tuple(tvm.tirx.build(tvm.IRModule({"main": f}), target=RUN)["main"] for f in (
+        attention_decode(shape, lanes, logit_cap=CAP), attention_prefill_ragged(shape, lanes, logit_cap=CAP),
+        attention_prefill_paged(shape, lanes, sliding_window=window, logit_cap=CAP)))
+
+
+def test_capped_scores_match_numpy():
+    decode, ragged, paged = _capped_kernels(3, 9, 24)
+    ctx = [37, 130]
+    cache = _cache(ctx, 3, 9, seed=12)
+    out, _ = _run(decode, cache)
+    for s, c in enumerate(ctx):
+        k, v = _keys(cache, s, c)
+        for h in range(9):
+            np.testing.assert_allclose(out[s, h], _numpy_attention(cache["q"][s, h], k[h // 3], v[h // 3], CAP),
+                                       rtol=1e-5, atol=3e-6)
+    assert np.abs(_run(_kernels(3, 9)[0], cache)[0] - out).max() > 1e-2  # negative control: no cap
+    data = _ragged_data([9, 20], [9, 20], 3, 9, seed=13)
+    out, _ = _run_ragged(ragged, data, causal=1)
+    for s in range(2):
+        q0, k0 = data["q_indptr"][s], data["kv_indptr"][s]
+        for i in range(data["q_indptr"][s + 1] - q0):
+            for h in range(9):
+                want = _numpy_attention(data["q"][q0 + i, h], data["k"][k0:k0 + i + 1, h // 3],
+                                        data["v"][k0:k0 + i + 1, h // 3], CAP)
+                np.testing.assert_allclose(out[q0 + i, h], want, rtol=1e-5, atol=3e-6)
+    q = (2 * np.random.default_rng(14).standard_normal((3, 9, D))).astype("float32")
+    cache = _cache([37], 3, 9, seed=15)
+    out, _ = _run_paged_prefill(paged, _window_view(cache, [37], 24), q, np.array([0, 3], "int32"), causal=1)
+    k, v = _keys(cache, 0, 37)
+    for i in range(3):
+        for h in range(9):
+            want = _numpy_attention(q[i, h], k[h // 3, 37 + i - 23:], v[h // 3, 37 + i - 23:], CAP)
+            np.testing.assert_allclose(out[i, h], want, rtol=1e-5, atol=3e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------

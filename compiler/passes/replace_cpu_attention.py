@@ -134,8 +134,9 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
             shape = read_shape(func)
             if shape is None or not shape.supported(self.lanes):
                 if cap or symbol in SLIDING_KERNELS:
-                    raise MobilecError(f"{symbol} of shape {shape} is not taken by the {self.lanes}-lane CPU "
-                                       f"attention kernels, and TVM's has no {'logit cap' if cap else 'right window'}")
+                    needs = "capped attention scores" if cap else "a sliding window"
+                    raise MobilecError(f"{symbol}: {needs} needs mobilec's CPU attention kernels, which do not take "
+                                       f"{shape} at {self.lanes} lanes (TVM's kernels would be wrong)")
                 continue
             replaced[gv] = build(shape, self.lanes, window and int(window), cap).with_attrs(
                 {**dict(func.attrs), "tirx.noalias": True})

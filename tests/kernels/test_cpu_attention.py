@@ -17,6 +17,7 @@ from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill_cpu, _
 from compiler import pipeline
 from compiler.errors import MobilecError
 from compiler.kernels.cpu_attention import (
+    ATTN_LOGIT_CAP_ATTR,
     DECODE_SYMBOL,
     LAYER_SLIDING_WINDOW_ATTR,
     PAGED_PREFILL_SYMBOL,
@@ -538,9 +539,24 @@ def test_pass_swaps_the_sliding_window_kernels_of_a_model_with_a_window():
         tvm.ir.assert_structural_equal(swapped[name], build(decode_shape(old, 2 if "prefill" in name else 1))
                                        .with_attrs({**dict(old.attrs), "tirx.noalias": True}))
         assert swapped[name].attrs["global_symbol"].endswith(SLIDING_SUFFIX)
-    with pytest.raises(MobilecError, match="sliding-window"):
+    with pytest.raises(MobilecError, match="a sliding window needs mobilec's CPU attention kernels"):
         ReplaceCPUAttention(vector_lanes(AVX512))(_kv_cache_module(head_dim=72).with_attr(LAYER_SLIDING_WINDOW_ATTR,
                                                                                             24))
+
+
+def test_pass_builds_every_kernel_with_the_logit_cap_of_a_model_with_one():
+    """With ATTN_LOGIT_CAP_ATTR (Gemma 2) all three kernels are ours with the cap; a shape ours do not take fails
+    the build (TVM's kernels have no cap)."""
+    mod = _kv_cache_module().with_attr(ATTN_LOGIT_CAP_ATTR, 20.0)
+    swapped = ReplaceCPUAttention(vector_lanes(AVX512))(mod)
+    old = mod["tir_attention_decode_cpu"]
+    tvm.ir.assert_structural_equal(swapped["tir_attention_decode_cpu"], attention_decode(
+        decode_shape(old), 16, logit_cap=20.0).with_attrs({**dict(old.attrs), "tirx.noalias": True}))
+    old = mod["tir_attention_prefill_ragged_cpu"]
+    tvm.ir.assert_structural_equal(swapped["tir_attention_prefill_ragged_cpu"], attention_prefill_ragged(
+        ragged_shape(old), 16, logit_cap=20.0).with_attrs({**dict(old.attrs), "tirx.noalias": True}))
+    with pytest.raises(MobilecError, match="capped attention scores needs"):
+        ReplaceCPUAttention(vector_lanes(AVX512))(_kv_cache_module(head_dim=72).with_attr(ATTN_LOGIT_CAP_ATTR, 20.0))
 
 
 def test_pass_keeps_shapes_it_does_not_take():

@@ -195,9 +195,10 @@ def test_gemma3_int8_kv_cache_is_refused():
         _ = cfg.int8_carrier
 
 
-def test_gemma3_checkpoint_tensors_are_all_read(tmp_path):
+@pytest.mark.parametrize("name, config_class", [("gemma3", Gemma3TextConfig), ("gemma2", Gemma2Config)])
+def test_checkpoint_tensors_are_all_read(name, config_class):
     """Every tensor of transformers' checkpoint has its place (q/k norms and the four layer norms included)."""
-    model = build_model("gemma3")
-    sources = Gemma3TextConfig.from_hf(json.loads(json.dumps(model.config.to_dict())), 64).param_sources()
+    model = build_model(name)
+    sources = config_class.from_hf(json.loads(json.dumps(model.config.to_dict())), 64).param_sources()
     read = {name for names in sources.values() for name in names}
     assert read == set(model.state_dict()) - {"lm_head.weight"}

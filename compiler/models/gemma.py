@@ -36,7 +36,7 @@ class GemmaConfig(LlamaConfig):
     """LlamaConfig's fields (rope_theta: the global layers' base) and Gemma's own."""
 
     query_pre_attn_scalar: float = 256.0
-    sliding_window: int = 4096
+    sliding_window: int = 0  # tokens the SLIDING layers see (the last ones, the query's own included); 0: none
     layer_types: tuple[str, ...] = ()  # SLIDING or FULL per layer
     rope_local_theta: float = 10000.0  # RoPE base of the sliding layers
     rope_global_factor: float = 1.0  # linear RoPE scaling of the global layers (positions / factor)

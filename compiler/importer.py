@@ -10,6 +10,7 @@ import tvm
 
 from . import kv_cache_dtype, validate
 from .errors import MobilecError
+from .kernels.cpu_attention import ATTN_LOGIT_CAP_ATTR, LAYER_SLIDING_WINDOW_ATTR, vector_lanes
 from .loaders import Checkpoint, open_checkpoint
 from .loaders.default_model import default_model_path
 from .models.llama import LlamaConfig
@@ -91,8 +92,19 @@ def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_win
     plan = quantize_model(model, scheme, ckpt, sources, list(quant_skip), dtype, calibration) if quantize else {}
     if not export:  # named_parameters() lists them as export_tvm does
         return ImportedModel(family, cfg, None, list(model.named_parameters()), sources, plan, dtype, calibration)
+    kernel_attrs = model.cpu_attention_attrs()
+    if kernel_attrs and vector_lanes(spec.tvm_target()) is None:
+        window = kernel_attrs.get(LAYER_SLIDING_WINDOW_ATTR)
+        needs = ("a sliding window binding within the context" if window else "") + (
+            " and " if window and ATTN_LOGIT_CAP_ATTR in kernel_attrs else "") + (
+            "capped attention scores (attn_logit_softcapping)" if ATTN_LOGIT_CAP_ATTR in kernel_attrs else "")
+        raise MobilecError(f"this {family.name} model's attention ({needs}) is implemented by mobilec's CPU attention "
+                           f"kernels only, which target {spec.name} does not use"
+                           + (f"; --context-window {window} or less needs no window" if window else ""))
     with spec.model_target():
         mod, params = model.export_tvm(spec=model.get_default_spec())
+    for key, value in kernel_attrs.items():  # passes/replace_cpu_attention.py reads them
+        mod = mod.with_attr(key, value)
     if cfg.int8_carrier is not None:  # the kernels that read the packed cells need the real geometry
         mod = mod.with_attr(kv_cache_dtype.KV_FORMAT_ATTR,
                             {**cfg.int8_carrier.module_attr(), "rope_theta": cfg.rope_theta})

@@ -60,6 +60,12 @@ from ..kv_cache_dtype import INT8, Int8Carrier
 DECODE_SYMBOL = "batch_decode_paged_kv_cpu"  # TVM's global symbols of the CPU kernels replaced here
 RAGGED_SYMBOL = "batch_prefill_ragged_kv"
 PAGED_PREFILL_SYMBOL = "batch_prefill_paged_kv_cpu"
+# the variants the cache calls for layers of attention kind "mha_sliding" (per-layer sliding window)
+SLIDING_SUFFIX = "_sliding_window"
+# module attr: the window of the "mha_sliding" layers, which TVM bakes into its sliding prefill kernel
+LAYER_SLIDING_WINDOW_ATTR = "mobilec_layer_sliding_window"
+# module attr: Gemma 2's attn_logit_softcapping, which TVM's kernels do not implement
+ATTN_LOGIT_CAP_ATTR = "mobilec_attn_logit_softcapping"
 SPLIT_ROTARY_SYMBOL = "fused_rope"  # an int8 cache replaces TVM's split + RoPE and merge of states too
 MERGE_SYMBOL = "merge_state_inplace_cpu"
 LOG2E = math.log2(math.e)
@@ -194,15 +200,61 @@ def _scaled(value, scale):
     return value if scale is None else value * scale
 
 
+def _score_cap(cap: float):
+    """A T.macro capping one score in place as Gemma 2's attn_logit_softcapping does: cap * tanh(q.k * sm_scale /
+    cap), in the kernels' log2 units (the score is q.k * sm_scale * log2 e), with tanh(x) = 1 - 2 / (1 + e^2x) and
+    e^2x = 2^(2 score / cap) by _exp2 (clamped at 2^126, where tanh is 1 in float32); the exponent goes through the
+    1-element buffer `arg` (no float Let in a parallel loop). Nothing without a cap (0)."""
+
+    capped = cap > 0
+
+    @T.macro
+    def cap_score(scores, index, arg):
+        if capped:
+            arg[0] = T.min(scores[index] * T.float32(2 / cap), T.float32(126))
+            scores[index] = T.float32(cap * LOG2E) * (
+                T.float32(1) - T.float32(2) / (T.float32(1) + _exp2(arg[0], 1)))
+
+    return cap_score
+
+
+def _length_info_shape(batch, sliding: bool):
+    """length_info's shape: [b] rows used in each sequence's last page, or (a sliding-window kernel) [3, b]: those
+    rows, the window's offset in its first page, the attention-sink rows."""
+    return (3, batch) if sliding else (batch,)
+
+
+def _window_checks(sliding: bool):
+    """A T.macro that fails a sliding-window kernel's call with what it does not implement: attention sinks (rows
+    kept before the window, only from kv_state's sequence-wide sliding window, which mobilec never enables) and
+    inline RoPE (the models apply RoPE before the cache); nothing for the other kernels."""
+
+    @T.macro
+    def checks(length_info, batch, rotary_mode):
+        if sliding:
+            assert rotary_mode != 1, "mobilec's sliding-window attention kernels do not apply RoPE inline"
+            for b in range(batch):
+                assert length_info[2, b] == 0, "mobilec's sliding-window attention kernels have no attention sinks"
+
+    return checks
+
+
 def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, Any] | None = None,
-                     chunk_pages: int = CHUNK_PAGES) -> tirx.PrimFunc:
-    """The paged-KV decode kernel: TVM's `batch_decode_paged_kv_cpu` signature (no sliding window)."""
+                     chunk_pages: int = CHUNK_PAGES, sliding: bool = False, logit_cap: float = 0.0) -> tirx.PrimFunc:
+    """The paged-KV decode kernel: TVM's `batch_decode_paged_kv_cpu` signature, or (`sliding`) its
+    `_sliding_window` variant for "mha_sliding" layers: the cache passes the pages of the window only and length_info
+    [3, b] (rows used in the last page, offset of the window's first row in the first page, attention-sink rows),
+    and the keys are the rows from that offset on. Sinks (only from kv_state's sequence-wide sliding window, which
+    mobilec never enables) fail an assert; no inline RoPE (RopeMode.NONE or NORMAL). `logit_cap`: the scores capped
+    (_score_cap)."""
     rope_scaling = rope_scaling or {}
     H_qo, H_kv, D, P, G = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, shape.group
     dtype, fdtype, VL, CH, MIN_TASKS = shape.dtype, shape.float_dtype, lanes, chunk_pages, MIN_DECODE_TASKS
     H_qo_decl, H_kv_decl, D_decl = shape.declared
     DC, PC = D // VL, P // VL  # vectors per head row, per page of scores
-    scaled, inline_rope = shape.carrier is not None, shape.carrier is None
+    scaled, inline_rope = shape.carrier is not None, shape.carrier is None and not sliding
+    window_checks = _window_checks(sliding)
+    cap_score = _score_cap(logit_cap)
     assert shape.supported(VL), shape
 
     def vec(base):
@@ -221,6 +273,13 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
         """sum_c q[chunk c] * k[chunk c]: VL partial sums of one score."""
         return _sum([q_chunk(c) * k_chunk(c) for c in range(DC)])
 
+    def last_rows(length_info, b):
+        return length_info[0, b] if sliding else length_info[b]
+
+    def first_row(length_info, b, page_index):
+        """The first key row of the sequence's page `page_index`: the window's offset in its first page."""
+        return T.if_then_else(page_index == 0, length_info[1, b], 0) if sliding else 0
+
     @T.macro
     def chunk_task(task, n_chunks, per_chunk, rope, Q, pages, pages_f, page_table_indptr, page_table_values,
                    length_info, k_rope_pos_offset, q_rope_position, part_acc, part_max, part_sum, rope_scale,
@@ -234,6 +293,7 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
         rescale = T.alloc_buffer((H_qo,), "float32")
         # through a buffer: a float Let (as CSE makes of a repeated product) breaks the CPU codegen
         q_scale = T.alloc_buffer((1,), "float32")
+        cap_arg = T.alloc_buffer((1,), "float32")
         b: T.let[T.int32] = task // n_chunks
         page_begin: T.let[T.int32] = page_table_indptr[b]
         num_pages: T.let[T.int32] = page_table_indptr[b + 1] - page_begin
@@ -263,9 +323,10 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
                         (hq, d), dtype, rope_scaling)) * q_scale[0]
         for p in range(count):
             page: T.let[T.int32] = page_table_values[page_begin + first + p]
-            rows: T.let[T.int32] = T.if_then_else(first + p == num_pages - 1, length_info[b], P)
+            rows: T.let[T.int32] = T.if_then_else(first + p == num_pages - 1, last_rows(length_info, b), P)
+            start: T.let[T.int32] = first_row(length_info, b, first + p)
             for h in range(H_kv):
-                # scores of the page's rows for the G query heads of KV head h
+                # scores of the page's rows [start, rows) for the G query heads of KV head h
                 if rope:
                     for r in range(rows):
                         k_pos[0] = k_rope_pos_offset[b] + (first + p) * P + r
@@ -278,8 +339,9 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
                             part[vec(0)] = dot_terms(lambda c, h=h, g=g: q_rot[vec((h * G + g) * D + c * VL)],
                                                      lambda c: k_rot[vec(c * VL)])
                             scores[(h * G + g) * P + r] = _hsum(part, 0, VL)
+                            cap_score(scores, (h * G + g) * P + r, cap_arg)
                 else:
-                    for r in range(rows):
+                    for r in range(start, rows):
                         for g in T.unroll(G):
                             part[vec(0)] = dot_terms(
                                 lambda c, h=h, g=g: _f32(Q[b, h * G + g, vec(c * VL)], fdtype, VL)
@@ -287,9 +349,13 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
                                 page_k(pages, page, h, r))
                             scores[(h * G + g) * P + r] = _scaled(_hsum(part, 0, VL),
                                                                   page_scale(pages_f, page, 0, h, r))
+                            cap_score(scores, (h * G + g) * P + r, cap_arg)
                 for r in range(P - rows):
                     for g in T.unroll(G):
                         scores[(h * G + g) * P + rows + r] = T.float32(MASKED)
+                for r in range(start):
+                    for g in T.unroll(G):
+                        scores[(h * G + g) * P + r] = T.float32(MASKED)
                 # online softmax, rescaled once per page
                 for g in T.unroll(G):
                     state: T.let[T.int32] = task * H_qo + h * G + g
@@ -301,8 +367,9 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
                     rescale[h * G + g] = _exp2(part_max[state] - new_max[0], 1)
                     for c in T.unroll(PC):
                         scores[vec(row0 + c * VL)] = T.Select(
-                            T.ramp(c * VL, 1, VL) < T.broadcast(rows, VL),
-                            _exp2(scores[vec(row0 + c * VL)] - _bcast(new_max[0], VL), VL), _bcast(0.0, VL))
+                            T.ramp(c * VL, 1, VL) < T.broadcast(start, VL), _bcast(0.0, VL), T.Select(
+                                T.ramp(c * VL, 1, VL) < T.broadcast(rows, VL),
+                                _exp2(scores[vec(row0 + c * VL)] - _bcast(new_max[0], VL), VL), _bcast(0.0, VL)))
                     part[vec(0)] = scores[vec(row0)]
                     for c in T.unroll(PC - 1):
                         part[vec(0)] = part[vec(0)] + scores[vec(row0 + (c + 1) * VL)]
@@ -314,7 +381,7 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
                     for c in T.unroll(DC):
                         acc[vec(g * D + c * VL)] = part_acc[vec((task * H_qo + h * G + g) * D + c * VL)] * _bcast(
                             rescale[h * G + g], VL)
-                for r in range(rows):
+                for r in range(start, rows):
                     if scaled:  # the V row's scale folded into its weights
                         for g in T.unroll(G):
                             scores[(h * G + g) * P + r] = scores[(h * G + g) * P + r] * page_scale(
@@ -334,7 +401,7 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
         pages_handle: T.handle,
         page_table_indptr_handle: T.handle,
         page_table_values_handle: T.handle,
-        var_length_info: T.handle,  # [b]: the rows used in the last page of each sequence
+        var_length_info: T.handle,  # _length_info_shape
         k_rope_pos_offset_handle: T.handle,
         q_rope_position_handle: T.handle,
         output_handle: T.handle,
@@ -365,9 +432,11 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
         q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_position_elem_offset)
         output = T.match_buffer(output_handle, (B, H_qo_decl, D_decl), fdtype)
         lse = T.match_buffer(lse_handle, (B, H_qo_decl), "float32")
-        length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=length_info_elem_offset)
+        length_info = T.match_buffer(var_length_info, _length_info_shape(B, sliding), "int32",
+                                     elem_offset=length_info_elem_offset)
 
         with T.sblock("root"):
+            window_checks(length_info, B, rotary_mode)
             # the KV layout's views (AttentionShape): the buffers themselves for a float cache
             Q_rows = T.decl_buffer((B, H_qo, D), fdtype, data=Q.data, strides=(H_qo_decl * D_decl, D, 1))
             output_rows = T.decl_buffer((B, H_qo, D), fdtype, data=output.data, strides=(H_qo_decl * D_decl, D, 1))
@@ -420,18 +489,23 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
                     for d in T.unroll(DC):
                         output_rows[b, hq, vec(d * VL)] = T.Cast(_vec(fdtype, VL), out_row[vec(d * VL)])
 
-    return batch_decode_paged_kv.with_attr("global_symbol", DECODE_SYMBOL)
+    return batch_decode_paged_kv.with_attr("global_symbol", DECODE_SYMBOL + (SLIDING_SUFFIX if sliding else ""))
 
 
-def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str, Any], paged: bool, block: int):
+def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str, Any], paged: bool, block: int,
+                       sliding_window: int = 0, logit_cap: float = 0.0):
     """The work of one query row of a prefill kernel, as a T.macro: for each KV head, its `group` query heads walk
     the visible keys (causal: up to the row's own position, aligned at the end of the keys) in blocks of `block`
     rows, as the decode kernel walks pages. Keys are the ragged k/v rows of the new tokens, or (`paged`) the
-    sequence's pages, a block being a page."""
+    sequence's pages, a block being a page. With a `sliding_window` (paged only: the "mha_sliding" layers' kernel)
+    the pages are the window's, its keys start at length_info[1, b] in the first page, and with `causal` the query
+    row i of a sequence sees only the last max(window - i - 1, 0) of them, as TVM's _causal_or_sliding_cross_mask
+    (the cached keys before the new tokens, which the ragged kernel covers). `logit_cap`: _score_cap."""
     H_qo, H_kv, D, G = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.group
     dtype, fdtype, VL, P = shape.dtype, shape.float_dtype, lanes, block
     DC, PC = D // VL, P // VL
     scaled = shape.carrier is not None
+    cap_score = _score_cap(logit_cap)
 
     def vec(base):
         return T.ramp(base, 1, VL)
@@ -444,6 +518,19 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
         if paged:
             return k[page_values[kv_begin + blk], kv, h, r, index]
         return (k if kv == 0 else v)[kv_begin + blk * P + r, h, index]
+
+    def last_rows(length_info, b):
+        return length_info[0, b] if sliding_window else length_info[b]
+
+    def window_offset(length_info, b):
+        """Rows of the first page before the keys (the sliding window's start)."""
+        return length_info[1, b] if sliding_window else 0
+
+    def first_visible(causal, kv_len, row):
+        """The first key the query row sees: past the window, or 0."""
+        if not sliding_window:
+            return 0
+        return T.if_then_else(causal > 0, T.max(kv_len - T.max(sliding_window - row - 1, 0), 0), 0)
 
     def key_scale(k_f, v_f, page_values, kv_begin, blk, h, r, kv):
         """The scale of key row r of block blk (an int8 cache; None for a float one), from the declared buffers."""
@@ -464,6 +551,7 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
         new_max = T.alloc_buffer((1,), "float32")
         rescale = T.alloc_buffer((1,), "float32")
         q_scale = T.alloc_buffer((1,), "float32")  # a float Let (CSE of a repeated product) breaks the codegen
+        cap_arg = T.alloc_buffer((1,), "float32")
         seq = T.alloc_buffer((1,), "int32")
         # the sequence of query row t: the number of sequences that end at or before t
         seq[0] = 0
@@ -473,12 +561,17 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
         b: T.let[T.int32] = seq[0]
         kv_begin: T.let[T.int32] = kv_indptr[b]
         kv_len: T.let[T.int32] = (
-            T.if_then_else(kv_indptr[b + 1] > kv_begin, (kv_indptr[b + 1] - kv_begin - 1) * P + length_info[b], 0)
+            T.if_then_else(kv_indptr[b + 1] > kv_begin, (kv_indptr[b + 1] - kv_begin - 1) * P
+                           + last_rows(length_info, b) - window_offset(length_info, b), 0)
             if paged else kv_indptr[b + 1] - kv_begin)
         # causal: key j is visible to query row i of a sequence of qo_len rows if j < kv_len - qo_len + i + 1
+        # (sliding window: the keys are cached ones, all before the row, and the window cuts the oldest)
         visible: T.let[T.int32] = T.if_then_else(
             causal > 0, T.max(T.min(kv_len - (q_indptr[b + 1] - q_indptr[b]) + (t - q_indptr[b]) + 1, kv_len), 0),
-            kv_len)
+            kv_len) if not sliding_window else kv_len
+        # the visible keys [lo, hi) as rows of the blocks (paged: of the pages, from the window's offset)
+        lo: T.let[T.int32] = first_visible(causal, kv_len, t - q_indptr[b]) + window_offset(length_info, b)
+        hi: T.let[T.int32] = visible + window_offset(length_info, b)
         q_scale[0] = sm_scale * T.float32(LOG2E)
         if rope:
             q_raw = T.alloc_buffer((H_qo, D), dtype)
@@ -500,8 +593,9 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
                 run_sum[g] = T.float32(0)
                 for c in T.unroll(DC):
                     acc[vec(g * D + c * VL)] = _bcast(0.0, VL)
-            for blk in range((visible + P - 1) // P):
-                rows: T.let[T.int32] = T.min(visible - blk * P, P)
+            for blk in range(lo // P, (hi + P - 1) // P):
+                rows: T.let[T.int32] = T.min(hi - blk * P, P)
+                start: T.let[T.int32] = T.max(lo - blk * P, 0)
                 if rope:
                     for r in range(rows):
                         k_pos[0] = k_rope_pos_offset[b] + blk * P + r
@@ -514,8 +608,9 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
                             part[vec(0)] = dot_terms(lambda c, h=h, g=g: q_rot[vec((h * G + g) * D + c * VL)],
                                                      lambda c: k_rot[vec(c * VL)])
                             scores[g * P + r] = _hsum(part, 0, VL)
+                            cap_score(scores, g * P + r, cap_arg)
                 else:
-                    for r in range(rows):
+                    for r in range(start, rows):
                         for g in T.unroll(G):
                             part[vec(0)] = dot_terms(
                                 lambda c, h=h, g=g: _f32(q[t, h * G + g, vec(c * VL)], fdtype, VL)
@@ -524,9 +619,13 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
                                     key(k, v, page_values, kv_begin, blk, h, r, 0, vec(c * VL)), dtype, VL))
                             scores[g * P + r] = _scaled(_hsum(part, 0, VL),
                                                         key_scale(k_f, v_f, page_values, kv_begin, blk, h, r, 0))
+                            cap_score(scores, g * P + r, cap_arg)
                 for r in range(P - rows):
                     for g in T.unroll(G):
                         scores[g * P + rows + r] = T.float32(MASKED)
+                for r in range(start):
+                    for g in T.unroll(G):
+                        scores[g * P + r] = T.float32(MASKED)
                 for g in T.unroll(G):
                     part[vec(0)] = scores[vec(g * P)]
                     for c in T.unroll(PC - 1):
@@ -535,8 +634,9 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
                     rescale[0] = _exp2(run_max[g] - new_max[0], 1)
                     for c in T.unroll(PC):
                         scores[vec(g * P + c * VL)] = T.Select(
-                            T.ramp(c * VL, 1, VL) < T.broadcast(rows, VL),
-                            _exp2(scores[vec(g * P + c * VL)] - _bcast(new_max[0], VL), VL), _bcast(0.0, VL))
+                            T.ramp(c * VL, 1, VL) < T.broadcast(start, VL), _bcast(0.0, VL), T.Select(
+                                T.ramp(c * VL, 1, VL) < T.broadcast(rows, VL),
+                                _exp2(scores[vec(g * P + c * VL)] - _bcast(new_max[0], VL), VL), _bcast(0.0, VL)))
                     part[vec(0)] = scores[vec(g * P)]
                     for c in T.unroll(PC - 1):
                         part[vec(0)] = part[vec(0)] + scores[vec(g * P + (c + 1) * VL)]
@@ -544,7 +644,7 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
                     run_max[g] = new_max[0]
                     for c in T.unroll(DC):
                         acc[vec(g * D + c * VL)] = acc[vec(g * D + c * VL)] * _bcast(rescale[0], VL)
-                for r in range(rows):
+                for r in range(start, rows):
                     if scaled:  # the V row's scale folded into its weights
                         for g in T.unroll(G):
                             scores[g * P + r] = scores[g * P + r] * key_scale(k_f, v_f, page_values, kv_begin, blk,
@@ -564,7 +664,7 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
 
 
 def attention_prefill_ragged(shape: AttentionShape, lanes: int, rope_scaling: dict[str, Any] | None = None,
-                             block: int = 16) -> tirx.PrimFunc:
+                             block: int = 16, logit_cap: float = 0.0) -> tirx.PrimFunc:
     """Self-attention among the new tokens of a prefill: TVM's `batch_prefill_ragged_kv` signature (its CPU
     variant, `_attention_prefill_ragged_cpu`), head_dim the same for q/k and v. One parallel task per query row
     (_prefill_row_macro), keys in blocks of `block` rows; shape.page_size is not used."""
@@ -572,7 +672,7 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, rope_scaling: di
     H_qo_decl, H_kv_decl, D_decl = shape.declared
     inline_rope = shape.carrier is None
     assert shape.supported(lanes) and block % lanes == 0, shape
-    query_row = _prefill_row_macro(shape, lanes, rope_scaling or {}, paged=False, block=block)
+    query_row = _prefill_row_macro(shape, lanes, rope_scaling or {}, paged=False, block=block, logit_cap=logit_cap)
 
     # pylint: disable=too-many-locals,too-many-statements
     @T.prim_func(private=True, s_tir=True)
@@ -634,16 +734,20 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, rope_scaling: di
     return batch_prefill_ragged_kv.with_attr("global_symbol", RAGGED_SYMBOL)
 
 
-def attention_prefill_paged(shape: AttentionShape, lanes: int, rope_scaling: dict[str, Any] | None = None
-                            ) -> tirx.PrimFunc:
+def attention_prefill_paged(shape: AttentionShape, lanes: int, rope_scaling: dict[str, Any] | None = None,
+                            sliding_window: int = 0, logit_cap: float = 0.0) -> tirx.PrimFunc:
     """New tokens against the KV cache's pages (a prefill after earlier tokens, or a chunked one): TVM's
-    `batch_prefill_paged_kv_cpu` signature (no sliding window). One parallel task per query row
-    (_prefill_row_macro), one block per page."""
+    `batch_prefill_paged_kv_cpu` signature, or (a `sliding_window`) its `_sliding_window` variant for the
+    "mha_sliding" layers (_prefill_row_macro; no sinks, no inline RoPE: _window_checks). One parallel task per query
+    row, one block per page."""
     H_qo, D, P, dtype, fdtype = shape.num_qo_heads, shape.head_dim, shape.page_size, shape.dtype, shape.float_dtype
     H_qo_decl, H_kv_decl, D_decl = shape.declared
-    inline_rope = shape.carrier is None
+    sliding = sliding_window > 0
+    inline_rope = shape.carrier is None and not sliding
+    window_checks = _window_checks(sliding)
     assert shape.supported(lanes), shape
-    query_row = _prefill_row_macro(shape, lanes, rope_scaling or {}, paged=True, block=P)
+    query_row = _prefill_row_macro(shape, lanes, rope_scaling or {}, paged=True, block=P,
+                                   sliding_window=sliding_window, logit_cap=logit_cap)
 
     # pylint: disable=too-many-locals,too-many-statements
     @T.prim_func(private=True, s_tir=True)
@@ -653,7 +757,7 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, rope_scaling: dic
         var_pages: T.handle,  # [max_num_pages, 2, h_kv, page_size, d]
         var_page_indptr: T.handle,  # [batch_size + 1]
         var_page_values: T.handle,  # [nnz_pages]
-        var_length_info: T.handle,  # [b]: the rows used in the last page of each sequence
+        var_length_info: T.handle,  # _length_info_shape
         var_k_rope_pos_offset: T.handle,  # [b]
         var_q_rope_position: T.handle,  # [total_len]
         var_output: T.handle,  # [total_len, h_q, d]
@@ -687,9 +791,11 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, rope_scaling: dic
                                          elem_offset=q_rope_position_elem_offset)
         output = T.match_buffer(var_output, (total_len, H_qo_decl, D_decl), fdtype)
         lse = T.match_buffer(var_lse, (total_len, H_qo_decl), "float32")
-        length_info = T.match_buffer(var_length_info, (batch_size,), "int32", elem_offset=length_info_elem_offset)
+        length_info = T.match_buffer(var_length_info, _length_info_shape(batch_size, sliding), "int32",
+                                     elem_offset=length_info_elem_offset)
 
         with T.sblock("root"):
+            window_checks(length_info, batch_size, rotary_mode)
             # the KV layout's views (AttentionShape): the buffers themselves for a float cache
             q_rows = T.decl_buffer((total_len, H_qo, D), fdtype, data=q.data, strides=(H_qo_decl * D_decl, D, 1))
             output_rows = T.decl_buffer((total_len, H_qo, D), fdtype, data=output.data,
@@ -706,7 +812,8 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, rope_scaling: dic
                               length_info, q_rope_position, k_rope_pos_offset, output_rows, lse, batch_size, causal,
                               rope_scale, rope_theta, sm_scale)
 
-    return batch_prefill_paged_kv_cpu.with_attr("global_symbol", PAGED_PREFILL_SYMBOL)
+    return batch_prefill_paged_kv_cpu.with_attr("global_symbol",
+                                                PAGED_PREFILL_SYMBOL + (SLIDING_SUFFIX if sliding else ""))
 
 
 def int8_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale: float = 1.0) -> tirx.PrimFunc:

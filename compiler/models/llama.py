@@ -240,32 +240,36 @@ class LlamaAttention(nn.Module):
         qkv_rows = (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_rows, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.num_q_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
+        self.sm_scale = 1.0 / math.sqrt(self.head_dim)  # the softmax's scale of q . k
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
         b, s, _ = x.shape
-        if self.carrier is not None:
-            return self.o_proj(self._int8_cache_attention(self.qkv_proj(x), kv_cache, layer_id))
         qkv = op.reshape(self.qkv_proj(x), (b, s, self.num_q_heads + 2 * self.num_kv_heads, self.head_dim))
+        return self.o_proj(self.attend(qkv, kv_cache, layer_id))
+
+    def attend(self, qkv: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
+        """Attention of the fused [b, s, heads + 2 kv_heads, head_dim] q/k/v through the paged KV cache; the
+        output [b, s, heads * head_dim] in qkv's dtype."""
+        b, s, _, _ = qkv.shape
+        if self.carrier is not None:
+            return self._int8_cache_attention(qkv, kv_cache, layer_id)
         dtype = qkv.dtype
         # TVM's paged cache takes q/k/v in the dtype it stores (kv_cache_dtype.py)
         if self.kv_dtype not in (None, dtype):
             qkv = qkv.astype(self.kv_dtype)
-        out = kv_cache.attention_with_fused_qkv(
-            layer_id, qkv, self.num_q_heads, sm_scale=1.0 / math.sqrt(self.head_dim)
-        )
+        out = kv_cache.attention_with_fused_qkv(layer_id, qkv, self.num_q_heads, sm_scale=self.sm_scale)
         if out.dtype != dtype:
             out = out.astype(dtype)
-        return self.o_proj(op.reshape(out, (b, s, self.num_q_heads * self.head_dim)))
+        return op.reshape(out, (b, s, self.num_q_heads * self.head_dim))
 
     def _int8_cache_attention(self, qkv: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
         """Attention over an int8 cache declared as its float32 carrier (kv_cache_dtype.Int8Carrier): the float32
-        projection output reshaped to the carrier's rows (no copy), and the real output taken back from the start
-        of the declared output rows. Our split kernel quantizes K/V into the carrier's cells."""
-        b, s, _ = qkv.shape
+        q/k/v reshaped to the carrier's rows (no copy), and the real output taken back from the start of the
+        declared output rows. Our split kernel quantizes K/V into the carrier's cells."""
+        b, s, _, _ = qkv.shape
         c = self.carrier
         out = kv_cache.attention_with_fused_qkv(
-            layer_id, op.reshape(qkv, (b, s, c.fused_rows, c.cell)), c.declared_heads,
-            sm_scale=1.0 / math.sqrt(self.head_dim))
+            layer_id, op.reshape(qkv, (b, s, c.fused_rows, c.cell)), c.declared_heads, sm_scale=self.sm_scale)
         real = 4 * self.num_q_heads  # declared rows holding the real output
         if c.declared_heads > real:
             out = op.split(out, [real], axis=2)[0]
@@ -343,6 +347,16 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
     def decode(self, input_embed: Tensor, kv_cache: PagedKVCache):
         return self._logits(self.model(input_embed, kv_cache)), kv_cache
 
+    def cpu_attention_attrs(self) -> dict[str, Any]:
+        """Module attrs for what this model's attention needs of mobilec's CPU kernels beyond TVM's
+        (passes/replace_cpu_attention.py); a model with any compiles for LLVM CPU targets only. None here."""
+        return {}
+
+    def kv_cache_attention(self) -> dict[str, Any]:
+        """The paged KV cache's attention kind per layer and RoPE mode: full attention everywhere, RoPE applied
+        by the cache (RopeMode.NORMAL: to k before it is stored, with cfg.rope_theta)."""
+        return {"attn_kind": "mha", "rope_mode": RopeMode.NORMAL}
+
     def create_tir_paged_kv_cache(
         self,
         max_batch_size: tirx.Var,
@@ -358,7 +372,7 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
             if carrier is None else
             (carrier.declared_heads, carrier.declared_kv_heads, carrier.cell, "float32"))
         return TIRPagedKVCache(
-            attn_kind="mha",
+            **self.kv_cache_attention(),
             max_batch_size=max_batch_size,
             max_total_seq_len=max_total_seq_len,
             prefill_chunk_size=prefill_chunk_size,
@@ -372,7 +386,6 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
             v_head_dim=head_dim,
             mla_original_qk_head_dim=0,
             mla_original_v_head_dim=0,
-            rope_mode=RopeMode.NORMAL,
             rope_scale=1,
             rope_theta=cfg.rope_theta,
             rope_scaling={},

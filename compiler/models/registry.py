@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from ..errors import MobilecError
+from .gemma import Gemma2Config, Gemma3TextConfig, GemmaForCausalLM
 from .llama import LlamaConfig, LlamaForCausalLM
 from .qwen2 import Qwen2Config, Qwen2ForCausalLM
 
@@ -20,6 +21,8 @@ class ModelFamily:
 FAMILIES: dict[str, ModelFamily] = {
     "llama": ModelFamily("llama", LlamaConfig, LlamaForCausalLM),
     "qwen2": ModelFamily("qwen2", Qwen2Config, Qwen2ForCausalLM),
+    "gemma3_text": ModelFamily("gemma3_text", Gemma3TextConfig, GemmaForCausalLM),
+    "gemma2": ModelFamily("gemma2", Gemma2Config, GemmaForCausalLM),
 }
 
 

@@ -6,7 +6,14 @@ their GlobalVars to `vm.builtin.paged_attention_kv_cache_create`; the runtime ca
 is a plain replacement of the PrimFunc bound to that GlobalVar by one with the same signature and global symbol.
 The kernel is recognised by its global symbol, and its shape (heads, head_dim, page size, dtype) is read from
 its parameters. The pipeline runs it for LLVM CPU targets only (GPU targets keep TVM's GPU kernels); it leaves
-the sliding-window variants and any shape the vectorized kernel does not take.
+any shape the vectorized kernel does not take.
+
+The cache also holds `_sliding_window` variants of the decode and paged prefill kernels, called for the layers of
+attention kind "mha_sliding" only. A model with such layers says their window in the module attr
+LAYER_SLIDING_WINDOW_ATTR (TVM bakes it into its prefill kernel, whose CPU version also misreads its softmax
+state): then both are replaced by ours, or the build fails; without the attr they are never called and stay. A
+model whose attention scores are capped (Gemma 2) says so in ATTN_LOGIT_CAP_ATTR: every kernel is then ours, with
+the cap, or the build fails.
 
 An int8 KV cache (kv_cache_dtype.Int8Carrier) is declared to TVM as a float32 cache of another geometry, whose
 cells TVM's kernels would read as floats: the importer records the real geometry as the module attr
@@ -22,10 +29,13 @@ from tvm import tirx
 
 from ..errors import MobilecError
 from ..kernels.cpu_attention import (
+    ATTN_LOGIT_CAP_ATTR,
     DECODE_SYMBOL,
+    LAYER_SLIDING_WINDOW_ATTR,
     MERGE_SYMBOL,
     PAGED_PREFILL_SYMBOL,
     RAGGED_SYMBOL,
+    SLIDING_SUFFIX,
     SPLIT_ROTARY_SYMBOL,
     AttentionShape,
     attention_decode,
@@ -72,11 +82,20 @@ def ragged_shape(func: tirx.PrimFunc) -> AttentionShape | None:
     return AttentionShape(num_kv_heads=h_kv, num_qo_heads=h_qo, head_dim=d, dtype=str(q.dtype), page_size=16)
 
 
-# global symbol -> (its shape from TVM's PrimFunc, our kernel for that shape)
+# global symbol -> (its shape from TVM's PrimFunc, our kernel for that shape, lanes, sliding window and logit cap)
 KERNELS = {
-    DECODE_SYMBOL: (decode_shape, attention_decode),
-    RAGGED_SYMBOL: (ragged_shape, attention_prefill_ragged),
-    PAGED_PREFILL_SYMBOL: (lambda func: decode_shape(func, pages_param=2), attention_prefill_paged),
+    DECODE_SYMBOL: (decode_shape, lambda shape, lanes, _, cap: attention_decode(shape, lanes, logit_cap=cap)),
+    RAGGED_SYMBOL: (ragged_shape, lambda shape, lanes, _, cap: attention_prefill_ragged(shape, lanes, logit_cap=cap)),
+    PAGED_PREFILL_SYMBOL: (lambda func: decode_shape(func, pages_param=2),
+                           lambda shape, lanes, _, cap: attention_prefill_paged(shape, lanes, logit_cap=cap)),
+}
+# the same for the "mha_sliding" layers
+SLIDING_KERNELS = {
+    DECODE_SYMBOL + SLIDING_SUFFIX: (decode_shape, lambda shape, lanes, _, cap: attention_decode(
+        shape, lanes, sliding=True, logit_cap=cap)),
+    PAGED_PREFILL_SYMBOL + SLIDING_SUFFIX: (lambda func: decode_shape(func, pages_param=2),
+                                            lambda shape, lanes, window, cap: attention_prefill_paged(
+                                                shape, lanes, sliding_window=window, logit_cap=cap)),
 }
 
 
@@ -101,22 +120,35 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
         return mod
 
     def _float(self, mod: tvm.IRModule) -> dict:
+        """TVM's kernels that ours take; with a sliding window (LAYER_SLIDING_WINDOW_ATTR) the sliding variants too,
+        and with a logit cap (ATTN_LOGIT_CAP_ATTR) every kernel, or the build fails: TVM's have neither."""
+        attrs = mod.attrs if mod.attrs is not None else {}
+        window, cap = attrs.get(LAYER_SLIDING_WINDOW_ATTR), float(attrs.get(ATTN_LOGIT_CAP_ATTR, 0.0))
+        kernels = {**KERNELS, **(SLIDING_KERNELS if window is not None else {})}
         replaced = {}
         for gv, func in mod.functions_items():
             symbol = _global_symbol(func)
-            if symbol not in KERNELS:
+            if symbol not in kernels:
                 continue
-            read_shape, build = KERNELS[symbol]
+            read_shape, build = kernels[symbol]
             shape = read_shape(func)
             if shape is None or not shape.supported(self.lanes):
+                if cap or symbol in SLIDING_KERNELS:
+                    needs = "capped attention scores" if cap else "a sliding window"
+                    raise MobilecError(f"{symbol}: {needs} needs mobilec's CPU attention kernels, which do not take "
+                                       f"{shape} at {self.lanes} lanes (TVM's kernels would be wrong)")
                 continue
-            replaced[gv] = build(shape, self.lanes).with_attrs({**dict(func.attrs), "tirx.noalias": True})
+            replaced[gv] = build(shape, self.lanes, window and int(window), cap).with_attrs(
+                {**dict(func.attrs), "tirx.noalias": True})
         return replaced
 
     def _int8(self, mod: tvm.IRModule, kv_format) -> dict:
         """The five kernels of an int8 cache, for the real geometry in `kv_format` (Int8Carrier.module_attr); TVM's
         would misread the carrier, so a kernel missing or a geometry the vectorized kernels do not take fails."""
         funcs = {_global_symbol(func): (gv, func) for gv, func in mod.functions_items()}
+        if mod.attrs.get(LAYER_SLIDING_WINDOW_ATTR) is not None or mod.attrs.get(ATTN_LOGIT_CAP_ATTR) is not None:
+            raise MobilecError("--kv-dtype int8 with sliding-window attention layers or capped attention logits is "
+                               "not implemented; use f16")
         if str(kv_format["format"]) != INT8 or DECODE_SYMBOL not in funcs:
             raise MobilecError(f"{KV_FORMAT_ATTR} {dict(kv_format)}: not an int8 cache with TVM's CPU kernels")
         page_size = int(funcs[DECODE_SYMBOL][1].params[1].shape[3])

@@ -18,7 +18,8 @@ from typing import Any, Callable
 import gguf
 import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel,
+                          Qwen2Config, Qwen2ForCausalLM)
 
 from tests.helpers.tiny_tokenizer import save_tiny_tokenizer
 
@@ -55,13 +56,40 @@ SPECS: dict[str, tuple[type, type, dict[str, Any]]] = {
 }
 _COMMON = dict(max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=50000.0)
 
+# Architectures with a test file of their own (tests/test_architectures_gemma.py), not in SPECS' loops (GGUF, profile).
+GEMMA_SPECS: dict[str, tuple[type, type, dict[str, Any]]] = {
+    # Gemma 3: sliding layers around a global one, a window of 8 (shorter than the tests' sequences), RoPE bases far
+    # apart (10 vs 1000, linear factor 4 on the global layer) so that each matters within a short prompt,
+    # query_pre_attn_scalar 24 != head_dim 16.
+    "gemma3": (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                              "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0}},
+             tie_word_embeddings=True, attn_implementation="eager"),
+    ),
+    # Gemma 2: alternating sliding (window 8) and global layers, attention scores capped at 20 and logits at 5,
+    # small enough that both caps change the result of these random weights.
+    "gemma2": (
+        Gemma2ForCausalLM,
+        Gemma2Config,
+        dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+             attn_logit_softcapping=20.0, final_logit_softcapping=5.0, tie_word_embeddings=True,
+             attn_implementation="eager"),
+    ),
+}
+
 HF_FORMATS = ("safetensors", "safetensors_sharded", "bin", "bin_sharded")
 
 
 def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A tiny random model from SPECS; the same (name, seed) always gives the same weights."""
-    model_cls, config_cls, kwargs = SPECS[name]
-    config = config_cls(**_COMMON, **kwargs)
+    """A tiny random model from SPECS or GEMMA_SPECS; the same (name, seed) always gives the same weights."""
+    model_cls, config_cls, kwargs = {**SPECS, **GEMMA_SPECS}[name]
+    config = config_cls(**{**_COMMON, **kwargs})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     generator = torch.Generator().manual_seed(seed)

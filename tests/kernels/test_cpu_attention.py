@@ -1,8 +1,9 @@
 """Vectorized CPU attention kernels of the paged KV cache: decode, prefill self-attention (ragged) and prefill
 against the cached pages (paged), numerics
 against TVM's own CPU kernels and a numpy softmax on random data (context lengths on and off page/block boundaries,
-GQA groups 1 and 3, batches of 1 to 3 sequences, causal or not, both rotary modes, float16), negative controls (a
-wrong page table, a shifted causal mask), and ReplaceCPUAttention's swap (LLVM targets only)."""
+GQA groups 1 and 3, batches of 1 to 3 sequences, causal or not, both rotary modes, float16), the sliding-window
+variants of decode and paged prefill and capped scores (Gemma 2) against numpy, negative controls (a wrong page table,
+a shifted causal mask, the window or the cap ignored), and ReplaceCPUAttention's swap (LLVM targets only)."""
 
 import functools
 
@@ -14,10 +15,14 @@ from tvm.relax.frontend.nn.llm._decode_kernels import _attention_decode_cpu
 from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill_cpu, _attention_prefill_ragged_cpu
 
 from compiler import pipeline
+from compiler.errors import MobilecError
 from compiler.kernels.cpu_attention import (
+    ATTN_LOGIT_CAP_ATTR,
     DECODE_SYMBOL,
+    LAYER_SLIDING_WINDOW_ATTR,
     PAGED_PREFILL_SYMBOL,
     RAGGED_SYMBOL,
+    SLIDING_SUFFIX,
     AttentionShape,
     attention_decode,
     attention_prefill_paged,
@@ -327,6 +332,148 @@ def test_paged_prefill_matches_tvm_kernel(q_lens, ctx, causal, rotary_mode):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Sliding-window variants (the "mha_sliding" layers): the cache passes the window's pages and length_info [3, b]
+
+
+@functools.cache
+def _sliding_kernels(h_kv: int, h_qo: int, window: int):
+    """(decode, paged prefill), ours for the sliding layers, built for RUN."""
+    shape = AttentionShape(h_kv, h_qo, D, "float32", PAGE)
+    return tuple(tvm.tirx.build(tvm.IRModule({"main": f}), target=RUN)["main"] for f in (
+        attention_decode(shape, vector_lanes(RUN), sliding=True),
+        attention_prefill_paged(shape, vector_lanes(RUN), sliding_window=window)))
+
+
+def _window_view(cache: dict, ctx: list[int], window: int, sink: int = 0) -> dict:
+    """What TVM's cache passes a sliding layer's kernels (paged_kv_cache.cc, GetLayerSlidingWindowOffset/NumPages):
+    the last pages of each sequence holding its last `window` tokens, and [last page rows, offset of the window in
+    its first page, sink rows]."""
+    values, indptr, offsets = [], [0], []
+    for s, c in enumerate(ctx):
+        n_pages = cache["indptr"][s + 1] - cache["indptr"][s]
+        offset = (c - window) % PAGE if c > window else 0
+        n_window = min(n_pages, -(-(offset + min(c, window)) // PAGE)) if c else 0
+        values += list(cache["values"][cache["indptr"][s + 1] - n_window:cache["indptr"][s + 1]])
+        indptr.append(indptr[-1] + n_window)
+        offsets.append(offset)
+    info = np.stack([cache["last"], offsets, [sink] * len(ctx)]).astype("int32")
+    return dict(cache, values=np.array(values, "int32"), indptr=np.array(indptr, "int32"), last=info)
+
+
+def _numpy_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cap: float | None = None) -> np.ndarray:
+    """softmax(q k^T * sm_scale) v for one query head: q [D], k and v [n, D]; scores capped as Gemma 2 with a cap."""
+    scores = k.astype("float64") @ q.astype("float64") * SM_SCALE
+    if cap is not None:
+        scores = cap * np.tanh(scores / cap)
+    weights = np.exp(scores - scores.max())
+    return weights @ v.astype("float64") / weights.sum()
+
+
+def _keys(cache: dict, s: int, c: int):
+    """Sequence s's K and V [h_kv, c, D] in token order."""
+    page_ids = cache["values"][cache["indptr"][s]:cache["indptr"][s + 1]]
+    k, v = (cache["pages"][page_ids, kv].transpose(1, 0, 2, 3).reshape(cache["pages"].shape[2], -1, D)[:, :c]
+            for kv in (0, 1))
+    return k, v
+
+
+@pytest.mark.parametrize("ctx,window", [([37, 130], 24), ([16, 15], 16), ([40], 17), ([200, 5], 64)])
+def test_sliding_decode_sees_only_the_window(ctx, window):
+    decode, _ = _sliding_kernels(3, 9, window)
+    cache = _cache(ctx, 3, 9, seed=8)
+    out, _ = _run(decode, _window_view(cache, ctx, window))
+    for s, c in enumerate(ctx):
+        k, v = _keys(cache, s, c)
+        for h in range(9):
+            want = _numpy_attention(cache["q"][s, h], k[h // 3, -window:], v[h // 3, -window:])
+            np.testing.assert_allclose(out[s, h], want, rtol=1e-5, atol=3e-6)
+    whole, _ = _run(_kernels(3, 9)[0], cache)
+    if max(ctx) > window:  # negative control: every key instead of the window's
+        assert np.abs(whole - out).max() > 1e-2
+
+
+@pytest.mark.parametrize("q_lens,ctx,window", [([5], [37], 8), ([3, 8], [130, 45], 24), ([4], [10], 16)])
+def test_sliding_paged_prefill_sees_only_the_window(q_lens, ctx, window):
+    """New tokens (rows i of each sequence, at positions ctx + i) against the cached ones: causal, each row sees
+    the cached keys at positions > ctx + i - window (the new ones are the ragged kernel's)."""
+    _, prefill = _sliding_kernels(3, 9, window)
+    cache = _cache(ctx, 3, 9, seed=9)
+    q = (2 * np.random.default_rng(10).standard_normal((sum(q_lens), 9, D))).astype("float32")
+    q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype("int32")
+    out, _ = _run_paged_prefill(prefill, _window_view(cache, ctx, window), q, q_indptr, causal=1)
+    for s, c in enumerate(ctx):
+        k, v = _keys(cache, s, c)
+        for i in range(q_lens[s]):
+            first = max(c + i - window + 1, 0)
+            for h in range(9):
+                got = out[q_indptr[s] + i, h]
+                if first >= c:  # no cached key in the window: output 0 (lse -5e4), merged away by the runtime
+                    assert not got.any()
+                    continue
+                want = _numpy_attention(q[q_indptr[s] + i, h], k[h // 3, first:], v[h // 3, first:])
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=3e-6)
+    whole, _ = _run_paged_prefill(_paged_prefill_kernels(3, 9)[0], cache, q, q_indptr, causal=0)
+    if any(c + n > window for c, n in zip(ctx, q_lens)):  # negative control: every cached key
+        assert np.abs(whole - out).max() > 1e-2
+    else:  # the window holds every key
+        np.testing.assert_allclose(out, whole, rtol=1e-5, atol=3e-6)
+
+
+def test_sliding_kernels_refuse_attention_sinks_and_inline_rope():
+    decode, prefill = _sliding_kernels(3, 9, 24)
+    cache = _cache([40], 3, 9, seed=11)
+    with pytest.raises(RuntimeError, match="sinks"):
+        _run(decode, _window_view(cache, [40], 24, sink=4))
+    with pytest.raises(RuntimeError, match="RoPE"):
+        _run(decode, _window_view(cache, [40], 24), rotary_mode=1)
+    q = np.zeros((2, 9, D), "float32")
+    with pytest.raises(RuntimeError, match="sinks"):
+        _run_paged_prefill(prefill, _window_view(cache, [40], 24, sink=4), q, np.array([0, 2], "int32"), causal=1)
+
+
+CAP = 1.5  # scores here are ~N(0, 2): capping at 1.5 changes most of them
+
+
+@functools.cache
+def _capped_kernels(h_kv: int, h_qo: int, window: int):
+    """(decode, ragged prefill, sliding paged prefill) with scores capped at CAP, built for RUN."""
+    shape, lanes = AttentionShape(h_kv, h_qo, D, "float32", PAGE), vector_lanes(RUN)
+    return tuple(tvm.tirx.build(tvm.IRModule({"main": f}), target=RUN)["main"] for f in (
+        attention_decode(shape, lanes, logit_cap=CAP), attention_prefill_ragged(shape, lanes, logit_cap=CAP),
+        attention_prefill_paged(shape, lanes, sliding_window=window, logit_cap=CAP)))
+
+
+def test_capped_scores_match_numpy():
+    decode, ragged, paged = _capped_kernels(3, 9, 24)
+    ctx = [37, 130]
+    cache = _cache(ctx, 3, 9, seed=12)
+    out, _ = _run(decode, cache)
+    for s, c in enumerate(ctx):
+        k, v = _keys(cache, s, c)
+        for h in range(9):
+            np.testing.assert_allclose(out[s, h], _numpy_attention(cache["q"][s, h], k[h // 3], v[h // 3], CAP),
+                                       rtol=1e-5, atol=3e-6)
+    assert np.abs(_run(_kernels(3, 9)[0], cache)[0] - out).max() > 1e-2  # negative control: no cap
+    data = _ragged_data([9, 20], [9, 20], 3, 9, seed=13)
+    out, _ = _run_ragged(ragged, data, causal=1)
+    for s in range(2):
+        q0, k0 = data["q_indptr"][s], data["kv_indptr"][s]
+        for i in range(data["q_indptr"][s + 1] - q0):
+            for h in range(9):
+                want = _numpy_attention(data["q"][q0 + i, h], data["k"][k0:k0 + i + 1, h // 3],
+                                        data["v"][k0:k0 + i + 1, h // 3], CAP)
+                np.testing.assert_allclose(out[q0 + i, h], want, rtol=1e-5, atol=3e-6)
+    q = (2 * np.random.default_rng(14).standard_normal((3, 9, D))).astype("float32")
+    cache = _cache([37], 3, 9, seed=15)
+    out, _ = _run_paged_prefill(paged, _window_view(cache, [37], 24), q, np.array([0, 3], "int32"), causal=1)
+    k, v = _keys(cache, 0, 37)
+    for i in range(3):
+        for h in range(9):
+            want = _numpy_attention(q[i, h], k[h // 3, 37 + i - 23:], v[h // 3, 37 + i - 23:], CAP)
+            np.testing.assert_allclose(out[i, h], want, rtol=1e-5, atol=3e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The pass
 
 
@@ -341,6 +488,8 @@ def _kv_cache_module(head_dim: int = D):
         bb.add_func(_attention_prefill_ragged_cpu(3, 9, head_dim, head_dim, "float32", {}),
                     "tir_attention_prefill_ragged_cpu"),
         bb.add_func(_attention_prefill_cpu(3, 9, head_dim, "float32", False, {}), "tir_attention_prefill_cpu"),
+        bb.add_func(_attention_prefill_cpu(3, 9, head_dim, "float32", True, {}, sliding_window_size=24),
+                    "tir_attention_prefill_cpu_sliding_window"),
     ]
     with bb.function("create", []):
         bb.emit_func_output(relax.call_pure_packed("test.kv_cache_create", *kernels, ty_args=relax.AnyType()))
@@ -375,6 +524,39 @@ def test_pipeline_swaps_attention_on_llvm_cpu_targets_only():
                            ("android-adreno", False), ("android-mali", False), ("hexagon-npu", False)):
         names = [step for step, _ in pipeline.steps(load_target(name))]
         assert ("cpu-attention" in names) == has_step, name
+
+
+def test_pass_swaps_the_sliding_window_kernels_of_a_model_with_a_window():
+    """With LAYER_SLIDING_WINDOW_ATTR (a model with "mha_sliding" layers) the sliding variants become ours, with
+    that window; a shape our kernels do not take fails the build instead of keeping TVM's."""
+    mod = _kv_cache_module().with_attr(LAYER_SLIDING_WINDOW_ATTR, 24)
+    swapped = ReplaceCPUAttention(vector_lanes(AVX512))(mod)
+    for name, build in (("tir_attention_decode_cpu_sliding_window",
+                         lambda shape: attention_decode(shape, 16, sliding=True)),
+                        ("tir_attention_prefill_cpu_sliding_window",
+                         lambda shape: attention_prefill_paged(shape, 16, sliding_window=24))):
+        old = mod[name]
+        tvm.ir.assert_structural_equal(swapped[name], build(decode_shape(old, 2 if "prefill" in name else 1))
+                                       .with_attrs({**dict(old.attrs), "tirx.noalias": True}))
+        assert swapped[name].attrs["global_symbol"].endswith(SLIDING_SUFFIX)
+    with pytest.raises(MobilecError, match="a sliding window needs mobilec's CPU attention kernels"):
+        ReplaceCPUAttention(vector_lanes(AVX512))(_kv_cache_module(head_dim=72).with_attr(LAYER_SLIDING_WINDOW_ATTR,
+                                                                                            24))
+
+
+def test_pass_builds_every_kernel_with_the_logit_cap_of_a_model_with_one():
+    """With ATTN_LOGIT_CAP_ATTR (Gemma 2) all three kernels are ours with the cap; a shape ours do not take fails
+    the build (TVM's kernels have no cap)."""
+    mod = _kv_cache_module().with_attr(ATTN_LOGIT_CAP_ATTR, 20.0)
+    swapped = ReplaceCPUAttention(vector_lanes(AVX512))(mod)
+    old = mod["tir_attention_decode_cpu"]
+    tvm.ir.assert_structural_equal(swapped["tir_attention_decode_cpu"], attention_decode(
+        decode_shape(old), 16, logit_cap=20.0).with_attrs({**dict(old.attrs), "tirx.noalias": True}))
+    old = mod["tir_attention_prefill_ragged_cpu"]
+    tvm.ir.assert_structural_equal(swapped["tir_attention_prefill_ragged_cpu"], attention_prefill_ragged(
+        ragged_shape(old), 16, logit_cap=20.0).with_attrs({**dict(old.attrs), "tirx.noalias": True}))
+    with pytest.raises(MobilecError, match="capped attention scores needs"):
+        ReplaceCPUAttention(vector_lanes(AVX512))(_kv_cache_module(head_dim=72).with_attr(ATTN_LOGIT_CAP_ATTR, 20.0))
 
 
 def test_pass_keeps_shapes_it_does_not_take():

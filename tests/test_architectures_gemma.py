@@ -1,0 +1,204 @@
+"""Gemma 3 (gemma3_text) and Gemma 2: tiny seeded random Gemma3ForCausalLM / Gemma2ForCausalLM (sliding window 8,
+shorter than the sequences; Gemma 2 with capped attention scores and logits) compiled at q0f32 against transformers'
+own models (eager attention), negative controls for what is Gemma's own, and the config refusals."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from tvm.relax.frontend.nn.llm.kv_cache import RopeMode
+
+from compiler.artifact import load_artifact
+from compiler.compile_model import CompileOptions, compile_model
+from compiler.errors import MobilecError
+from compiler.models.gemma import Gemma2Config, Gemma3TextConfig, GemmaForCausalLM
+from compiler.models.registry import family_for
+from compiler.runtime.session import Session
+from tests.helpers.reference import reference_greedy
+from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
+
+PROMPT = [3, 7, 1, 4, 4, 9, 2, 5, 6, 8, 10, 12, 40, 41, 7, 3, 99, 100, 5, 6]
+
+
+def _rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def _hf_config(name: str = "gemma3", **changes) -> dict:
+    return {**build_model(name).config.to_dict(), **changes}
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """name -> (transformers' model, a Session of its q0f32 build), each compiled once."""
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            model = build_model(name)
+            root = tmp_path_factory.mktemp(name)
+            save_compilable_checkpoint(model, root / "hf")
+            compile_model(CompileOptions(str(root / "hf"), "host", "q0f32", str(root / "artifact"),
+                                         context_window=64, progress=False))
+            built[name] = model, Session(load_artifact(root / "artifact"))
+        return built[name]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma3", "gemma2"])
+def test_logits_and_32_greedy_tokens_match_transformers(compiled, name):
+    model, session = compiled(name)
+    ref_tokens, ref_prefill, ref_decode = reference_greedy(model, PROMPT, 32)
+    session.reset()
+    assert _rel_err(session.prefill_all_logits(PROMPT), ref_prefill) < 1e-4
+    for step, token in enumerate(ref_tokens[:-1]):  # the reference's tokens: a mismatch can't cascade
+        assert _rel_err(session.decode(token), ref_decode[step]) < 1e-4, f"decode step {step}"
+    session.reset()
+    tokens = [int(np.argmax(session.prefill(PROMPT)))]
+    while len(tokens) < 32:
+        tokens.append(int(np.argmax(session.decode(tokens[-1]))))
+    assert tokens == ref_tokens
+    assert int(session.artifact.config["prefill_chunk"]) == 8  # the 20-token prompt went in 3 chunks
+
+
+def _reference_prefill(model) -> np.ndarray:
+    return reference_greedy(model, PROMPT, 1)[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change", ["one_rope_base", "no_linear_scaling", "no_embedding_scale", "head_dim_scale",
+                                    "no_qk_norm", "no_sliding_window"])
+def test_gemma3_negative_controls_differ(compiled, change):
+    """transformers' model with one of Gemma's details undone is far from ours: each detail is tested."""
+    model, session = compiled("gemma3")
+    session.reset()
+    ours = session.prefill_all_logits(PROMPT)
+    assert _rel_err(ours, _reference_prefill(model)) < 1e-4
+    other = build_model("gemma3")
+    with torch.no_grad():
+        if change == "one_rope_base":  # the sliding layers' base for every layer
+            other = _with_config(other, rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 10.0},
+                                                         "full_attention": {"rope_type": "default",
+                                                                            "rope_theta": 10.0}})
+        elif change == "no_linear_scaling":
+            other = _with_config(other, rope_parameters={**other.config.rope_parameters,
+                                                         "full_attention": {"rope_type": "default",
+                                                                            "rope_theta": 1000.0}})
+        elif change == "no_sliding_window":  # every key visible in the sliding layers too
+            other = _with_config(other, sliding_window=64)
+        elif change == "no_embedding_scale":
+            other.model.embed_tokens.embed_scale.fill_(1.0)
+        elif change == "head_dim_scale":
+            for layer in other.model.layers:
+                layer.self_attn.scaling = other.config.head_dim ** -0.5
+        elif change == "no_qk_norm":
+            for layer in other.model.layers:
+                layer.self_attn.q_norm.weight.fill_(0.0)  # (1 + 0): the normalization stays, the weights go
+                layer.self_attn.k_norm.weight.fill_(0.0)
+    assert _rel_err(ours, _reference_prefill(other)) > 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change", ["attn_logit_softcapping", "final_logit_softcapping", "sliding_window"])
+def test_gemma2_negative_controls_differ(compiled, change):
+    """Without the attention cap, the logit cap or the window, transformers' Gemma 2 is far from ours."""
+    model, session = compiled("gemma2")
+    session.reset()
+    ours = session.prefill_all_logits(PROMPT)
+    assert _rel_err(ours, _reference_prefill(model)) < 1e-4
+    other = _with_config(model, **{change: 64 if change == "sliding_window" else None})
+    assert _rel_err(ours, _reference_prefill(other)) > 1e-2
+
+
+def _with_config(model, **changes):
+    """The same weights under a config with `changes`."""
+    config = type(model.config)(**{**model.config.to_dict(), **changes})
+    other = type(model)(config).eval()
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def test_gemma3_config_reads_layer_types_rope_bases_and_scale():
+    cfg = Gemma3TextConfig.from_hf(_hf_config(), context_window=64)
+    assert cfg.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert (cfg.rope(0), cfg.rope(1)) == ((10.0, 1.0), (1000.0, 4.0))
+    assert (cfg.query_pre_attn_scalar, cfg.head_dim, cfg.sliding_window) == (24, 16, 8)
+    # prompts go in chunks of at most the window: the cache's ragged kernel (new tokens among themselves) has none
+    assert cfg.prefill_chunk_size == 8
+    assert family_for(_hf_config()).name == "gemma3_text"
+
+
+def test_gemma3_older_config_fields():
+    """Configs written before transformers 5: rope_theta, rope_local_base_freq, rope_scaling, sliding_window_pattern."""
+    hf = {k: v for k, v in _hf_config(num_hidden_layers=6).items() if k not in ("rope_parameters", "layer_types")}
+    hf.update(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+              sliding_window_pattern=6)
+    cfg = Gemma3TextConfig.from_hf(hf, context_window=64)
+    assert cfg.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
+    assert (cfg.rope(0), cfg.rope(5)) == ((1e4, 1.0), (1e6, 8.0))
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(attn_logit_softcapping=-1.0), "attn_logit_softcapping"),
+    (dict(hidden_activation="silu"), "hidden_activation"),
+    (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    (dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                           "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}), "yarn"),
+    (dict(layer_types=["sliding_attention", "chunked_attention", "full_attention"]), "layer_types"),
+    (dict(sliding_window=0), "sliding_window"),
+])
+def test_gemma3_config_refusals_name_the_field(changes, field):
+    with pytest.raises(MobilecError, match=field):
+        Gemma3TextConfig.from_hf(_hf_config(**changes), context_window=64)
+
+
+def test_gemma3_cache_layers_are_sliding_only_where_the_window_binds():
+    window_binds = GemmaForCausalLM(Gemma3TextConfig.from_hf(_hf_config(), context_window=64)).kv_cache_attention()
+    assert window_binds["attn_kind"] == ["mha_sliding", "mha", "mha_sliding"]
+    assert window_binds["layer_sliding_window_size"] == 8 and window_binds["rope_mode"] == RopeMode.NONE
+    fits = GemmaForCausalLM(Gemma3TextConfig.from_hf(_hf_config(), context_window=8)).kv_cache_attention()
+    assert fits == {"attn_kind": "mha", "rope_mode": RopeMode.NONE}
+
+
+@pytest.mark.parametrize("name, context, message", [
+    ("gemma3", 64, "sliding window.*--context-window 8 or less"),
+    ("gemma2", 8, r"\(capped attention scores \(attn_logit_softcapping\)\)"),
+])
+def test_what_only_our_cpu_kernels_do_is_refused_on_other_targets(tmp_path, name, context, message):
+    save_compilable_checkpoint(build_model(name), tmp_path / "hf")
+    with pytest.raises(MobilecError, match=message):
+        compile_model(CompileOptions(str(tmp_path / "hf"), "android-adreno", "q0f32", str(tmp_path / "out"),
+                                     context_window=context, progress=False))
+    assert not (tmp_path / "out").exists()
+
+
+def test_gemma2_config():
+    cfg = Gemma2Config.from_hf(_hf_config("gemma2"), context_window=64)
+    assert cfg.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert (cfg.rope(0), cfg.rope(1)) == ((50000.0, 1.0), (50000.0, 1.0)) and not cfg.qk_norm
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (20.0, 5.0)
+    assert family_for(_hf_config("gemma2")).name == "gemma2"
+    with pytest.raises(MobilecError, match="linear"):
+        Gemma2Config.from_hf(_hf_config("gemma2", rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                   "rope_theta": 1e4}), 64)
+    assert "self_attn.q_norm" not in " ".join(name for names in cfg.param_sources().values() for name in names)
+
+
+def test_gemma3_int8_kv_cache_is_refused():
+    cfg = dataclasses.replace(Gemma3TextConfig.from_hf(_hf_config(), context_window=64), kv_dtype="int8")
+    with pytest.raises(MobilecError, match="int8"):
+        _ = cfg.int8_carrier
+
+
+@pytest.mark.parametrize("name, config_class", [("gemma3", Gemma3TextConfig), ("gemma2", Gemma2Config)])
+def test_checkpoint_tensors_are_all_read(name, config_class):
+    """Every tensor of transformers' checkpoint has its place (q/k norms and the four layer norms included)."""
+    model = build_model(name)
+    sources = config_class.from_hf(json.loads(json.dumps(model.config.to_dict())), 64).param_sources()
+    read = {name for names in sources.values() for name in names}
+    assert read == set(model.state_dict()) - {"lm_head.weight"}

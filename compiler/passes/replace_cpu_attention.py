@@ -13,9 +13,17 @@ cells TVM's kernels would read as floats: the importer records the real geometry
 KV_FORMAT_ATTR, and then all five kernels that read or write the packed cells (split + RoPE, decode, ragged and
 paged prefill, merge of states) are replaced, by our int8 variants built from that geometry, or the build fails.
 TVM's copy kernels (transpose_append, copy_single_page, compact_kv_copy, debug_get_kv) move whole cells and stay.
+
+RoPE scaling (Llama 3's, or linear): the importer records the model's as the module attr ROPE_ATTR, and every
+kernel built here gets it, as TVM's got it from TIRPagedKVCache: the inline-RoPE paths of decode and prefill
+(rotary_mode 1) through TVM's own `_rope`, and the int8 cache's split + RoPE, which applies RoPE to every q and k.
+A module without the attr (built by hand) has plain RoPE.
 """
 
 from __future__ import annotations
+
+import json
+from typing import Any
 
 import tvm
 from tvm import tirx
@@ -34,7 +42,16 @@ from ..kernels.cpu_attention import (
     int8_merge_state,
     int8_split_rotary,
 )
-from ..kv_cache_dtype import INT8, KV_FORMAT_ATTR
+from ..kv_cache_dtype import INT8, KV_FORMAT_ATTR, ROPE_ATTR
+
+
+def rope_of(mod: tvm.IRModule) -> tuple[float, dict[str, Any]]:
+    """(rope_scale, TVM's rope_scaling dict) the importer recorded on `mod` (ROPE_ATTR); plain RoPE without it."""
+    attr = mod.attrs.get(ROPE_ATTR) if mod.attrs is not None else None
+    if attr is None:
+        return 1.0, {}
+    rope = json.loads(str(attr))
+    return float(rope["rope_scale"]), dict(rope["rope_scaling"])
 
 
 def _global_symbol(func) -> str | None:
@@ -92,7 +109,9 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         kv_format = mod.attrs.get(KV_FORMAT_ATTR) if mod.attrs is not None else None
-        replaced = self._int8(mod, kv_format) if kv_format is not None else self._float(mod)
+        rope_scale, rope_scaling = rope_of(mod)
+        replaced = (self._int8(mod, kv_format, rope_scale, rope_scaling) if kv_format is not None
+                    else self._float(mod, rope_scaling))
         if not replaced:
             return mod
         mod = mod.clone()
@@ -100,7 +119,7 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
             mod.update_func(gv, func)
         return mod
 
-    def _float(self, mod: tvm.IRModule) -> dict:
+    def _float(self, mod: tvm.IRModule, rope_scaling: dict[str, Any]) -> dict:
         replaced = {}
         for gv, func in mod.functions_items():
             symbol = _global_symbol(func)
@@ -110,10 +129,10 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
             shape = read_shape(func)
             if shape is None or not shape.supported(self.lanes):
                 continue
-            replaced[gv] = build(shape, self.lanes).with_attrs({**dict(func.attrs), "tirx.noalias": True})
+            replaced[gv] = build(shape, self.lanes, rope_scaling).with_attrs({**dict(func.attrs), "tirx.noalias": True})
         return replaced
 
-    def _int8(self, mod: tvm.IRModule, kv_format) -> dict:
+    def _int8(self, mod: tvm.IRModule, kv_format, rope_scale: float, rope_scaling: dict[str, Any]) -> dict:
         """The five kernels of an int8 cache, for the real geometry in `kv_format` (Int8Carrier.module_attr); TVM's
         would misread the carrier, so a kernel missing or a geometry the vectorized kernels do not take fails."""
         funcs = {_global_symbol(func): (gv, func) for gv, func in mod.functions_items()}
@@ -129,10 +148,11 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
         assert declared is not None and (declared.num_qo_heads, declared.num_kv_heads, declared.head_dim,
                                          declared.dtype) == (*shape.declared, "float32"), (declared, shape)
         builds = {
-            DECODE_SYMBOL: lambda: attention_decode(shape, self.lanes),
-            RAGGED_SYMBOL: lambda: attention_prefill_ragged(shape, self.lanes),
-            PAGED_PREFILL_SYMBOL: lambda: attention_prefill_paged(shape, self.lanes),
-            SPLIT_ROTARY_SYMBOL: lambda: int8_split_rotary(shape, float(kv_format["rope_theta"])),
+            DECODE_SYMBOL: lambda: attention_decode(shape, self.lanes, rope_scaling),
+            RAGGED_SYMBOL: lambda: attention_prefill_ragged(shape, self.lanes, rope_scaling),
+            PAGED_PREFILL_SYMBOL: lambda: attention_prefill_paged(shape, self.lanes, rope_scaling),
+            SPLIT_ROTARY_SYMBOL: lambda: int8_split_rotary(shape, float(kv_format["rope_theta"]), rope_scale,
+                                                           rope_scaling),
             MERGE_SYMBOL: lambda: int8_merge_state(shape),
         }
         missing = [symbol for symbol in builds if symbol not in funcs]

@@ -218,10 +218,9 @@ def rope_scaling_of(hf: dict[str, Any]) -> dict[str, Any] | None:
     for name in ROPE_SCALINGS[kind]:
         field = f"{key}.{name}"
         scaling[name] = _positive({field: hf[key].get(name)}, field, None)
-    if kind == "llama3":
-        if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-            raise MobilecError(f"config.json: {key}.high_freq_factor ({scaling['high_freq_factor']}) must exceed "
-                               f"low_freq_factor ({scaling['low_freq_factor']}); Llama 3 RoPE interpolates between them")
+    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise MobilecError(f"config.json: {key}.high_freq_factor ({scaling['high_freq_factor']}) must exceed "
+                           f"low_freq_factor ({scaling['low_freq_factor']}); Llama 3 RoPE interpolates between them")
     return scaling
 
 

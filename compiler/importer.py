@@ -4,6 +4,7 @@ IRModule with its parameters (compile, estimate, inspect and tune start here; no
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import tvm
@@ -105,6 +106,9 @@ def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_win
         mod, params = model.export_tvm(spec=model.get_default_spec())
     for key, value in kernel_attrs.items():  # passes/replace_cpu_attention.py reads them
         mod = mod.with_attr(key, value)
+    # the CPU attention kernels that replace TVM's apply the same RoPE scaling (passes/replace_cpu_attention.py)
+    mod = mod.with_attr(kv_cache_dtype.ROPE_ATTR, json.dumps({"rope_scale": cfg.rope_scale,
+                                                              "rope_scaling": cfg.tvm_rope_scaling}))
     if cfg.int8_carrier is not None:  # the kernels that read the packed cells need the real geometry
         mod = mod.with_attr(kv_cache_dtype.KV_FORMAT_ATTR,
                             {**cfg.int8_carrier.module_attr(), "rope_theta": cfg.rope_theta})

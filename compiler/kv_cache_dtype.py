@@ -103,6 +103,9 @@ class Int8Carrier:
 
 
 KV_FORMAT_ATTR = "mobilec.kv_format"  # IRModule attr: an int8 cache's real geometry (Int8Carrier.module_attr)
+# IRModule attr: the RoPE the cache's kernels apply beyond its theta, as JSON {"rope_scale": TVM's rope_scale,
+# "rope_scaling": TVM's rope_scaling dict} (models/llama.py), for the kernels passes/replace_cpu_attention.py builds
+ROPE_ATTR = "mobilec.rope"
 
 
 def bytes_per_token_layer(dtype: str, kv_heads: int, head_dim: int) -> int:

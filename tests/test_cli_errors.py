@@ -64,9 +64,23 @@ def test_directory_without_config(tmp_path, out):
 
 
 def test_unsupported_model_type_lists_supported(tmp_path, out):
-    ckpt = _hf_dir(tmp_path, {"model_type": "bert", "hidden_size": 8})
-    _assert_one_line_error(_compile(ckpt, out), "'bert'", "llama", "qwen2")
+    from compiler.models.registry import FAMILIES
+
+    ckpt = _hf_dir(tmp_path, {"model_type": "qwen3_moe", "hidden_size": 8})
+    _assert_one_line_error(_compile(ckpt, out), "'qwen3_moe'", "supported: llama, qwen2, qwen3")
     _assert_no_artifact(out)
+    assert sorted(FAMILIES) == ["llama", "qwen2", "qwen3"]
+
+
+def test_compile_help_lists_the_supported_model_types():
+    from click.testing import CliRunner
+
+    from compiler.cli import main
+    from compiler.models.registry import FAMILIES
+
+    text = " ".join(CliRunner().invoke(main, ["compile", "--help"]).output.split())
+    assert "model_type is one of: llama (SmolLM2, TinyLlama, Llama 2, Llama 3.x); qwen2" in text
+    assert all(f"{name} (" in text for name in FAMILIES)
 
 
 def test_truncated_safetensors(tmp_path, out):

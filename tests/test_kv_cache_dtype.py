@@ -23,7 +23,7 @@ from compiler.quantization.schemes import get_scheme
 from compiler.runtime.session import Session
 from compiler.targets import TARGETS_DIR, available_targets, load_target, with_overrides
 from tests.helpers.assertions import assert_mobilec_error
-from tests.helpers.reference import reference_greedy
+from tests.helpers.reference import int8_kv_fake_quantized, reference_greedy
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 PROMPT = [3, 7, 1, 4, 4, 9, 2, 5, 6, 8, 10]
@@ -217,28 +217,6 @@ def test_float16_cache_decodes_like_transformers(tmp_path_factory):
     assert max(_rel_err(a, b) for a, b in zip(logits["f16"], logits["f32"])) > 1e-5
 
 
-def _int8_fake_quantized(model):
-    """A copy of `model` whose attention sees K (after RoPE) and V through int8 quantize + dequantize per token and
-    KV head, as the int8 cache stores them (quantizing the whole cached K/V each step is the same: a dequantized
-    row quantizes to its own codes)."""
-    import copy
-
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    def round_trip(x):
-        amax = x.abs().amax(-1, keepdim=True)
-        return torch.round(x * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))) * (amax / 127)
-
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        return sdpa_attention_forward(module, query, round_trip(key), round_trip(value), attention_mask, **kwargs)
-
-    AttentionInterface.register("mobilec_int8_kv", attention)
-    clone = copy.deepcopy(model)
-    clone.set_attn_implementation("mobilec_int8_kv")
-    return clone
-
-
 @pytest.mark.slow  # a compile of a tiny model and transformers: ~1 minute
 def test_int8_cache_decodes_like_transformers(tmp_path_factory):
     """Prefill + 8 decode steps + a second prefill on the cached tokens (the paged prefill and merge kernels) with
@@ -254,7 +232,7 @@ def test_int8_cache_decodes_like_transformers(tmp_path_factory):
     assert json.loads((root / "int8" / CONFIG_FILE).read_text())["kv_dtype"] == "int8"
     session = Session(load_artifact(root / "int8"))
     ref_tokens, ref_prefill, ref_decode = reference_greedy(model, PROMPT, 9)
-    quantized = _int8_fake_quantized(model)
+    quantized = int8_kv_fake_quantized(model)
     _, quant_prefill, quant_decode = reference_greedy(quantized, PROMPT, 9)
     session.reset()
     logits = [session.prefill_all_logits(PROMPT)] + [session.decode(token) for token in ref_tokens[:-1]]

@@ -816,16 +816,22 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, rope_scaling: dic
                                                 PAGED_PREFILL_SYMBOL + (SLIDING_SUFFIX if sliding else ""))
 
 
-def int8_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale: float = 1.0) -> tirx.PrimFunc:
+def int8_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale: float = 1.0,
+                      rope_scaling: dict[str, Any] | None = None) -> tirx.PrimFunc:
     """An int8 cache's `tir_split_rotary` (TVM's `fused_rope` signature: qkv, position_map, q, k, v, apply_rope),
     on the float32 carrier (kv_cache_dtype.Int8Carrier): reads the fused projection output as the real (tokens,
     heads + 2 kv_heads, head_dim) floats, applies RoPE to q and k as TVM's llama_rope_with_position_map does
-    (rotate-half, freq = position * rope_scale / theta^(2i / head_dim), when apply_rope > 0), writes q to the start
-    of its declared rows and quantizes k (after RoPE) and v per token and KV head: scale = max|x| / 127 into the
-    scale cells, round(x / scale) as int8 codes into the head's row. One parallel task per token; cos and sin go
-    through buffers (a float Let inside a parallel loop breaks the CPU codegen)."""
+    (rotate-half, freq = position * rope_scale / theta^(2i / head_dim), when apply_rope > 0; with `rope_scaling`
+    llama3, that inverse frequency smoothed as TVM's rope_freq_llama3 does), writes q to the start of its declared
+    rows and quantizes k (after RoPE) and v per token and KV head: scale = max|x| / 127 into the scale cells,
+    round(x / scale) as int8 codes into the head's row. One parallel task per token; cos and sin go through
+    buffers (a float Let inside a parallel loop breaks the CPU codegen)."""
     c = shape.carrier
     assert c is not None, shape
+    kind = (rope_scaling or {}).get("rope_type")
+    if kind not in (None, "llama3"):
+        raise ValueError(f"int8_split_rotary: RoPE scaling {kind!r} is not implemented")
+    llama3 = _llama3_constants(rope_scaling) if kind == "llama3" else None
     H_qo, H_kv, D = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim
     H_qo_decl, H_kv_decl, D_decl = shape.declared
     HALF = D // 2
@@ -860,12 +866,19 @@ def int8_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale: floa
             for s in T.parallel(seq_len):
                 cos = T.alloc_buffer((HALF,), "float32")
                 sin = T.alloc_buffer((HALF,), "float32")
-                freq = T.alloc_buffer((1,), "float32")
+                freq = T.alloc_buffer((1 if llama3 is None else 3,), "float32")
                 row = T.alloc_buffer((D,), "float32")
                 amax = T.alloc_buffer((1,), "float32")
                 for i in range(HALF):
-                    freq[0] = T.Cast("float32", position_map[s]) * T.float32(rope_scale) / T.pow(
-                        T.float32(rope_theta), T.Cast("float32", i * 2) / T.float32(D))
+                    if llama3 is None:
+                        freq[0] = T.Cast("float32", position_map[s]) * T.float32(rope_scale) / T.pow(
+                            T.float32(rope_theta), T.Cast("float32", i * 2) / T.float32(D))
+                    else:  # freq[1]: the plain inverse frequency, freq[2]: its smoothing weight
+                        freq[1] = T.float32(1) / T.pow(T.float32(rope_theta), T.Cast("float32", i * 2) / T.float32(D))
+                        freq[2] = T.max(T.float32(0), T.min(T.float32(1), T.float32(llama3[1]) * freq[1]
+                                                            - T.float32(llama3[2])))
+                        freq[0] = T.Cast("float32", position_map[s]) * T.float32(rope_scale) * (
+                            (T.float32(1) - freq[2]) * freq[1] * T.float32(llama3[0]) + freq[2] * freq[1])
                     cos[i] = T.cos(freq[0])
                     sin[i] = T.sin(freq[0])
                 for h in range(H_qo + H_kv):  # q and k heads: RoPE
@@ -887,6 +900,14 @@ def int8_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale: floa
                     quantize(row, v_codes, v, s, h, amax)
 
     return fused_rope.with_attr("global_symbol", SPLIT_ROTARY_SYMBOL)
+
+
+def _llama3_constants(rope_scaling: dict[str, Any]) -> tuple[float, float, float]:
+    """(1 / factor, alpha, beta) of TVM's rope_freq_llama3: the inverse frequency f is smoothed to
+    (1 - w) f / factor + w f, w = clamp(alpha f - beta, 0, 1), as transformers' Llama 3 RoPE does."""
+    factor, low, high = (float(rope_scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    original = float(rope_scaling["original_max_position_embeddings"])
+    return 1.0 / factor, original / (2 * math.pi) / (high - low), low / (high - low)
 
 
 def int8_merge_state(shape: AttentionShape) -> tirx.PrimFunc:

@@ -5,6 +5,7 @@ The file is memory-mapped (gguf_file.py); tensors are dequantized one at a time 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections import Counter
@@ -42,7 +43,8 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp's convert script reorders q/k rows (see _unpermute_order) only for these architectures.
 _PERMUTED_ARCHS = {"llama"}
 # rope_freqs holds Llama 3 RoPE scaling factors; it is described by hf_config["rope_scaling"], not a weight.
-_NOT_WEIGHTS = {"rope_freqs.weight"}
+_ROPE_FREQS = "rope_freqs.weight"
+_NOT_WEIGHTS = {_ROPE_FREQS}
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -63,6 +65,65 @@ def _unpermute_order(n_rows: int, n_head: int) -> np.ndarray:
     HF row i of a head is GGUF row `order[i]`, as in transformers' `_reverse_permute_weights`.
     """
     return np.arange(n_rows).reshape(n_head, n_rows // n_head // 2, 2).swapaxes(1, 2).reshape(-1)
+
+
+def llama3_rope_freqs(theta: float, dims: int, factor: float, low: float, high: float, original: float) -> np.ndarray:
+    """llama.cpp's rope_freqs tensor for Llama 3 RoPE scaling, as its convert_hf_to_gguf.py computes it: per
+    rotated pair i, the divisor of the frequency theta^(-2i/dims) (1 at high frequencies, factor at low ones,
+    1 / ((1 - smooth) / factor + smooth) between, smooth = (original / wavelength - low) / (high - low))."""
+    inv = 1.0 / theta ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
+    wavelen = 2 * math.pi / inv
+    smooth = np.clip((original / wavelen - low) / (high - low), 0.0, 1.0)
+    return 1.0 / ((1 - smooth) / factor + smooth)
+
+
+def llama3_from_rope_freqs(factors: np.ndarray, theta: float, dims: int) -> dict[str, Any] | None:
+    """HF's Llama 3 rope_scaling dict that reproduces llama.cpp's rope_freqs `factors` (llama3_rope_freqs); None
+    when every factor is 1. The factors fix factor (the largest) and, per pair, the smoothing weight
+    w = clamp(alpha f - beta, 0, 1) of its frequency f, alpha = original / (2 pi (high - low)), beta = low / (high
+    - low): alpha and beta come from the pairs strictly between 1 and factor (Llama 3.1 8B has 6, 3.2 1B 3), or,
+    with fewer, a line that reproduces every pair; low is set to 1, which fixes high and original. ValueError when
+    no such scaling reproduces the factors."""
+    if factors.shape != (dims // 2,):
+        raise ValueError(f"rope_freqs has {factors.size} values for {dims} rotated dimensions ({dims // 2} expected)")
+    if not np.all(np.isfinite(factors)) or factors.min() <= 0:
+        raise ValueError("rope_freqs holds non-positive or non-finite factors")
+    factor = float(factors.max())
+    if np.allclose(factors, 1.0, rtol=1e-6, atol=0):
+        return None
+    f = 1.0 / theta ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
+    w = (1 / factors - 1 / factor) / (1 - 1 / factor)
+    tol = 1e-5
+    inner = (w > tol) & (w < 1 - tol)
+    ones, zeros = f[w >= 1 - tol], f[w <= tol]  # unscaled (high-frequency) and fully scaled pairs
+    if inner.sum() >= 2:
+        alpha, intercept = np.polyfit(f[inner], w[inner], 1)
+        beta = -intercept
+    elif inner.sum() == 1:
+        fj, wj = float(f[inner][0]), float(w[inner][0])
+        slopes = [wj / (fj - zeros.max())] if zeros.size else []
+        slopes += [(1 - wj) / (ones.min() - fj)] if ones.size else []
+        alpha = max(slopes) if slopes else wj / fj
+        beta = alpha * fj - wj
+    elif ones.size and zeros.size:
+        alpha = 1 / (ones.min() - zeros.max())
+        beta = alpha * zeros.max()
+    else:  # every pair divided by factor
+        alpha, beta = 1 / (2 * f.max()), 1.0
+    if not alpha > 0 or not beta > 0:
+        raise ValueError("rope_freqs does not follow Llama 3's RoPE scaling, the only one mobilec reads from it")
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+               "high_freq_factor": float(1.0 + 1.0 / beta),
+               "original_max_position_embeddings": float(2 * math.pi * alpha / beta)}
+    for key in ("factor", "high_freq_factor", "original_max_position_embeddings"):
+        nearest = round(scaling[key])
+        if nearest and abs(scaling[key] - nearest) <= 1e-5 * nearest:
+            scaling[key] = float(nearest)
+    again = llama3_rope_freqs(theta, dims, *(scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                                   "original_max_position_embeddings")))
+    if not np.allclose(again, factors, rtol=1e-4, atol=0):
+        raise ValueError("rope_freqs does not follow Llama 3's RoPE scaling, the only one mobilec reads from it")
+    return scaling
 
 
 def _f32(value: Any) -> float:
@@ -144,7 +205,7 @@ class GGUFCheckpoint(Checkpoint):
         return cfg
 
     def _rope_scaling(self, gguf_names: set[str]) -> dict[str, Any] | None:
-        """RoPE scaling as HF's rope_scaling dict, so consumers that do not support it can refuse the model."""
+        """RoPE scaling as HF's rope_scaling dict (the model's config implements it or refuses it in one line)."""
         a = self._arch
         kind = self._field(f"{a}.rope.scaling.type")
         if kind not in (None, "none"):
@@ -156,9 +217,17 @@ class GGUFCheckpoint(Checkpoint):
             if original is not None:
                 scaling["original_max_position_embeddings"] = int(original)
             return scaling
-        if "rope_freqs.weight" in gguf_names:
-            # llama.cpp bakes Llama 3 scaling into per-dimension factors and drops its parameters.
-            return {"rope_type": "llama3"}
+        if _ROPE_FREQS in gguf_names:
+            # llama.cpp bakes Llama 3 scaling into per-dimension factors and drops its parameters: recover them
+            t = next(t for t in self._reader.tensors if t.name == _ROPE_FREQS)
+            factors = np.asarray(dequantize(t.data, t.tensor_type), np.float64).reshape(-1)
+            a_cfg = {k: self._field(f"{a}.{k}") for k in ("rope.freq_base", "rope.dimension_count")}
+            theta = _f32(a_cfg["rope.freq_base"] if a_cfg["rope.freq_base"] is not None else 10000.0)
+            dims = int(a_cfg["rope.dimension_count"] or 2 * factors.size)
+            try:
+                return llama3_from_rope_freqs(factors, theta, dims)
+            except ValueError as e:
+                raise MobilecError(f"GGUF file {str(self._path)!r}: {e}") from None
         return None
 
     def _file_type(self) -> str:

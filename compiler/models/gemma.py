@@ -42,7 +42,6 @@ class GemmaConfig(LlamaConfig):
     rope_global_factor: float = 1.0  # linear RoPE scaling of the global layers (positions / factor)
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
-    qk_norm: bool = True  # Gemma 3: RMSNorm of each q and k head before RoPE
 
     @property
     def int8_carrier(self):
@@ -77,7 +76,8 @@ class GemmaConfig(LlamaConfig):
         base = LlamaConfig.from_hf({**llama_view, "rope_theta": global_theta}, context_window)
         # TVM's cache computes the new tokens among themselves without the window (one ragged kernel for all
         # layers): chunks of at most the window keep every such pair inside it
-        fields = {**dataclasses.asdict(base), "prefill_chunk_size": min(base.prefill_chunk_size, window or math.inf)}
+        fields = {**dataclasses.asdict(base), "prefill_chunk_size": min(base.prefill_chunk_size, window or math.inf),
+                  "qk_norm": qk_norm}
         return cls(
             **fields,
             query_pre_attn_scalar=_positive(hf, "query_pre_attn_scalar", float(base.head_dim)),
@@ -86,27 +86,21 @@ class GemmaConfig(LlamaConfig):
             rope_local_theta=local_theta,
             rope_global_factor=global_factor,
             **caps,
-            qk_norm=qk_norm,
         )
 
     def source_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = super().source_shapes()
-        h, d = self.hidden_size, self.head_dim
+        h = self.hidden_size
         for i in range(self.num_hidden_layers):
             p = f"model.layers.{i}"
             shapes[f"{p}.pre_feedforward_layernorm.weight"] = shapes[f"{p}.post_feedforward_layernorm.weight"] = (h,)
-            if self.qk_norm:
-                shapes[f"{p}.self_attn.q_norm.weight"] = shapes[f"{p}.self_attn.k_norm.weight"] = (d,)
         return shapes
 
     def param_sources(self) -> dict[str, list[str]]:
         src = super().param_sources()
         for i in range(self.num_hidden_layers):
             p = f"model.layers.{i}"
-            norms = ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
-            if self.qk_norm:
-                norms += ["self_attn.q_norm", "self_attn.k_norm"]
-            for norm in norms:
+            for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
                 src[f"{p}.{norm}.weight"] = [f"{p}.{norm}.weight"]
         return src
 

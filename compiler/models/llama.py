@@ -33,6 +33,8 @@ class LlamaConfig:
     max_position_embeddings: int
     attention_bias: bool = False  # biases on q/k/v
     attention_out_bias: bool = False  # bias on o_proj
+    qk_norm: bool = False  # an RMSNorm over head_dim on each q and k head before RoPE (Qwen3)
+    rope_scaling: dict[str, Any] | None = None  # rope_scaling_of: {"rope_type": "llama3" | "linear", ...}; None: plain
     context_window_size: int = 2048
     prefill_chunk_size: int = 2048
     kv_dtype: str | None = None  # the KV cache's storage (kv_cache_dtype.py); None: the activations' dtype
@@ -46,6 +48,19 @@ class LlamaConfig:
             raise MobilecError(f"--kv-dtype int8: head_dim {self.head_dim} is not a multiple of 4 (a float32 cell "
                                f"of the carrier holds 4 codes); use f16")
         return Int8Carrier(self.num_attention_heads, self.num_key_value_heads, self.head_dim)
+
+    @property
+    def rope_scale(self) -> float:
+        """TVM's rope_scale, by which positions are multiplied: 1 / factor for linear scaling, else 1."""
+        scaling = self.rope_scaling or {}
+        return 1.0 / scaling["factor"] if scaling.get("rope_type") == "linear" else 1
+
+    @property
+    def tvm_rope_scaling(self) -> dict[str, Any]:
+        """TVM's rope_scaling dict (position_embedding.switch_rope_freq_func), which every kernel applying RoPE
+        takes: llama3's fields; {} for plain RoPE and linear scaling (rope_scale)."""
+        scaling = self.rope_scaling or {}
+        return dict(scaling) if scaling.get("rope_type") == "llama3" else {}
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], context_window: int | None = None) -> "LlamaConfig":
@@ -81,6 +96,7 @@ class LlamaConfig:
             max_position_embeddings=max_pos,
             attention_bias=bool(hf.get("attention_bias", False)),
             attention_out_bias=bool(hf.get("attention_out_bias", hf.get("attention_bias", False))),
+            rope_scaling=rope_scaling_of(hf),
             context_window_size=window,
             prefill_chunk_size=min(window, 2048),
         )
@@ -102,6 +118,7 @@ class LlamaConfig:
             shapes[f"{p}.mlp.gate_proj.weight"] = shapes[f"{p}.mlp.up_proj.weight"] = (inter, h)
             shapes[f"{p}.mlp.down_proj.weight"] = (h, inter)
             shapes[f"{p}.input_layernorm.weight"] = shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
+            shapes[f"{p}.self_attn.q_norm.weight"] = shapes[f"{p}.self_attn.k_norm.weight"] = (self.head_dim,)
         used = {name for names in self.param_sources().values() for name in names}
         return {name: shape for name, shape in shapes.items() if name in used}
 
@@ -114,6 +131,9 @@ class LlamaConfig:
             src[f"{attn}.qkv_proj.weight"] = [f"{attn}.{x}_proj.weight" for x in "qkv"]
             if self.attention_bias:
                 src[f"{attn}.qkv_proj.bias"] = [f"{attn}.{x}_proj.bias" for x in "qkv"]
+            if self.qk_norm:
+                src[f"{attn}.q_norm.weight"] = [f"{attn}.q_norm.weight"]
+                src[f"{attn}.k_norm.weight"] = [f"{attn}.k_norm.weight"]
             src[f"{attn}.o_proj.weight"] = [f"{attn}.o_proj.weight"]
             if self.attention_out_bias:
                 src[f"{attn}.o_proj.bias"] = [f"{attn}.o_proj.bias"]
@@ -174,6 +194,36 @@ def _rope_type(hf: dict[str, Any]) -> tuple[str, Any] | None:
     return None
 
 
+# RoPE scalings implemented -> the fields each reads (transformers' names). llama3 (every Llama 3.1/3.2
+# checkpoint): TVM's rope_freq_llama3, in every kernel that applies RoPE; linear: positions / factor (rope_scale).
+ROPE_SCALINGS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "linear": ("factor",),
+}
+
+
+def rope_scaling_of(hf: dict[str, Any]) -> dict[str, Any] | None:
+    """The config's RoPE scaling as {"rope_type": kind, its fields}, None for plain RoPE. A kind not implemented
+    (yarn, longrope, dynamic, ...), or a field missing or malformed, is one line naming the field: compiled with
+    plain RoPE, the model would run and silently diverge from the checkpoint."""
+    found = _rope_type(hf)
+    if found is None:
+        return None
+    key, kind = found
+    if not isinstance(hf[key], dict) or kind not in ROPE_SCALINGS:
+        raise MobilecError(f"config.json: {key} asks for RoPE scaling {kind!r}, which mobilec does not implement "
+                           f"(plain RoPE, {', '.join(ROPE_SCALINGS)}); compiled, the model would diverge from the "
+                           "checkpoint")
+    scaling: dict[str, Any] = {"rope_type": kind}
+    for name in ROPE_SCALINGS[kind]:
+        field = f"{key}.{name}"
+        scaling[name] = _positive({field: hf[key].get(name)}, field, None)
+    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise MobilecError(f"config.json: {key}.high_freq_factor ({scaling['high_freq_factor']}) must exceed "
+                           f"low_freq_factor ({scaling['low_freq_factor']}); Llama 3 RoPE interpolates between them")
+    return scaling
+
+
 # Activations the MLP implements (silu(gate) * up); transformers calls silu "swish" too.
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 
@@ -181,10 +231,7 @@ SUPPORTED_ACTIVATIONS = ("silu", "swish")
 def refuse_unsupported(hf: dict[str, Any]) -> None:
     """Refuse, naming the field, a config asking for something that changes the model's math and that this
     compiler does not implement: compiled anyway, the model would run and silently disagree with the checkpoint."""
-    rope = _rope_type(hf)
-    if rope is not None:
-        raise MobilecError(f"config.json: {rope[0]} asks for RoPE scaling {rope[1]!r}, which mobilec does not "
-                           "implement yet (plain RoPE only); compiled, the model would diverge from the checkpoint")
+    rope_scaling_of(hf)
     factor = hf.get("partial_rotary_factor")
     if factor is not None and factor != 1:
         raise MobilecError(f"config.json: partial_rotary_factor {factor!r} (RoPE on part of each head) is not "
@@ -237,15 +284,28 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.kv_dtype = cfg.kv_dtype
         self.carrier = cfg.int8_carrier
+        self.qk_norm = cfg.qk_norm
         qkv_rows = (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_rows, bias=cfg.attention_bias)
+        if cfg.qk_norm:
+            self.q_norm = nn.RMSNorm(cfg.head_dim, -1, cfg.rms_norm_eps, bias=False)
+            self.k_norm = nn.RMSNorm(cfg.head_dim, -1, cfg.rms_norm_eps, bias=False)
         self.o_proj = nn.Linear(self.num_q_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
         self.sm_scale = 1.0 / math.sqrt(self.head_dim)  # the softmax's scale of q . k
 
-    def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
+    def _qkv(self, x: Tensor) -> Tensor:
+        """The fused projection as (b, s, heads + 2 kv_heads, head_dim); with qk_norm, each q and k head
+        RMS-normalized (RoPE comes after, inside the KV cache's kernels: RopeMode.NORMAL)."""
         b, s, _ = x.shape
         qkv = op.reshape(self.qkv_proj(x), (b, s, self.num_q_heads + 2 * self.num_kv_heads, self.head_dim))
-        return self.o_proj(self.attend(qkv, kv_cache, layer_id))
+        if not self.qk_norm:
+            return qkv
+        q, k, v = op.split(qkv, [self.num_q_heads, self.num_q_heads + self.num_kv_heads], axis=2)
+        return op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
+
+    def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
+        b, s, _ = x.shape
+        return self.o_proj(self.attend(self._qkv(x), kv_cache, layer_id))
 
     def attend(self, qkv: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
         """Attention of the fused [b, s, heads + 2 kv_heads, head_dim] q/k/v through the paged KV cache; the
@@ -386,9 +446,9 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
             v_head_dim=head_dim,
             mla_original_qk_head_dim=0,
             mla_original_v_head_dim=0,
-            rope_scale=1,
+            rope_scale=cfg.rope_scale,
             rope_theta=cfg.rope_theta,
-            rope_scaling={},
+            rope_scaling=cfg.tvm_rope_scaling,
             rope_ext_factors=relax.prim_value(0),
             rotary_dim=head_dim,
             enable_disaggregation=False,

@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..choices import MODEL_TYPES
 from ..errors import MobilecError
 from .gemma import Gemma2Config, Gemma3TextConfig, GemmaForCausalLM
 from .llama import LlamaConfig, LlamaForCausalLM
 from .qwen2 import Qwen2Config, Qwen2ForCausalLM
+from .qwen3 import Qwen3Config, Qwen3ForCausalLM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,9 +23,11 @@ class ModelFamily:
 FAMILIES: dict[str, ModelFamily] = {
     "llama": ModelFamily("llama", LlamaConfig, LlamaForCausalLM),
     "qwen2": ModelFamily("qwen2", Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": ModelFamily("qwen3", Qwen3Config, Qwen3ForCausalLM),
     "gemma3_text": ModelFamily("gemma3_text", Gemma3TextConfig, GemmaForCausalLM),
     "gemma2": ModelFamily("gemma2", Gemma2Config, GemmaForCausalLM),
 }
+assert set(FAMILIES) == set(MODEL_TYPES), "compiler/choices.py MODEL_TYPES lists what the CLI offers"
 
 
 def family_for(hf_config: dict[str, Any]) -> ModelFamily:

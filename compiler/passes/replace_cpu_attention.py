@@ -20,9 +20,17 @@ cells TVM's kernels would read as floats: the importer records the real geometry
 KV_FORMAT_ATTR, and then all five kernels that read or write the packed cells (split + RoPE, decode, ragged and
 paged prefill, merge of states) are replaced, by our int8 variants built from that geometry, or the build fails.
 TVM's copy kernels (transpose_append, copy_single_page, compact_kv_copy, debug_get_kv) move whole cells and stay.
+
+RoPE scaling (Llama 3's, or linear): the importer records the model's as the module attr ROPE_ATTR, and every
+kernel built here gets it, as TVM's got it from TIRPagedKVCache: the inline-RoPE paths of decode and prefill
+(rotary_mode 1) through TVM's own `_rope`, and the int8 cache's split + RoPE, which applies RoPE to every q and k.
+A module without the attr (built by hand) has plain RoPE.
 """
 
 from __future__ import annotations
+
+import json
+from typing import Any
 
 import tvm
 from tvm import tirx
@@ -44,7 +52,16 @@ from ..kernels.cpu_attention import (
     int8_merge_state,
     int8_split_rotary,
 )
-from ..kv_cache_dtype import INT8, KV_FORMAT_ATTR
+from ..kv_cache_dtype import INT8, KV_FORMAT_ATTR, ROPE_ATTR
+
+
+def rope_of(mod: tvm.IRModule) -> tuple[float, dict[str, Any]]:
+    """(rope_scale, TVM's rope_scaling dict) the importer recorded on `mod` (ROPE_ATTR); plain RoPE without it."""
+    attr = mod.attrs.get(ROPE_ATTR) if mod.attrs is not None else None
+    if attr is None:
+        return 1.0, {}
+    rope = json.loads(str(attr))
+    return float(rope["rope_scale"]), dict(rope["rope_scaling"])
 
 
 def _global_symbol(func) -> str | None:
@@ -82,20 +99,23 @@ def ragged_shape(func: tirx.PrimFunc) -> AttentionShape | None:
     return AttentionShape(num_kv_heads=h_kv, num_qo_heads=h_qo, head_dim=d, dtype=str(q.dtype), page_size=16)
 
 
-# global symbol -> (its shape from TVM's PrimFunc, our kernel for that shape, lanes, sliding window and logit cap)
+# global symbol -> (its shape from TVM's PrimFunc, our kernel for that shape, lanes, RoPE scaling, sliding window and
+# logit cap)
 KERNELS = {
-    DECODE_SYMBOL: (decode_shape, lambda shape, lanes, _, cap: attention_decode(shape, lanes, logit_cap=cap)),
-    RAGGED_SYMBOL: (ragged_shape, lambda shape, lanes, _, cap: attention_prefill_ragged(shape, lanes, logit_cap=cap)),
+    DECODE_SYMBOL: (decode_shape, lambda shape, lanes, rope, _, cap: attention_decode(
+        shape, lanes, rope, logit_cap=cap)),
+    RAGGED_SYMBOL: (ragged_shape, lambda shape, lanes, rope, _, cap: attention_prefill_ragged(
+        shape, lanes, rope, logit_cap=cap)),
     PAGED_PREFILL_SYMBOL: (lambda func: decode_shape(func, pages_param=2),
-                           lambda shape, lanes, _, cap: attention_prefill_paged(shape, lanes, logit_cap=cap)),
+                           lambda shape, lanes, rope, _, cap: attention_prefill_paged(shape, lanes, rope, logit_cap=cap)),
 }
 # the same for the "mha_sliding" layers
 SLIDING_KERNELS = {
-    DECODE_SYMBOL + SLIDING_SUFFIX: (decode_shape, lambda shape, lanes, _, cap: attention_decode(
-        shape, lanes, sliding=True, logit_cap=cap)),
+    DECODE_SYMBOL + SLIDING_SUFFIX: (decode_shape, lambda shape, lanes, rope, _, cap: attention_decode(
+        shape, lanes, rope, sliding=True, logit_cap=cap)),
     PAGED_PREFILL_SYMBOL + SLIDING_SUFFIX: (lambda func: decode_shape(func, pages_param=2),
-                                            lambda shape, lanes, window, cap: attention_prefill_paged(
-                                                shape, lanes, sliding_window=window, logit_cap=cap)),
+                                            lambda shape, lanes, rope, window, cap: attention_prefill_paged(
+                                                shape, lanes, rope, sliding_window=window, logit_cap=cap)),
 }
 
 
@@ -111,7 +131,9 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         kv_format = mod.attrs.get(KV_FORMAT_ATTR) if mod.attrs is not None else None
-        replaced = self._int8(mod, kv_format) if kv_format is not None else self._float(mod)
+        rope_scale, rope_scaling = rope_of(mod)
+        replaced = (self._int8(mod, kv_format, rope_scale, rope_scaling) if kv_format is not None
+                    else self._float(mod, rope_scaling))
         if not replaced:
             return mod
         mod = mod.clone()
@@ -119,7 +141,7 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
             mod.update_func(gv, func)
         return mod
 
-    def _float(self, mod: tvm.IRModule) -> dict:
+    def _float(self, mod: tvm.IRModule, rope_scaling: dict[str, Any]) -> dict:
         """TVM's kernels that ours take; with a sliding window (LAYER_SLIDING_WINDOW_ATTR) the sliding variants too,
         and with a logit cap (ATTN_LOGIT_CAP_ATTR) every kernel, or the build fails: TVM's have neither."""
         attrs = mod.attrs if mod.attrs is not None else {}
@@ -138,11 +160,11 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
                     raise MobilecError(f"{symbol}: {needs} needs mobilec's CPU attention kernels, which do not take "
                                        f"{shape} at {self.lanes} lanes (TVM's kernels would be wrong)")
                 continue
-            replaced[gv] = build(shape, self.lanes, window and int(window), cap).with_attrs(
+            replaced[gv] = build(shape, self.lanes, rope_scaling, window and int(window), cap).with_attrs(
                 {**dict(func.attrs), "tirx.noalias": True})
         return replaced
 
-    def _int8(self, mod: tvm.IRModule, kv_format) -> dict:
+    def _int8(self, mod: tvm.IRModule, kv_format, rope_scale: float, rope_scaling: dict[str, Any]) -> dict:
         """The five kernels of an int8 cache, for the real geometry in `kv_format` (Int8Carrier.module_attr); TVM's
         would misread the carrier, so a kernel missing or a geometry the vectorized kernels do not take fails."""
         funcs = {_global_symbol(func): (gv, func) for gv, func in mod.functions_items()}
@@ -161,10 +183,11 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
         assert declared is not None and (declared.num_qo_heads, declared.num_kv_heads, declared.head_dim,
                                          declared.dtype) == (*shape.declared, "float32"), (declared, shape)
         builds = {
-            DECODE_SYMBOL: lambda: attention_decode(shape, self.lanes),
-            RAGGED_SYMBOL: lambda: attention_prefill_ragged(shape, self.lanes),
-            PAGED_PREFILL_SYMBOL: lambda: attention_prefill_paged(shape, self.lanes),
-            SPLIT_ROTARY_SYMBOL: lambda: int8_split_rotary(shape, float(kv_format["rope_theta"])),
+            DECODE_SYMBOL: lambda: attention_decode(shape, self.lanes, rope_scaling),
+            RAGGED_SYMBOL: lambda: attention_prefill_ragged(shape, self.lanes, rope_scaling),
+            PAGED_PREFILL_SYMBOL: lambda: attention_prefill_paged(shape, self.lanes, rope_scaling),
+            SPLIT_ROTARY_SYMBOL: lambda: int8_split_rotary(shape, float(kv_format["rope_theta"]), rope_scale,
+                                                           rope_scaling),
             MERGE_SYMBOL: lambda: int8_merge_state(shape),
         }
         missing = [symbol for symbol in builds if symbol not in funcs]

@@ -30,10 +30,34 @@ def fake_quantized(model, layout):
 
     clone = copy.deepcopy(model)
     output_layers = {id(clone.get_input_embeddings()), id(clone.get_output_embeddings())}
+    done = set()  # a tied table is one parameter: quantized once (a second round trip moves it by up to 7e-3)
     with torch.no_grad():
         for module in clone.modules():
-            if isinstance(module, torch.nn.Linear | torch.nn.Embedding):
+            if isinstance(module, torch.nn.Linear | torch.nn.Embedding) and id(module.weight) not in done:
+                done.add(id(module.weight))
                 lay = output_layer_layout(layout) if id(module) in output_layers else layout
                 w = module.weight.numpy()
                 module.weight.copy_(torch.from_numpy(group.dequantize(group.quantize(w, lay), lay, w.shape[1])))
+    return clone
+
+
+def int8_kv_fake_quantized(model):
+    """A copy of `model` whose attention sees K (after RoPE) and V through int8 quantize + dequantize per token and
+    KV head, as the int8 cache stores them (quantizing the whole cached K/V each step is the same: a dequantized
+    row quantizes to its own codes)."""
+    import copy
+
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def round_trip(x):
+        amax = x.abs().amax(-1, keepdim=True)
+        return torch.round(x * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))) * (amax / 127)
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        return sdpa_attention_forward(module, query, round_trip(key), round_trip(value), attention_mask, **kwargs)
+
+    AttentionInterface.register("mobilec_int8_kv", attention)
+    clone = copy.deepcopy(model)
+    clone.set_attn_implementation("mobilec_int8_kv")
     return clone

@@ -18,8 +18,9 @@ from typing import Any, Callable
 import gguf
 import numpy as np
 import torch
-from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel,
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 from tests.helpers.tiny_tokenizer import save_tiny_tokenizer
 
@@ -55,6 +56,37 @@ SPECS: dict[str, tuple[type, type, dict[str, Any]]] = {
     ),
 }
 _COMMON = dict(max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=50000.0)
+# Llama 3.x RoPE scaling in miniature: with head_dim 16 and theta 5e4 the rotated pairs have wavelengths 6.3, 24,
+# 94, 364, ... tokens; original_max_position_embeddings 32 leaves the first unscaled (below 32 / 4), smooths the
+# second and divides the others' frequencies by 8, which a prompt of ~100 tokens shows.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+# Models compiled by tests/test_architectures.py (longer prompts than test_tiny_models.py's, so not in SPECS).
+ARCHITECTURE_SPECS: dict[str, tuple[type, type, dict[str, Any]]] = {
+    # The llama_gqa shape with Llama 3.1/3.2's RoPE scaling.
+    "llama3_rope": (
+        LlamaForCausalLM,
+        LlamaConfig,
+        dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE),
+    ),
+    # Linear RoPE scaling (positions / factor), MHA, untied.
+    "llama_linear_rope": (
+        LlamaForCausalLM,
+        LlamaConfig,
+        dict(vocab_size=176, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+             rope_parameters={"rope_type": "linear", "rope_theta": 50000.0, "factor": 4.0}),
+    ),
+    # Qwen3: q_norm / k_norm per head, head_dim 32 stated apart from hidden / heads = 16, tied embeddings (as
+    # Qwen3-0.6B), no biases.
+    "qwen3": (
+        Qwen3ForCausalLM,
+        Qwen3Config,
+        dict(vocab_size=224, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
+    ),
+}
 
 # Architectures with a test file of their own (tests/test_architectures_gemma.py), not in SPECS' loops (GGUF, profile).
 GEMMA_SPECS: dict[str, tuple[type, type, dict[str, Any]]] = {
@@ -87,8 +119,9 @@ HF_FORMATS = ("safetensors", "safetensors_sharded", "bin", "bin_sharded")
 
 
 def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A tiny random model from SPECS or GEMMA_SPECS; the same (name, seed) always gives the same weights."""
-    model_cls, config_cls, kwargs = {**SPECS, **GEMMA_SPECS}[name]
+    """A tiny random model from SPECS, ARCHITECTURE_SPECS or GEMMA_SPECS; the same (name, seed) always gives the
+    same weights."""
+    model_cls, config_cls, kwargs = {**SPECS, **ARCHITECTURE_SPECS, **GEMMA_SPECS}[name]
     config = config_cls(**{**_COMMON, **kwargs})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
@@ -148,6 +181,28 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def llama3_rope_freqs(rope: dict[str, Any], head_dim: int) -> np.ndarray:
+    """The rope_freqs tensor llama.cpp's convert_hf_to_gguf.py writes for Llama 3 RoPE scaling (LlamaModel's
+    generate_extra_tensors): per rotated pair, the divisor of its frequency, computed here independently of the
+    loader's copy (compiler/loaders/gguf.py)."""
+    import math
+
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high, old = rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def _add_char_tokenizer(w: gguf.GGUFWriter, vocab_size: int) -> None:
     """A character-level "gpt2" tokenizer padded to the vocabulary: enough for transformers to build one."""
     tokens = ["<unk>", "</s>", " "] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
@@ -187,9 +242,18 @@ def write_gguf(model: PreTrainedModel, path: str | Path, tokenizer: bool = False
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_rope_dimension_count(head_dim)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:  # (the converter writes them from config.head_dim)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     if tokenizer:
         _add_char_tokenizer(w, cfg.vocab_size)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "linear":  # llama.cpp's converter writes linear scaling as metadata...
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    elif rope.get("rope_type") == "llama3":  # ...and Llama 3's as a tensor of per-pair factors
+        w.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", llama3_rope_freqs(rope, head_dim))
 
     name_map = gguf.get_tensor_name_map(gguf_arch, cfg.num_hidden_layers)
     for hf_name, t in state_dict(model).items():

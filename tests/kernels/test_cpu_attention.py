@@ -6,6 +6,7 @@ variants of decode and paged prefill and capped scores (Gemma 2) against numpy, 
 a shifted causal mask, the window or the cap ignored), and ReplaceCPUAttention's swap (LLVM targets only)."""
 
 import functools
+import json
 
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ from compiler.kernels.cpu_attention import (
     attention_prefill_ragged,
     vector_lanes,
 )
+from compiler.kv_cache_dtype import ROPE_ATTR
 from compiler.passes.replace_cpu_attention import ReplaceCPUAttention, decode_shape, ragged_shape
 from compiler.targets import load_target
 from tests.helpers.cpu import X86_FAMILY_TARGETS, assembly, runs_here
@@ -43,6 +45,10 @@ PAGE = 16
 D = 64
 SM_SCALE = 1 / np.sqrt(D)
 ROPE_SCALE, ROPE_THETA = 1.0, 10000.0
+# Llama 3's RoPE scaling (TVM's rope_freq_llama3), with head_dim 64 and theta 1e4: pairs of wavelength below 16
+# tokens unscaled, above 64 divided by 8, 3 pairs smoothed between
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
 
 
 @functools.cache
@@ -331,6 +337,43 @@ def test_paged_prefill_matches_tvm_kernel(q_lens, ctx, causal, rotary_mode):
         np.testing.assert_allclose(out, np.concatenate([_numpy_reference(r)[0] for r in rows]), rtol=1e-5, atol=3e-6)
 
 
+@functools.cache
+def _llama3_kernels(kind: str, scaled: bool = True):
+    """(ours, TVM's) `kind` kernel ("decode", "ragged", "paged") built with Llama 3 RoPE scaling (or without)."""
+    rope = LLAMA3 if scaled else {}
+    shape, lanes = AttentionShape(3, 9, D, "float32", PAGE), vector_lanes(RUN)
+    ours, theirs = {
+        "decode": (attention_decode(shape, lanes, rope), _attention_decode_cpu(3, 9, D, "float32", False, rope)),
+        "ragged": (attention_prefill_ragged(shape, lanes, rope),
+                   _attention_prefill_ragged_cpu(3, 9, D, D, "float32", rope)),
+        "paged": (attention_prefill_paged(shape, lanes, rope), _attention_prefill_cpu(3, 9, D, "float32", False, rope)),
+    }[kind]
+    return tuple(tvm.tirx.build(tvm.IRModule({"main": f}), target=RUN)["main"] for f in (ours, theirs))
+
+
+@pytest.mark.parametrize("kind", ["decode", "ragged", "paged"])
+def test_inline_rope_with_llama3_scaling_matches_tvm_kernel(kind):
+    """rotary_mode 1 with Llama 3's RoPE scaling: each kernel applies the scaled frequencies as TVM's does (the
+    models use RopeMode.NORMAL, whose RoPE is TVM's split kernel, or ours for an int8 cache: test_cpu_attention_int8);
+    negative control: the kernel built without the scaling differs."""
+    (ours, theirs), (plain, _) = _llama3_kernels(kind), _llama3_kernels(kind, scaled=False)
+    if kind == "ragged":
+        data = _ragged_data([23, 9], [23, 9], 3, 9, seed=4)
+        data["q_pos"] += 100  # positions where the scaled low frequencies have turned
+        run = functools.partial(_run_ragged, data=data, rotary_mode=1)
+    elif kind == "decode":
+        run = functools.partial(_run, c=_cache([37, 130], 3, 9, seed=1), rotary_mode=1)
+    else:
+        q = (2 * np.random.default_rng(7).standard_normal((15, 9, D))).astype("float32")
+        run = functools.partial(_run_paged_prefill, cache=_cache([50, 21], 3, 9, seed=6), q=q,
+                                q_indptr=np.array([0, 6, 15], "int32"), causal=0, rotary_mode=1)
+    out, lse = run(ours)
+    ref_out, ref_lse = run(theirs)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=3e-6)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=3e-5)
+    assert np.abs(run(plain)[0] - out).max() > 1e-2
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Sliding-window variants (the "mha_sliding" layers): the cache passes the window's pages and length_info [3, b]
 
@@ -515,6 +558,22 @@ def test_pass_swaps_the_kernels():
     # the sliding-window variant and the Relax function stay TVM's
     assert swapped["tir_attention_decode_cpu_sliding_window"].same_as(mod["tir_attention_decode_cpu_sliding_window"])
     assert swapped["create"].same_as(mod["create"])
+
+
+def test_pass_gives_the_kernels_the_models_rope_scaling():
+    """The importer records the model's RoPE scaling (ROPE_ATTR); every kernel the pass builds applies it, as TVM's
+    kernels it replaces were built with it (models/llama.py: TIRPagedKVCache's rope_scaling)."""
+    mod = _kv_cache_module().with_attr(ROPE_ATTR, json.dumps({"rope_scale": 1, "rope_scaling": LLAMA3}))
+    swapped = ReplaceCPUAttention(vector_lanes(AVX512))(mod)
+    for name, read_shape, build in (("tir_attention_decode_cpu", decode_shape, attention_decode),
+                                    ("tir_attention_prefill_ragged_cpu", ragged_shape, attention_prefill_ragged),
+                                    ("tir_attention_prefill_cpu", lambda f: decode_shape(f, pages_param=2),
+                                     attention_prefill_paged)):
+        old = mod[name]
+        want = build(read_shape(old), 16, LLAMA3).with_attrs({**dict(old.attrs), "tirx.noalias": True})
+        tvm.ir.assert_structural_equal(swapped[name], want)
+        with pytest.raises(ValueError):  # the scaling is in the IR: the plain kernel differs
+            tvm.ir.assert_structural_equal(swapped[name], build(read_shape(old), 16).with_attrs(want.attrs))
 
 
 def test_pipeline_swaps_attention_on_llvm_cpu_targets_only():

@@ -30,6 +30,7 @@ from compiler.kernels.cpu_attention import (
 from compiler.kv_cache_dtype import KV_FORMAT_ATTR, Int8Carrier
 from compiler.passes.replace_cpu_attention import ReplaceCPUAttention
 from tests.kernels.test_cpu_attention import (
+    LLAMA3,
     PAGE,
     ROPE_SCALE,
     ROPE_THETA,
@@ -229,6 +230,40 @@ def test_split_rotary_quantizes_k_after_rope_and_v(apply_rope):
         np.testing.assert_allclose(codes * scales[..., None], ref_deq, atol=1.01 * scales.max())
 
 
+def _split_pair(scale: float, scaling: dict):
+    """(ours, TVM's) split + RoPE kernels for RoPE scale `scale` and TVM's rope_scaling dict `scaling`."""
+    ours = int8_split_rotary(SHAPE, ROPE_THETA, scale, scaling)
+    theirs = llama_rope_with_position_map(ROPE_THETA, scale, D, H_QO, H_KV, "float32", scaling)
+    return tuple(tvm.tirx.build(tvm.IRModule({"main": f}), target=RUN)["main"] for f in (ours, theirs))
+
+
+@pytest.mark.parametrize("scale,scaling", [(1.0, LLAMA3), (0.25, {})], ids=["llama3", "linear"])
+def test_split_rotary_applies_rope_scaling_as_tvm_does(scale, scaling):
+    """Llama 3's scaled frequencies, and linear scaling (positions times rope_scale), as TVM's split kernel
+    applies them: the same q, and k quantized from the same rotated values; negative control: plain RoPE's q
+    differs."""
+    ours, theirs = _split_pair(scale, scaling)
+    n = 40
+    qkv = np.random.default_rng(5).standard_normal((n, H_QO + 2 * H_KV, D)).astype("float32")
+    pos = (np.arange(n) * 5 + 3).astype("int32")
+    q = tvm.runtime.empty((n, HQ_DECL, CELL), "float32")
+    k = tvm.runtime.tensor(np.zeros((n, HKV_DECL, CELL), "float32"))
+    v = tvm.runtime.tensor(np.zeros((n, HKV_DECL, CELL), "float32"))
+    ours(tvm.runtime.tensor(qkv.reshape(n, CARRIER.fused_rows, CELL)), tvm.runtime.tensor(pos), q, k, v, 1)
+    tvm_q, tvm_k = (tvm.runtime.empty((n, h, D), "float32") for h in (H_QO, H_KV))
+    theirs(tvm.runtime.tensor(qkv), tvm.runtime.tensor(pos), tvm_q, tvm_k, tvm.runtime.empty((n, H_KV, D), "float32"),
+           1)
+    np.testing.assert_allclose(from_q_carrier(q.numpy()), tvm_q.numpy(), rtol=1e-5, atol=1e-5)
+    ref_car, _ = pack_rows(tvm_k.numpy())
+    codes = k.numpy().view("int8").reshape(n, HKV_DECL, D)[:, :H_KV]
+    assert np.abs(codes.astype(int) - ref_car.view("int8").reshape(n, HKV_DECL, D)[:, :H_KV]).max() <= 1
+    np.testing.assert_allclose(k.numpy()[:, H_KV:], ref_car[:, H_KV:], rtol=1e-5)  # the scales
+    plain_q = tvm.runtime.empty((n, HQ_DECL, CELL), "float32")
+    _build("split")(tvm.runtime.tensor(qkv.reshape(n, CARRIER.fused_rows, CELL)), tvm.runtime.tensor(pos), plain_q,
+                    k, v, 1)
+    assert np.abs(from_q_carrier(plain_q.numpy()) - tvm_q.numpy()).max() > 0.1
+
+
 def test_merge_state_merges_the_real_heads():
     rng = np.random.default_rng(4)
     n = 5
@@ -283,6 +318,31 @@ def test_pass_replaces_all_five_kernels_of_an_int8_cache(tiny_int8_module):
     assert swapped[SPLIT_ROTARY_SYMBOL].same_as(f32[SPLIT_ROTARY_SYMBOL])
     assert swapped[MERGE_SYMBOL].same_as(f32[MERGE_SYMBOL])
     assert not swapped[DECODE_SYMBOL].same_as(f32[DECODE_SYMBOL])
+
+
+def test_pass_gives_an_int8_cache_the_models_rope_scaling(tmp_path):
+    """A Llama 3.x model's int8 cache: the split + RoPE kernel (and the others) get its RoPE scaling, recorded by
+    the importer (ROPE_ATTR); negative control: the plain kernel differs."""
+    from compiler.importer import import_model, open_model
+    from compiler.quantization.schemes import get_scheme
+    from compiler.targets import load_target
+    from tests.helpers.tiny_models import LLAMA3_ROPE, build_model, save_compilable_checkpoint
+
+    save_compilable_checkpoint(build_model("llama3_rope"), tmp_path / "hf")
+    with open_model(str(tmp_path / "hf")) as ckpt:
+        mod = import_model(ckpt, get_scheme("q0f32"), load_target("host"), 64, kv_dtype="int8").mod
+    scaling = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    swapped = ReplaceCPUAttention(8)(mod)
+    shape = AttentionShape(2, 4, 16, "int8", PAGE)
+    theta = float(mod.attrs[KV_FORMAT_ATTR]["rope_theta"])
+    for symbol, build in ((DECODE_SYMBOL, lambda s: attention_decode(shape, 8, s)),
+                          (RAGGED_SYMBOL, lambda s: attention_prefill_ragged(shape, 8, s)),
+                          (PAGED_PREFILL_SYMBOL, lambda s: attention_prefill_paged(shape, 8, s)),
+                          (SPLIT_ROTARY_SYMBOL, lambda s: int8_split_rotary(shape, theta, 1.0, s))):
+        attrs = {**dict(mod[symbol].attrs), "tirx.noalias": True}
+        tvm.ir.assert_structural_equal(swapped[symbol], build(scaling).with_attrs(attrs))
+    with pytest.raises(ValueError):
+        tvm.ir.assert_structural_equal(swapped[SPLIT_ROTARY_SYMBOL], int8_split_rotary(shape, theta).with_attrs(attrs))
 
 
 def test_pass_refuses_an_int8_geometry_the_kernels_do_not_take(tiny_int8_module):

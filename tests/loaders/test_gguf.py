@@ -23,7 +23,8 @@ from compiler.loaders import open_checkpoint
 from compiler.loaders.default_model import default_model_path
 from compiler.loaders.gguf_file import GGUFFile, GGUFFormatError
 from tests.helpers.assertions import assert_mobilec_error
-from tests.helpers.tiny_models import SPECS, llama_cpp_permute
+from tests.helpers import tiny_models
+from tests.helpers.tiny_models import ARCHITECTURE_SPECS, SPECS, llama3_rope_freqs, llama_cpp_permute, write_gguf
 
 CONFIG_KEYS = (
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -39,7 +40,7 @@ def _dequantize_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, int]) 
 # --- tiny models: GGUF written like llama.cpp's converter vs the same weights in safetensors ---
 
 
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("name", list(SPECS) + list(ARCHITECTURE_SPECS))
 def test_tiny_gguf_equals_safetensors(tiny, name):
     with open_checkpoint(tiny.path(name, "safetensors")) as hf, open_checkpoint(tiny.path(name, "gguf")) as gg:
         assert sorted(gg.tensor_names()) == sorted(hf.tensor_names())
@@ -80,6 +81,60 @@ def test_tiny_blocks_dequantize_to_get(tiny, name):
             assert type_name == "F32" and raw.dtype == np.uint8 and raw.shape == (shape[0], shape[1] * 4)
             expected = ckpt.get(tensor)
             np.testing.assert_array_equal(_dequantize_blocks(type_name, raw, shape).reshape(expected.shape), expected)
+
+
+# --- RoPE scaling in GGUF files: Llama 3's as llama.cpp's rope_freqs tensor, linear as metadata ---
+
+
+def _inv_freq(rope_parameters: dict, head_dim: int = 16) -> np.ndarray:
+    """transformers' Llama inverse frequencies for these rope_parameters."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, rope_parameters=rope_parameters)
+    return LlamaRotaryEmbedding(config).inv_freq.numpy()
+
+
+def test_llama3_rope_freqs_are_read_as_the_scaling_they_encode(tiny):
+    """A Llama 3.1-style GGUF (rope_freqs, no scaling metadata): the loader's rope_scaling gives transformers'
+    Llama 3 frequencies of the original config (its parameters need not be the original ones: with one smoothed
+    pair, as here, many give the same frequencies); the tensor is not a weight."""
+    original = tiny.model("llama3_rope").config.rope_parameters
+    with open_checkpoint(tiny.path("llama3_rope", "gguf")) as gg:
+        scaling = gg.hf_config["rope_scaling"]
+        assert "rope_freqs.weight" not in gg.tensor_names()
+    assert scaling["rope_type"] == "llama3" and scaling["factor"] == 8.0
+    np.testing.assert_allclose(_inv_freq({**scaling, "rope_theta": original["rope_theta"]}), _inv_freq(original),
+                               rtol=1e-6)
+    # negative control: the frequencies are scaled
+    assert np.abs(_inv_freq({"rope_type": "default", "rope_theta": original["rope_theta"]})
+                  / _inv_freq(original) - 1).max() > 1
+
+
+@pytest.mark.parametrize("theta,dims,factor,original", [
+    (500000.0, 128, 8.0, 8192),  # Llama 3.1 8B / 70B
+    (500000.0, 64, 32.0, 8192),  # Llama 3.2 1B
+    (500000.0, 128, 32.0, 8192),  # Llama 3.2 3B
+])
+def test_llama3_parameters_come_back_from_real_sized_rope_freqs(theta, dims, factor, original):
+    from compiler.loaders.gguf import llama3_from_rope_freqs
+
+    rope = {"rope_theta": theta, "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": original}
+    got = llama3_from_rope_freqs(llama3_rope_freqs(rope, dims).astype(np.float64), theta, dims)
+    assert got == {"rope_type": "llama3", **{k: v for k, v in rope.items() if k != "rope_theta"}}
+
+
+def test_rope_freqs_that_are_not_llama3_are_refused(tmp_path, monkeypatch):
+    bumpy = np.array([1, 3, 1.5, 8, 2, 8, 8, 8], np.float32)  # not monotonic in the frequency: no Llama 3 scaling
+    monkeypatch.setattr(tiny_models, "llama3_rope_freqs", lambda rope, head_dim: bumpy)
+    path = write_gguf(tiny_models.build_model("llama3_rope"), tmp_path / "bumpy.gguf")
+    assert_mobilec_error(lambda: open_checkpoint(path), "bumpy.gguf", "rope_freqs does not follow Llama 3")
+
+
+def test_linear_rope_scaling_metadata_is_read(tiny):
+    with open_checkpoint(tiny.path("llama_linear_rope", "gguf")) as gg:
+        assert gg.hf_config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
 
 
 # --- SmolLM2-135M-Instruct Q4_1 GGUF ---

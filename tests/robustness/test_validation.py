@@ -193,10 +193,23 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 
 
 @pytest.mark.parametrize("change, needle", [
-    ({"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 500000.0}}, "rope_parameters asks for RoPE scaling 'llama3'"),
-    ({"rope_scaling": LLAMA3_ROPE, "rope_parameters": None}, "rope_scaling asks for RoPE scaling 'llama3'"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}, "rope_parameters": None}, "RoPE scaling 'linear'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None}, "RoPE scaling 'yarn'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+      "rope_parameters": None}, "rope_scaling asks for RoPE scaling 'yarn'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_parameters asks for RoPE "
+                                                                                   "scaling 'yarn'"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}, "rope_parameters": None}, "RoPE scaling 'dynamic'"),
+    ({"rope_scaling": {"rope_type": "longrope", "long_factor": [1.0], "short_factor": [1.0]},
+      "rope_parameters": None}, "RoPE scaling 'longrope'"),
+    ({"rope_scaling": {"rope_type": "llama4", "factor": 8.0}, "rope_parameters": None}, "RoPE scaling 'llama4'"),
+    ({"rope_scaling": "llama3", "rope_parameters": None}, "RoPE scaling 'llama3'"),  # not a dict
+    ({"rope_parameters": {**LLAMA3_ROPE, "low_freq_factor": None}}, "rope_parameters.low_freq_factor must be a "
+                                                                    "positive number, got None"),
+    ({"rope_scaling": {k: v for k, v in LLAMA3_ROPE.items() if k != "original_max_position_embeddings"},
+      "rope_parameters": None}, "rope_scaling.original_max_position_embeddings must be a positive number"),
+    ({"rope_scaling": {**LLAMA3_ROPE, "high_freq_factor": 1.0}, "rope_parameters": None},
+     "rope_scaling.high_freq_factor (1.0) must exceed low_freq_factor (1.0)"),
+    ({"rope_scaling": {"type": "linear", "factor": 0}, "rope_parameters": None},
+     "rope_scaling.factor must be a positive number, got 0"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"mlp_bias": True}, "mlp_bias"),
@@ -229,17 +242,57 @@ def test_qwen2_sliding_window_layers_are_refused():
 def test_plain_configs_are_accepted():
     cfg = LlamaConfig.from_hf(_hf_config(rope_scaling={"rope_type": "default"}, hidden_act="silu"))
     assert (cfg.head_dim, cfg.num_key_value_heads) == (16, 2)
+    assert (cfg.rope_scaling, cfg.rope_scale, cfg.tvm_rope_scaling) == (None, 1, {})
 
 
-def test_llama3_checkpoint_is_refused_by_compile_before_building(tmp_path):
-    """The issue's case: a transformers-written Llama 3.x config (rope_parameters, llama3) used to compile into a
-    model that diverged from transformers after a few tokens."""
+@pytest.mark.parametrize("change", [
+    {"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 500000.0}},  # transformers 5
+    {"rope_scaling": LLAMA3_ROPE, "rope_parameters": None, "rope_theta": 500000.0},  # transformers 4 (the Hub's)
+])
+def test_llama3_rope_scaling_is_read(change):
+    """Llama 3.1/3.2's RoPE scaling, as either transformers writes it: TVM's rope_scaling dict for the kernels."""
+    cfg = LlamaConfig.from_hf({**_hf_config(), **change})
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scale == 1
+    assert cfg.tvm_rope_scaling == cfg.rope_scaling == {**LLAMA3_ROPE, "original_max_position_embeddings": 64.0}
+
+
+def test_linear_rope_scaling_is_read():
+    """Linear scaling divides positions by its factor: TVM's rope_scale, no rope_scaling dict."""
+    for change in ({"rope_scaling": {"type": "linear", "factor": 4.0}, "rope_parameters": None},
+                   {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}}):
+        cfg = LlamaConfig.from_hf({**_hf_config(), **change})
+        assert (cfg.rope_scale, cfg.tvm_rope_scaling) == (0.25, {}), change
+
+
+def test_qwen3_config():
+    """Qwen3: q/k norms on, head_dim as stated (not hidden / heads), no biases unless attention_bias says so, and
+    Qwen2's sliding-window refusal."""
+    from compiler.models.qwen3 import Qwen3Config
+
+    base = {**_hf_config(), "model_type": "qwen3", "head_dim": 32, "attention_bias": False,
+            "use_sliding_window": False, "sliding_window": None, "max_window_layers": 28}
+    cfg = Qwen3Config.from_hf(base)
+    assert (cfg.qk_norm, cfg.head_dim, cfg.attention_bias, cfg.attention_out_bias) == (True, 32, False, False)
+    sources = cfg.param_sources()
+    assert sources["model.layers.1.self_attn.q_norm.weight"] == ["model.layers.1.self_attn.q_norm.weight"]
+    assert cfg.source_shapes()["model.layers.0.self_attn.k_norm.weight"] == (32,)
+    assert "model.layers.0.self_attn.q_norm.weight" not in LlamaConfig.from_hf(base).param_sources()
+    with pytest.raises(MobilecError, match="use_sliding_window"):
+        Qwen3Config.from_hf({**base, "use_sliding_window": True})
+
+
+def test_yarn_checkpoint_is_refused_by_compile_before_building(tmp_path):
+    """A RoPE scaling mobilec does not implement (YaRN: Qwen2.5's long-context configs) is refused in one line by
+    compile and estimate, before anything is built: compiled with plain RoPE, the model would diverge from
+    transformers after a few tokens. (Llama 3's is implemented: tests/test_architectures.py.)"""
     model = build_model("llama_gqa")
-    model.config.rope_parameters = {**LLAMA3_ROPE, "rope_theta": 50000.0}
-    ckpt = save_compilable_checkpoint(model, tmp_path / "llama3")
-    assert json.loads((ckpt / "config.json").read_text())["rope_parameters"]["rope_type"] == "llama3"
+    ckpt = save_compilable_checkpoint(model, tmp_path / "yarn")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                 "rope_theta": 50000.0}
+    (ckpt / "config.json").write_text(json.dumps(config))
     started = time.monotonic()
     one_line_error(run_cli(["compile", "--model", ckpt, "--quant", "q0f32", "--context-window", CONTEXT,
-                            "-o", tmp_path / "out"]), "rope_parameters", "llama3")
+                            "-o", tmp_path / "out"]), "rope_parameters", "yarn")
     assert time.monotonic() - started < 30 and not (tmp_path / "out").exists()
-    one_line_error(run_cli(["estimate", "--model", ckpt]), "llama3")
+    one_line_error(run_cli(["estimate", "--model", ckpt]), "yarn")

@@ -93,9 +93,9 @@ def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_win
         return ImportedModel(family, cfg, None, list(model.named_parameters()), sources, plan, dtype, calibration)
     with spec.model_target():
         mod, params = model.export_tvm(spec=model.get_default_spec())
-    if cfg.int8_carrier is not None:  # the kernels that read the packed cells need the real geometry
+    if cfg.kv_carrier is not None:  # the kernels that read the packed cells need the real geometry
         mod = mod.with_attr(kv_cache_dtype.KV_FORMAT_ATTR,
-                            {**cfg.int8_carrier.module_attr(), "rope_theta": cfg.rope_theta})
+                            {**cfg.kv_carrier.module_attr(), "rope_theta": cfg.rope_theta})
     return ImportedModel(family, cfg, mod, params, sources, plan, dtype, calibration)
 
 

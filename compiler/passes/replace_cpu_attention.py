@@ -8,10 +8,11 @@ The kernel is recognised by its global symbol, and its shape (heads, head_dim, p
 its parameters. The pipeline runs it for LLVM CPU targets only (GPU targets keep TVM's GPU kernels); it leaves
 the sliding-window variants and any shape the vectorized kernel does not take.
 
-An int8 KV cache (kv_cache_dtype.Int8Carrier) is declared to TVM as a float32 cache of another geometry, whose
-cells TVM's kernels would read as floats: the importer records the real geometry as the module attr
-KV_FORMAT_ATTR, and then all five kernels that read or write the packed cells (split + RoPE, decode, ragged and
-paged prefill, merge of states) are replaced, by our int8 variants built from that geometry, or the build fails.
+A quantized KV cache (int8, int4: kv_cache_dtype.Carrier) is declared to TVM as a float32 cache of another
+geometry, whose cells TVM's kernels would read as floats: the importer records the real geometry and format as the
+module attr KV_FORMAT_ATTR, and then all five kernels that read or write the packed cells (split + RoPE, decode,
+ragged and paged prefill, merge of states) are replaced, by our variants built from that geometry, or the build
+fails.
 TVM's copy kernels (transpose_append, copy_single_page, compact_kv_copy, debug_get_kv) move whole cells and stay.
 """
 
@@ -31,10 +32,10 @@ from ..kernels.cpu_attention import (
     attention_decode,
     attention_prefill_paged,
     attention_prefill_ragged,
-    int8_merge_state,
-    int8_split_rotary,
+    carrier_merge_state,
+    quantized_split_rotary,
 )
-from ..kv_cache_dtype import INT8, KV_FORMAT_ATTR
+from ..kv_cache_dtype import CODE_FORMATS, KV_FORMAT_ATTR
 
 
 def _global_symbol(func) -> str | None:
@@ -92,7 +93,7 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         kv_format = mod.attrs.get(KV_FORMAT_ATTR) if mod.attrs is not None else None
-        replaced = self._int8(mod, kv_format) if kv_format is not None else self._float(mod)
+        replaced = self._quantized(mod, kv_format) if kv_format is not None else self._float(mod)
         if not replaced:
             return mod
         mod = mod.clone()
@@ -113,18 +114,19 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
             replaced[gv] = build(shape, self.lanes).with_attrs({**dict(func.attrs), "tirx.noalias": True})
         return replaced
 
-    def _int8(self, mod: tvm.IRModule, kv_format) -> dict:
-        """The five kernels of an int8 cache, for the real geometry in `kv_format` (Int8Carrier.module_attr); TVM's
+    def _quantized(self, mod: tvm.IRModule, kv_format) -> dict:
+        """The five kernels of a quantized cache, for the real geometry in `kv_format` (Carrier.module_attr); TVM's
         would misread the carrier, so a kernel missing or a geometry the vectorized kernels do not take fails."""
         funcs = {_global_symbol(func): (gv, func) for gv, func in mod.functions_items()}
-        if str(kv_format["format"]) != INT8 or DECODE_SYMBOL not in funcs:
-            raise MobilecError(f"{KV_FORMAT_ATTR} {dict(kv_format)}: not an int8 cache with TVM's CPU kernels")
+        name = str(kv_format["format"])
+        if name not in CODE_FORMATS or DECODE_SYMBOL not in funcs:
+            raise MobilecError(f"{KV_FORMAT_ATTR} {dict(kv_format)}: not a quantized cache with TVM's CPU kernels")
         page_size = int(funcs[DECODE_SYMBOL][1].params[1].shape[3])
         shape = AttentionShape(num_kv_heads=int(kv_format["kv_heads"]), num_qo_heads=int(kv_format["heads"]),
-                               head_dim=int(kv_format["head_dim"]), dtype=INT8, page_size=page_size)
+                               head_dim=int(kv_format["head_dim"]), dtype=name, page_size=page_size)
         if not shape.supported(self.lanes):
-            raise MobilecError(f"--kv-dtype int8: {shape.num_qo_heads} query heads, {shape.num_kv_heads} KV heads of "
-                               f"head_dim {shape.head_dim} are not taken by the {self.lanes}-lane CPU kernels")
+            raise MobilecError(f"--kv-dtype {name}: {shape.num_qo_heads} query heads, {shape.num_kv_heads} KV heads "
+                               f"of head_dim {shape.head_dim} are not taken by the {self.lanes}-lane CPU kernels")
         declared = decode_shape(funcs[DECODE_SYMBOL][1])
         assert declared is not None and (declared.num_qo_heads, declared.num_kv_heads, declared.head_dim,
                                          declared.dtype) == (*shape.declared, "float32"), (declared, shape)
@@ -132,11 +134,11 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
             DECODE_SYMBOL: lambda: attention_decode(shape, self.lanes),
             RAGGED_SYMBOL: lambda: attention_prefill_ragged(shape, self.lanes),
             PAGED_PREFILL_SYMBOL: lambda: attention_prefill_paged(shape, self.lanes),
-            SPLIT_ROTARY_SYMBOL: lambda: int8_split_rotary(shape, float(kv_format["rope_theta"])),
-            MERGE_SYMBOL: lambda: int8_merge_state(shape),
+            SPLIT_ROTARY_SYMBOL: lambda: quantized_split_rotary(shape, float(kv_format["rope_theta"])),
+            MERGE_SYMBOL: lambda: carrier_merge_state(shape),
         }
         missing = [symbol for symbol in builds if symbol not in funcs]
         if missing:
-            raise MobilecError(f"--kv-dtype int8: the module lacks TVM's kernels {missing} to replace")
+            raise MobilecError(f"--kv-dtype {name}: the module lacks TVM's kernels {missing} to replace")
         return {funcs[symbol][0]: build().with_attrs({**dict(funcs[symbol][1].attrs), "tirx.noalias": True})
                 for symbol, build in builds.items()}

@@ -14,6 +14,7 @@ swapped in by passes/replace_cpu_attention.py).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING
 
 import tvm
@@ -33,23 +34,27 @@ AUTO = "f16"  # llama.cpp's default too: half the bytes of float32, within 0.001
 @dataclasses.dataclass(frozen=True)
 class CodeFormat:
     """How a quantized cache stores one token's K or V row of one KV head: head_dim codes of `bits` bits (32 // bits
-    to a float32 cell of the carrier) and `params` float32 values that dequantize them: x ~ code * scale (+ min)."""
+    to a float32 cell of the carrier) and, per group of `group` channels (None: the whole row), `params` float32
+    values that dequantize them: x ~ code * scale (+ min)."""
 
     name: str
     bits: int
-    params: int  # per row: the scale, then (asymmetric formats) the min
+    params: int  # per group: the scale, then (asymmetric formats) the min
+    group: int | None = None
 
     @property
     def codes_per_cell(self) -> int:
         return 32 // self.bits
 
 
-# int8: symmetric, scale = max|x| / 127, code = round(x / scale) in [-127, 127].
-# int4: asymmetric, scale = (max - min) / 15, code = round((x - min) / scale) in [0, 15], two codes a byte (code
-# 2j in the low nibble of byte j, 2j + 1 in the high one). Scale and min are float32: at SmolLM2's geometry the 6
-# values of its 3 KV heads fill one 8-float parameter row, which float16 values would occupy just as whole (the row
-# is allocated entire), and a float32 min adds no rounding of its own to every value of the row.
-CODE_FORMATS = {"int8": CodeFormat("int8", 8, 1), "int4": CodeFormat("int4", 4, 2)}
+# int8: symmetric per row, scale = max|x| / 127, code = round(x / scale) in [-127, 127].
+# int4: asymmetric per group of 32 channels, scale = (max - min) / 15, code = round((x - min) / scale) in [0, 15],
+# two codes a byte (code 2j in the low nibble of byte j, 2j + 1 in the high one). One scale and min per row (64
+# channels) cost SmolLM2 +20.5% perplexity, per 32 channels +GROUP_PPL (README). Scale and min are float32: no
+# rounding of their own (a min's error would shift every value of its group), at the cost of one more 8-float
+# parameter row per token than float16 values would take at SmolLM2's geometry (320 bytes a token and layer
+# instead of 256).
+CODE_FORMATS = {"int8": CodeFormat("int8", 8, 1), "int4": CodeFormat("int4", 4, 2, group=32)}
 
 
 def check_name(name: str, what: str = "--kv-dtype") -> str:
@@ -102,8 +107,18 @@ class Carrier:
         return self.head_dim // self.format.codes_per_cell
 
     @property
+    def group(self) -> int:
+        """Channels per set of parameters: the format's group, or the largest power of two dividing both it and
+        head_dim (head_dim 16, 48: 16), or the whole row."""
+        return self.head_dim if self.format.group is None else math.gcd(self.format.group, self.head_dim)
+
+    @property
+    def row_params(self) -> int:
+        return self.format.params * (self.head_dim // self.group)
+
+    @property
     def param_rows(self) -> int:
-        return -(-self.kv_heads * self.format.params // self.cell)
+        return -(-self.kv_heads * self.row_params // self.cell)
 
     @property
     def declared_kv_heads(self) -> int:
@@ -122,9 +137,10 @@ class Carrier:
     def declared_heads(self) -> int:
         return self.fused_rows - 2 * self.declared_kv_heads
 
-    def param_position(self, h, i):
-        """(declared head, cell) of parameter i (0: scale, 1: min) of KV head h's row (h: an int or a TIR index)."""
-        index = h * self.format.params + i
+    def param_position(self, h, group, i):
+        """(declared head, cell) of parameter i (0: scale, 1: min) of channel group `group` of KV head h's row (h,
+        group: ints or TIR indices)."""
+        index = h * self.row_params + group * self.format.params + i
         return self.kv_heads + index // self.cell, index % self.cell
 
     def module_attr(self) -> dict[str, object]:

@@ -171,8 +171,8 @@ def test_estimate_counts_kv_bytes_by_dtype(tiny_hf):
     assert int4.kv_dtype == "int4" and int4.kv_cache_bytes * 256 == f32.kv_cache_bytes * (2 * 4 * 2 * 4)
     assert int4.bytes_per_token < int8.bytes_per_token < f16.bytes_per_token
     # SmolLM2 (3 KV heads of 64), K and V of a token in a layer: f16 768 bytes; int8 3 code rows + 1 scale row of
-    # 16 floats; int4 3 code rows + 1 row of 8 floats for the 3 scales and 3 mins
-    assert [bytes_per_token_layer(dtype, 3, 64) for dtype in ("float16", "int8", "int4")] == [768, 512, 256]
+    # 16 floats; int4 3 code rows + 2 rows of 8 floats for the 6 scales and 6 mins (groups of 32 channels)
+    assert [bytes_per_token_layer(dtype, 3, 64) for dtype in ("float16", "int8", "int4")] == [768, 512, 320]
 
 
 @pytest.mark.parametrize("kv_dtype", ["f16", "f32"])
@@ -249,7 +249,7 @@ def _int8_round_trip(x):
     return torch.round(x * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))) * (amax / 127)
 
 
-def _int4_round_trip(x):
+def _int4_round_trip(x):  # per row: the tiny model's head_dim 16 is one group of int4 channels
     lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
     inv = torch.where(hi > lo, 15 / (hi - lo), torch.zeros_like(hi))
     return torch.clamp(torch.round((x - lo) * inv), max=15) * ((hi - lo) / 15) + lo

@@ -111,10 +111,11 @@ class AttentionShape:
         return carrier_for(self.dtype, self.num_qo_heads, self.num_kv_heads, self.head_dim)
 
     @property
-    def asymmetric(self) -> bool:
-        """Rows dequantized as code * scale + min (int4), not code * scale (int8)."""
+    def factored(self) -> bool:
+        """A row's one scale multiplies sums over its codes (int8: a score, a V weight) rather than each code: the
+        same product, D times fewer multiplications. int4 rows (a scale and a min per group) dequantize on load."""
         c = self.carrier
-        return c is not None and c.format.params == 2
+        return c is not None and c.format.params == 1 and c.group == self.head_dim
 
     @property
     def float_dtype(self) -> str:
@@ -139,29 +140,32 @@ class AttentionShape:
             return self.num_qo_heads, self.num_kv_heads, self.head_dim
         return c.declared_heads, c.declared_kv_heads, c.cell
 
-    def codes(self, load, c: int, lanes: int):
-        """Values [c * lanes, (c + 1) * lanes) of a K/V row as float32 (a quantized cache's codes, not dequantized),
-        `load(index)` reading the row of the code view at a ramp index. int4: lanes / 2 bytes, code 2j in byte j's
-        low nibble and 2j + 1 in its high one, interleaved back."""
+    def values(self, load, param, c: int, lanes: int):
+        """Values [c * lanes, (c + 1) * lanes) of a K/V row as float32, `load(index)` reading the row of the code
+        view at a ramp index and `param(group, i)` the row's parameters: a float cache's as loaded, int8 codes as
+        they are (factored: the scale applies to sums), int4 codes dequantized with their group's scale and min
+        (lanes / 2 bytes, code 2j in byte j's low nibble and 2j + 1 in its high one, interleaved back)."""
         if self.dtype != "int4":
             return _f32(load(T.ramp(c * lanes, 1, lanes)), self.dtype, lanes)
         half = lanes // 2
         raw = load(T.ramp(c * half, 1, half))
         low = T.bitwise_and(raw, T.broadcast(T.uint8(15), half))
         high = T.shift_right(raw, T.broadcast(T.uint8(4), half))
-        return T.Cast(_vec("float32", lanes), T.Shuffle([low, high], [j // 2 + j % 2 * half for j in range(lanes)]))
+        codes = T.Cast(_vec("float32", lanes), T.Shuffle([low, high], [j // 2 + j % 2 * half for j in range(lanes)]))
+        group = c * lanes // self.carrier.group
+        return codes * _bcast(param(group, 0), lanes) + _bcast(param(group, 1), lanes)
 
-    def param(self, load, h, i: int):
-        """Parameter i (0: scale, 1: min) of KV head h's row, `load(declared head, cell)` reading the declared
-        float32 buffer at the row's position."""
-        return load(*self.carrier.param_position(h, i))
+    def param(self, load, h, group, i: int):
+        """Parameter i (0: scale, 1: min) of channel group `group` of KV head h's row, `load(declared head, cell)`
+        reading the declared float32 buffer at its position."""
+        return load(*self.carrier.param_position(h, group, i))
 
     def supported(self, lanes: int) -> bool:
         c = self.carrier
         return (self.num_qo_heads % self.num_kv_heads == 0 and self.head_dim % lanes == 0
                 and self.head_dim % 2 == 0 and self.page_size % lanes == 0
                 and (self.dtype in ("float32", "float16") or c is not None
-                     and self.head_dim % c.format.codes_per_cell == 0 and lanes % 2 == 0))
+                     and self.head_dim % c.format.codes_per_cell == 0 and c.group % lanes == 0))
 
 
 def _vec(dtype: str, lanes: int) -> str:
@@ -224,17 +228,10 @@ def _sum(terms):
     return functools.reduce(lambda a, b: a + b, terms)
 
 
-def _sum_chunks(chunk, chunks: int):
-    """chunk(0) + ... + chunk(chunks - 1): the partial sums of a row's values, a vector."""
-    return _sum([chunk(c) for c in range(chunks)])
-
-
-def _dequantized_dot(shape: AttentionShape, dot, param, q_total):
-    """q . k from `dot` = q . (K row as loaded): for a quantized cache times the row's scale, plus (int4) its min
-    times sum(q); a float cache's as it is. `param(i)`: the row's parameter i; `q_total()`: sum(q)."""
-    if shape.carrier is None:
-        return dot
-    return dot * param(0) + param(1) * q_total() if shape.asymmetric else dot * param(0)
+def _score(shape: AttentionShape, dot, param):
+    """q . k from `dot` = q . (K row as loaded, AttentionShape.values): times the row's scale where it is factored
+    out (int8); `param(group, i)`: the row's parameters."""
+    return dot * param(0, 0) if shape.factored else dot
 
 
 def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, Any] | None = None,
@@ -245,21 +242,22 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
     dtype, fdtype, VL, CH, MIN_TASKS = shape.dtype, shape.float_dtype, lanes, chunk_pages, MIN_DECODE_TASKS
     H_qo_decl, H_kv_decl, D_decl = shape.declared
     DC, PC, ROW = D // VL, P // VL, shape.code_row  # vectors per head row, per page of scores; code row elements
-    scaled, asymmetric, inline_rope = shape.carrier is not None, shape.asymmetric, shape.carrier is None
+    factored, inline_rope = shape.factored, shape.carrier is None
     assert shape.supported(VL), shape
 
     def vec(base):
         return T.ramp(base, 1, VL)
 
-    def page_k(pages, page, h, r):
-        return lambda c: shape.codes(lambda index: pages[page, 0, h, r, index], c, VL)
-
-    def page_v(pages, page, h, r, c):
-        return shape.codes(lambda index: pages[page, 1, h, r, index], c, VL)
-
     def page_param(pages_f, page, kv, h, r):
-        """i -> parameter i of the K (kv 0) or V (kv 1) row r of the page for KV head h."""
-        return lambda i: shape.param(lambda row, cell: pages_f[page, kv, row, r, cell], h, i)
+        """(group, i) -> parameter i of a group of the K (kv 0) or V (kv 1) row r of the page for KV head h."""
+        return lambda group, i: shape.param(lambda row, cell: pages_f[page, kv, row, r, cell], h, group, i)
+
+    def page_k(pages, pages_f, page, h, r):
+        return lambda c: shape.values(lambda index: pages[page, 0, h, r, index], page_param(pages_f, page, 0, h, r),
+                                      c, VL)
+
+    def page_v(pages, pages_f, page, h, r, c):
+        return shape.values(lambda index: pages[page, 1, h, r, index], page_param(pages_f, page, 1, h, r), c, VL)
 
     def dot_terms(q_chunk, k_chunk):
         """sum_c q[chunk c] * k[chunk c]: VL partial sums of one score."""
@@ -288,12 +286,6 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
         first: T.let[T.int32] = task % n_chunks * per_chunk
         count: T.let[T.int32] = T.max(T.min(num_pages - first, per_chunk), 0)
         q_scale[0] = sm_scale * T.float32(LOG2E)
-        if asymmetric:
-            q_sum = T.alloc_buffer((H_qo,), "float32")  # sum(q) per query head: times a K row's min
-            v_min_sum = T.alloc_buffer((G,), "float32")  # sum of p * min over a page's V rows, per query head
-            for hq in range(H_qo):
-                part[vec(0)] = _sum_chunks(q_chunk(Q, b, hq, q_scale), DC)
-                q_sum[hq] = _hsum(part, 0, VL)
         for hq in range(H_qo):
             part_max[task * H_qo + hq] = T.float32(NO_SCORE)
             part_sum[task * H_qo + hq] = T.float32(0)
@@ -335,10 +327,10 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
                 else:
                     for r in range(rows):
                         for g in T.unroll(G):
-                            part[vec(0)] = dot_terms(q_chunk(Q, b, h * G + g, q_scale), page_k(pages, page, h, r))
-                            scores[(h * G + g) * P + r] = _dequantized_dot(
-                                shape, _hsum(part, 0, VL), page_param(pages_f, page, 0, h, r),
-                                lambda h=h, g=g: q_sum[h * G + g])
+                            part[vec(0)] = dot_terms(q_chunk(Q, b, h * G + g, q_scale),
+                                                     page_k(pages, pages_f, page, h, r))
+                            scores[(h * G + g) * P + r] = _score(shape, _hsum(part, 0, VL),
+                                                                 page_param(pages_f, page, 0, h, r))
                 for r in range(P - rows):
                     for g in T.unroll(G):
                         scores[(h * G + g) * P + rows + r] = T.float32(MASKED)
@@ -366,25 +358,15 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
                     for c in T.unroll(DC):
                         acc[vec(g * D + c * VL)] = part_acc[vec((task * H_qo + h * G + g) * D + c * VL)] * _bcast(
                             rescale[h * G + g], VL)
-                if asymmetric:
-                    for g in T.unroll(G):
-                        v_min_sum[g] = T.float32(0)
                 for r in range(rows):
-                    if scaled:  # the V row's scale folded into its weights, its min (int4) summed apart
+                    if factored:  # the V row's scale folded into its weights
                         for g in T.unroll(G):
-                            if asymmetric:
-                                v_min_sum[g] = v_min_sum[g] + scores[(h * G + g) * P + r] * page_param(
-                                    pages_f, page, 1, h, r)(1)
                             scores[(h * G + g) * P + r] = scores[(h * G + g) * P + r] * page_param(
-                                pages_f, page, 1, h, r)(0)
+                                pages_f, page, 1, h, r)(0, 0)
                     for g in T.unroll(G):
                         for c in T.unroll(DC):
                             acc[vec(g * D + c * VL)] = (acc[vec(g * D + c * VL)] + _bcast(
-                                scores[(h * G + g) * P + r], VL) * page_v(pages, page, h, r, c))
-                if asymmetric:
-                    for g in T.unroll(G):
-                        for c in T.unroll(DC):
-                            acc[vec(g * D + c * VL)] = acc[vec(g * D + c * VL)] + _bcast(v_min_sum[g], VL)
+                                scores[(h * G + g) * P + r], VL) * page_v(pages, pages_f, page, h, r, c))
                 for g in T.unroll(G):
                     for c in T.unroll(DC):
                         part_acc[vec((task * H_qo + h * G + g) * D + c * VL)] = acc[vec(g * D + c * VL)]
@@ -448,7 +430,7 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
                 most[0] = T.max(most[0], page_table_indptr[b + 1] - page_table_indptr[b])
             per_chunk: T.let[T.int32] = T.min(CH, (most[0] + MIN_TASKS - 1) // MIN_TASKS)
             n_chunks: T.let[T.int32] = (most[0] + per_chunk - 1) // per_chunk
-            if scaled:
+            if not inline_rope:
                 assert rotary_mode == 0, ROTARY_REFUSAL
             if rotary_mode == 1:
                 # TVM's RoPE expression binds a float Let, which the parallel closure's codegen rejects
@@ -495,7 +477,7 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
     H_qo, H_kv, D, G = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.group
     dtype, fdtype, VL, P = shape.dtype, shape.float_dtype, lanes, block
     DC, PC = D // VL, P // VL
-    scaled, asymmetric = shape.carrier is not None, shape.asymmetric
+    factored = shape.factored
 
     def vec(base):
         return T.ramp(base, 1, VL)
@@ -513,16 +495,19 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
             return k[page_values[kv_begin + blk], kv, h, r, index]
         return (k if kv == 0 else v)[kv_begin + blk * P + r, h, index]
 
-    def key_chunk(k, v, page_values, kv_begin, blk, h, r, kv):
-        """c -> chunk c of key row r of block blk as float32 (AttentionShape.codes)."""
-        return lambda c: shape.codes(lambda index: key(k, v, page_values, kv_begin, blk, h, r, kv, index), c, VL)
-
     def key_param(k_f, v_f, page_values, kv_begin, blk, h, r, kv):
-        """i -> parameter i of key row r of block blk (a quantized cache), from the declared buffers."""
+        """(group, i) -> parameter i of a group of key row r of block blk (a quantized cache), from the declared
+        buffers."""
         if paged:
-            return lambda i: shape.param(lambda row, cell: k_f[page_values[kv_begin + blk], kv, row, r, cell], h, i)
-        return lambda i: shape.param(
-            lambda row, cell: (k_f if kv == 0 else v_f)[kv_begin + blk * P + r, row, cell], h, i)
+            return lambda group, i: shape.param(
+                lambda row, cell: k_f[page_values[kv_begin + blk], kv, row, r, cell], h, group, i)
+        return lambda group, i: shape.param(
+            lambda row, cell: (k_f if kv == 0 else v_f)[kv_begin + blk * P + r, row, cell], h, group, i)
+
+    def key_chunk(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, kv):
+        """c -> chunk c of key row r of block blk as float32 (AttentionShape.values)."""
+        return lambda c: shape.values(lambda index: key(k, v, page_values, kv_begin, blk, h, r, kv, index),
+                                      key_param(k_f, v_f, page_values, kv_begin, blk, h, r, kv), c, VL)
 
     @T.macro
     def query_row(t, rope, q, q_indptr, k, v, k_f, v_f, kv_indptr, page_values, length_info, q_rope_position,
@@ -553,9 +538,6 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
             causal > 0, T.max(T.min(kv_len - (q_indptr[b + 1] - q_indptr[b]) + (t - q_indptr[b]) + 1, kv_len), 0),
             kv_len)
         q_scale[0] = sm_scale * T.float32(LOG2E)
-        if asymmetric:
-            q_sum = T.alloc_buffer((G,), "float32")  # sum(q) per query head of a KV head: times a K row's min
-            v_min_sum = T.alloc_buffer((G,), "float32")  # sum of p * min over a block's V rows, per query head
         if rope:
             q_raw = T.alloc_buffer((H_qo, D), dtype)
             q_rot = T.alloc_buffer((H_qo * D,), "float32")
@@ -576,9 +558,6 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
                 run_sum[g] = T.float32(0)
                 for c in T.unroll(DC):
                     acc[vec(g * D + c * VL)] = _bcast(0.0, VL)
-                if asymmetric:
-                    part[vec(0)] = _sum_chunks(q_chunk(q, t, h * G + g, q_scale), DC)
-                    q_sum[g] = _hsum(part, 0, VL)
             for blk in range((visible + P - 1) // P):
                 rows: T.let[T.int32] = T.min(visible - blk * P, P)
                 if rope:
@@ -597,10 +576,9 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
                     for r in range(rows):
                         for g in T.unroll(G):
                             part[vec(0)] = dot_terms(q_chunk(q, t, h * G + g, q_scale),
-                                                     key_chunk(k, v, page_values, kv_begin, blk, h, r, 0))
-                            scores[g * P + r] = _dequantized_dot(
-                                shape, _hsum(part, 0, VL), key_param(k_f, v_f, page_values, kv_begin, blk, h, r, 0),
-                                lambda g=g: q_sum[g])
+                                                     key_chunk(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, 0))
+                            scores[g * P + r] = _score(shape, _hsum(part, 0, VL),
+                                                       key_param(k_f, v_f, page_values, kv_begin, blk, h, r, 0))
                 for r in range(P - rows):
                     for g in T.unroll(G):
                         scores[g * P + rows + r] = T.float32(MASKED)
@@ -621,25 +599,15 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
                     run_max[g] = new_max[0]
                     for c in T.unroll(DC):
                         acc[vec(g * D + c * VL)] = acc[vec(g * D + c * VL)] * _bcast(rescale[0], VL)
-                if asymmetric:
-                    for g in T.unroll(G):
-                        v_min_sum[g] = T.float32(0)
                 for r in range(rows):
-                    if scaled:  # the V row's scale folded into its weights, its min (int4) summed apart
+                    if factored:  # the V row's scale folded into its weights
                         for g in T.unroll(G):
-                            if asymmetric:
-                                v_min_sum[g] = v_min_sum[g] + scores[g * P + r] * key_param(
-                                    k_f, v_f, page_values, kv_begin, blk, h, r, 1)(1)
                             scores[g * P + r] = scores[g * P + r] * key_param(k_f, v_f, page_values, kv_begin, blk,
-                                                                              h, r, 1)(0)
+                                                                              h, r, 1)(0, 0)
                     for g in T.unroll(G):
                         for c in T.unroll(DC):
                             acc[vec(g * D + c * VL)] = acc[vec(g * D + c * VL)] + _bcast(scores[g * P + r], VL) * (
-                                key_chunk(k, v, page_values, kv_begin, blk, h, r, 1)(c))
-                if asymmetric:
-                    for g in T.unroll(G):
-                        for c in T.unroll(DC):
-                            acc[vec(g * D + c * VL)] = acc[vec(g * D + c * VL)] + _bcast(v_min_sum[g], VL)
+                                key_chunk(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, 1)(c))
             for g in T.unroll(G):
                 for c in T.unroll(DC):
                     output[t, h * G + g, vec(c * VL)] = T.Cast(_vec(fdtype, VL), acc[vec(g * D + c * VL)] * _bcast(
@@ -655,7 +623,7 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, rope_scaling: di
     """Self-attention among the new tokens of a prefill: TVM's `batch_prefill_ragged_kv` signature (its CPU
     variant, `_attention_prefill_ragged_cpu`), head_dim the same for q/k and v. One parallel task per query row
     (_prefill_row_macro), keys in blocks of `block` rows; shape.page_size is not used."""
-    H_qo, D, dtype, fdtype = shape.num_qo_heads, shape.head_dim, shape.dtype, shape.float_dtype
+    H_qo, D, fdtype = shape.num_qo_heads, shape.head_dim, shape.float_dtype
     H_qo_decl, H_kv_decl, D_decl = shape.declared
     inline_rope = shape.carrier is None
     assert shape.supported(lanes) and block % lanes == 0, shape
@@ -728,7 +696,7 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, rope_scaling: dic
     """New tokens against the KV cache's pages (a prefill after earlier tokens, or a chunked one): TVM's
     `batch_prefill_paged_kv_cpu` signature (no sliding window). One parallel task per query row
     (_prefill_row_macro), one block per page."""
-    H_qo, D, P, dtype, fdtype = shape.num_qo_heads, shape.head_dim, shape.page_size, shape.dtype, shape.float_dtype
+    H_qo, D, P, fdtype = shape.num_qo_heads, shape.head_dim, shape.page_size, shape.float_dtype
     H_qo_decl, H_kv_decl, D_decl = shape.declared
     inline_rope = shape.carrier is None
     assert shape.supported(lanes), shape
@@ -808,20 +776,20 @@ def quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale:
     (rotate-half, freq = position * rope_scale / theta^(2i / head_dim), when apply_rope > 0), writes q to the start
     of its declared rows and quantizes k (after RoPE) and v per token and KV head in the cache's format
     (kv_cache_dtype.CODE_FORMATS), the codes into the head's row and the parameters into their cells: int8 scale =
-    max|x| / 127, codes round(x / scale); int4 scale = (max - min) / 15 and min, codes round((x - min) / scale),
-    two to a byte. One parallel task per token; cos and sin go through buffers (a float Let inside a parallel loop
+    max|x| / 127, codes round(x / scale); int4 per group of channels scale = (max - min) / 15 and min, codes
+    round((x - min) / scale), two to a byte. One parallel task per token; cos and sin go through buffers (a float Let inside a parallel loop
     breaks the CPU codegen)."""
     c = shape.carrier
     assert c is not None, shape
     H_qo, H_kv, D = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim
     H_qo_decl, H_kv_decl, D_decl = shape.declared
-    HALF = D // 2
+    HALF, GS = D // 2, c.group
 
-    def param_row(h, i):
-        return c.param_position(h, i)[0]
+    def param_row(h, group, i):
+        return c.param_position(h, group, i)[0]
 
-    def param_cell(h, i):
-        return c.param_position(h, i)[1]
+    def param_cell(h, group, i):
+        return c.param_position(h, group, i)[1]
 
     def nibble(x, stat):
         """The int4 code of x, stat[0] the row's min and stat[1] 15 / (max - min)."""
@@ -832,24 +800,26 @@ def quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale:
         stat[0] = T.float32(0)
         for d in range(D):
             stat[0] = T.max(stat[0], T.fabs(row[d]))
-        params[s, param_row(h, 0), param_cell(h, 0)] = stat[0] / T.float32(127)
+        params[s, param_row(h, 0, 0), param_cell(h, 0, 0)] = stat[0] / T.float32(127)
         stat[0] = T.if_then_else(stat[0] > T.float32(0), T.float32(127) / stat[0], T.float32(0))
         for d in range(D):
             codes[s, h, d] = T.Cast("int8", T.round(row[d] * stat[0]))
 
     @T.macro
     def quantize_int4(row, codes, params, s, h, stat):
-        stat[0] = row[0]  # min
-        stat[1] = row[0]  # max, then 15 / (max - min)
-        for d in range(D):
-            stat[0] = T.min(stat[0], row[d])
-            stat[1] = T.max(stat[1], row[d])
-        params[s, param_row(h, 0), param_cell(h, 0)] = (stat[1] - stat[0]) / T.float32(15)
-        params[s, param_row(h, 1), param_cell(h, 1)] = stat[0]
-        stat[1] = T.if_then_else(stat[1] > stat[0], T.float32(15) / (stat[1] - stat[0]), T.float32(0))
-        for j in range(HALF):
-            codes[s, h, j] = T.bitwise_or(nibble(row[2 * j], stat),
-                                          T.shift_left(nibble(row[2 * j + 1], stat), T.uint8(4)))
+        for group in range(D // GS):
+            stat[0] = row[group * GS]  # min
+            stat[1] = row[group * GS]  # max, then 15 / (max - min)
+            for d in range(GS):
+                stat[0] = T.min(stat[0], row[group * GS + d])
+                stat[1] = T.max(stat[1], row[group * GS + d])
+            params[s, param_row(h, group, 0), param_cell(h, group, 0)] = (stat[1] - stat[0]) / T.float32(15)
+            params[s, param_row(h, group, 1), param_cell(h, group, 1)] = stat[0]
+            stat[1] = T.if_then_else(stat[1] > stat[0], T.float32(15) / (stat[1] - stat[0]), T.float32(0))
+            for j in range(GS // 2):
+                codes[s, h, group * GS // 2 + j] = T.bitwise_or(
+                    nibble(row[group * GS + 2 * j], stat), T.shift_left(nibble(row[group * GS + 2 * j + 1], stat),
+                                                                       T.uint8(4)))
 
     quantize = {"int8": quantize_int8, "int4": quantize_int4}[shape.dtype]
 

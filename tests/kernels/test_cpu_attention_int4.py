@@ -1,8 +1,8 @@
 """An int4 KV cache's CPU kernels (kernels/cpu_attention.py on kv_cache_dtype.Carrier in the int4 format): decode,
 ragged and paged prefill, split + RoPE + quantize, merge of attention states, each on buffers laid out as TVM's
-runtime allocates the float32 carrier, against numpy: K/V quantized the same way (per token and KV head, scale =
-(max - min) / 15 and min, codes round((x - min) / scale), code 2j in byte j's low nibble), attention over the
-dequantized values (test_cpu_attention.py's references). SmolLM2's geometry (9 query heads, 3 KV heads, head_dim 64:
+runtime allocates the float32 carrier, against numpy: K/V quantized the same way (per token, KV head and group of 32
+channels, scale = (max - min) / 15 and min, codes round((x - min) / scale), code 2j in byte j's low nibble),
+attention over the dequantized values (test_cpu_attention.py's references). SmolLM2's geometry (9 query heads, 3 KV heads, head_dim 64:
 GQA group 3), contexts on and off page boundaries; negative controls: a wrong stored scale or min is caught, and so
 are nibbles read in the wrong order. Both quantized formats refuse rotary_mode 1. ReplaceCPUAttention on a tiny
 model's int4 module; NEON-width builds."""
@@ -51,17 +51,21 @@ H_QO, H_KV = 9, 3
 SHAPE = AttentionShape(H_KV, H_QO, D, "int4", PAGE)
 CARRIER = Carrier(CODE_FORMATS["int4"], H_QO, H_KV, D)
 HQ_DECL, HKV_DECL, CELL = SHAPE.declared
+GS = CARRIER.group
+GROUPS = D // GS
 
 
 def test_carrier_geometry():
-    """SmolLM2: 8 floats a cell, 3 code rows + 1 parameter row (6 of its 8 floats: scale and min of 3 heads),
-    120 fused rows, 112 declared query heads of which the first 72 hold q; 256 bytes a token and layer."""
-    assert (CARRIER.cell, CARRIER.declared_kv_heads, CARRIER.fused_rows, CARRIER.declared_heads,
-            CARRIER.q_rows) == (8, 4, 120, 112, 72)
-    assert [CARRIER.param_position(h, i) for h in range(H_KV) for i in range(2)] == [(3, j) for j in range(6)]
+    """SmolLM2: 8 floats a cell, 3 code rows + 2 parameter rows (12 of their 16 floats: scale and min of 2 groups
+    of 3 heads), 120 fused rows, 110 declared query heads of which the first 72 hold q."""
+    assert (CARRIER.group, CARRIER.cell, CARRIER.declared_kv_heads, CARRIER.fused_rows, CARRIER.declared_heads,
+            CARRIER.q_rows) == (32, 8, 5, 120, 110, 72)
+    positions = [CARRIER.param_position(h, g, i) for h in range(H_KV) for g in range(2) for i in range(2)]
+    assert positions == [(3 + j // 8, j % 8) for j in range(12)]
     assert CARRIER.declared_heads * CARRIER.cell >= H_QO * D
-    tiny = Carrier(CODE_FORMATS["int4"], 4, 2, 16)  # 2-float cells: 4 parameters take 2 rows
-    assert (tiny.cell, tiny.param_rows, tiny.declared_kv_heads, tiny.declared_heads) == (2, 2, 4, 56)
+    tiny = Carrier(CODE_FORMATS["int4"], 4, 2, 16)  # one group of 16; 2-float cells: 4 parameters take 2 rows
+    assert (tiny.group, tiny.cell, tiny.param_rows, tiny.declared_kv_heads, tiny.declared_heads) == (16, 2, 2, 4, 56)
+    assert Carrier(CODE_FORMATS["int4"], 4, 2, 48).group == 16
 
 
 @functools.cache
@@ -77,11 +81,18 @@ def _build(kind: str, dtype: str = "int4", lanes: int | None = None):
 
 
 def quantize(x: np.ndarray):
-    """int4 codes (uint8, 0..15), float32 scales and mins per row of the last axis, as the split kernel makes them."""
-    lo, hi = x.min(axis=-1).astype("float32"), x.max(axis=-1).astype("float32")
+    """int4 codes (uint8, 0..15, the shape of x), float32 scales and mins (x's shape with the last axis cut to its
+    groups of GS), as the split kernel makes them."""
+    grouped = x.reshape(*x.shape[:-1], GROUPS, GS)
+    lo, hi = grouped.min(axis=-1).astype("float32"), grouped.max(axis=-1).astype("float32")
     inv = np.where(hi > lo, np.float32(15) / np.where(hi > lo, hi - lo, 1), 0).astype("float32")
-    codes = np.minimum(np.round((x - lo[..., None]) * inv[..., None]), 15).astype("uint8")
-    return codes, ((hi - lo) / np.float32(15)).astype("float32"), lo
+    codes = np.minimum(np.round((grouped - lo[..., None]) * inv[..., None]), 15).astype("uint8")
+    return codes.reshape(x.shape), ((hi - lo) / np.float32(15)).astype("float32"), lo
+
+
+def dequantize(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
+    grouped = codes.reshape(*codes.shape[:-1], GROUPS, GS).astype("float32")
+    return (grouped * scales[..., None] + mins[..., None]).reshape(codes.shape)
 
 
 def pack_rows(x: np.ndarray):
@@ -92,10 +103,11 @@ def pack_rows(x: np.ndarray):
     out = np.zeros((*lead, HKV_DECL, CELL), "float32")
     out.view("uint8").reshape(*lead, HKV_DECL, D // 2)[..., :H_KV, :] = codes[..., 0::2] | codes[..., 1::2] << 4
     for h in range(H_KV):
-        for i, param in enumerate((scales, mins)):
-            row, cell = CARRIER.param_position(h, i)
-            out[..., row, cell] = param[..., h]
-    return out, codes.astype("float32") * scales[..., None] + mins[..., None]
+        for group in range(GROUPS):
+            for i, param in enumerate((scales, mins)):
+                row, cell = CARRIER.param_position(h, group, i)
+                out[..., row, cell] = param[..., h, group]
+    return out, dequantize(codes, scales, mins)
 
 
 def pack_pages(pages: np.ndarray):
@@ -148,7 +160,8 @@ def test_decode_matches_numpy_on_dequantized_values(ctx):
 
 
 def test_decode_negative_controls():
-    """Scales or mins doubled (K's: the scores change; V's: the output) are caught, and so are the two nibbles of
+    """The second groups' scales or mins doubled (K's: the scores change; V's: the output) are caught, and so are
+    the two nibbles of
     each byte swapped. (A shift of every K row's min by one constant would not be: it adds the same q . shift to
     every score of a query, which the softmax cancels.)"""
     packed, deq = _int4_cache([70])
@@ -159,7 +172,7 @@ def test_decode_negative_controls():
         for i in (0, 1):
             bad = packed["pages"].copy()
             for h in range(H_KV):
-                row, cell = CARRIER.param_position(h, i)
+                row, cell = CARRIER.param_position(h, 1, i)  # the second group's
                 bad[:, kv, row, :, cell] *= 2
             out, _ = _decode(dict(packed, pages=bad), packed["q"])
             assert np.abs(out - ref).max() > 1e-2, (kv, i)
@@ -243,12 +256,17 @@ def test_split_rotary_quantizes_k_after_rope_and_v(apply_rope):
         codes = np.stack([got_bytes & 15, got_bytes >> 4], axis=-1).reshape(n, H_KV, D).astype(int)
         ref_codes = quantize(want)[0].astype(int)
         assert np.abs(codes - ref_codes).max() <= 1 and (codes == ref_codes).mean() > 0.99
-        scales, mins = got[:, H_KV, 0:2 * H_KV:2], got[:, H_KV, 1:2 * H_KV:2]
-        np.testing.assert_allclose(codes * scales[..., None] + mins[..., None], ref_deq,
-                                   atol=1.01 * scales.max() + 1e-6)
-        assert np.abs(codes * scales[..., None] + mins[..., None] - want).max() <= 0.51 * scales.max() + 1e-6
+        scales, mins = (np.stack([np.stack([got[:, row, cell] for row, cell in (CARRIER.param_position(h, g, i)
+                                                                       for g in range(GROUPS))], -1)
+                                  for h in range(H_KV)], 1) for i in (0, 1))
+        got_deq = dequantize(codes, scales, mins)
+        np.testing.assert_allclose(got_deq, ref_deq, atol=1.01 * scales.max() + 1e-6)
+        assert np.abs(got_deq - want).max() <= 0.51 * scales.max() + 1e-6
     constant = v.numpy()[4]
-    assert (constant[H_KV, 0], constant[H_KV, 1]) == (0, np.float32(0.25)) and not constant[0].view("uint8").any()
+    for group in range(GROUPS):
+        scale, low = (constant[CARRIER.param_position(0, group, i)] for i in (0, 1))
+        assert (scale, low) == (0, np.float32(0.25))
+    assert not constant[0].view("uint8").any()
 
 
 def test_merge_state_merges_the_real_heads():

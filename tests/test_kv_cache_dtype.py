@@ -171,8 +171,8 @@ def test_estimate_counts_kv_bytes_by_dtype(tiny_hf):
     assert int4.kv_dtype == "int4" and int4.kv_cache_bytes * 256 == f32.kv_cache_bytes * (2 * 4 * 2 * 4)
     assert int4.bytes_per_token < int8.bytes_per_token < f16.bytes_per_token
     # SmolLM2 (3 KV heads of 64), K and V of a token in a layer: f16 768 bytes; int8 3 code rows + 1 scale row of
-    # 16 floats; int4 3 code rows + 2 rows of 8 floats for the 6 scales and 6 mins (groups of 32 channels)
-    assert [bytes_per_token_layer(dtype, 3, 64) for dtype in ("float16", "int8", "int4")] == [768, 512, 320]
+    # 16 floats; int4 3 code rows + 3 rows of 8 floats for the 12 scales and 12 mins (groups of 16 channels)
+    assert [bytes_per_token_layer(dtype, 3, 64) for dtype in ("float16", "int8", "int4")] == [768, 512, 384]
 
 
 @pytest.mark.parametrize("kv_dtype", ["f16", "f32"])

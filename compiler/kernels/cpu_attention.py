@@ -36,10 +36,11 @@ row that sees no key (only possible with fewer keys than causal queries) gets ou
 with no KV rows does in TVM's decode kernel (TVM's prefill kernels leave such rows undefined or uniform).
 
 A quantized cache (AttentionShape.dtype "int8" or "int4", kv_cache_dtype.Carrier) keeps the same kernels: only the
-KV layout changes (views of the declared float32 buffers; codes loaded as floats, and per K and V row a scale, and
-for int4 a min, that turn the sums over codes into sums over values). Its RoPE is applied when K is quantized
-(quantized_split_rotary: RopeMode.NORMAL, models/llama.py), so its kernels have no inline-RoPE path: the runtime
-never passes rotary_mode 1 for such a cache, and they fail on it (an assertion) rather than attend without RoPE.
+KV layout changes (views of the declared float32 buffers; int8 codes loaded as floats, their row's scale applied to
+the score and the V weight; int4 codes dequantized on load with their group's scale and min). Its RoPE is applied
+when K is quantized (quantized_split_rotary: RopeMode.NORMAL, models/llama.py), so its kernels have no inline-RoPE
+path: the runtime never passes rotary_mode 1 for such a cache, and they fail on it (an assertion) rather than
+attend without RoPE.
 """
 
 
@@ -93,8 +94,8 @@ class AttentionShape:
     through views declared over the same memory: q and the output as (tokens, real heads, head_dim) float32 rows
     strided by the declared row, the K/V codes as rows of code_row elements of code_dtype (a declared row of `cell`
     floats is one real head's head_dim codes), and the parameters as floats of the declared buffer (`param`). The
-    formats differ only in how a row's codes load as floats (`codes`) and in the parameters that turn sums over
-    codes into sums over values (dequantized_dot; V's weights: the decode and prefill kernels)."""
+    formats differ only in how a row loads as floats (`values`) and, for int8, in its scale applied to the score
+    (_score) and to the V weight (`factored`)."""
 
     num_kv_heads: int
     num_qo_heads: int

@@ -1,6 +1,6 @@
 """An int4 KV cache's CPU kernels (kernels/cpu_attention.py on kv_cache_dtype.Carrier in the int4 format): decode,
 ragged and paged prefill, split + RoPE + quantize, merge of attention states, each on buffers laid out as TVM's
-runtime allocates the float32 carrier, against numpy: K/V quantized the same way (per token, KV head and group of 32
+runtime allocates the float32 carrier, against numpy: K/V quantized the same way (per token, KV head and group of 16
 channels, scale = (max - min) / 15 and min, codes round((x - min) / scale), code 2j in byte j's low nibble),
 attention over the dequantized values (test_cpu_attention.py's references). SmolLM2's geometry (9 query heads, 3 KV heads, head_dim 64:
 GQA group 3), contexts on and off page boundaries; negative controls: a wrong stored scale or min is caught, and so
@@ -56,16 +56,16 @@ GROUPS = D // GS
 
 
 def test_carrier_geometry():
-    """SmolLM2: 8 floats a cell, 3 code rows + 2 parameter rows (12 of their 16 floats: scale and min of 2 groups
-    of 3 heads), 120 fused rows, 110 declared query heads of which the first 72 hold q."""
+    """SmolLM2: 8 floats a cell, 3 code rows + 3 parameter rows (scale and min of 4 groups of 3 heads), 120 fused
+    rows, 108 declared query heads of which the first 72 hold q."""
     assert (CARRIER.group, CARRIER.cell, CARRIER.declared_kv_heads, CARRIER.fused_rows, CARRIER.declared_heads,
-            CARRIER.q_rows) == (32, 8, 5, 120, 110, 72)
-    positions = [CARRIER.param_position(h, g, i) for h in range(H_KV) for g in range(2) for i in range(2)]
-    assert positions == [(3 + j // 8, j % 8) for j in range(12)]
+            CARRIER.q_rows) == (16, 8, 6, 120, 108, 72)
+    positions = [CARRIER.param_position(h, g, i) for h in range(H_KV) for g in range(4) for i in range(2)]
+    assert positions == [(3 + j // 8, j % 8) for j in range(24)]
     assert CARRIER.declared_heads * CARRIER.cell >= H_QO * D
     tiny = Carrier(CODE_FORMATS["int4"], 4, 2, 16)  # one group of 16; 2-float cells: 4 parameters take 2 rows
     assert (tiny.group, tiny.cell, tiny.param_rows, tiny.declared_kv_heads, tiny.declared_heads) == (16, 2, 2, 4, 56)
-    assert Carrier(CODE_FORMATS["int4"], 4, 2, 48).group == 16
+    assert Carrier(CODE_FORMATS["int4"], 4, 2, 40).group == 8
 
 
 @functools.cache

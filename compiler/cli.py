@@ -146,7 +146,7 @@ def targets():
                    "has one), f32 for the unquantized q0f32 and for GPUs computing in float32. f16 halves the "
                    "cache's bytes (longer contexts, faster long-context decode) for ~0.001% perplexity; int8 "
                    "(CPU targets) saves a third of f16's bytes for ~0.03%; int4 (CPU targets, groups of 16 channels) "
-                   "half of them for G16_CLI.")
+                   "half of them for ~4.7% (SmolLM2).")
 @json_option("the summary")
 def compile(as_json, **options):  # pylint: disable=redefined-builtin
     """Compile MODEL for TARGET into an artifact directory (library, weight shards, tokenizer, config).

@@ -51,8 +51,8 @@ class CodeFormat:
 # int4: asymmetric per group of 16 channels, scale = (max - min) / 15, code = round((x - min) / scale) in [0, 15],
 # two codes a byte (code 2j in the low nibble of byte j, 2j + 1 in the high one). SmolLM2's perplexity against the
 # float32 cache (README): one scale and min per row of 64 channels +20.5%, per 32 +6.6%, per 16 +4.7%. Scale and
-# min are float32: no rounding of their own (a min's error shifts every value of its group), at the cost of a parameter
-# row that float16 values would save at SmolLM2's geometry (384 bytes a token and layer instead of 320).
+# min are float32: no rounding of their own (a min's error shifts every value of its group), at the cost of a
+# parameter row that float16 values would save at SmolLM2's geometry (384 bytes a token and layer instead of 320).
 CODE_FORMATS = {"int8": CodeFormat("int8", 8, 1), "int4": CodeFormat("int4", 4, 2, group=16)}
 
 

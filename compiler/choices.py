@@ -8,8 +8,8 @@ TUNE_FUNCTIONS = {"decode": ("decode",), "prefill": ("prefill",), "all": ("decod
 # a target file's device.compute_dtype and compile --compute-dtype: activations (and the KV cache by default)
 COMPUTE_DTYPES = ("float32", "float16")
 # compile/estimate --kv-dtype: how the KV cache stores keys and values (kv_cache_dtype.py)
-KV_DTYPES = ("auto", "f32", "f16", "int8", "int4")
-KV_DTYPES_IMPLEMENTED = ("f32", "f16", "int8")  # the names a target file's device.kv_dtype may give
+KV_DTYPE_NAMES = ("f32", "f16", "int8", "int4")  # the names a target file's device.kv_dtype may give
+KV_DTYPES = ("auto", *KV_DTYPE_NAMES)
 # the Hugging Face model_types mobilec compiles (models/registry.py: one family each), and what they cover
 MODEL_TYPES = {
     "llama": "SmolLM2, TinyLlama, Llama 2, Llama 3.x",

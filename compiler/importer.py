@@ -109,9 +109,9 @@ def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_win
     # the CPU attention kernels that replace TVM's apply the same RoPE scaling (passes/replace_cpu_attention.py)
     mod = mod.with_attr(kv_cache_dtype.ROPE_ATTR, json.dumps({"rope_scale": cfg.rope_scale,
                                                               "rope_scaling": cfg.tvm_rope_scaling}))
-    if cfg.int8_carrier is not None:  # the kernels that read the packed cells need the real geometry
+    if cfg.kv_carrier is not None:  # the kernels that read the packed cells need the real geometry
         mod = mod.with_attr(kv_cache_dtype.KV_FORMAT_ATTR,
-                            {**cfg.int8_carrier.module_attr(), "rope_theta": cfg.rope_theta})
+                            {**cfg.kv_carrier.module_attr(), "rope_theta": cfg.rope_theta})
     return ImportedModel(family, cfg, mod, params, sources, plan, dtype, calibration)
 
 

@@ -5,19 +5,21 @@ scratch, in one dtype and checks that the q/k/v it is given have that dtype. A f
 activations is therefore built by casting q/k/v to float16 before attention and its output back (models/llama.py);
 the CPU attention kernels (kernels/cpu_attention.py) widen float16 to float32 on load and compute in float32.
 
-An int8 cache (CPU targets only) cannot be declared to that runtime as int8: it is declared as a float32 cache of
-another geometry whose cells carry the packed bytes (Int8Carrier), and every kernel that reads or writes the packed
-bytes is ours (kernels/cpu_attention.py, swapped in by passes/replace_cpu_attention.py).
+A quantized cache (int8, int4; CPU targets only) cannot be declared to that runtime in its own dtype: it is declared
+as a float32 cache of another geometry whose cells carry the packed codes and their parameters (Carrier, in the
+CodeFormat of its dtype), and every kernel that reads or writes the packed cells is ours (kernels/cpu_attention.py,
+swapped in by passes/replace_cpu_attention.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING
 
 import tvm
 
-from .choices import KV_DTYPES, KV_DTYPES_IMPLEMENTED
+from .choices import KV_DTYPE_NAMES, KV_DTYPES
 from .errors import MobilecError
 from .isa import cpu_isa
 
@@ -25,16 +27,38 @@ if TYPE_CHECKING:
     from .quantization.schemes import Scheme
     from .targets import TargetSpec
 
-TVM_DTYPES = dict(zip(KV_DTYPES_IMPLEMENTED, ("float32", "float16", "int8"), strict=True))
-INT8 = "int8"
+TVM_DTYPES = dict(zip(KV_DTYPE_NAMES, ("float32", "float16", "int8", "int4"), strict=True))
 AUTO = "f16"  # llama.cpp's default too: half the bytes of float32, within 0.001% perplexity on SmolLM2 (README)
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeFormat:
+    """How a quantized cache stores one token's K or V row of one KV head: head_dim codes of `bits` bits (32 // bits
+    to a float32 cell of the carrier) and, per group of `group` channels (None: the whole row), `params` float32
+    values that dequantize them: x ~ code * scale (+ min)."""
+
+    name: str
+    bits: int
+    params: int  # per group: the scale, then (asymmetric formats) the min
+    group: int | None = None
+
+    @property
+    def codes_per_cell(self) -> int:
+        return 32 // self.bits
+
+
+# int8: symmetric per row, scale = max|x| / 127, code = round(x / scale) in [-127, 127].
+# int4: asymmetric per group of 16 channels, scale = (max - min) / 15, code = round((x - min) / scale) in [0, 15],
+# two codes a byte (code 2j in the low nibble of byte j, 2j + 1 in the high one). SmolLM2's perplexity against the
+# float32 cache (README): one scale and min per row of 64 channels +20.5%, per 32 +6.6%, per 16 +4.7%. Scale and
+# min are float32: no rounding of their own (a min's error shifts every value of its group), at the cost of a
+# parameter row that float16 values would save at SmolLM2's geometry (384 bytes a token and layer instead of 320).
+CODE_FORMATS = {"int8": CodeFormat("int8", 8, 1), "int4": CodeFormat("int4", 4, 2, group=16)}
 
 
 def check_name(name: str, what: str = "--kv-dtype") -> str:
     if name not in KV_DTYPES:
         raise MobilecError(f"{what} {name!r} is not one of {', '.join(KV_DTYPES)}")
-    if name not in TVM_DTYPES and name != "auto":
-        raise MobilecError(f"{what} {name}: not implemented yet (int8 is, on CPU targets); use int8, f16 or f32")
     return name
 
 
@@ -51,10 +75,10 @@ def resolve(name: str, spec: TargetSpec, scheme: Scheme) -> str:
         name = spec.device.get("kv_dtype", AUTO)
     dtype = TVM_DTYPES[name]
     if name not in names_for(spec):
-        raise MobilecError(f"--kv-dtype int8 on {spec.name}: not implemented on GPU yet (its kernels are for LLVM "
+        raise MobilecError(f"--kv-dtype {name} on {spec.name}: not implemented on GPU yet (its kernels are for LLVM "
                            f"CPU targets only); use f16")
-    if dtype == INT8 and compute != "float32":
-        raise MobilecError(f"--kv-dtype int8 needs float32 activations (its carrier is the float32 projection "
+    if dtype in CODE_FORMATS and compute != "float32":
+        raise MobilecError(f"--kv-dtype {name} needs float32 activations (its carrier is the float32 projection "
                            f"output), not {compute}; use f16")
     if gpu and dtype == "float16" and compute == "float32":
         raise MobilecError(f"--kv-dtype f16 on {spec.name} computing in float32: its attention kernels would compute "
@@ -63,56 +87,85 @@ def resolve(name: str, spec: TargetSpec, scheme: Scheme) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Int8Carrier:
-    """The float32 geometry an int8 cache is declared to TVM's runtime with, for a model of `heads` query heads,
-    `kv_heads` KV heads of `head_dim`. Per token and KV head the cache stores head_dim int8 codes (symmetric:
-    scale = max|x| / 127, code = round(x / scale)) and one float32 scale. A declared head row of `cell` float32
-    holds one real head's codes; the scales follow, `cell` to a declared row, in the scale_rows rows after the
-    kv_heads code rows: the scale of KV head h is float [kv_heads + h // cell, h % cell] of the token's rows. The
-    fused qkv projection output, (heads + 2 kv_heads, head_dim) float32 per token, is reshaped for free to
-    fused_rows rows of `cell`; q and the attention output keep their real floats at the start of their declared
-    rows (row-major (heads, head_dim)), which holds them since declared_heads * cell >= heads * head_dim."""
+class Carrier:
+    """The float32 geometry a quantized cache is declared to TVM's runtime with, for a model of `heads` query heads,
+    `kv_heads` KV heads of `head_dim`, storing its rows in `format`. A declared head row of `cell` float32 holds one
+    real head's codes; the parameters follow, `cell` to a declared row, in the param_rows rows after the kv_heads
+    code rows (param_position). The fused qkv projection output, (heads + 2 kv_heads, head_dim) float32 per token,
+    is reshaped for free to fused_rows rows of `cell`; q and the attention output keep their real floats at the
+    start of their declared rows (row-major (heads, head_dim), the first q_rows rows), which holds them since
+    declared_heads * cell >= heads * head_dim."""
 
+    format: CodeFormat
     heads: int
     kv_heads: int
     head_dim: int
 
     @property
     def cell(self) -> int:
-        return self.head_dim // 4
+        return self.head_dim // self.format.codes_per_cell
 
     @property
-    def scale_rows(self) -> int:
-        return -(-self.kv_heads // self.cell)
+    def group(self) -> int:
+        """Channels per set of parameters: the format's group, or the largest power of two dividing both it and
+        head_dim (head_dim 40: 8), or the whole row."""
+        return self.head_dim if self.format.group is None else math.gcd(self.format.group, self.head_dim)
+
+    @property
+    def row_params(self) -> int:
+        return self.format.params * (self.head_dim // self.group)
+
+    @property
+    def param_rows(self) -> int:
+        return -(-self.kv_heads * self.row_params // self.cell)
 
     @property
     def declared_kv_heads(self) -> int:
-        return self.kv_heads + self.scale_rows
+        return self.kv_heads + self.param_rows
 
     @property
     def fused_rows(self) -> int:
-        return 4 * (self.heads + 2 * self.kv_heads)
+        return self.format.codes_per_cell * (self.heads + 2 * self.kv_heads)
+
+    @property
+    def q_rows(self) -> int:
+        """The declared rows that hold the real q (and output) floats."""
+        return self.format.codes_per_cell * self.heads
 
     @property
     def declared_heads(self) -> int:
         return self.fused_rows - 2 * self.declared_kv_heads
 
+    def param_position(self, h, group, i):
+        """(declared head, cell) of parameter i (0: scale, 1: min) of channel group `group` of KV head h's row (h,
+        group: ints or TIR indices)."""
+        index = h * self.row_params + group * self.format.params + i
+        return self.kv_heads + index // self.cell, index % self.cell
+
     def module_attr(self) -> dict[str, object]:
         """The real geometry as the importer records it on the IRModule (`KV_FORMAT_ATTR`), for the kernels."""
-        return {"format": INT8, "heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim}
+        return {"format": self.format.name, "heads": self.heads, "kv_heads": self.kv_heads,
+                "head_dim": self.head_dim}
 
 
-KV_FORMAT_ATTR = "mobilec.kv_format"  # IRModule attr: an int8 cache's real geometry (Int8Carrier.module_attr)
+def carrier_for(dtype: str | None, heads: int, kv_heads: int, head_dim: int) -> Carrier | None:
+    """The carrier of a cache in TVM dtype `dtype`; None for a float cache."""
+    code_format = CODE_FORMATS.get(dtype)
+    return None if code_format is None else Carrier(code_format, heads, kv_heads, head_dim)
+
+
+KV_FORMAT_ATTR = "mobilec.kv_format"  # IRModule attr: a quantized cache's real geometry (Carrier.module_attr)
 # IRModule attr: the RoPE the cache's kernels apply beyond its theta, as JSON {"rope_scale": TVM's rope_scale,
 # "rope_scaling": TVM's rope_scaling dict} (models/llama.py), for the kernels passes/replace_cpu_attention.py builds
 ROPE_ATTR = "mobilec.rope"
 
 
 def bytes_per_token_layer(dtype: str, kv_heads: int, head_dim: int) -> int:
-    """Bytes the runtime allocates for one token's K and V in one layer (an int8 cache: its float32 carrier, codes
-    and the cells that hold its scales; counted as allocated, since that is what memory holds and decode reads)."""
-    if dtype == INT8:
-        carrier = Int8Carrier(kv_heads, kv_heads, head_dim)  # (the query heads do not enter the pages)
+    """Bytes the runtime allocates for one token's K and V in one layer (a quantized cache: its float32 carrier,
+    codes and the cells that hold their parameters; counted as allocated, since that is what memory holds and
+    decode reads)."""
+    carrier = carrier_for(dtype, kv_heads, kv_heads, head_dim)  # (the query heads do not enter the pages)
+    if carrier is not None:
         return 2 * carrier.declared_kv_heads * carrier.cell * 4
     return 2 * kv_heads * head_dim * tvm.DataType(dtype).bits // 8
 
@@ -120,8 +173,8 @@ def bytes_per_token_layer(dtype: str, kv_heads: int, head_dim: int) -> int:
 def scratch_bytes_per_token(dtype: str, heads: int, kv_heads: int, head_dim: int) -> int:
     """Bytes of the cache's attention scratch per token of a prefill chunk, as the runtime allocates them: q, k, v
     and output in the cache's (declared) dtype, and two float32 log-sum-exp arrays."""
-    if dtype == INT8:
-        carrier = Int8Carrier(heads, kv_heads, head_dim)
+    carrier = carrier_for(dtype, heads, kv_heads, head_dim)
+    if carrier is not None:
         return (2 * carrier.declared_heads + 2 * carrier.declared_kv_heads) * carrier.cell * 4 \
             + 2 * carrier.declared_heads * 4
     return (2 * heads + 2 * kv_heads) * head_dim * tvm.DataType(dtype).bits // 8 + 2 * heads * 4
@@ -129,8 +182,8 @@ def scratch_bytes_per_token(dtype: str, heads: int, kv_heads: int, head_dim: int
 
 def conversion_bytes_per_token(dtype: str, activations: str, heads: int, kv_heads: int, head_dim: int) -> int:
     """Bytes per prefill token of what a cache in `dtype` adds to the activations: the q/k/v and output cast to a
-    float dtype other than the activations', or (int8) the real output copied out of the carrier's rows."""
-    if dtype == INT8:
+    float dtype other than the activations', or (int8, int4) the real output copied out of the carrier's rows."""
+    if dtype in CODE_FORMATS:
         return heads * head_dim * 4
     if dtype == activations:
         return 0
@@ -141,7 +194,7 @@ def names_for(spec: TargetSpec) -> list[str]:
     """The --kv-dtype names (not auto) `spec` takes."""
     gpu = spec.schedule["rules"] == "gpu"
     return [name for name, dtype in TVM_DTYPES.items()
-            if dtype != INT8 or not (gpu or cpu_isa(spec.tvm_target()) is None)]
+            if dtype not in CODE_FORMATS or not (gpu or cpu_isa(spec.tvm_target()) is None)]
 
 
 def of_artifact(config: dict) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import tvm
 
 from . import host, validate
-from .choices import KV_DTYPES_IMPLEMENTED
+from .choices import KV_DTYPE_NAMES
 from .data_files import data_dir
 from .errors import MobilecError
 from .quantization.schemes import SCHEMES
@@ -158,7 +158,7 @@ def _check_device_values(device: dict[str, Any], path: Path) -> None:
     validate.choice(device["default_quant"], tuple(SCHEMES), f"target file {path}: field 'device.default_quant'")
     validate.compute_dtype(device["compute_dtype"], f"target file {path}: field 'device.compute_dtype'")
     if "kv_dtype" in device:  # what compile --kv-dtype auto picks (kv_cache_dtype.py)
-        validate.choice(device["kv_dtype"], KV_DTYPES_IMPLEMENTED, f"target file {path}: field 'device.kv_dtype'")
+        validate.choice(device["kv_dtype"], KV_DTYPE_NAMES, f"target file {path}: field 'device.kv_dtype'")
     if device["max_alloc_gb"] > device["ram_gb"]:
         raise MobilecError(f"target file {path}: field 'device.max_alloc_gb' ({device['max_alloc_gb']:g}) is more "
                            f"than 'device.ram_gb' ({device['ram_gb']:g}); one buffer cannot exceed the RAM")

@@ -21,7 +21,7 @@ from compiler.passes.replace_cpu_attention import ReplaceCPUAttention
 from compiler.quantization.schemes import SCHEMES
 from compiler.runtime.session import Session
 from compiler.targets import load_target
-from tests.helpers.reference import fake_quantized, int8_kv_fake_quantized, reference_greedy
+from tests.helpers.reference import fake_quantized, kv_fake_quantized, reference_greedy
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 # the tests that compile (a compile per model and cache: 8, ~1 minute each on 2 cores)
@@ -209,7 +209,7 @@ def test_llama3_rope_int8_cache_matches_its_quantized_twin(llama3, tmp_path):
     session = _compile(hf, tmp_path / "int8", kv="int8")
     prompt = _prompt(model)
     ref_tokens, ref_prefill, ref_decode = reference_greedy(model, prompt, 9)
-    _, quant_prefill, quant_decode = reference_greedy(int8_kv_fake_quantized(model), prompt, 9)
+    _, quant_prefill, quant_decode = reference_greedy(kv_fake_quantized(model, "int8"), prompt, 9)
     logits = _along_reference(session, prompt, ref_tokens)
     to_quantized = [_rel_err(got, want) for got, want in zip(logits, [quant_prefill, *quant_decode])]
     assert max(to_quantized) < 1e-4, to_quantized
@@ -291,7 +291,7 @@ def test_qwen3_int8_cache(qwen3, tmp_path):
     session = _compile(hf, tmp_path / "int8", kv="int8")
     prompt = _prompt(model)
     ref_tokens, ref_prefill, ref_decode = reference_greedy(model, prompt, 9)
-    _, quant_prefill, quant_decode = reference_greedy(int8_kv_fake_quantized(model), prompt, 9)
+    _, quant_prefill, quant_decode = reference_greedy(kv_fake_quantized(model, "int8"), prompt, 9)
     logits = _along_reference(session, prompt, ref_tokens)
     to_quantized = [_rel_err(got, want) for got, want in zip(logits, [quant_prefill, *quant_decode])]
     assert max(to_quantized) < 1e-4, to_quantized

@@ -35,10 +35,12 @@ use RopeMode.NORMAL (RoPE applied before K enters the cache), which the runtime 
 row that sees no key (only possible with fewer keys than causal queries) gets output 0 and lse -5e4, as a sequence
 with no KV rows does in TVM's decode kernel (TVM's prefill kernels leave such rows undefined or uniform).
 
-An int8 cache (AttentionShape.dtype "int8", kv_cache_dtype.Int8Carrier) keeps the same kernels: only the KV layout
-changes (views of the declared float32 buffers, a scale per K and V row). Its RoPE is applied when K is quantized
-(int8_split_rotary: RopeMode.NORMAL, models/llama.py), so its kernels have no inline-RoPE path; rotary_mode 1 is
-never passed to them.
+A quantized cache (AttentionShape.dtype "int8" or "int4", kv_cache_dtype.Carrier) keeps the same kernels: only the
+KV layout changes (views of the declared float32 buffers; int8 codes loaded as floats, their row's scale applied to
+the score and the V weight; int4 codes dequantized on load with their group's scale and min). Its RoPE is applied
+when K is quantized (quantized_split_rotary: RopeMode.NORMAL, models/llama.py), so its kernels have no inline-RoPE
+path: the runtime never passes rotary_mode 1 for such a cache, and they fail on it (an assertion) rather than
+attend without RoPE.
 """
 
 
@@ -55,7 +57,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 
 from ..isa import cpu_isa
-from ..kv_cache_dtype import INT8, Int8Carrier
+from ..kv_cache_dtype import Carrier, carrier_for
 
 DECODE_SYMBOL = "batch_decode_paged_kv_cpu"  # TVM's global symbols of the CPU kernels replaced here
 RAGGED_SYMBOL = "batch_prefill_ragged_kv"
@@ -66,8 +68,11 @@ SLIDING_SUFFIX = "_sliding_window"
 LAYER_SLIDING_WINDOW_ATTR = "mobilec_layer_sliding_window"
 # module attr: Gemma 2's attn_logit_softcapping, which TVM's kernels do not implement
 ATTN_LOGIT_CAP_ATTR = "mobilec_attn_logit_softcapping"
-SPLIT_ROTARY_SYMBOL = "fused_rope"  # an int8 cache replaces TVM's split + RoPE and merge of states too
+SPLIT_ROTARY_SYMBOL = "fused_rope"  # a quantized cache replaces TVM's split + RoPE and merge of states too
 MERGE_SYMBOL = "merge_state_inplace_cpu"
+# A quantized cache's K is stored after RoPE, so its kernels have no inline-RoPE path; rather than attend without
+# RoPE when asked for it (rotary_mode 1, which the runtime never passes for a RopeMode.NORMAL cache), they fail
+ROTARY_REFUSAL = "a quantized KV cache stores K after RoPE: rotary_mode 1 (RoPE inside attention) is not supported"
 LOG2E = math.log2(math.e)
 CHUNK_PAGES = 8  # pages per parallel task of the decode kernel (128 tokens at page size 16)
 # Decode tasks a sequence of up to MIN_DECODE_TASKS * CHUNK_PAGES pages is cut into: with one task per 8 pages, a
@@ -91,10 +96,12 @@ def vector_lanes(target: Target) -> int | None:
 class AttentionShape:
     """The shape parameters of the attention kernels (the model's real heads and head_dim), and the KV layout: how
     the cache stores K and V in the buffers the runtime passes. float32 / float16: the buffers are what they say.
-    int8: they are declared as the float32 carrier of kv_cache_dtype.Int8Carrier, and the kernels read them through
-    views declared over the same memory (`views`): q and the output as (tokens, real heads, head_dim) float32 rows
-    strided by the declared row, the K/V codes as int8 rows (a declared row of head_dim / 4 floats is one real
-    head's head_dim codes), and the scales as floats of the declared buffer (`scale`)."""
+    int8 / int4: they are declared as the float32 carrier of kv_cache_dtype.Carrier, and the kernels read them
+    through views declared over the same memory: q and the output as (tokens, real heads, head_dim) float32 rows
+    strided by the declared row, the K/V codes as rows of code_row elements of code_dtype (a declared row of `cell`
+    floats is one real head's head_dim codes), and the parameters as floats of the declared buffer (`param`). The
+    formats differ only in how a row loads as floats (`values`) and, for int8, in its scale applied to the score
+    (_score) and to the V weight (`factored`)."""
 
     num_kv_heads: int
     num_qo_heads: int
@@ -107,13 +114,30 @@ class AttentionShape:
         return self.num_qo_heads // self.num_kv_heads
 
     @property
-    def carrier(self) -> Int8Carrier | None:
-        return Int8Carrier(self.num_qo_heads, self.num_kv_heads, self.head_dim) if self.dtype == INT8 else None
+    def carrier(self) -> Carrier | None:
+        return carrier_for(self.dtype, self.num_qo_heads, self.num_kv_heads, self.head_dim)
+
+    @property
+    def factored(self) -> bool:
+        """A row's one scale multiplies sums over its codes (int8: a score, a V weight) rather than each code: the
+        same product, D times fewer multiplications. int4 rows (a scale and a min per group) dequantize on load."""
+        c = self.carrier
+        return c is not None and c.format.params == 1 and c.group == self.head_dim
 
     @property
     def float_dtype(self) -> str:
         """The dtype the buffers are declared with, and q's and the output's."""
-        return "float32" if self.dtype == INT8 else self.dtype
+        return "float32" if self.carrier is not None else self.dtype
+
+    @property
+    def code_dtype(self) -> str:
+        """The element dtype of the K/V code views: the cache's own, or bytes of two codes (int4)."""
+        return "uint8" if self.dtype == "int4" else self.dtype
+
+    @property
+    def code_row(self) -> int:
+        """Elements of code_dtype per K/V head row."""
+        return self.head_dim // 2 if self.dtype == "int4" else self.head_dim
 
     @property
     def declared(self) -> tuple[int, int, int]:
@@ -123,16 +147,32 @@ class AttentionShape:
             return self.num_qo_heads, self.num_kv_heads, self.head_dim
         return c.declared_heads, c.declared_kv_heads, c.cell
 
-    def scale(self, load, h):
-        """The scale of KV head h's row, `load(declared head, cell)` reading the float32 buffer at the row's
-        position; None for a float cache, whose rows are not scaled."""
-        c = self.carrier
-        return None if c is None else load(self.num_kv_heads + h // c.cell, h % c.cell)
+    def values(self, load, param, c: int, lanes: int):
+        """Values [c * lanes, (c + 1) * lanes) of a K/V row as float32, `load(index)` reading the row of the code
+        view at a ramp index and `param(group, i)` the row's parameters: a float cache's as loaded, int8 codes as
+        they are (factored: the scale applies to sums), int4 codes dequantized with their group's scale and min
+        (lanes / 2 bytes, code 2j in byte j's low nibble and 2j + 1 in its high one, interleaved back)."""
+        if self.dtype != "int4":
+            return _f32(load(T.ramp(c * lanes, 1, lanes)), self.dtype, lanes)
+        half = lanes // 2
+        raw = load(T.ramp(c * half, 1, half))
+        low = T.bitwise_and(raw, T.broadcast(T.uint8(15), half))
+        high = T.shift_right(raw, T.broadcast(T.uint8(4), half))
+        codes = T.Cast(_vec("float32", lanes), T.Shuffle([low, high], [j // 2 + j % 2 * half for j in range(lanes)]))
+        group = c * lanes // self.carrier.group
+        return codes * _bcast(param(group, 0), lanes) + _bcast(param(group, 1), lanes)
+
+    def param(self, load, h, group, i: int):
+        """Parameter i (0: scale, 1: min) of channel group `group` of KV head h's row, `load(declared head, cell)`
+        reading the declared float32 buffer at its position."""
+        return load(*self.carrier.param_position(h, group, i))
 
     def supported(self, lanes: int) -> bool:
+        c = self.carrier
         return (self.num_qo_heads % self.num_kv_heads == 0 and self.head_dim % lanes == 0
                 and self.head_dim % 2 == 0 and self.page_size % lanes == 0
-                and self.dtype in ("float32", "float16", INT8))
+                and (self.dtype in ("float32", "float16") or c is not None
+                     and self.head_dim % c.format.codes_per_cell == 0 and c.group % lanes == 0))
 
 
 def _vec(dtype: str, lanes: int) -> str:
@@ -195,9 +235,10 @@ def _sum(terms):
     return functools.reduce(lambda a, b: a + b, terms)
 
 
-def _scaled(value, scale):
-    """A score (q . k) times its K row's scale (an int8 cache), or as it is (a float cache: scale None)."""
-    return value if scale is None else value * scale
+def _score(shape: AttentionShape, dot, param):
+    """q . k from `dot` = q . (K row as loaded, AttentionShape.values): times the row's scale where it is factored
+    out (int8); `param(group, i)`: the row's parameters."""
+    return dot * param(0, 0) if shape.factored else dot
 
 
 def _score_cap(cap: float):
@@ -251,8 +292,8 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
     H_qo, H_kv, D, P, G = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, shape.group
     dtype, fdtype, VL, CH, MIN_TASKS = shape.dtype, shape.float_dtype, lanes, chunk_pages, MIN_DECODE_TASKS
     H_qo_decl, H_kv_decl, D_decl = shape.declared
-    DC, PC = D // VL, P // VL  # vectors per head row, per page of scores
-    scaled, inline_rope = shape.carrier is not None, shape.carrier is None and not sliding
+    DC, PC, ROW = D // VL, P // VL, shape.code_row  # vectors per head row, per page of scores; code row elements
+    factored, inline_rope = shape.factored, shape.carrier is None and not sliding
     window_checks = _window_checks(sliding)
     cap_score = _score_cap(logit_cap)
     assert shape.supported(VL), shape
@@ -260,14 +301,16 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
     def vec(base):
         return T.ramp(base, 1, VL)
 
-    def page_k(pages, page, h, r):
-        return lambda c: _f32(pages[page, 0, h, r, vec(c * VL)], dtype, VL)
+    def page_param(pages_f, page, kv, h, r):
+        """(group, i) -> parameter i of a group of the K (kv 0) or V (kv 1) row r of the page for KV head h."""
+        return lambda group, i: shape.param(lambda row, cell: pages_f[page, kv, row, r, cell], h, group, i)
 
-    def page_v(pages, page, h, r, c):
-        return _f32(pages[page, 1, h, r, vec(c * VL)], dtype, VL)
+    def page_k(pages, pages_f, page, h, r):
+        return lambda c: shape.values(lambda index: pages[page, 0, h, r, index], page_param(pages_f, page, 0, h, r),
+                                      c, VL)
 
-    def page_scale(pages_f, page, kv, h, r):
-        return shape.scale(lambda row, cell: pages_f[page, kv, row, r, cell], h)
+    def page_v(pages, pages_f, page, h, r, c):
+        return shape.values(lambda index: pages[page, 1, h, r, index], page_param(pages_f, page, 1, h, r), c, VL)
 
     def dot_terms(q_chunk, k_chunk):
         """sum_c q[chunk c] * k[chunk c]: VL partial sums of one score."""
@@ -279,6 +322,10 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
     def first_row(length_info, b, page_index):
         """The first key row of the sequence's page `page_index`: the window's offset in its first page."""
         return T.if_then_else(page_index == 0, length_info[1, b], 0) if sliding else 0
+
+    def q_chunk(Q, b, hq, q_scale):
+        """c -> chunk c of query head hq, times sm_scale * log2 e."""
+        return lambda c: _f32(Q[b, hq, vec(c * VL)], fdtype, VL) * _bcast(q_scale[0], VL)
 
     @T.macro
     def chunk_task(task, n_chunks, per_chunk, rope, Q, pages, pages_f, page_table_indptr, page_table_values,
@@ -343,12 +390,10 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
                 else:
                     for r in range(start, rows):
                         for g in T.unroll(G):
-                            part[vec(0)] = dot_terms(
-                                lambda c, h=h, g=g: _f32(Q[b, h * G + g, vec(c * VL)], fdtype, VL)
-                                    * _bcast(q_scale[0], VL),
-                                page_k(pages, page, h, r))
-                            scores[(h * G + g) * P + r] = _scaled(_hsum(part, 0, VL),
-                                                                  page_scale(pages_f, page, 0, h, r))
+                            part[vec(0)] = dot_terms(q_chunk(Q, b, h * G + g, q_scale),
+                                                     page_k(pages, pages_f, page, h, r))
+                            scores[(h * G + g) * P + r] = _score(shape, _hsum(part, 0, VL),
+                                                                 page_param(pages_f, page, 0, h, r))
                             cap_score(scores, (h * G + g) * P + r, cap_arg)
                 for r in range(P - rows):
                     for g in T.unroll(G):
@@ -382,14 +427,14 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
                         acc[vec(g * D + c * VL)] = part_acc[vec((task * H_qo + h * G + g) * D + c * VL)] * _bcast(
                             rescale[h * G + g], VL)
                 for r in range(start, rows):
-                    if scaled:  # the V row's scale folded into its weights
+                    if factored:  # the V row's scale folded into its weights
                         for g in T.unroll(G):
-                            scores[(h * G + g) * P + r] = scores[(h * G + g) * P + r] * page_scale(
-                                pages_f, page, 1, h, r)
+                            scores[(h * G + g) * P + r] = scores[(h * G + g) * P + r] * page_param(
+                                pages_f, page, 1, h, r)(0, 0)
                     for g in T.unroll(G):
                         for c in T.unroll(DC):
                             acc[vec(g * D + c * VL)] = (acc[vec(g * D + c * VL)] + _bcast(
-                                scores[(h * G + g) * P + r], VL) * page_v(pages, page, h, r, c))
+                                scores[(h * G + g) * P + r], VL) * page_v(pages, pages_f, page, h, r, c))
                 for g in T.unroll(G):
                     for c in T.unroll(DC):
                         part_acc[vec((task * H_qo + h * G + g) * D + c * VL)] = acc[vec(g * D + c * VL)]
@@ -440,7 +485,7 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
             # the KV layout's views (AttentionShape): the buffers themselves for a float cache
             Q_rows = T.decl_buffer((B, H_qo, D), fdtype, data=Q.data, strides=(H_qo_decl * D_decl, D, 1))
             output_rows = T.decl_buffer((B, H_qo, D), fdtype, data=output.data, strides=(H_qo_decl * D_decl, D, 1))
-            codes = T.decl_buffer((max_num_pages, 2, H_kv_decl, P, D), dtype, data=pages.data)
+            codes = T.decl_buffer((max_num_pages, 2, H_kv_decl, P, ROW), shape.code_dtype, data=pages.data)
             # each sequence's pages in chunks of at most CH (fewer pages each for a short sequence, so that there
             # are MIN_DECODE_TASKS of them): the chunks run in parallel, each keeps an unnormalized state (sum of
             # p * V, running max, sum of p) per query head, merged at the end
@@ -455,6 +500,8 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
                 most[0] = T.max(most[0], page_table_indptr[b + 1] - page_table_indptr[b])
             per_chunk: T.let[T.int32] = T.min(CH, (most[0] + MIN_TASKS - 1) // MIN_TASKS)
             n_chunks: T.let[T.int32] = (most[0] + per_chunk - 1) // per_chunk
+            if shape.carrier is not None:
+                assert rotary_mode == 0, ROTARY_REFUSAL
             if rotary_mode == 1:
                 # TVM's RoPE expression binds a float Let, which the parallel closure's codegen rejects
                 for task in range(B * n_chunks):
@@ -504,7 +551,7 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
     H_qo, H_kv, D, G = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.group
     dtype, fdtype, VL, P = shape.dtype, shape.float_dtype, lanes, block
     DC, PC = D // VL, P // VL
-    scaled = shape.carrier is not None
+    factored = shape.factored
     cap_score = _score_cap(logit_cap)
 
     def vec(base):
@@ -512,6 +559,10 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
 
     def dot_terms(q_chunk, k_chunk):
         return _sum([q_chunk(c) * k_chunk(c) for c in range(DC)])
+
+    def q_chunk(q, t, hq, q_scale):
+        """c -> chunk c of query head hq of row t, times sm_scale * log2 e."""
+        return lambda c: _f32(q[t, hq, vec(c * VL)], fdtype, VL) * _bcast(q_scale[0], VL)
 
     def key(k, v, page_values, kv_begin, blk, h, r, kv, index):
         """Element(s) `index` of key row r of block blk (kv 0: K, 1: V)."""
@@ -532,11 +583,19 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
             return 0
         return T.if_then_else(causal > 0, T.max(kv_len - T.max(sliding_window - row - 1, 0), 0), 0)
 
-    def key_scale(k_f, v_f, page_values, kv_begin, blk, h, r, kv):
-        """The scale of key row r of block blk (an int8 cache; None for a float one), from the declared buffers."""
+    def key_param(k_f, v_f, page_values, kv_begin, blk, h, r, kv):
+        """(group, i) -> parameter i of a group of key row r of block blk (a quantized cache), from the declared
+        buffers."""
         if paged:
-            return shape.scale(lambda row, cell: k_f[page_values[kv_begin + blk], kv, row, r, cell], h)
-        return shape.scale(lambda row, cell: (k_f if kv == 0 else v_f)[kv_begin + blk * P + r, row, cell], h)
+            return lambda group, i: shape.param(
+                lambda row, cell: k_f[page_values[kv_begin + blk], kv, row, r, cell], h, group, i)
+        return lambda group, i: shape.param(
+            lambda row, cell: (k_f if kv == 0 else v_f)[kv_begin + blk * P + r, row, cell], h, group, i)
+
+    def key_chunk(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, kv):
+        """c -> chunk c of key row r of block blk as float32 (AttentionShape.values)."""
+        return lambda c: shape.values(lambda index: key(k, v, page_values, kv_begin, blk, h, r, kv, index),
+                                      key_param(k_f, v_f, page_values, kv_begin, blk, h, r, kv), c, VL)
 
     @T.macro
     def query_row(t, rope, q, q_indptr, k, v, k_f, v_f, kv_indptr, page_values, length_info, q_rope_position,
@@ -612,13 +671,10 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
                 else:
                     for r in range(start, rows):
                         for g in T.unroll(G):
-                            part[vec(0)] = dot_terms(
-                                lambda c, h=h, g=g: _f32(q[t, h * G + g, vec(c * VL)], fdtype, VL)
-                                    * _bcast(q_scale[0], VL),
-                                lambda c, blk=blk, h=h, r=r: _f32(
-                                    key(k, v, page_values, kv_begin, blk, h, r, 0, vec(c * VL)), dtype, VL))
-                            scores[g * P + r] = _scaled(_hsum(part, 0, VL),
-                                                        key_scale(k_f, v_f, page_values, kv_begin, blk, h, r, 0))
+                            part[vec(0)] = dot_terms(q_chunk(q, t, h * G + g, q_scale),
+                                                     key_chunk(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, 0))
+                            scores[g * P + r] = _score(shape, _hsum(part, 0, VL),
+                                                       key_param(k_f, v_f, page_values, kv_begin, blk, h, r, 0))
                             cap_score(scores, g * P + r, cap_arg)
                 for r in range(P - rows):
                     for g in T.unroll(G):
@@ -645,14 +701,14 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
                     for c in T.unroll(DC):
                         acc[vec(g * D + c * VL)] = acc[vec(g * D + c * VL)] * _bcast(rescale[0], VL)
                 for r in range(start, rows):
-                    if scaled:  # the V row's scale folded into its weights
+                    if factored:  # the V row's scale folded into its weights
                         for g in T.unroll(G):
-                            scores[g * P + r] = scores[g * P + r] * key_scale(k_f, v_f, page_values, kv_begin, blk,
-                                                                              h, r, 1)
+                            scores[g * P + r] = scores[g * P + r] * key_param(k_f, v_f, page_values, kv_begin, blk,
+                                                                              h, r, 1)(0, 0)
                     for g in T.unroll(G):
                         for c in T.unroll(DC):
-                            acc[vec(g * D + c * VL)] = acc[vec(g * D + c * VL)] + _bcast(scores[g * P + r], VL) * _f32(
-                                key(k, v, page_values, kv_begin, blk, h, r, 1, vec(c * VL)), dtype, VL)
+                            acc[vec(g * D + c * VL)] = acc[vec(g * D + c * VL)] + _bcast(scores[g * P + r], VL) * (
+                                key_chunk(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, 1)(c))
             for g in T.unroll(G):
                 for c in T.unroll(DC):
                     output[t, h * G + g, vec(c * VL)] = T.Cast(_vec(fdtype, VL), acc[vec(g * D + c * VL)] * _bcast(
@@ -668,7 +724,7 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, rope_scaling: di
     """Self-attention among the new tokens of a prefill: TVM's `batch_prefill_ragged_kv` signature (its CPU
     variant, `_attention_prefill_ragged_cpu`), head_dim the same for q/k and v. One parallel task per query row
     (_prefill_row_macro), keys in blocks of `block` rows; shape.page_size is not used."""
-    H_qo, D, dtype, fdtype = shape.num_qo_heads, shape.head_dim, shape.dtype, shape.float_dtype
+    H_qo, D, fdtype = shape.num_qo_heads, shape.head_dim, shape.float_dtype
     H_qo_decl, H_kv_decl, D_decl = shape.declared
     inline_rope = shape.carrier is None
     assert shape.supported(lanes) and block % lanes == 0, shape
@@ -718,8 +774,10 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, rope_scaling: di
             q_rows = T.decl_buffer((qo_len, H_qo, D), fdtype, data=q.data, strides=(H_qo_decl * D_decl, D, 1))
             output_rows = T.decl_buffer((qo_len, H_qo, D), fdtype, data=output.data,
                                         strides=(H_qo_decl * D_decl, D, 1))
-            k_codes = T.decl_buffer((kv_len, H_kv_decl, D), dtype, data=k.data)
-            v_codes = T.decl_buffer((kv_len, H_kv_decl, D), dtype, data=v.data)
+            k_codes = T.decl_buffer((kv_len, H_kv_decl, shape.code_row), shape.code_dtype, data=k.data)
+            v_codes = T.decl_buffer((kv_len, H_kv_decl, shape.code_row), shape.code_dtype, data=v.data)
+            if shape.carrier is not None:
+                assert rotary_mode == 0, ROTARY_REFUSAL
             if rotary_mode == 1:
                 for t in range(qo_len):  # serial: TVM's RoPE expression breaks the parallel closure's codegen
                     query_row(t, inline_rope, q_rows, q_indptr, k_codes, v_codes, k, v, kv_indptr, None, None,
@@ -740,7 +798,7 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, rope_scaling: dic
     `batch_prefill_paged_kv_cpu` signature, or (a `sliding_window`) its `_sliding_window` variant for the
     "mha_sliding" layers (_prefill_row_macro; no sinks, no inline RoPE: _window_checks). One parallel task per query
     row, one block per page."""
-    H_qo, D, P, dtype, fdtype = shape.num_qo_heads, shape.head_dim, shape.page_size, shape.dtype, shape.float_dtype
+    H_qo, D, P, fdtype = shape.num_qo_heads, shape.head_dim, shape.page_size, shape.float_dtype
     H_qo_decl, H_kv_decl, D_decl = shape.declared
     sliding = sliding_window > 0
     inline_rope = shape.carrier is None and not sliding
@@ -800,7 +858,10 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, rope_scaling: dic
             q_rows = T.decl_buffer((total_len, H_qo, D), fdtype, data=q.data, strides=(H_qo_decl * D_decl, D, 1))
             output_rows = T.decl_buffer((total_len, H_qo, D), fdtype, data=output.data,
                                         strides=(H_qo_decl * D_decl, D, 1))
-            codes = T.decl_buffer((max_num_pages, 2, H_kv_decl, P, D), dtype, data=pages.data)
+            codes = T.decl_buffer((max_num_pages, 2, H_kv_decl, P, shape.code_row), shape.code_dtype,
+                                  data=pages.data)
+            if shape.carrier is not None:
+                assert rotary_mode == 0, ROTARY_REFUSAL
             if rotary_mode == 1:
                 for t in range(total_len):  # serial: TVM's RoPE expression breaks the parallel closure's codegen
                     query_row(t, inline_rope, q_rows, q_indptr, codes, codes, pages, pages, page_indptr, page_values,
@@ -816,35 +877,65 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, rope_scaling: dic
                                                 PAGED_PREFILL_SYMBOL + (SLIDING_SUFFIX if sliding else ""))
 
 
-def int8_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale: float = 1.0,
-                      rope_scaling: dict[str, Any] | None = None) -> tirx.PrimFunc:
-    """An int8 cache's `tir_split_rotary` (TVM's `fused_rope` signature: qkv, position_map, q, k, v, apply_rope),
-    on the float32 carrier (kv_cache_dtype.Int8Carrier): reads the fused projection output as the real (tokens,
+def quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale: float = 1.0,
+                           rope_scaling: dict[str, Any] | None = None) -> tirx.PrimFunc:
+    """A quantized cache's `tir_split_rotary` (TVM's `fused_rope` signature: qkv, position_map, q, k, v, apply_rope),
+    on the float32 carrier (kv_cache_dtype.Carrier): reads the fused projection output as the real (tokens,
     heads + 2 kv_heads, head_dim) floats, applies RoPE to q and k as TVM's llama_rope_with_position_map does
     (rotate-half, freq = position * rope_scale / theta^(2i / head_dim), when apply_rope > 0; with `rope_scaling`
     llama3, that inverse frequency smoothed as TVM's rope_freq_llama3 does), writes q to the start of its declared
-    rows and quantizes k (after RoPE) and v per token and KV head: scale = max|x| / 127 into the scale cells,
-    round(x / scale) as int8 codes into the head's row. One parallel task per token; cos and sin go through
-    buffers (a float Let inside a parallel loop breaks the CPU codegen)."""
+    rows and quantizes k (after RoPE) and v per token and KV head in the cache's format (kv_cache_dtype.CODE_FORMATS),
+    the codes into the head's row and the parameters into their cells: int8 scale = max|x| / 127, codes
+    round(x / scale); int4 per group of channels scale = (max - min) / 15 and min, codes round((x - min) / scale),
+    two to a byte. One parallel task per token; cos and sin go through buffers (a float Let inside a parallel loop
+    breaks the CPU codegen)."""
     c = shape.carrier
     assert c is not None, shape
     kind = (rope_scaling or {}).get("rope_type")
     if kind not in (None, "llama3"):
-        raise ValueError(f"int8_split_rotary: RoPE scaling {kind!r} is not implemented")
+        raise ValueError(f"quantized_split_rotary: RoPE scaling {kind!r} is not implemented")
     llama3 = _llama3_constants(rope_scaling) if kind == "llama3" else None
     H_qo, H_kv, D = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim
     H_qo_decl, H_kv_decl, D_decl = shape.declared
-    HALF = D // 2
+    HALF, GS = D // 2, c.group
+
+    def param_row(h, group, i):
+        return c.param_position(h, group, i)[0]
+
+    def param_cell(h, group, i):
+        return c.param_position(h, group, i)[1]
+
+    def nibble(x, stat):
+        """The int4 code of x, stat[0] the row's min and stat[1] 15 / (max - min)."""
+        return T.Cast("uint8", T.min(T.round((x - stat[0]) * stat[1]), T.float32(15)))
 
     @T.macro
-    def quantize(row, codes, scales, s, h, amax):
-        amax[0] = T.float32(0)
+    def quantize_int8(row, codes, params, s, h, stat):
+        stat[0] = T.float32(0)
         for d in range(D):
-            amax[0] = T.max(amax[0], T.fabs(row[d]))
-        scales[s, H_kv + h // c.cell, h % c.cell] = amax[0] / T.float32(127)
-        amax[0] = T.if_then_else(amax[0] > T.float32(0), T.float32(127) / amax[0], T.float32(0))
+            stat[0] = T.max(stat[0], T.fabs(row[d]))
+        params[s, param_row(h, 0, 0), param_cell(h, 0, 0)] = stat[0] / T.float32(127)
+        stat[0] = T.if_then_else(stat[0] > T.float32(0), T.float32(127) / stat[0], T.float32(0))
         for d in range(D):
-            codes[s, h, d] = T.Cast("int8", T.round(row[d] * amax[0]))
+            codes[s, h, d] = T.Cast("int8", T.round(row[d] * stat[0]))
+
+    @T.macro
+    def quantize_int4(row, codes, params, s, h, stat):
+        for group in range(D // GS):
+            stat[0] = row[group * GS]  # min
+            stat[1] = row[group * GS]  # max, then 15 / (max - min)
+            for d in range(GS):
+                stat[0] = T.min(stat[0], row[group * GS + d])
+                stat[1] = T.max(stat[1], row[group * GS + d])
+            params[s, param_row(h, group, 0), param_cell(h, group, 0)] = (stat[1] - stat[0]) / T.float32(15)
+            params[s, param_row(h, group, 1), param_cell(h, group, 1)] = stat[0]
+            stat[1] = T.if_then_else(stat[1] > stat[0], T.float32(15) / (stat[1] - stat[0]), T.float32(0))
+            for j in range(GS // 2):
+                codes[s, h, group * GS // 2 + j] = T.bitwise_or(
+                    nibble(row[group * GS + 2 * j], stat), T.shift_left(nibble(row[group * GS + 2 * j + 1], stat),
+                                                                       T.uint8(4)))
+
+    quantize = {"int8": quantize_int8, "int4": quantize_int4}[shape.dtype]
 
     # pylint: disable=too-many-locals
     @T.prim_func(private=True, s_tir=True)
@@ -861,14 +952,14 @@ def int8_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale: floa
         with T.sblock("root"):
             qkv_rows = T.decl_buffer((seq_len, H_qo + 2 * H_kv, D), "float32", data=qkv.data)
             q_rows = T.decl_buffer((seq_len, H_qo, D), "float32", data=q.data, strides=(H_qo_decl * D_decl, D, 1))
-            k_codes = T.decl_buffer((seq_len, H_kv_decl, D), "int8", data=k.data)
-            v_codes = T.decl_buffer((seq_len, H_kv_decl, D), "int8", data=v.data)
+            k_codes = T.decl_buffer((seq_len, H_kv_decl, shape.code_row), shape.code_dtype, data=k.data)
+            v_codes = T.decl_buffer((seq_len, H_kv_decl, shape.code_row), shape.code_dtype, data=v.data)
             for s in T.parallel(seq_len):
                 cos = T.alloc_buffer((HALF,), "float32")
                 sin = T.alloc_buffer((HALF,), "float32")
                 freq = T.alloc_buffer((1 if llama3 is None else 3,), "float32")
                 row = T.alloc_buffer((D,), "float32")
-                amax = T.alloc_buffer((1,), "float32")
+                stat = T.alloc_buffer((2,), "float32")  # the row's statistics
                 for i in range(HALF):
                     if llama3 is None:
                         freq[0] = T.Cast("float32", position_map[s]) * T.float32(rope_scale) / T.pow(
@@ -893,11 +984,11 @@ def int8_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale: floa
                         for d in range(D):
                             q_rows[s, h, d] = row[d]
                     else:
-                        quantize(row, k_codes, k, s, h - H_qo, amax)
+                        quantize(row, k_codes, k, s, h - H_qo, stat)
                 for h in range(H_kv):
                     for d in range(D):
                         row[d] = qkv_rows[s, H_qo + H_kv + h, d]
-                    quantize(row, v_codes, v, s, h, amax)
+                    quantize(row, v_codes, v, s, h, stat)
 
     return fused_rope.with_attr("global_symbol", SPLIT_ROTARY_SYMBOL)
 
@@ -910,12 +1001,11 @@ def _llama3_constants(rope_scaling: dict[str, Any]) -> tuple[float, float, float
     return 1.0 / factor, original / (2 * math.pi) / (high - low), low / (high - low)
 
 
-def int8_merge_state(shape: AttentionShape) -> tirx.PrimFunc:
-    """An int8 cache's `tir_attention_merge_state_cpu` (TVM's `merge_state_inplace_cpu` signature: v, s, v_other,
+def carrier_merge_state(shape: AttentionShape) -> tirx.PrimFunc:
+    """A quantized cache's `tir_attention_merge_state_cpu` (TVM's `merge_state_inplace_cpu` signature: v, s, v_other,
     s_other, merging into v and s): the attention states of the real query heads, whose output rows lie at the
     start of the declared rows (AttentionShape views) and whose lse the kernels here write at [n, hq], hq < heads.
-    TVM's merges every declared head as a (declared heads, head_dim / 4) row, which pairs lse with the wrong
-    floats."""
+    TVM's merges every declared head as a (declared heads, cell) row, which pairs lse with the wrong floats."""
     assert shape.carrier is not None, shape
     H_qo, D = shape.num_qo_heads, shape.head_dim
     H_qo_decl, _, D_decl = shape.declared

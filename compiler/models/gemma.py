@@ -24,7 +24,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode
 
 from ..errors import MobilecError
 from ..kernels.cpu_attention import ATTN_LOGIT_CAP_ATTR, LAYER_SLIDING_WINDOW_ATTR
-from ..kv_cache_dtype import INT8
+from ..kv_cache_dtype import CODE_FORMATS
 from .llama import Embedding, LlamaAttention, LlamaConfig, LlamaForCausalLM, _positive, _whole
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types
@@ -44,10 +44,10 @@ class GemmaConfig(LlamaConfig):
     attn_logit_softcapping: float | None = None
 
     @property
-    def int8_carrier(self):
-        if self.kv_dtype == INT8:
-            raise MobilecError("--kv-dtype int8 is not implemented for Gemma models (RoPE is applied in the model "
-                               "graph, the int8 kernels are not tested with it); use f16")
+    def kv_carrier(self):
+        if self.kv_dtype in CODE_FORMATS:
+            raise MobilecError(f"--kv-dtype {self.kv_dtype} is not implemented for Gemma models (RoPE is applied in "
+                               f"the model graph, the quantized cache kernels are not tested with it); use f16")
         return None
 
     def rope(self, layer_id: int) -> tuple[float, float]:

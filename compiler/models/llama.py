@@ -13,7 +13,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.target import Target
 
 from ..errors import MobilecError
-from ..kv_cache_dtype import INT8, Int8Carrier
+from ..kv_cache_dtype import Carrier, carrier_for
 
 
 @dataclasses.dataclass
@@ -40,14 +40,15 @@ class LlamaConfig:
     kv_dtype: str | None = None  # the KV cache's storage (kv_cache_dtype.py); None: the activations' dtype
 
     @property
-    def int8_carrier(self) -> Int8Carrier | None:
-        """The float32 geometry an int8 cache is declared with (kv_cache_dtype.Int8Carrier); None for others."""
-        if self.kv_dtype != INT8:
-            return None
-        if self.head_dim % 4:
-            raise MobilecError(f"--kv-dtype int8: head_dim {self.head_dim} is not a multiple of 4 (a float32 cell "
-                               f"of the carrier holds 4 codes); use f16")
-        return Int8Carrier(self.num_attention_heads, self.num_key_value_heads, self.head_dim)
+    def kv_carrier(self) -> Carrier | None:
+        """The float32 geometry a quantized (int8, int4) cache is declared with (kv_cache_dtype.Carrier); None for
+        a float cache."""
+        carrier = carrier_for(self.kv_dtype, self.num_attention_heads, self.num_key_value_heads, self.head_dim)
+        if carrier is not None and self.head_dim % carrier.format.codes_per_cell:
+            per_cell = carrier.format.codes_per_cell
+            raise MobilecError(f"--kv-dtype {self.kv_dtype}: head_dim {self.head_dim} is not a multiple of {per_cell} "
+                               f"(a float32 cell of the carrier holds {per_cell} codes); use f16")
+        return carrier
 
     @property
     def rope_scale(self) -> float:
@@ -283,7 +284,7 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.kv_dtype = cfg.kv_dtype
-        self.carrier = cfg.int8_carrier
+        self.carrier = cfg.kv_carrier
         self.qk_norm = cfg.qk_norm
         qkv_rows = (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_rows, bias=cfg.attention_bias)
@@ -312,7 +313,7 @@ class LlamaAttention(nn.Module):
         output [b, s, heads * head_dim] in qkv's dtype."""
         b, s, _, _ = qkv.shape
         if self.carrier is not None:
-            return self._int8_cache_attention(qkv, kv_cache, layer_id)
+            return self._carrier_attention(qkv, kv_cache, layer_id)
         dtype = qkv.dtype
         # TVM's paged cache takes q/k/v in the dtype it stores (kv_cache_dtype.py)
         if self.kv_dtype not in (None, dtype):
@@ -322,17 +323,16 @@ class LlamaAttention(nn.Module):
             out = out.astype(dtype)
         return op.reshape(out, (b, s, self.num_q_heads * self.head_dim))
 
-    def _int8_cache_attention(self, qkv: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
-        """Attention over an int8 cache declared as its float32 carrier (kv_cache_dtype.Int8Carrier): the float32
+    def _carrier_attention(self, qkv: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
+        """Attention over a quantized cache declared as its float32 carrier (kv_cache_dtype.Carrier): the float32
         q/k/v reshaped to the carrier's rows (no copy), and the real output taken back from the start of the
         declared output rows. Our split kernel quantizes K/V into the carrier's cells."""
         b, s, _, _ = qkv.shape
         c = self.carrier
         out = kv_cache.attention_with_fused_qkv(
             layer_id, op.reshape(qkv, (b, s, c.fused_rows, c.cell)), c.declared_heads, sm_scale=self.sm_scale)
-        real = 4 * self.num_q_heads  # declared rows holding the real output
-        if c.declared_heads > real:
-            out = op.split(out, [real], axis=2)[0]
+        if c.declared_heads > c.q_rows:
+            out = op.split(out, [c.q_rows], axis=2)[0]
         return op.reshape(out, (b, s, self.num_q_heads * self.head_dim))
 
 
@@ -426,7 +426,7 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
         support_sliding_window: tirx.Var,
     ) -> PagedKVCache:
         cfg = self.cfg
-        carrier = cfg.int8_carrier
+        carrier = cfg.kv_carrier
         heads, kv_heads, head_dim, dtype = (
             (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.kv_dtype or self.dtype)
             if carrier is None else

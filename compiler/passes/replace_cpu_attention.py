@@ -15,16 +15,17 @@ state): then both are replaced by ours, or the build fails; without the attr the
 model whose attention scores are capped (Gemma 2) says so in ATTN_LOGIT_CAP_ATTR: every kernel is then ours, with
 the cap, or the build fails.
 
-An int8 KV cache (kv_cache_dtype.Int8Carrier) is declared to TVM as a float32 cache of another geometry, whose
-cells TVM's kernels would read as floats: the importer records the real geometry as the module attr
-KV_FORMAT_ATTR, and then all five kernels that read or write the packed cells (split + RoPE, decode, ragged and
-paged prefill, merge of states) are replaced, by our int8 variants built from that geometry, or the build fails.
+A quantized KV cache (int8, int4: kv_cache_dtype.Carrier) is declared to TVM as a float32 cache of another
+geometry, whose cells TVM's kernels would read as floats: the importer records the real geometry and format as the
+module attr KV_FORMAT_ATTR, and then all five kernels that read or write the packed cells (split + RoPE, decode,
+ragged and paged prefill, merge of states) are replaced, by our variants built from that geometry, or the build
+fails.
 TVM's copy kernels (transpose_append, copy_single_page, compact_kv_copy, debug_get_kv) move whole cells and stay.
 
 RoPE scaling (Llama 3's, or linear): the importer records the model's as the module attr ROPE_ATTR, and every
 kernel built here gets it, as TVM's got it from TIRPagedKVCache: the inline-RoPE paths of decode and prefill
-(rotary_mode 1) through TVM's own `_rope`, and the int8 cache's split + RoPE, which applies RoPE to every q and k.
-A module without the attr (built by hand) has plain RoPE.
+(rotary_mode 1) through TVM's own `_rope`, and a quantized cache's split + RoPE, which applies RoPE to every q and
+k. A module without the attr (built by hand) has plain RoPE.
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ from ..kernels.cpu_attention import (
     attention_decode,
     attention_prefill_paged,
     attention_prefill_ragged,
-    int8_merge_state,
-    int8_split_rotary,
+    carrier_merge_state,
+    quantized_split_rotary,
 )
-from ..kv_cache_dtype import INT8, KV_FORMAT_ATTR, ROPE_ATTR
+from ..kv_cache_dtype import CODE_FORMATS, KV_FORMAT_ATTR, ROPE_ATTR
 
 
 def rope_of(mod: tvm.IRModule) -> tuple[float, dict[str, Any]]:
@@ -132,7 +133,7 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         kv_format = mod.attrs.get(KV_FORMAT_ATTR) if mod.attrs is not None else None
         rope_scale, rope_scaling = rope_of(mod)
-        replaced = (self._int8(mod, kv_format, rope_scale, rope_scaling) if kv_format is not None
+        replaced = (self._quantized(mod, kv_format, rope_scale, rope_scaling) if kv_format is not None
                     else self._float(mod, rope_scaling))
         if not replaced:
             return mod
@@ -164,21 +165,22 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
                 {**dict(func.attrs), "tirx.noalias": True})
         return replaced
 
-    def _int8(self, mod: tvm.IRModule, kv_format, rope_scale: float, rope_scaling: dict[str, Any]) -> dict:
-        """The five kernels of an int8 cache, for the real geometry in `kv_format` (Int8Carrier.module_attr); TVM's
+    def _quantized(self, mod: tvm.IRModule, kv_format, rope_scale: float, rope_scaling: dict[str, Any]) -> dict:
+        """The five kernels of a quantized cache, for the real geometry in `kv_format` (Carrier.module_attr); TVM's
         would misread the carrier, so a kernel missing or a geometry the vectorized kernels do not take fails."""
         funcs = {_global_symbol(func): (gv, func) for gv, func in mod.functions_items()}
+        name = str(kv_format["format"])
         if mod.attrs.get(LAYER_SLIDING_WINDOW_ATTR) is not None or mod.attrs.get(ATTN_LOGIT_CAP_ATTR) is not None:
-            raise MobilecError("--kv-dtype int8 with sliding-window attention layers or capped attention logits is "
-                               "not implemented; use f16")
-        if str(kv_format["format"]) != INT8 or DECODE_SYMBOL not in funcs:
-            raise MobilecError(f"{KV_FORMAT_ATTR} {dict(kv_format)}: not an int8 cache with TVM's CPU kernels")
+            raise MobilecError(f"--kv-dtype {name} with sliding-window attention layers or capped attention logits "
+                               f"is not implemented; use f16")
+        if name not in CODE_FORMATS or DECODE_SYMBOL not in funcs:
+            raise MobilecError(f"{KV_FORMAT_ATTR} {dict(kv_format)}: not a quantized cache with TVM's CPU kernels")
         page_size = int(funcs[DECODE_SYMBOL][1].params[1].shape[3])
         shape = AttentionShape(num_kv_heads=int(kv_format["kv_heads"]), num_qo_heads=int(kv_format["heads"]),
-                               head_dim=int(kv_format["head_dim"]), dtype=INT8, page_size=page_size)
+                               head_dim=int(kv_format["head_dim"]), dtype=name, page_size=page_size)
         if not shape.supported(self.lanes):
-            raise MobilecError(f"--kv-dtype int8: {shape.num_qo_heads} query heads, {shape.num_kv_heads} KV heads of "
-                               f"head_dim {shape.head_dim} are not taken by the {self.lanes}-lane CPU kernels")
+            raise MobilecError(f"--kv-dtype {name}: {shape.num_qo_heads} query heads, {shape.num_kv_heads} KV heads "
+                               f"of head_dim {shape.head_dim} are not taken by the {self.lanes}-lane CPU kernels")
         declared = decode_shape(funcs[DECODE_SYMBOL][1])
         assert declared is not None and (declared.num_qo_heads, declared.num_kv_heads, declared.head_dim,
                                          declared.dtype) == (*shape.declared, "float32"), (declared, shape)
@@ -186,12 +188,12 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
             DECODE_SYMBOL: lambda: attention_decode(shape, self.lanes, rope_scaling),
             RAGGED_SYMBOL: lambda: attention_prefill_ragged(shape, self.lanes, rope_scaling),
             PAGED_PREFILL_SYMBOL: lambda: attention_prefill_paged(shape, self.lanes, rope_scaling),
-            SPLIT_ROTARY_SYMBOL: lambda: int8_split_rotary(shape, float(kv_format["rope_theta"]), rope_scale,
-                                                           rope_scaling),
-            MERGE_SYMBOL: lambda: int8_merge_state(shape),
+            SPLIT_ROTARY_SYMBOL: lambda: quantized_split_rotary(shape, float(kv_format["rope_theta"]), rope_scale,
+                                                                rope_scaling),
+            MERGE_SYMBOL: lambda: carrier_merge_state(shape),
         }
         missing = [symbol for symbol in builds if symbol not in funcs]
         if missing:
-            raise MobilecError(f"--kv-dtype int8: the module lacks TVM's kernels {missing} to replace")
+            raise MobilecError(f"--kv-dtype {name}: the module lacks TVM's kernels {missing} to replace")
         return {funcs[symbol][0]: build().with_attrs({**dict(funcs[symbol][1].attrs), "tirx.noalias": True})
                 for symbol, build in builds.items()}

@@ -41,23 +41,35 @@ def fake_quantized(model, layout):
     return clone
 
 
-def int8_kv_fake_quantized(model):
-    """A copy of `model` whose attention sees K (after RoPE) and V through int8 quantize + dequantize per token and
-    KV head, as the int8 cache stores them (quantizing the whole cached K/V each step is the same: a dequantized
-    row quantizes to its own codes)."""
+def _int8_round_trip(x):
+    amax = x.abs().amax(-1, keepdim=True)
+    return torch.round(x * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))) * (amax / 127)
+
+
+def _int4_round_trip(x):  # per row: the tiny models' head_dim 16 is one group of int4 channels
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    inv = torch.where(hi > lo, 15 / (hi - lo), torch.zeros_like(hi))
+    return torch.clamp(torch.round((x - lo) * inv), max=15) * ((hi - lo) / 15) + lo
+
+
+KV_ROUND_TRIPS = {"int8": _int8_round_trip, "int4": _int4_round_trip}
+
+
+def kv_fake_quantized(model, name: str):
+    """A copy of `model` whose attention sees K (after RoPE) and V through quantize + dequantize per token and KV
+    head, as the `name` (int8, int4) cache stores them (quantizing the whole cached K/V each step is the same: a
+    dequantized row quantizes to its own codes)."""
     import copy
 
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    def round_trip(x):
-        amax = x.abs().amax(-1, keepdim=True)
-        return torch.round(x * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))) * (amax / 127)
+    round_trip = KV_ROUND_TRIPS[name]
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         return sdpa_attention_forward(module, query, round_trip(key), round_trip(value), attention_mask, **kwargs)
 
-    AttentionInterface.register("mobilec_int8_kv", attention)
+    AttentionInterface.register(f"mobilec_{name}_kv", attention)
     clone = copy.deepcopy(model)
-    clone.set_attn_implementation("mobilec_int8_kv")
+    clone.set_attn_implementation(f"mobilec_{name}_kv")
     return clone

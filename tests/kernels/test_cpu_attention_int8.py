@@ -1,4 +1,4 @@
-"""An int8 KV cache's CPU kernels (kernels/cpu_attention.py on kv_cache_dtype.Int8Carrier): decode, ragged and
+"""An int8 KV cache's CPU kernels (kernels/cpu_attention.py on kv_cache_dtype.Carrier): decode, ragged and
 paged prefill, split + RoPE + quantize, merge of attention states, each on buffers laid out as TVM's runtime
 allocates the float32 carrier, against numpy: K/V quantized the same way (scale = max|x| / 127 per token and KV
 head), attention over the dequantized values (test_cpu_attention.py's references). SmolLM2's geometry (9 query
@@ -23,11 +23,11 @@ from compiler.kernels.cpu_attention import (
     attention_decode,
     attention_prefill_paged,
     attention_prefill_ragged,
-    int8_merge_state,
-    int8_split_rotary,
+    carrier_merge_state,
+    quantized_split_rotary,
     vector_lanes,
 )
-from compiler.kv_cache_dtype import KV_FORMAT_ATTR, Int8Carrier
+from compiler.kv_cache_dtype import CODE_FORMATS, KV_FORMAT_ATTR, Carrier
 from compiler.passes.replace_cpu_attention import ReplaceCPUAttention
 from tests.kernels.test_cpu_attention import (
     LLAMA3,
@@ -45,7 +45,7 @@ from tests.kernels.test_cpu_attention import (
 
 H_QO, H_KV = 9, 3
 SHAPE = AttentionShape(H_KV, H_QO, D, "int8", PAGE)
-CARRIER = Int8Carrier(H_QO, H_KV, D)
+CARRIER = Carrier(CODE_FORMATS["int8"], H_QO, H_KV, D)
 HQ_DECL, HKV_DECL, CELL = SHAPE.declared
 
 
@@ -53,7 +53,7 @@ def test_carrier_geometry():
     """SmolLM2: 16 floats a cell, 3 code rows + 1 scale row, 60 fused rows, 52 declared query heads."""
     assert (CARRIER.cell, CARRIER.declared_kv_heads, CARRIER.fused_rows, CARRIER.declared_heads) == (16, 4, 60, 52)
     assert CARRIER.declared_heads * CARRIER.cell >= H_QO * D
-    odd = Int8Carrier(4, 2, 16)  # the tiny test model: 4-float cells, one scale row for 2 heads
+    odd = Carrier(CODE_FORMATS["int8"], 4, 2, 16)  # the tiny test model: 4-float cells, one scale row for 2 heads
     assert (odd.declared_kv_heads, odd.declared_heads) == (3, 26)
 
 
@@ -63,8 +63,8 @@ def _build(kind: str):
     func = {"decode": lambda: attention_decode(SHAPE, lanes),
             "ragged": lambda: attention_prefill_ragged(SHAPE, lanes),
             "paged": lambda: attention_prefill_paged(SHAPE, lanes),
-            "split": lambda: int8_split_rotary(SHAPE, ROPE_THETA, ROPE_SCALE),
-            "merge": lambda: int8_merge_state(SHAPE)}[kind]()
+            "split": lambda: quantized_split_rotary(SHAPE, ROPE_THETA, ROPE_SCALE),
+            "merge": lambda: carrier_merge_state(SHAPE)}[kind]()
     return tvm.tirx.build(tvm.IRModule({"main": func}), target=RUN)["main"]
 
 
@@ -232,7 +232,7 @@ def test_split_rotary_quantizes_k_after_rope_and_v(apply_rope):
 
 def _split_pair(scale: float, scaling: dict):
     """(ours, TVM's) split + RoPE kernels for RoPE scale `scale` and TVM's rope_scaling dict `scaling`."""
-    ours = int8_split_rotary(SHAPE, ROPE_THETA, scale, scaling)
+    ours = quantized_split_rotary(SHAPE, ROPE_THETA, scale, scaling)
     theirs = llama_rope_with_position_map(ROPE_THETA, scale, D, H_QO, H_KV, "float32", scaling)
     return tuple(tvm.tirx.build(tvm.IRModule({"main": f}), target=RUN)["main"] for f in (ours, theirs))
 
@@ -304,8 +304,8 @@ def test_pass_replaces_all_five_kernels_of_an_int8_cache(tiny_int8_module):
     for symbol, build in ((DECODE_SYMBOL, lambda: attention_decode(shape, 8)),
                           (RAGGED_SYMBOL, lambda: attention_prefill_ragged(shape, 8)),
                           (PAGED_PREFILL_SYMBOL, lambda: attention_prefill_paged(shape, 8)),
-                          (SPLIT_ROTARY_SYMBOL, lambda: int8_split_rotary(shape, theta)),
-                          (MERGE_SYMBOL, lambda: int8_merge_state(shape))):
+                          (SPLIT_ROTARY_SYMBOL, lambda: quantized_split_rotary(shape, theta)),
+                          (MERGE_SYMBOL, lambda: carrier_merge_state(shape))):
         old, new = mod[symbol], swapped[symbol]
         tvm.ir.assert_structural_equal(new, build().with_attrs({**dict(old.attrs), "tirx.noalias": True}))
         assert [str(p.name) for p in new.params] == [str(p.name) for p in old.params]
@@ -338,11 +338,12 @@ def test_pass_gives_an_int8_cache_the_models_rope_scaling(tmp_path):
     for symbol, build in ((DECODE_SYMBOL, lambda s: attention_decode(shape, 8, s)),
                           (RAGGED_SYMBOL, lambda s: attention_prefill_ragged(shape, 8, s)),
                           (PAGED_PREFILL_SYMBOL, lambda s: attention_prefill_paged(shape, 8, s)),
-                          (SPLIT_ROTARY_SYMBOL, lambda s: int8_split_rotary(shape, theta, 1.0, s))):
+                          (SPLIT_ROTARY_SYMBOL, lambda s: quantized_split_rotary(shape, theta, 1.0, s))):
         attrs = {**dict(mod[symbol].attrs), "tirx.noalias": True}
         tvm.ir.assert_structural_equal(swapped[symbol], build(scaling).with_attrs(attrs))
     with pytest.raises(ValueError):
-        tvm.ir.assert_structural_equal(swapped[SPLIT_ROTARY_SYMBOL], int8_split_rotary(shape, theta).with_attrs(attrs))
+        tvm.ir.assert_structural_equal(swapped[SPLIT_ROTARY_SYMBOL],
+                                       quantized_split_rotary(shape, theta).with_attrs(attrs))
 
 
 def test_pass_refuses_an_int8_geometry_the_kernels_do_not_take(tiny_int8_module):

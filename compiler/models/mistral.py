@@ -1,12 +1,11 @@
-"""Mistral decoder: the Llama structure, with attention limited to the last `sliding_window` tokens when the config
-sets one (Mistral 7B v0.1: 4096; null from v0.2 on)."""
+"""Mistral decoder: the Llama structure. A `sliding_window` (Mistral 7B v0.1: 4096; null from v0.2 on) shorter than
+the context window is refused: compile with --context-window at most the window, where it changes nothing."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from ..kernels.cpu_attention import LAYER_SLIDING_WINDOW_ATTR
+from ..errors import MobilecError
 from .llama import LlamaConfig, LlamaForCausalLM, _whole
 
 
@@ -20,35 +19,19 @@ def binding_sliding_window(hf: dict[str, Any], context_window: int) -> int | Non
     return window if window < context_window else None
 
 
-@dataclasses.dataclass
 class MistralConfig(LlamaConfig):
-    # every layer attends to the last sliding_window positions only (itself included); None: to all of them
-    sliding_window: int | None = None
-
     @classmethod
     def from_hf(cls, hf: dict[str, Any], context_window: int | None = None) -> "MistralConfig":
-        """Llama's fields and the binding window; prompts go in chunks of at most the window, as TVM's cache
-        computes the new tokens among themselves without it (one ragged kernel for all layers)."""
+        """Llama's fields; a window that binds is refused: with every layer TVM's "mha_sliding" the cache fails at
+        run time (a null tensor view in TVM 0.27's runtime), which Gemma's mixed layers do not hit."""
         cfg = super().from_hf(hf, context_window)
         window = binding_sliding_window(hf, cfg.context_window_size)
-        if window is None:
-            return cfg
-        return dataclasses.replace(cfg, sliding_window=window,
-                                   prefill_chunk_size=min(cfg.prefill_chunk_size, window))
+        if window is not None:
+            raise MobilecError(f"config.json: sliding_window {window} is shorter than the context window "
+                               f"{cfg.context_window_size}, which is not implemented for {hf.get('model_type')}; "
+                               f"use --context-window {window} or less")
+        return cfg
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Llama's functions; with a binding window every layer is "mha_sliding": the cache hands its kernels the
-    window's pages, and mobilec's CPU attention kernels take the window (LAYER_SLIDING_WINDOW_ATTR)."""
-
-    def cpu_attention_attrs(self) -> dict[str, Any]:
-        window = self.cfg.sliding_window
-        return {} if window is None else {LAYER_SLIDING_WINDOW_ATTR: window}
-
-    def kv_cache_attention(self) -> dict[str, Any]:
-        attention = super().kv_cache_attention()
-        window = self.cfg.sliding_window
-        if window is None:
-            return attention
-        return {**attention, "attn_kind": ["mha_sliding"] * self.cfg.num_hidden_layers,
-                "layer_sliding_window_size": window}
+    """Llama's functions and KV cache (the window, at least the context window, changes nothing)."""

@@ -1,14 +1,12 @@
 """Phi-3 decoder (Phi-3-mini, Phi-3.5-mini, Phi-4-mini): the Llama structure, with q/k/v and gate/up fused in the
-checkpoint, RoPE on the first `partial_rotary_factor` of each head, LongRoPE scaling, and a sliding window (as
-Mistral's)."""
+checkpoint, RoPE on the first `partial_rotary_factor` of each head, LongRoPE scaling, and a sliding window
+refused where it binds (as Mistral's)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from typing import Any
-
-import numpy as np
 
 from ..errors import MobilecError
 from ..kv_cache_dtype import INT8
@@ -95,14 +93,11 @@ class Phi3Config(MistralConfig):
         """RoPE over rotary_dim dims; with LongRoPE, the short factors (the context window is within
         original_max_position_embeddings) and the attention factor. TVM's cache takes a rotary_dim, but its LongRoPE
         kernel does not build in TVM 0.27 (and would pick the factors by chunk length): the model applies it all."""
-        divisors = self.rope_theta ** (np.arange(0, self.rotary_dim, 2) / self.rotary_dim)
-        scale = 1.0
-        if self.longrope is not None:
-            divisors = divisors * np.asarray(self.longrope.short_factor)
-            factor, original = self.longrope.factor, self.longrope.original_max_position_embeddings
-            if factor > 1:
-                scale = math.sqrt(1 + math.log(factor) / math.log(original))
-        return RotaryEmbedding(tuple(float(f) for f in (1 / divisors).astype(np.float32)), scale)
+        if self.longrope is None:
+            return RotaryEmbedding.of_base(self.rope_theta, self.rotary_dim)
+        factor, original = self.longrope.factor, self.longrope.original_max_position_embeddings
+        scale = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        return RotaryEmbedding.of_base(self.rope_theta, self.rotary_dim, self.longrope.short_factor, scale)
 
     def source_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = super().source_shapes()  # Llama's unfused q/k/v and gate/up are not among the sources: left out
@@ -136,4 +131,4 @@ def _longrope(hf: dict[str, Any], rope: dict[str, Any], rotary_dim: int, max_pos
 
 
 class Phi3ForCausalLM(MistralForCausalLM):
-    """Mistral's functions, KV cache and window; the config's rotary_in_model makes the model apply RoPE."""
+    """Llama's functions and KV cache; the config's rotary_in_model makes the model apply RoPE."""

@@ -22,6 +22,13 @@ class RotaryEmbedding:
     inv_freq: tuple[float, ...]
     scale: float = 1.0
 
+    @classmethod
+    def of_base(cls, theta: float, rotary_dim: int, divisors=1.0, scale: float = 1.0) -> "RotaryEmbedding":
+        """inv_freq[i] = 1 / (theta^(2i / rotary_dim) * divisors[i]) (a number: the same for every i), in
+        float32 as transformers keeps it."""
+        inv_freq = 1 / (theta ** (np.arange(0, rotary_dim, 2) / rotary_dim) * np.asarray(divisors))
+        return cls(tuple(float(f) for f in inv_freq.astype(np.float32)), scale)
+
     @property
     def rotary_dim(self) -> int:
         return 2 * len(self.inv_freq)

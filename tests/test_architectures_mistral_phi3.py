@@ -188,7 +188,7 @@ def test_phi3_rotary_frequencies_and_scale_are_transformers_own():
 def test_phi3_refusals_name_the_field():
     name = "phi3_partial_longrope"
     rope = _hf(name)["rope_parameters"]
-    _refused(_hf(name), 65, "--context-window 65", "original_max_position_embeddings 64")
+    _refused(_hf(name, sliding_window=None), 65, "--context-window 65", "original_max_position_embeddings 64")
     _refused(_hf(name, rope_parameters={**rope, "attention_factor": 1.2}), 64, "attention_factor")
     _refused(_hf(name, rope_parameters={**rope, "short_factor": [1.0] * 5}), 64, "short_factor", "6 positive")
     _refused(_hf(name, rope_parameters={**rope, "rope_type": "dynamic"}), 64, "'dynamic'")

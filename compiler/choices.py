@@ -17,4 +17,6 @@ MODEL_TYPES = {
     "qwen3": "Qwen3",
     "gemma3_text": "Gemma 3 1B (text-only checkpoints)",
     "gemma2": "Gemma 2",
+    "mistral": "Mistral 7B (a sliding_window only where it does not bind)",
+    "phi3": "Phi-3-mini, Phi-3.5-mini, Phi-4-mini (Hugging Face checkpoints only)",
 }

@@ -150,6 +150,9 @@ class GGUFCheckpoint(Checkpoint):
         self._arch = self._field("general.architecture")
         if not isinstance(self._arch, str):
             raise MobilecError(f"GGUF file {str(path)!r} has no general.architecture; re-convert it with llama.cpp")
+        if self._arch == "phi3":  # llama.cpp keeps its LongRoPE factors as tensors and its window as metadata
+            raise MobilecError(f"GGUF file {str(path)!r}: phi3 is compiled from its Hugging Face checkpoint only; "
+                               "pass the checkpoint directory")
         self._tensors = {_hf_name(t.name): t for t in self._reader.tensors if t.name not in _NOT_WEIGHTS}
         self.hf_config = self._config()
         self.description = f"GGUF {path.name} ({self._file_type()})"

@@ -17,7 +17,6 @@ import dataclasses
 import math
 from typing import Any
 
-from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode
@@ -26,6 +25,7 @@ from ..errors import MobilecError
 from ..kernels.cpu_attention import ATTN_LOGIT_CAP_ATTR, LAYER_SLIDING_WINDOW_ATTR
 from ..kv_cache_dtype import CODE_FORMATS
 from .llama import Embedding, LlamaAttention, LlamaConfig, LlamaForCausalLM, _positive, _whole
+from .rotary import RotaryEmbedding
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types
 GELU_TANH = "gelu_pytorch_tanh"
@@ -164,23 +164,6 @@ def _layer_types(hf: dict[str, Any], layers: int) -> list[str]:
     return list(types)
 
 
-def _rotary(x: te.Tensor, positions: te.Tensor, theta: float, factor: float) -> te.Tensor:
-    """RoPE of x [b, s, heads, head_dim] at positions [s] (rotate-half, as transformers): the frequencies
-    1 / theta^(2i / head_dim) / factor and the angles in float32."""
-    _, _, _, d = x.shape
-    half = int(d) // 2
-
-    def rotate(i, t, h, k):
-        freq = 1.0 / (tirx.pow(tirx.const(theta, "float32"), (2 * (k % half)).astype("float32")
-                               / tirx.const(2 * half, "float32")) * tirx.const(factor, "float32"))
-        angle = positions[t].astype("float32") * freq
-        value = x[i, t, h, k].astype("float32")
-        partner = tirx.if_then_else(k < half, -x[i, t, h, k + half], x[i, t, h, k - half]).astype("float32")
-        return (value * tirx.cos(angle) + partner * tirx.sin(angle)).astype(x.dtype)
-
-    return te.compute(x.shape, rotate, name="rotary")
-
-
 class GemmaRMSNorm(nn.Module):
     """x * rsqrt(mean(x^2) + eps) * (1 + weight), computed in float32 and returned in x's dtype."""
 
@@ -207,27 +190,19 @@ class GemmaMLP(nn.Module):
 
 
 class GemmaAttention(LlamaAttention):
-    """Llama's fused q/k/v projection and cache; q/k norms (Gemma 3) and this layer's RoPE applied here."""
+    """Llama's fused q/k/v projection, q/k norms (Gemma 3's own) and cache; this layer's RoPE applied in the graph
+    (rotary.py)."""
 
     def __init__(self, cfg: GemmaConfig, layer_id: int):
         super().__init__(cfg)
         self.sm_scale = 1.0 / math.sqrt(cfg.query_pre_attn_scalar)
-        self.theta, self.factor = cfg.rope(layer_id)
+        theta, factor = cfg.rope(layer_id)
+        self.rotary = RotaryEmbedding.of_base(theta, cfg.head_dim, factor)
         if cfg.qk_norm:
             self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-
-    def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
-        b, s, _ = x.shape
-        qkv = op.reshape(self.qkv_proj(x), (b, s, self.num_q_heads + 2 * self.num_kv_heads, self.head_dim))
-        q, k, v = op.split(qkv, [self.num_q_heads, self.num_q_heads + self.num_kv_heads], axis=2)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        positions = kv_cache.get_query_positions(b * s)
-        q, k = (op.tensor_expr_op(_rotary, "rotary", [t, positions, self.theta, self.factor]) for t in (q, k))
-        return self.o_proj(self.attend(op.concat([q, k, v], dim=2), kv_cache, layer_id))
 
 
 class GemmaDecoderLayer(nn.Module):

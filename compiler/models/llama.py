@@ -14,6 +14,7 @@ from tvm.target import Target
 
 from ..errors import MobilecError
 from ..kv_cache_dtype import Carrier, carrier_for
+from .rotary import RotaryEmbedding
 
 
 @dataclasses.dataclass
@@ -101,6 +102,11 @@ class LlamaConfig:
             context_window_size=window,
             prefill_chunk_size=min(window, 2048),
         )
+
+    def rotary_in_model(self) -> RotaryEmbedding | None:
+        """A RoPE the model applies itself (models/rotary.py, the cache then RopeMode.NONE); None: the paged KV
+        cache's RoPE over whole heads."""
+        return None
 
     def source_shapes(self) -> dict[str, tuple[int, ...]]:
         """The shape of every checkpoint tensor param_sources reads, as this config implies it (HF layout)."""
@@ -286,6 +292,7 @@ class LlamaAttention(nn.Module):
         self.kv_dtype = cfg.kv_dtype
         self.carrier = cfg.kv_carrier
         self.qk_norm = cfg.qk_norm
+        self.rotary = cfg.rotary_in_model()
         qkv_rows = (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_rows, bias=cfg.attention_bias)
         if cfg.qk_norm:
@@ -305,8 +312,10 @@ class LlamaAttention(nn.Module):
         return op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
-        b, s, _ = x.shape
-        return self.o_proj(self.attend(self._qkv(x), kv_cache, layer_id))
+        qkv = self._qkv(x)
+        if self.rotary is not None:
+            qkv = self.rotary.apply(qkv, kv_cache, self.num_q_heads + self.num_kv_heads)
+        return self.o_proj(self.attend(qkv, kv_cache, layer_id))
 
     def attend(self, qkv: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
         """Attention of the fused [b, s, heads + 2 kv_heads, head_dim] q/k/v through the paged KV cache; the
@@ -414,8 +423,10 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
 
     def kv_cache_attention(self) -> dict[str, Any]:
         """The paged KV cache's attention kind per layer and RoPE mode: full attention everywhere, RoPE applied
-        by the cache (RopeMode.NORMAL: to k before it is stored, with cfg.rope_theta)."""
-        return {"attn_kind": "mha", "rope_mode": RopeMode.NORMAL}
+        to k before it is stored, by the cache (RopeMode.NORMAL, with cfg.rope_theta) or by the model
+        (rotary_in_model: RopeMode.NONE)."""
+        rope_mode = RopeMode.NORMAL if self.cfg.rotary_in_model() is None else RopeMode.NONE
+        return {"attn_kind": "mha", "rope_mode": rope_mode}
 
     def create_tir_paged_kv_cache(
         self,

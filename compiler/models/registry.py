@@ -9,6 +9,8 @@ from ..choices import MODEL_TYPES
 from ..errors import MobilecError
 from .gemma import Gemma2Config, Gemma3TextConfig, GemmaForCausalLM
 from .llama import LlamaConfig, LlamaForCausalLM
+from .mistral import MistralConfig, MistralForCausalLM
+from .phi3 import Phi3Config, Phi3ForCausalLM
 from .qwen2 import Qwen2Config, Qwen2ForCausalLM
 from .qwen3 import Qwen3Config, Qwen3ForCausalLM
 
@@ -26,6 +28,8 @@ FAMILIES: dict[str, ModelFamily] = {
     "qwen3": ModelFamily("qwen3", Qwen3Config, Qwen3ForCausalLM),
     "gemma3_text": ModelFamily("gemma3_text", Gemma3TextConfig, GemmaForCausalLM),
     "gemma2": ModelFamily("gemma2", Gemma2Config, GemmaForCausalLM),
+    "mistral": ModelFamily("mistral", MistralConfig, MistralForCausalLM),
+    "phi3": ModelFamily("phi3", Phi3Config, Phi3ForCausalLM),
 }
 assert set(FAMILIES) == set(MODEL_TYPES), "compiler/choices.py MODEL_TYPES lists what the CLI offers"
 

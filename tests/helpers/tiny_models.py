@@ -122,7 +122,11 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) ->
     """A tiny random model from SPECS, ARCHITECTURE_SPECS or GEMMA_SPECS; the same (name, seed) always gives the
     same weights."""
     model_cls, config_cls, kwargs = {**SPECS, **ARCHITECTURE_SPECS, **GEMMA_SPECS}[name]
-    config = config_cls(**{**_COMMON, **kwargs})
+    return random_model(model_cls, config_cls(**{**_COMMON, **kwargs}), seed, dtype)
+
+
+def random_model(model_cls: type, config, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """`model_cls(config)` with every parameter drawn from N(0, 0.5^2) seeded by `seed`."""
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     generator = torch.Generator().manual_seed(seed)

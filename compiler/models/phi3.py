@@ -1,0 +1,134 @@
+"""Phi-3 decoder (Phi-3-mini, Phi-3.5-mini, Phi-4-mini): the Llama structure, with q/k/v and gate/up fused in the
+checkpoint, RoPE on the first `partial_rotary_factor` of each head, LongRoPE scaling, and a sliding window
+refused where it binds (as Mistral's)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from ..errors import MobilecError
+from ..kv_cache_dtype import CODE_FORMATS
+from .llama import _whole
+from .mistral import MistralConfig, MistralForCausalLM
+from .rotary import RotaryEmbedding
+
+
+@dataclasses.dataclass(frozen=True)
+class LongRope:
+    """LongRoPE (rope type "longrope", "su" in older configs): per-frequency divisors of the RoPE frequencies, one
+    set for sequences within original_max_position_embeddings (short) and one beyond (long), and cos/sin scaled by
+    sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) throughout."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    factor: float  # the extension: max_position_embeddings / original_max_position_embeddings unless given
+
+
+def _rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """RoPE settings: rope_scaling (transformers 4) or rope_parameters (transformers 5, rope_theta and
+    partial_rotary_factor inside), {} when neither."""
+    for key in ("rope_scaling", "rope_parameters"):
+        fields = hf.get(key)
+        if fields is None:
+            continue
+        if not isinstance(fields, dict):
+            raise MobilecError(f"config.json: {key} must be a dictionary, got {fields!r}")
+        return fields
+    return {}
+
+
+def _factors(rope: dict[str, Any], key: str, count: int) -> tuple[float, ...]:
+    values = rope.get(key)
+    if (not isinstance(values, list) or len(values) != count
+            or not all(isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < math.inf for v in values)):
+        raise MobilecError(f"config.json: rope_scaling {key} must be {count} positive numbers (rotary_dim / 2), "
+                           f"got {values!r}")
+    return tuple(float(v) for v in values)
+
+
+@dataclasses.dataclass
+class Phi3Config(MistralConfig):
+    rotary_dim: int = 0  # the leading dims of each head that RoPE rotates
+    longrope: LongRope | None = None
+
+    @property
+    def kv_carrier(self):
+        if self.kv_dtype in CODE_FORMATS:  # its split kernel would rotate k again (RoPE is the model's here)
+            raise MobilecError(f"--kv-dtype {self.kv_dtype} is not implemented for phi3 (RoPE is applied in the model "
+                               "graph); use f16")
+        return None
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], context_window: int | None = None) -> "Phi3Config":
+        rope = _rope_fields(hf)
+        kind = rope.get("rope_type", rope.get("type"))
+        if kind not in (None, "default", "longrope", "su"):
+            raise MobilecError(f"config.json: RoPE scaling {kind!r} is not implemented for phi3 (longrope only)")
+        partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if isinstance(partial, bool) or not isinstance(partial, int | float) or not 0 < partial <= 1:
+            raise MobilecError(f"config.json: partial_rotary_factor must be in (0, 1], got {partial!r}")
+        # Llama's checks and fields, with the RoPE settings handled here taken out
+        plain = {**hf, "rope_scaling": None, "partial_rotary_factor": None,
+                 "rope_parameters": {"rope_theta": rope["rope_theta"]} if "rope_theta" in rope else None}
+        cfg = super().from_hf(plain, context_window)
+        rotary_dim = int(cfg.head_dim * partial)  # as transformers rounds it
+        if rotary_dim < 2 or rotary_dim % 2:
+            raise MobilecError(f"config.json: partial_rotary_factor {partial!r} of head_dim {cfg.head_dim} rotates "
+                               f"{rotary_dim} dims; RoPE rotates pairs, so it must be a positive even number")
+        longrope = None
+        if kind in ("longrope", "su"):
+            longrope = _longrope(hf, rope, rotary_dim, cfg.max_position_embeddings)
+            if cfg.context_window_size > longrope.original_max_position_embeddings:
+                # past it transformers switches to the long factors for the whole sequence
+                raise MobilecError(
+                    f"--context-window {cfg.context_window_size} exceeds original_max_position_embeddings "
+                    f"{longrope.original_max_position_embeddings}: LongRoPE's long factors are not implemented; use "
+                    f"--context-window {longrope.original_max_position_embeddings} or less")
+        return dataclasses.replace(cfg, rotary_dim=rotary_dim, longrope=longrope)
+
+    def rotary_in_model(self) -> RotaryEmbedding:
+        """RoPE over rotary_dim dims; with LongRoPE, the short factors (the context window is within
+        original_max_position_embeddings) and the attention factor. TVM's cache takes a rotary_dim, but its LongRoPE
+        kernel does not build in TVM 0.27 (and would pick the factors by chunk length): the model applies it all."""
+        if self.longrope is None:
+            return RotaryEmbedding.of_base(self.rope_theta, self.rotary_dim)
+        factor, original = self.longrope.factor, self.longrope.original_max_position_embeddings
+        scale = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        return RotaryEmbedding.of_base(self.rope_theta, self.rotary_dim, self.longrope.short_factor, scale)
+
+    def source_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = super().source_shapes()  # Llama's unfused q/k/v and gate/up are not among the sources: left out
+        qkv = (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim
+        for i in range(self.num_hidden_layers):
+            shapes[f"model.layers.{i}.self_attn.qkv_proj.weight"] = (qkv, self.hidden_size)
+            shapes[f"model.layers.{i}.mlp.gate_up_proj.weight"] = (2 * self.intermediate_size, self.hidden_size)
+        return shapes
+
+    def param_sources(self) -> dict[str, list[str]]:
+        """Llama's, with qkv_proj and gate_up_proj read as they are: the checkpoint fuses them in our row order
+        (q, k, v; gate, up, as transformers' Phi3 splits them)."""
+        fused = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")
+        return {ours: [ours] if ours.endswith(fused) else names for ours, names in super().param_sources().items()}
+
+
+def _longrope(hf: dict[str, Any], rope: dict[str, Any], rotary_dim: int, max_pos: int) -> LongRope:
+    if rope.get("attention_factor") is not None:
+        raise MobilecError("config.json: rope_scaling attention_factor is not implemented (mobilec derives it from "
+                           "factor, as transformers does when it is absent)")
+    original = _whole({"original_max_position_embeddings": rope.get(
+        "original_max_position_embeddings", hf.get("original_max_position_embeddings"))},
+        "original_max_position_embeddings")
+    factor = rope.get("factor")
+    factor = max_pos / original if factor is None else factor
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor < math.inf:
+        raise MobilecError(f"config.json: rope_scaling factor must be a positive number, got {factor!r}")
+    return LongRope(short_factor=_factors(rope, "short_factor", rotary_dim // 2),
+                    long_factor=_factors(rope, "long_factor", rotary_dim // 2),
+                    original_max_position_embeddings=original, factor=float(factor))
+
+
+class Phi3ForCausalLM(MistralForCausalLM):
+    """Llama's functions and KV cache; the config's rotary_in_model makes the model apply RoPE."""

@@ -1,0 +1,227 @@
+"""Mistral and Phi-3: tiny seeded random transformers models compiled (q0f32) against transformers (eager attention,
+so its sliding window applies), negative controls that would catch the feature ignored, and the config refusals."""
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM
+
+from compiler.artifact import load_artifact
+from compiler.compile_model import CompileOptions, compile_model
+from compiler.errors import MobilecError
+from compiler.models.registry import family_for
+from compiler.runtime.session import Session
+from tests.helpers.reference import reference_greedy
+from tests.helpers.tiny_models import random_model, save_compilable_checkpoint, write_gguf
+
+PROMPT = [3, 7, 1, 4, 4, 9, 2, 5, 6, 8, 10]
+GREEDY = 32  # tokens after the prompt: 43 positions in all
+TOLERANCE = 1e-4  # relative to the largest logit
+DIFFERS = 1e-2  # a negative control must be at least this far off
+
+_SHAPE = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="eager")
+_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.3, 1.7, 2.5, 4.0, 6.0],
+             "long_factor": [3.0, 5.0, 8.0, 12.0, 20.0, 30.0], "original_max_position_embeddings": 64}
+
+# name -> (transformers class, config, --context-window)
+MODELS = {
+    "mistral_no_window": (MistralForCausalLM, lambda: MistralConfig(**_SHAPE, sliding_window=None,
+                                                                    rope_theta=50000.0), 64),
+    # Phi-4-mini's shape: RoPE on 3/4 of each head, LongRoPE, tied embeddings, a window no sequence outgrows
+    "phi3_partial_longrope": (Phi3ForCausalLM, lambda: Phi3Config(
+        **_SHAPE, partial_rotary_factor=0.75, rope_scaling=dict(_LONGROPE), original_max_position_embeddings=64,
+        tie_word_embeddings=True, sliding_window=64), 64),
+    # Phi-3-mini-4k's: whole-head RoPE, no scaling, untied, a sliding window of the context window
+    "phi3_window_48": (Phi3ForCausalLM, lambda: Phi3Config(**_SHAPE, tie_word_embeddings=False, sliding_window=48),
+                       48),
+}
+LONG_PROMPT = [(7 * i + 3) % 150 + 3 for i in range(40)]  # past the negative control's window of 4
+
+
+def _rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def _model(name: str, seed: int = 0, **changes):
+    model_cls, config, _ = MODELS[name]
+    cfg = config()
+    for key, value in changes.items():
+        setattr(cfg, key, value)
+    return random_model(model_cls, cfg, seed)
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def compiled(request, tmp_path_factory):
+    name = request.param
+    model = _model(name)
+    root = tmp_path_factory.mktemp(name)
+    save_compilable_checkpoint(model, root / "hf")
+    compile_model(CompileOptions(str(root / "hf"), "host", "q0f32", str(root / "artifact"),
+                                 context_window=MODELS[name][2], progress=False))
+    return name, model, Session(load_artifact(root / "artifact"))
+
+
+def _prefill(session, prompt=PROMPT) -> np.ndarray:
+    session.reset()
+    return session.prefill_all_logits(prompt)
+
+
+@pytest.mark.slow
+def test_logits_and_32_greedy_tokens_match_transformers(compiled):
+    _, model, session = compiled
+    ref_tokens, ref_prefill, ref_decode = reference_greedy(model, PROMPT, GREEDY)
+    prefill = _prefill(session)
+    assert _rel_err(prefill, ref_prefill) < TOLERANCE
+    tokens = [int(prefill[-1].argmax())]
+    for step in range(GREEDY - 1):
+        assert tokens[-1] == ref_tokens[step], f"greedy token {step}: {tokens} vs {ref_tokens}"
+        logits = session.decode(tokens[-1])
+        assert _rel_err(logits, ref_decode[step]) < TOLERANCE, f"decode step {step}"
+        tokens.append(int(logits.argmax()))
+    assert tokens == ref_tokens
+
+
+@pytest.mark.slow
+def test_chunked_prefill_matches_transformers(compiled):
+    """A prompt fed in chunks of 8: each chunk attends to the cached pages (the paged prefill kernel) too."""
+    _, model, session = compiled
+    _, ref_prefill, _ = reference_greedy(model, LONG_PROMPT, 1)
+    session.reset()
+    session.prefill_chunk = 8
+    try:
+        logits = session.prefill_all_logits(LONG_PROMPT)
+    finally:
+        session.prefill_chunk = int(session.artifact.config["prefill_chunk"])
+    assert _rel_err(logits, ref_prefill) < TOLERANCE
+
+
+def _swapped_halves(model, param: str, split: int):
+    """A copy of `model` whose fused `param` rows [:split] and [split:] trade places in every layer."""
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in other.model.layers:
+            w = layer.get_submodule(param).weight
+            w.copy_(torch.cat([w[split:], w[:split]]))
+    return other
+
+
+def _controls(name: str, model) -> dict:
+    """The feature ignored or mapped wrongly, as transformers computes it: each must differ from the compiled model."""
+    if name == "mistral_no_window":
+        return {"a window of 4 tokens": _model(name, sliding_window=4)}
+    if name == "phi3_window_48":  # and the fused checkpoint rows in another order
+        return {"gate and up swapped": _swapped_halves(model, "mlp.gate_up_proj", model.config.intermediate_size),
+                "q after k and v": _swapped_halves(model, "self_attn.qkv_proj", 64)}
+    rope = model.config.rope_parameters
+    return {
+        "RoPE over the whole head": _model(name, rope_parameters={  # a factor for each of the 8 pairs
+            **rope, "partial_rotary_factor": 1.0, "short_factor": rope["short_factor"] + [1.0, 1.0],
+            "long_factor": rope["long_factor"] + [1.0, 1.0]}),
+        "LongRoPE's long factors": _model(name, rope_parameters={**rope, "short_factor": rope["long_factor"]}),
+        "no attention factor": _model(name, rope_parameters={**rope, "attention_factor": 1.0}),
+        "plain RoPE": _model(name, rope_parameters={"rope_type": "default", "rope_theta": rope["rope_theta"],
+                                                    "partial_rotary_factor": 0.75})}
+
+
+@pytest.mark.slow
+def test_negative_controls_differ(compiled):
+    name, model, session = compiled
+    prefill = _prefill(session, LONG_PROMPT)
+    for what, other in _controls(name, model).items():
+        _, ref_prefill, _ = reference_greedy(other, LONG_PROMPT, 1)
+        assert _rel_err(prefill, ref_prefill) > DIFFERS, what
+
+
+# ---- config refusals (no compile) ----
+
+def _hf(name: str, **changes) -> dict:
+    return {**_model(name).config.to_dict(), **changes}
+
+
+def _refused(hf: dict, context_window: int | None, *words: str) -> None:
+    with pytest.raises(MobilecError) as err:
+        family_for(hf).config_class.from_hf(hf, context_window)
+    message = str(err.value)
+    assert "\n" not in message and all(w in message for w in words), message
+
+
+def _config(name: str, context_window: int | None, **changes):
+    hf = _hf(name, **changes)
+    return family_for(hf).config_class.from_hf(hf, context_window)
+
+
+def test_binding_sliding_window_is_refused():
+    """A window shorter than the context window (every layer TVM's "mha_sliding") fails in TVM 0.27's runtime;
+    one of at least the context window is full attention and compiles."""
+    for name in ("mistral_no_window", "phi3_window_48"):
+        _refused(_hf(name, sliding_window=8), 64, "sliding_window 8", "--context-window 8 or less")
+        assert _config(name, 8, sliding_window=8).context_window_size == 8
+    assert _config("mistral_no_window", None, sliding_window=256).context_window_size == 256
+
+
+def test_phi3_rope_fields_are_read():
+    cfg = _config("phi3_partial_longrope", 64)
+    assert cfg.rotary_dim == 12 and cfg.longrope.factor == 4.0 and cfg.tie_word_embeddings
+    assert cfg.longrope.short_factor == tuple(_LONGROPE["short_factor"])
+    assert _config("phi3_window_48", 48).rotary_dim == 16
+    # transformers 4's spelling: rope_scaling {"type": "su"} and a top-level partial_rotary_factor
+    hf4 = {**_hf("phi3_partial_longrope"), "rope_parameters": None, "partial_rotary_factor": 0.75, "rope_theta": 1e4,
+           "rope_scaling": {"type": "su", "short_factor": _LONGROPE["short_factor"],
+                            "long_factor": _LONGROPE["long_factor"]}}
+    cfg4 = family_for(hf4).config_class.from_hf(hf4, 64)
+    assert (cfg4.rotary_dim, cfg4.longrope, cfg4.rope_theta) == (cfg.rotary_dim, cfg.longrope, 1e4)
+
+
+def test_phi3_rotary_frequencies_and_scale_are_transformers_own():
+    for name in ("phi3_partial_longrope", "phi3_window_48"):
+        rotary, reference = _config(name, 48).rotary_in_model(), _model(name).model.rotary_emb
+        np.testing.assert_allclose(rotary.inv_freq, reference.inv_freq.numpy(), rtol=1e-6)
+        assert rotary.scale == pytest.approx(reference.attention_scaling, rel=1e-6)
+    assert _config("phi3_partial_longrope", 48).rotary_in_model().scale > 1.1  # sqrt(1 + ln 4 / ln 64)
+
+
+def test_phi3_refusals_name_the_field():
+    name = "phi3_partial_longrope"
+    rope = _hf(name)["rope_parameters"]
+    _refused(_hf(name, sliding_window=None), 65, "--context-window 65", "original_max_position_embeddings 64")
+    _refused(_hf(name, rope_parameters={**rope, "attention_factor": 1.2}), 64, "attention_factor")
+    _refused(_hf(name, rope_parameters={**rope, "short_factor": [1.0] * 5}), 64, "short_factor", "6 positive")
+    _refused(_hf(name, rope_parameters={**rope, "rope_type": "dynamic"}), 64, "'dynamic'")
+    _refused(_hf(name, rope_parameters={**rope, "partial_rotary_factor": 0.7}), 64, "partial_rotary_factor 0.7")
+    _refused(_hf(name, rope_parameters={**rope, "partial_rotary_factor": 1.5}), 64, "partial_rotary_factor")
+
+
+def test_llama_still_refuses_partial_rotary():
+    hf = {**_hf("mistral_no_window"), "model_type": "llama", "partial_rotary_factor": 0.5}
+    _refused(hf, 64, "partial_rotary_factor")
+
+
+def test_phi3_checkpoint_fused_tensors_are_read_as_they_are():
+    cfg = _config("phi3_window_48", 48)
+    sources = cfg.param_sources()
+    assert sources["model.layers.1.self_attn.qkv_proj.weight"] == ["model.layers.1.self_attn.qkv_proj.weight"]
+    assert sources["model.layers.0.mlp.gate_up_proj.weight"] == ["model.layers.0.mlp.gate_up_proj.weight"]
+    names = set(_model("phi3_window_48").state_dict())
+    assert {n for ns in sources.values() for n in ns} == names
+    assert set(cfg.source_shapes()) == names
+
+
+def test_phi3_gguf_is_refused(tmp_path):
+    from compiler.loaders import open_checkpoint
+
+    path = write_gguf(_model("phi3_window_48"), tmp_path / "phi3.gguf")
+    with pytest.raises(MobilecError, match="phi3 is compiled from its Hugging Face checkpoint only"):
+        open_checkpoint(path)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quantized_cache_is_refused_for_phi3(kv_dtype):
+    """Its split kernel would rotate k again: RoPE is phi3's own (RopeMode.NONE)."""
+    cfg = dataclasses.replace(_config("phi3_window_48", 48), kv_dtype=kv_dtype)
+    with pytest.raises(MobilecError, match=f"--kv-dtype {kv_dtype} is not implemented for phi3"):
+        cfg.kv_carrier  # pylint: disable=pointless-statement

@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from tvm import rpc
 
 from compiler.artifact import CONFIG_FILE, PARAMS_DIR, PARAMS_INDEX, file_manifest, load_artifact
 from compiler.cli import main
@@ -33,7 +29,7 @@ from compiler.runtime.bench import prompt_ids
 from compiler.runtime.remote import slot_name
 from compiler.runtime.session import Session
 from compiler.targets import load_target
-from compiler.testing.processes import spawn
+from compiler.testing.local_rpc import LocalProcess, free_port, start_server, start_tracker, wait_until_free
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 pytestmark = pytest.mark.slow  # RPC servers and compiled models: ~2 minutes
@@ -43,47 +39,14 @@ BENCH_ARGS = ["--prompt-len", str(PROMPT_LEN), "--gen-len", str(GEN_LEN), "--rep
 KEY = "mobilec-test"
 SESSION_TIMEOUT_S = 60
 BENCH_TIMEOUT_S = 120  # a bench subprocess that runs longer is hanging
-READY_TIMEOUT_S = 60
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class _Process:
-    """A TVM tracker or RPC server in its own process group (an RPC server forks one process per session), which
-    ends with this test run however it ends (compiler/testing/processes.py)."""
-
-    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None):
-        self.log = log
-        self.proc = spawn([sys.executable, "-m", *args], log, env={**os.environ, **(env or {})})
-
-    def wait_for(self, text: str) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while text not in self.log.read_text(errors="replace"):
-            assert self.proc.poll() is None, f"{self.log} ended early:\n{self.log.read_text()}"
-            assert time.monotonic() < deadline, f"no {text!r} in {self.log} after {READY_TIMEOUT_S} s"
-            time.sleep(0.2)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-
-def _start_server(tmp: Path, tracker_port: int | None = None) -> tuple[_Process, str, Path]:
+def _start_server(tmp: Path, tracker_port: int | None = None) -> tuple[LocalProcess, str, Path]:
     """An RPC server whose work directories (and what bench keeps beside them) are under tmp/device."""
     device_dir = tmp / "device"
     device_dir.mkdir()
-    port = _free_port()
-    args = ["tvm.exec.rpc_server", "--host", "127.0.0.1", "--port", str(port), "--port-end", str(port + 1)]
-    if tracker_port is not None:
-        args += ["--tracker", f"127.0.0.1:{tracker_port}", "--key", KEY]
-    server = _Process(args, tmp / "server.log", env={"TMPDIR": str(device_dir)})
-    server.wait_for(f"bind to 127.0.0.1:{port}")
-    return server, f"127.0.0.1:{port}", device_dir
+    server, address = start_server(tmp / "server.log", tracker_port, KEY, env={"TMPDIR": str(device_dir)})
+    return server, address, device_dir
 
 
 @pytest.fixture(scope="module")
@@ -106,17 +69,11 @@ def rpc_server(tmp_path_factory):
 def tracker(tmp_path_factory):
     """A tracker on loopback with one RPC server registered under KEY."""
     tmp = tmp_path_factory.mktemp("tracker")
-    port = _free_port()
-    tracker_proc = _Process(["tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port),
-                             "--port-end", str(port + 1)], tmp / "tracker.log")
+    tracker_proc, port = start_tracker(tmp / "tracker.log")
     server = None
     try:
-        tracker_proc.wait_for(f"bind to 127.0.0.1:{port}")
         server, _, _ = _start_server(tmp, tracker_port=port)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while KEY not in rpc.connect_tracker("127.0.0.1", port).summary()["queue_info"]:
-            assert time.monotonic() < deadline, f"the server never registered with the tracker:\n{server.log.read_text()}"
-            time.sleep(0.2)
+        wait_until_free(port, {KEY: 1}, [server])
         yield f"127.0.0.1:{port}"
     finally:
         if server is not None:
@@ -245,7 +202,7 @@ def test_unknown_key_lists_the_trackers_keys(tiny_artifact, tracker):
 
 
 def test_unreachable_server_and_tracker_fail_fast(tiny_artifact):
-    port = _free_port()
+    port = free_port()
     _assert_one_line_error(_bench(tiny_artifact, *BENCH_ARGS, "--rpc", f"127.0.0.1:{port}", timeout=30),
                            f"cannot connect to the RPC server at 127.0.0.1:{port}", "rpc_server")
     _assert_one_line_error(_bench(tiny_artifact, *BENCH_ARGS, "--tracker", f"127.0.0.1:{port}", "--key", KEY,

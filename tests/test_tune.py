@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,6 @@ import numpy as np
 import pytest
 import tvm_ffi
 from click.testing import CliRunner
-from tvm import rpc
 
 from compiler import pipeline, tuning_log
 from compiler.artifact import load_artifact
@@ -35,6 +33,7 @@ from compiler.passes.apply_tuning_database import TUNED_ATTR
 from compiler.quantization.schemes import SCHEMES, get_scheme
 from compiler.runtime.session import Session
 from compiler.targets import load_target
+from compiler.testing.local_rpc import start_server, start_tracker, wait_until_free
 from compiler.testing.processes import spawn
 from compiler.tune import TuneOptions, tune
 from tests.helpers.reference import fake_quantized, reference_greedy
@@ -48,7 +47,6 @@ MODEL = "llama_mha_untied"  # its int4 build equals numpy's quantize-dequantize 
 GEMV = "fused_dequantize3_NT_matmul3"  # the MLP's down projection, 80 -> 48, once per layer and decode step
 PROMPT = [3, 7, 1, 4, 4, 9, 2, 5, 6, 8]
 RPC_KEY = "mobilec-tune-test"
-READY_TIMEOUT_S = 60
 TUNE_TIMEOUT_S = 300  # a tuning subprocess that runs longer is hanging
 
 
@@ -237,34 +235,19 @@ def test_a_killed_run_resumes_without_redoing_finished_kernels(tiny, tmp_path):
     assert all(n == TRIALS for n in after.values()) and sum(after.values()) > sum(before.values())
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def two_servers(tmp_path):
     """A tracker on loopback with two RPC servers under RPC_KEY: (tracker address, the servers' log files)."""
-    port = _free_port()
-    processes = [_spawn(["tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port), "--port-end",
-                         str(port + 1)], tmp_path / "tracker.log")]
-    logs = [tmp_path / f"server{i}.log" for i in range(2)]
+    tracker, port = start_tracker(tmp_path / "tracker.log")
+    processes = [tracker]
     try:
-        time.sleep(1)  # the servers retry a tracker that is not up yet every 5 s
-        for log in logs:
-            server_port = _free_port()
-            processes.append(_spawn(["tvm.exec.rpc_server", "--host", "127.0.0.1", "--port", str(server_port),
-                                     "--port-end", str(server_port + 1), "--tracker", f"127.0.0.1:{port}",
-                                     "--key", RPC_KEY], log))
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while rpc.connect_tracker("127.0.0.1", port).summary()["queue_info"].get(RPC_KEY, {}).get("free") != 2:
-            assert time.monotonic() < deadline, "the servers never registered: " + logs[0].read_text()
-            time.sleep(0.5)
-        yield f"127.0.0.1:{port}", logs
+        for i in range(2):
+            processes.append(start_server(tmp_path / f"server{i}.log", port, RPC_KEY)[0])
+        wait_until_free(port, {RPC_KEY: 2}, processes[1:])
+        yield f"127.0.0.1:{port}", [process.log for process in processes[1:]]
     finally:
         for process in processes:
-            _kill_group(process)
+            process.kill()
 
 
 def test_tracker_tuning_measures_on_both_devices(tiny, two_servers, tmp_path, monkeypatch):

@@ -41,6 +41,7 @@ from pathlib import Path
 from ..errors import MobilecError
 from ..user_cache import cache_path
 from . import processes
+from .local_rpc import free_port
 
 # Bump when the image recipe changes, so cached images are rebuilt.
 RECIPE_VERSION = 1
@@ -319,12 +320,6 @@ def _build_image_locked(image: Path) -> None:
             partial.unlink()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _spawn(command: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start a device process with its output in `log`, leading its own process group, so that stop() kills
     every child (forked sessions, qemu), a Ctrl-C meant for the caller reaches none, and all of them end when the
@@ -436,7 +431,7 @@ def start_device(key: str = DEFAULT_KEY, tracker_port: int | None = None, image:
     root = work / "rootfs"
     root.mkdir()
     host = "127.0.0.1"
-    device = EmulatedArmDevice(host, tracker_port or _free_port(), key, root, work / "server.log")
+    device = EmulatedArmDevice(host, tracker_port or free_port(), key, root, work / "server.log")
     atexit.register(device.stop)
     try:
         # The shared extracted image, read-only, with this device's own /proc and scratch space: devices never
@@ -462,7 +457,7 @@ def start_device(key: str = DEFAULT_KEY, tracker_port: int | None = None, image:
         # Started together, not one after the other: each takes ~6 s to come up (the tracker imports tvm in two
         # processes, the server under qemu), so the server usually finds no tracker yet and retries 5 s later,
         # which is still sooner than waiting for the tracker before starting the server.
-        server_port = _free_port()
+        server_port = free_port()
         server = _spawn(_chroot_command(root, REMOTE_PYTHON, "-m", "tvm.exec.rpc_server", "--host", host,
                                         "--port", str(server_port), "--port-end", str(server_port + 1),
                                         "--tracker", f"{host}:{device.tracker_port}", "--key", key,

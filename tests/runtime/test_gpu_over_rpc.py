@@ -10,12 +10,10 @@ one that measured slower. Timings on PoCL mean nothing for a phone; the workflow
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from tvm import rpc
 
 from compiler import tuning_log
 from compiler.artifact import load_artifact
@@ -24,10 +22,10 @@ from compiler.compile_model import CompileOptions, compile_model
 from compiler.runtime import opencl_device
 from compiler.runtime.bench import generate, prompt_ids
 from compiler.runtime.session import Session
+from compiler.testing.local_rpc import start_server, start_tracker, wait_until_free
 from compiler.tune import TuneOptions, tune
 from tests.helpers.assertions import assert_mobilec_error
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
-from tests.test_bench_rpc import READY_TIMEOUT_S, _free_port, _Process
 
 pytestmark = [pytest.mark.slow,  # three compiles, a tuning run and RPC servers: ~3 minutes on 2 cores
               pytest.mark.skipif(not opencl_device.available(), reason="no OpenCL platform (apt-get install "
@@ -67,20 +65,12 @@ def artifact(checkpoint) -> str:
 def tracker(tmp_path_factory):
     """A loopback tracker with two RPC servers: one started with our OpenCL device, one without."""
     tmp = tmp_path_factory.mktemp("tracker")
-    port = _free_port()
-    processes = [_Process(["tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port), "--port-end",
-                           str(port + 1)], tmp / "tracker.log")]
+    tracker_proc, port = start_tracker(tmp / "tracker.log")
+    processes = [tracker_proc]
     try:
-        processes[0].wait_for(f"bind to 127.0.0.1:{port}")
-        for key, extra in ((OPENCL_KEY, ["--load-library", str(opencl_device.library_path())]), (PLAIN_KEY, [])):
-            server_port = _free_port()
-            processes.append(_Process(["tvm.exec.rpc_server", "--host", "127.0.0.1", "--port", str(server_port),
-                                       "--port-end", str(server_port + 1), "--tracker", f"127.0.0.1:{port}",
-                                       "--key", key, *extra], tmp / f"{key}.log"))
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while {OPENCL_KEY, PLAIN_KEY} - set(rpc.connect_tracker("127.0.0.1", port).summary()["queue_info"]):
-            assert time.monotonic() < deadline, "the servers never registered with the tracker"
-            time.sleep(0.2)
+        for key, extra in ((OPENCL_KEY, ("--load-library", str(opencl_device.library_path()))), (PLAIN_KEY, ())):
+            processes.append(start_server(tmp / f"{key}.log", port, key, extra)[0])
+        wait_until_free(port, {OPENCL_KEY: 1, PLAIN_KEY: 1}, processes[1:])
         yield f"127.0.0.1:{port}"
     finally:
         for process in processes:

@@ -1,11 +1,18 @@
 """Shared fixtures: the default model compiled once per test session, and its float reference; the `slow` marker
 put on every test that needs one of the expensive fixtures."""
 
+import os
 from pathlib import Path
 
-import pytest
+# pytest-xdist runs one worker per core: one thread each, or TVM's and torch's thread pools (which spin while they
+# wait) take turns on both cores against the other worker. Set before tvm or torch is imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _variable in ("TVM_NUM_THREADS", "OMP_NUM_THREADS"):
+        os.environ.setdefault(_variable, "1")
 
-from compiler.loaders.default_model import default_model_path
+import pytest  # noqa: E402  (after the thread counts)
+
+from compiler.loaders.default_model import default_model_path  # noqa: E402
 
 # Each compiles or runs the real SmolLM2 model, or starts the emulated arm64 device: a minute or more on 2 cores.
 SLOW_FIXTURES = frozenset({"smollm2_reference", "smollm2_q0f32", "smollm2_gguf_exact", "emulated_arm_device",

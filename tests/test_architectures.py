@@ -200,6 +200,7 @@ def test_llama3_rope_quantized_matches_its_numpy_twin(llama3, tmp_path):
 
 
 @slow
+@pytest.mark.extended  # in part: the int8 cache with plain RoPE: test_kv_cache_dtype
 def test_llama3_rope_int8_cache_matches_its_quantized_twin(llama3, tmp_path):
     """An int8 KV cache: our split kernel applies Llama 3's scaled RoPE before quantizing K. Within 1e-4 of
     transformers with K (after RoPE) and V quantized the same way (float32 RoPE computed in another order moves
@@ -269,6 +270,7 @@ def test_negative_control_qwen3_norm_weights_are_used(qwen3):
 
 
 @slow
+@pytest.mark.extended  # in part: the float16 cache: test_kv_cache_dtype; qwen3: test_qwen3_matches_transformers
 def test_qwen3_float16_cache(qwen3, tmp_path):
     """--kv-dtype f16 (q/k/v cast after the norms): within 5e-3 of transformers (test_kv_cache_dtype.py's bound),
     and greedy-equal on at least 30 of 32 steps."""
@@ -284,6 +286,7 @@ def test_qwen3_float16_cache(qwen3, tmp_path):
 
 
 @slow
+@pytest.mark.extended  # in part: the int8 cache: test_kv_cache_dtype; qwen3: test_qwen3_matches_transformers
 def test_qwen3_int8_cache(qwen3, tmp_path):
     """--kv-dtype int8: K quantized after q_norm/k_norm and RoPE, within 1e-4 of transformers quantizing K and V
     the same way, within 6e-2 of the float model."""

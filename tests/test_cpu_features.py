@@ -24,14 +24,13 @@ from compiler.errors import MobilecError
 from compiler.runtime import remote
 from compiler.runtime.session import Session
 from compiler.targets import load_target
+from compiler.testing.local_rpc import LocalProcess, start_server
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 from tests.test_bench_rpc import (
     BENCH_ARGS,
     _assert_one_line_error,
     _bench_in_process,
     _device_files,
-    _free_port,
-    _Process,
 )
 
 pytestmark = pytest.mark.slow  # compiles for several CPUs and runs subprocesses: ~1.5 minutes
@@ -207,12 +206,8 @@ def test_negative_control_host_artifact_passes_and_generates(artifacts):
 # Over RPC: a device whose TVM has LLVM reports its CPU's features; a runtime-only one cannot
 
 
-def _server(tmp: Path, env: dict[str, str] | None = None) -> tuple[_Process, str]:
-    port = _free_port()
-    server = _Process(["tvm.exec.rpc_server", "--host", "127.0.0.1", "--port", str(port), "--port-end",
-                       str(port + 1)], tmp / "server.log", env={"TMPDIR": str(tmp), **(env or {})})
-    server.wait_for(f"bind to 127.0.0.1:{port}")
-    return server, f"127.0.0.1:{port}"
+def _server(tmp: Path, env: dict[str, str] | None = None) -> tuple[LocalProcess, str]:
+    return start_server(tmp / "server.log", env={"TMPDIR": str(tmp), **(env or {})})
 
 
 @pytest.mark.skipif(HOST_HAS_AVX512, reason="the loopback device is this CPU, which runs AVX-512")

@@ -61,8 +61,10 @@ def smollm2_q4f16_g32(tmp_path_factory, smollm2_gguf) -> Path:
     return out
 
 
-@pytest.mark.parametrize("artifact_fixture,quant", [("smollm2_q0f32", "q0f32"), ("smollm2_q4f16_g32", "q4f16_g32"),
-                                                    ("smollm2_gguf_exact", "gguf")])
+@pytest.mark.parametrize("artifact_fixture,quant", [
+    pytest.param("smollm2_q0f32", "q0f32", marks=pytest.mark.extended),
+    pytest.param("smollm2_q4f16_g32", "q4f16_g32", marks=pytest.mark.extended),  # a SmolLM2 compile of its own
+    ("smollm2_gguf_exact", "gguf")])
 def test_smollm2_weights_match_the_compiled_params(request, smollm2_gguf, artifact_fixture, quant):
     artifact = load_artifact(request.getfixturevalue(artifact_fixture), verify_checksums=False)
     stored = sum(t["nbytes"] for t in artifact.index["tensors"])

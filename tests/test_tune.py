@@ -202,6 +202,7 @@ def _kill_group(process: subprocess.Popen) -> None:
     process.wait()
 
 
+@pytest.mark.extended  # ~5 minutes: two tuning subprocesses
 def test_a_killed_run_resumes_without_redoing_finished_kernels(tiny, tmp_path):
     """Two kernels, TRIALS each, one round apiece: SIGKILL once the first kernel's records are committed."""
     logs = tmp_path / "tuning_logs"
@@ -250,6 +251,7 @@ def two_servers(tmp_path):
             process.kill()
 
 
+@pytest.mark.extended  # ~3 minutes: a tracker, two servers and a tuning run
 def test_tracker_tuning_measures_on_both_devices(tiny, two_servers, tmp_path, monkeypatch):
     tracker, server_logs = two_servers
     monkeypatch.setenv(tuning_log.TUNING_LOGS_ENV, str(tmp_path / "tuning_logs"))
@@ -262,6 +264,7 @@ def test_tracker_tuning_measures_on_both_devices(tiny, two_servers, tmp_path, mo
     assert all(n >= 1 for n in sessions), sessions
 
 
+@pytest.mark.extended  # ~3 minutes under qemu; the emulated device runs an arm64 model in the default set
 def test_tuning_for_linux_arm64_on_the_emulated_device(tiny, emulated_arm_device, tmp_path, monkeypatch):
     """Kernels cross-compiled here and timed on an aarch64 device (under qemu: the flow counts, not the timings)."""
     monkeypatch.setenv(tuning_log.TUNING_LOGS_ENV, str(tmp_path / "tuning_logs"))

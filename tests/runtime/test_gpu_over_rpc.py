@@ -115,6 +115,7 @@ def _set_latencies(logs, default_us: float, tuned_us: float) -> None:
     tuning_log.write_selection(directory, selection)
 
 
+@pytest.mark.extended  # ~5 minutes: tuning on PoCL and two more compiles
 def test_tuning_on_the_rpc_servers_opencl_and_compile_follows_the_log(checkpoint, artifact, tracker, tmp_path,
                                                                        monkeypatch):
     logs = tmp_path / "tuning_logs"

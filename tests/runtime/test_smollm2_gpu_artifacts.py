@@ -56,6 +56,7 @@ def test_adreno_gguf_artifact_decodes_the_host_gguf_artifacts_32_tokens(tmp_path
     assert len(on_pocl["token_ids"]) == 32 and on_pocl["token_ids"] == on_cpu["token_ids"]
 
 
+@pytest.mark.extended  # ~5 minutes: two SmolLM2 compiles and an eval on PoCL
 def test_mali_q4f16_g32_perplexity_is_the_host_artifacts(tmp_path, smollm2_gguf, smollm2_gguf_exact,
                                                           smollm2_reference, monkeypatch):
     # eval's float reference is the session's (loaded once); only the artifacts' perplexities are compared.

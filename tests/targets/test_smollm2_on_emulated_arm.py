@@ -35,7 +35,7 @@ INT8_NEAR_TIE = 0.5
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("activations", ["int16", "int8"])
+@pytest.mark.parametrize("activations", [pytest.param("int16", marks=pytest.mark.extended), "int8"])
 def test_arm64_build_on_the_emulated_device_gives_the_x86_tokens(tmp_path, smollm2_gguf, smollm2_gguf_exact,
                                                                   emulated_arm_device, activations):
     """linux-arm64 with gguf, benched through the tracker, decodes with the aarch64 integer GEMVs (sdot,

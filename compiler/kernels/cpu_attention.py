@@ -25,22 +25,24 @@ What TVM 0.27's CPU lowering needs from such a kernel (each seen here): scalars 
 buffers and fixed ones in `T.let` (a plain `x = ...` in TVMScript becomes a 1-element buffer, and every
 "local"-scope buffer becomes a TVMBackendAllocWorkspace call per task: small default-scope buffers are stack
 allocas LLVM keeps in registers); no float Let inside a parallel loop (CSE makes one of a repeated product of
-float scalars); TVM's `_rope` expression (a float Let) only outside parallel loops, unrolled loops and with no
-loop-variable arithmetic in its position.
+float scalars).
 
 Scores are in log2 units (q.k * sm_scale * log2 e) as in TVM's kernels, and lse is written the same way
-(m + log2(d)), so the runtime's merge of attention states is unchanged. rotary_mode 1 (RoPE applied inside the
-kernel, RopeMode.INLINE) is supported with TVM's own `_rope` expression, on a slower serial path; the models here
-use RopeMode.NORMAL (RoPE applied before K enters the cache), which the runtime passes as rotary_mode 0. A query
-row that sees no key (only possible with fewer keys than causal queries) gets output 0 and lse -5e4, as a sequence
-with no KV rows does in TVM's decode kernel (TVM's prefill kernels leave such rows undefined or uniform).
+(m + log2(d)), so the runtime's merge of attention states is unchanged. A query row that sees no key (only
+possible with fewer keys than causal queries) gets output 0 and lse -5e4, as a sequence with no KV rows does in
+TVM's decode kernel (TVM's prefill kernels leave such rows undefined or uniform).
+
+The kernels read K stored after RoPE: the models create their cache with RopeMode.NORMAL (RoPE applied as K is
+appended, models/llama.py) or NONE (RoPE in the graph, models/rotary.py), which the runtime passes as rotary_mode 0.
+They have no inline-RoPE path (RopeMode.INLINE, rotary_mode 1: RoPE applied to q and k inside attention): one
+with TVM's `_rope` expression (a float Let, so serial loops only) cost every compile some 12 s of LLVM codegen for
+the decode kernel alone, and no model used it. They fail on rotary_mode 1 (ROTARY_REFUSAL, an assertion) rather
+than attend without RoPE, and ReplaceCPUAttention refuses a RopeMode.INLINE cache at compile time.
 
 A quantized cache (AttentionShape.dtype "int8" or "int4", kv_cache_dtype.Carrier) keeps the same kernels: only the
 KV layout changes (views of the declared float32 buffers; int8 codes loaded as floats, their row's scale applied to
 the score and the V weight; int4 codes dequantized on load with their group's scale and min). Its RoPE is applied
-when K is quantized (quantized_split_rotary: RopeMode.NORMAL, models/llama.py), so its kernels have no inline-RoPE
-path: the runtime never passes rotary_mode 1 for such a cache, and they fail on it (an assertion) rather than
-attend without RoPE.
+when K is quantized (quantized_split_rotary, which replaces TVM's split + RoPE).
 """
 
 
@@ -52,7 +54,6 @@ import math
 from typing import Any
 
 from tvm import tirx
-from tvm.relax.frontend.nn.llm._kernel_common import _rope
 from tvm.script import tirx as T
 from tvm.target import Target
 
@@ -70,9 +71,10 @@ LAYER_SLIDING_WINDOW_ATTR = "mobilec_layer_sliding_window"
 ATTN_LOGIT_CAP_ATTR = "mobilec_attn_logit_softcapping"
 SPLIT_ROTARY_SYMBOL = "fused_rope"  # a quantized cache replaces TVM's split + RoPE and merge of states too
 MERGE_SYMBOL = "merge_state_inplace_cpu"
-# A quantized cache's K is stored after RoPE, so its kernels have no inline-RoPE path; rather than attend without
-# RoPE when asked for it (rotary_mode 1, which the runtime never passes for a RopeMode.NORMAL cache), they fail
-ROTARY_REFUSAL = "a quantized KV cache stores K after RoPE: rotary_mode 1 (RoPE inside attention) is not supported"
+# The kernels read K stored after RoPE and have no inline-RoPE path; rather than attend without RoPE when asked for
+# it (rotary_mode 1, which the runtime passes for a RopeMode.INLINE cache only), they fail
+ROTARY_REFUSAL = ("mobilec's CPU attention kernels read K stored after RoPE (RopeMode.NORMAL or NONE): "
+                  "rotary_mode 1 (RoPE inside attention, RopeMode.INLINE) is not supported")
 LOG2E = math.log2(math.e)
 CHUNK_PAGES = 8  # pages per parallel task of the decode kernel (128 tokens at page size 16)
 # Decode tasks a sequence of up to MIN_DECODE_TASKS * CHUNK_PAGES pages is cut into: with one task per 8 pages, a
@@ -267,33 +269,31 @@ def _length_info_shape(batch, sliding: bool):
 
 def _window_checks(sliding: bool):
     """A T.macro that fails a sliding-window kernel's call with what it does not implement: attention sinks (rows
-    kept before the window, only from kv_state's sequence-wide sliding window, which mobilec never enables) and
-    inline RoPE (the models apply RoPE before the cache); nothing for the other kernels."""
+    kept before the window, only from kv_state's sequence-wide sliding window, which mobilec never enables);
+    nothing for the other kernels."""
 
     @T.macro
-    def checks(length_info, batch, rotary_mode):
+    def checks(length_info, batch):
         if sliding:
-            assert rotary_mode != 1, "mobilec's sliding-window attention kernels do not apply RoPE inline"
             for b in range(batch):
                 assert length_info[2, b] == 0, "mobilec's sliding-window attention kernels have no attention sinks"
 
     return checks
 
 
-def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, Any] | None = None,
-                     chunk_pages: int = CHUNK_PAGES, sliding: bool = False, logit_cap: float = 0.0) -> tirx.PrimFunc:
+def attention_decode(shape: AttentionShape, lanes: int, *, chunk_pages: int = CHUNK_PAGES, sliding: bool = False,
+                     logit_cap: float = 0.0) -> tirx.PrimFunc:
     """The paged-KV decode kernel: TVM's `batch_decode_paged_kv_cpu` signature, or (`sliding`) its
     `_sliding_window` variant for "mha_sliding" layers: the cache passes the pages of the window only and length_info
     [3, b] (rows used in the last page, offset of the window's first row in the first page, attention-sink rows),
     and the keys are the rows from that offset on. Sinks (only from kv_state's sequence-wide sliding window, which
-    mobilec never enables) fail an assert; no inline RoPE (RopeMode.NONE or NORMAL). `logit_cap`: the scores capped
+    mobilec never enables) fail an assert, as does rotary_mode 1 (ROTARY_REFUSAL). `logit_cap`: the scores capped
     (_score_cap)."""
-    rope_scaling = rope_scaling or {}
     H_qo, H_kv, D, P, G = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, shape.group
-    dtype, fdtype, VL, CH, MIN_TASKS = shape.dtype, shape.float_dtype, lanes, chunk_pages, MIN_DECODE_TASKS
+    fdtype, VL, CH, MIN_TASKS = shape.float_dtype, lanes, chunk_pages, MIN_DECODE_TASKS
     H_qo_decl, H_kv_decl, D_decl = shape.declared
     DC, PC, ROW = D // VL, P // VL, shape.code_row  # vectors per head row, per page of scores; code row elements
-    factored, inline_rope = shape.factored, shape.carrier is None and not sliding
+    factored = shape.factored
     window_checks = _window_checks(sliding)
     cap_score = _score_cap(logit_cap)
     assert shape.supported(VL), shape
@@ -328,9 +328,8 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
         return lambda c: _f32(Q[b, hq, vec(c * VL)], fdtype, VL) * _bcast(q_scale[0], VL)
 
     @T.macro
-    def chunk_task(task, n_chunks, per_chunk, rope, Q, pages, pages_f, page_table_indptr, page_table_values,
-                   length_info, k_rope_pos_offset, q_rope_position, part_acc, part_max, part_sum, rope_scale,
-                   rope_theta, sm_scale):
+    def chunk_task(task, n_chunks, per_chunk, Q, pages, pages_f, page_table_indptr, page_table_values, length_info,
+                   part_acc, part_max, part_sum, sm_scale):
         # pages [c * per_chunk, (c + 1) * per_chunk) of sequence b, every head; the unnormalized state goes to
         # part_*[task]. Q, pages: the views of the KV layout (AttentionShape); pages_f: the pages as declared
         acc = T.alloc_buffer((G * D,), "float32")  # one KV head's query heads: sum of p * V at the running max
@@ -352,49 +351,19 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
             part_sum[task * H_qo + hq] = T.float32(0)
             for c in T.unroll(DC):
                 part_acc[vec((task * H_qo + hq) * D + c * VL)] = _bcast(0.0, VL)
-        if rope:
-            q_raw = T.alloc_buffer((H_qo, D), dtype)
-            q_rot = T.alloc_buffer((H_qo * D,), "float32")
-            k_raw = T.alloc_buffer((D,), dtype)
-            k_rot = T.alloc_buffer((D,), "float32")
-            k_pos = T.alloc_buffer((1,), "int32")
-            # RoPE reads copies of the rows (TVM's CSE mishandles index expressions inside the RoPE Let), in loops
-            # that are not unrolled (copies of the Let would bind its var twice); the position goes through a
-            # buffer (the codegen's integer analysis of the Let's value fails on p * P + r)
-            for hq in range(H_qo):
-                for d in range(D):
-                    q_raw[hq, d] = Q[b, hq, d]
-                for d in range(D):
-                    q_rot[hq * D + d] = T.Cast("float32", _rope(
-                        q_raw, q_rope_position[b], D, rope_theta, rope_scale,
-                        (hq, d), dtype, rope_scaling)) * q_scale[0]
         for p in range(count):
             page: T.let[T.int32] = page_table_values[page_begin + first + p]
             rows: T.let[T.int32] = T.if_then_else(first + p == num_pages - 1, last_rows(length_info, b), P)
             start: T.let[T.int32] = first_row(length_info, b, first + p)
             for h in range(H_kv):
                 # scores of the page's rows [start, rows) for the G query heads of KV head h
-                if rope:
-                    for r in range(rows):
-                        k_pos[0] = k_rope_pos_offset[b] + (first + p) * P + r
-                        for d in range(D):
-                            k_raw[d] = pages[page, 0, h, r, d]
-                        for d in range(D):
-                            k_rot[d] = T.Cast("float32", _rope(
-                                k_raw, k_pos[0], D, rope_theta, rope_scale, (d,), dtype, rope_scaling))
-                        for g in T.unroll(G):
-                            part[vec(0)] = dot_terms(lambda c, h=h, g=g: q_rot[vec((h * G + g) * D + c * VL)],
-                                                     lambda c: k_rot[vec(c * VL)])
-                            scores[(h * G + g) * P + r] = _hsum(part, 0, VL)
-                            cap_score(scores, (h * G + g) * P + r, cap_arg)
-                else:
-                    for r in range(start, rows):
-                        for g in T.unroll(G):
-                            part[vec(0)] = dot_terms(q_chunk(Q, b, h * G + g, q_scale),
-                                                     page_k(pages, pages_f, page, h, r))
-                            scores[(h * G + g) * P + r] = _score(shape, _hsum(part, 0, VL),
-                                                                 page_param(pages_f, page, 0, h, r))
-                            cap_score(scores, (h * G + g) * P + r, cap_arg)
+                for r in range(start, rows):
+                    for g in T.unroll(G):
+                        part[vec(0)] = dot_terms(q_chunk(Q, b, h * G + g, q_scale),
+                                                 page_k(pages, pages_f, page, h, r))
+                        scores[(h * G + g) * P + r] = _score(shape, _hsum(part, 0, VL),
+                                                             page_param(pages_f, page, 0, h, r))
+                        cap_score(scores, (h * G + g) * P + r, cap_arg)
                 for r in range(P - rows):
                     for g in T.unroll(G):
                         scores[(h * G + g) * P + rows + r] = T.float32(MASKED)
@@ -472,6 +441,7 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
                                            elem_offset=page_indptr_elem_offset)
         page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32",
                                            elem_offset=page_values_elem_offset)
+        # matched as TVM's kernel does (the runtime checks the arguments), unused: K is stored after RoPE
         k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32",
                                            elem_offset=k_rope_pos_offset_elem_offset)
         q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_position_elem_offset)
@@ -481,7 +451,8 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
                                      elem_offset=length_info_elem_offset)
 
         with T.sblock("root"):
-            window_checks(length_info, B, rotary_mode)
+            assert rotary_mode == 0, ROTARY_REFUSAL
+            window_checks(length_info, B)
             # the KV layout's views (AttentionShape): the buffers themselves for a float cache
             Q_rows = T.decl_buffer((B, H_qo, D), fdtype, data=Q.data, strides=(H_qo_decl * D_decl, D, 1))
             output_rows = T.decl_buffer((B, H_qo, D), fdtype, data=output.data, strides=(H_qo_decl * D_decl, D, 1))
@@ -500,19 +471,9 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
                 most[0] = T.max(most[0], page_table_indptr[b + 1] - page_table_indptr[b])
             per_chunk: T.let[T.int32] = T.min(CH, (most[0] + MIN_TASKS - 1) // MIN_TASKS)
             n_chunks: T.let[T.int32] = (most[0] + per_chunk - 1) // per_chunk
-            if shape.carrier is not None:
-                assert rotary_mode == 0, ROTARY_REFUSAL
-            if rotary_mode == 1:
-                # TVM's RoPE expression binds a float Let, which the parallel closure's codegen rejects
-                for task in range(B * n_chunks):
-                    chunk_task(task, n_chunks, per_chunk, inline_rope, Q_rows, codes, pages, page_table_indptr,
-                               page_table_values, length_info, k_rope_pos_offset, q_rope_position, part_acc,
-                               part_max, part_sum, rope_scale, rope_theta, sm_scale)
-            else:
-                for task in T.parallel(B * n_chunks):
-                    chunk_task(task, n_chunks, per_chunk, False, Q_rows, codes, pages, page_table_indptr,
-                               page_table_values, length_info, k_rope_pos_offset, q_rope_position, part_acc,
-                               part_max, part_sum, rope_scale, rope_theta, sm_scale)
+            for task in T.parallel(B * n_chunks):
+                chunk_task(task, n_chunks, per_chunk, Q_rows, codes, pages, page_table_indptr, page_table_values,
+                           length_info, part_acc, part_max, part_sum, sm_scale)
             for b in range(B):
                 for hq in range(H_qo):
                     merged[0] = T.float32(NO_SCORE)
@@ -539,8 +500,8 @@ def attention_decode(shape: AttentionShape, lanes: int, rope_scaling: dict[str, 
     return batch_decode_paged_kv.with_attr("global_symbol", DECODE_SYMBOL + (SLIDING_SUFFIX if sliding else ""))
 
 
-def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str, Any], paged: bool, block: int,
-                       sliding_window: int = 0, logit_cap: float = 0.0):
+def _prefill_row_macro(shape: AttentionShape, lanes: int, paged: bool, block: int, sliding_window: int = 0,
+                       logit_cap: float = 0.0):
     """The work of one query row of a prefill kernel, as a T.macro: for each KV head, its `group` query heads walk
     the visible keys (causal: up to the row's own position, aligned at the end of the keys) in blocks of `block`
     rows, as the decode kernel walks pages. Keys are the ragged k/v rows of the new tokens, or (`paged`) the
@@ -549,7 +510,7 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
     row i of a sequence sees only the last max(window - i - 1, 0) of them, as TVM's _causal_or_sliding_cross_mask
     (the cached keys before the new tokens, which the ragged kernel covers). `logit_cap`: _score_cap."""
     H_qo, H_kv, D, G = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.group
-    dtype, fdtype, VL, P = shape.dtype, shape.float_dtype, lanes, block
+    fdtype, VL, P = shape.float_dtype, lanes, block
     DC, PC = D // VL, P // VL
     factored = shape.factored
     cap_score = _score_cap(logit_cap)
@@ -598,8 +559,8 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
                                       key_param(k_f, v_f, page_values, kv_begin, blk, h, r, kv), c, VL)
 
     @T.macro
-    def query_row(t, rope, q, q_indptr, k, v, k_f, v_f, kv_indptr, page_values, length_info, q_rope_position,
-                  k_rope_pos_offset, output, lse, batch_size, causal, rope_scale, rope_theta, sm_scale):
+    def query_row(t, q, q_indptr, k, v, k_f, v_f, kv_indptr, page_values, length_info, output, lse, batch_size,
+                  causal, sm_scale):
         # k, v: the ragged keys and values (paged: both the pages); kv_indptr: ragged rows or (paged) pages.
         # q, k, v, output: the views of the KV layout (AttentionShape); k_f, v_f: k and v as declared
         acc = T.alloc_buffer((G * D,), "float32")
@@ -632,20 +593,6 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
         lo: T.let[T.int32] = first_visible(causal, kv_len, t - q_indptr[b]) + window_offset(length_info, b)
         hi: T.let[T.int32] = visible + window_offset(length_info, b)
         q_scale[0] = sm_scale * T.float32(LOG2E)
-        if rope:
-            q_raw = T.alloc_buffer((H_qo, D), dtype)
-            q_rot = T.alloc_buffer((H_qo * D,), "float32")
-            k_raw = T.alloc_buffer((D,), dtype)
-            k_rot = T.alloc_buffer((D,), "float32")
-            k_pos = T.alloc_buffer((1,), "int32")
-            # as in the decode kernel: copies of the rows, loops not unrolled, the position through a buffer
-            for hq in range(H_qo):
-                for d in range(D):
-                    q_raw[hq, d] = q[t, hq, d]
-                for d in range(D):
-                    q_rot[hq * D + d] = T.Cast("float32", _rope(
-                        q_raw, q_rope_position[t], D, rope_theta, rope_scale,
-                        (hq, d), dtype, rope_scaling)) * q_scale[0]
         for h in range(H_kv):
             for g in T.unroll(G):
                 run_max[g] = T.float32(NO_SCORE)
@@ -655,27 +602,13 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
             for blk in range(lo // P, (hi + P - 1) // P):
                 rows: T.let[T.int32] = T.min(hi - blk * P, P)
                 start: T.let[T.int32] = T.max(lo - blk * P, 0)
-                if rope:
-                    for r in range(rows):
-                        k_pos[0] = k_rope_pos_offset[b] + blk * P + r
-                        for d in range(D):
-                            k_raw[d] = key(k, v, page_values, kv_begin, blk, h, r, 0, d)
-                        for d in range(D):
-                            k_rot[d] = T.Cast("float32", _rope(
-                                k_raw, k_pos[0], D, rope_theta, rope_scale, (d,), dtype, rope_scaling))
-                        for g in T.unroll(G):
-                            part[vec(0)] = dot_terms(lambda c, h=h, g=g: q_rot[vec((h * G + g) * D + c * VL)],
-                                                     lambda c: k_rot[vec(c * VL)])
-                            scores[g * P + r] = _hsum(part, 0, VL)
-                            cap_score(scores, g * P + r, cap_arg)
-                else:
-                    for r in range(start, rows):
-                        for g in T.unroll(G):
-                            part[vec(0)] = dot_terms(q_chunk(q, t, h * G + g, q_scale),
-                                                     key_chunk(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, 0))
-                            scores[g * P + r] = _score(shape, _hsum(part, 0, VL),
-                                                       key_param(k_f, v_f, page_values, kv_begin, blk, h, r, 0))
-                            cap_score(scores, g * P + r, cap_arg)
+                for r in range(start, rows):
+                    for g in T.unroll(G):
+                        part[vec(0)] = dot_terms(q_chunk(q, t, h * G + g, q_scale),
+                                                 key_chunk(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, 0))
+                        scores[g * P + r] = _score(shape, _hsum(part, 0, VL),
+                                                   key_param(k_f, v_f, page_values, kv_begin, blk, h, r, 0))
+                        cap_score(scores, g * P + r, cap_arg)
                 for r in range(P - rows):
                     for g in T.unroll(G):
                         scores[g * P + rows + r] = T.float32(MASKED)
@@ -719,16 +652,16 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, rope_scaling: dict[str
     return query_row
 
 
-def attention_prefill_ragged(shape: AttentionShape, lanes: int, rope_scaling: dict[str, Any] | None = None,
-                             block: int = 16, logit_cap: float = 0.0) -> tirx.PrimFunc:
+def attention_prefill_ragged(shape: AttentionShape, lanes: int, *, block: int = 16,
+                             logit_cap: float = 0.0) -> tirx.PrimFunc:
     """Self-attention among the new tokens of a prefill: TVM's `batch_prefill_ragged_kv` signature (its CPU
     variant, `_attention_prefill_ragged_cpu`), head_dim the same for q/k and v. One parallel task per query row
-    (_prefill_row_macro), keys in blocks of `block` rows; shape.page_size is not used."""
+    (_prefill_row_macro), keys in blocks of `block` rows; shape.page_size is not used. rotary_mode 1 fails an
+    assert (ROTARY_REFUSAL)."""
     H_qo, D, fdtype = shape.num_qo_heads, shape.head_dim, shape.float_dtype
     H_qo_decl, H_kv_decl, D_decl = shape.declared
-    inline_rope = shape.carrier is None
     assert shape.supported(lanes) and block % lanes == 0, shape
-    query_row = _prefill_row_macro(shape, lanes, rope_scaling or {}, paged=False, block=block, logit_cap=logit_cap)
+    query_row = _prefill_row_macro(shape, lanes, paged=False, block=block, logit_cap=logit_cap)
 
     # pylint: disable=too-many-locals,too-many-statements
     @T.prim_func(private=True, s_tir=True)
@@ -762,6 +695,7 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, rope_scaling: di
         k = T.match_buffer(var_k, (kv_len, H_kv_decl, D_decl), fdtype)
         v = T.match_buffer(var_v, (kv_len, H_kv_decl, D_decl), fdtype)
         kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset)
+        # matched as TVM's kernel does (the runtime checks the arguments), unused: K is stored after RoPE
         q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32",
                                          elem_offset=q_rope_position_elem_offset)
         k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
@@ -770,42 +704,33 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, rope_scaling: di
         lse = T.match_buffer(var_lse, (qo_len, H_qo_decl), "float32")
 
         with T.sblock("root"):
+            assert rotary_mode == 0, ROTARY_REFUSAL
             # the KV layout's views (AttentionShape): the buffers themselves for a float cache
             q_rows = T.decl_buffer((qo_len, H_qo, D), fdtype, data=q.data, strides=(H_qo_decl * D_decl, D, 1))
             output_rows = T.decl_buffer((qo_len, H_qo, D), fdtype, data=output.data,
                                         strides=(H_qo_decl * D_decl, D, 1))
             k_codes = T.decl_buffer((kv_len, H_kv_decl, shape.code_row), shape.code_dtype, data=k.data)
             v_codes = T.decl_buffer((kv_len, H_kv_decl, shape.code_row), shape.code_dtype, data=v.data)
-            if shape.carrier is not None:
-                assert rotary_mode == 0, ROTARY_REFUSAL
-            if rotary_mode == 1:
-                for t in range(qo_len):  # serial: TVM's RoPE expression breaks the parallel closure's codegen
-                    query_row(t, inline_rope, q_rows, q_indptr, k_codes, v_codes, k, v, kv_indptr, None, None,
-                              q_rope_position, k_rope_pos_offset, output_rows, lse, batch_size, causal, rope_scale,
-                              rope_theta, sm_scale)
-            else:
-                for t in T.parallel(qo_len):
-                    query_row(t, False, q_rows, q_indptr, k_codes, v_codes, k, v, kv_indptr, None, None,
-                              q_rope_position, k_rope_pos_offset, output_rows, lse, batch_size, causal, rope_scale,
-                              rope_theta, sm_scale)
+            for t in T.parallel(qo_len):
+                query_row(t, q_rows, q_indptr, k_codes, v_codes, k, v, kv_indptr, None, None, output_rows, lse,
+                          batch_size, causal, sm_scale)
 
     return batch_prefill_ragged_kv.with_attr("global_symbol", RAGGED_SYMBOL)
 
 
-def attention_prefill_paged(shape: AttentionShape, lanes: int, rope_scaling: dict[str, Any] | None = None,
-                            sliding_window: int = 0, logit_cap: float = 0.0) -> tirx.PrimFunc:
+def attention_prefill_paged(shape: AttentionShape, lanes: int, *, sliding_window: int = 0,
+                            logit_cap: float = 0.0) -> tirx.PrimFunc:
     """New tokens against the KV cache's pages (a prefill after earlier tokens, or a chunked one): TVM's
     `batch_prefill_paged_kv_cpu` signature, or (a `sliding_window`) its `_sliding_window` variant for the
-    "mha_sliding" layers (_prefill_row_macro; no sinks, no inline RoPE: _window_checks). One parallel task per query
-    row, one block per page."""
+    "mha_sliding" layers (_prefill_row_macro; no sinks: _window_checks). One parallel task per query row, one block
+    per page. rotary_mode 1 fails an assert (ROTARY_REFUSAL)."""
     H_qo, D, P, fdtype = shape.num_qo_heads, shape.head_dim, shape.page_size, shape.float_dtype
     H_qo_decl, H_kv_decl, D_decl = shape.declared
     sliding = sliding_window > 0
-    inline_rope = shape.carrier is None and not sliding
     window_checks = _window_checks(sliding)
     assert shape.supported(lanes), shape
-    query_row = _prefill_row_macro(shape, lanes, rope_scaling or {}, paged=True, block=P,
-                                   sliding_window=sliding_window, logit_cap=logit_cap)
+    query_row = _prefill_row_macro(shape, lanes, paged=True, block=P, sliding_window=sliding_window,
+                                   logit_cap=logit_cap)
 
     # pylint: disable=too-many-locals,too-many-statements
     @T.prim_func(private=True, s_tir=True)
@@ -843,6 +768,7 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, rope_scaling: dic
         pages = T.match_buffer(var_pages, (max_num_pages, 2, H_kv_decl, P, D_decl), fdtype)
         page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_elem_offset)
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
+        # matched as TVM's kernel does (the runtime checks the arguments), unused: K is stored after RoPE
         k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
                                            elem_offset=k_rope_pos_offset_elem_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32",
@@ -853,25 +779,17 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, rope_scaling: dic
                                      elem_offset=length_info_elem_offset)
 
         with T.sblock("root"):
-            window_checks(length_info, batch_size, rotary_mode)
+            assert rotary_mode == 0, ROTARY_REFUSAL
+            window_checks(length_info, batch_size)
             # the KV layout's views (AttentionShape): the buffers themselves for a float cache
             q_rows = T.decl_buffer((total_len, H_qo, D), fdtype, data=q.data, strides=(H_qo_decl * D_decl, D, 1))
             output_rows = T.decl_buffer((total_len, H_qo, D), fdtype, data=output.data,
                                         strides=(H_qo_decl * D_decl, D, 1))
             codes = T.decl_buffer((max_num_pages, 2, H_kv_decl, P, shape.code_row), shape.code_dtype,
                                   data=pages.data)
-            if shape.carrier is not None:
-                assert rotary_mode == 0, ROTARY_REFUSAL
-            if rotary_mode == 1:
-                for t in range(total_len):  # serial: TVM's RoPE expression breaks the parallel closure's codegen
-                    query_row(t, inline_rope, q_rows, q_indptr, codes, codes, pages, pages, page_indptr, page_values,
-                              length_info, q_rope_position, k_rope_pos_offset, output_rows, lse, batch_size, causal,
-                              rope_scale, rope_theta, sm_scale)
-            else:
-                for t in T.parallel(total_len):
-                    query_row(t, False, q_rows, q_indptr, codes, codes, pages, pages, page_indptr, page_values,
-                              length_info, q_rope_position, k_rope_pos_offset, output_rows, lse, batch_size, causal,
-                              rope_scale, rope_theta, sm_scale)
+            for t in T.parallel(total_len):
+                query_row(t, q_rows, q_indptr, codes, codes, pages, pages, page_indptr, page_values, length_info,
+                          output_rows, lse, batch_size, causal, sm_scale)
 
     return batch_prefill_paged_kv_cpu.with_attr("global_symbol",
                                                 PAGED_PREFILL_SYMBOL + (SLIDING_SUFFIX if sliding else ""))

@@ -22,10 +22,11 @@ ragged and paged prefill, merge of states) are replaced, by our variants built f
 fails.
 TVM's copy kernels (transpose_append, copy_single_page, compact_kv_copy, debug_get_kv) move whole cells and stay.
 
-RoPE scaling (Llama 3's, or linear): the importer records the model's as the module attr ROPE_ATTR, and every
-kernel built here gets it, as TVM's got it from TIRPagedKVCache: the inline-RoPE paths of decode and prefill
-(rotary_mode 1) through TVM's own `_rope`, and a quantized cache's split + RoPE, which applies RoPE to every q and
-k. A module without the attr (built by hand) has plain RoPE.
+Our attention kernels read K stored after RoPE (RopeMode.NORMAL or NONE) and fail on rotary_mode 1
+(cpu_attention.ROTARY_REFUSAL): a module whose cache is created with RopeMode.INLINE is refused here, at compile
+time (the create call's rope_mode argument). RoPE scaling (Llama 3's, or linear): the importer records the model's
+as the module attr ROPE_ATTR, and a quantized cache's split + RoPE, which applies RoPE to every q and k, gets it as
+TVM's split + RoPE got it from TIRPagedKVCache. A module without the attr (built by hand) has plain RoPE.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import json
 from typing import Any
 
 import tvm
-from tvm import tirx
+from tvm import relax, tirx
+from tvm.relax.frontend.nn.llm.kv_cache import RopeMode
 
 from ..errors import MobilecError
 from ..kernels.cpu_attention import (
@@ -63,6 +65,27 @@ def rope_of(mod: tvm.IRModule) -> tuple[float, dict[str, Any]]:
         return 1.0, {}
     rope = json.loads(str(attr))
     return float(rope["rope_scale"]), dict(rope["rope_scaling"])
+
+
+# TVM's call that creates the paged KV cache (TIRPagedKVCache, FlashInferPagedKVCache), and the position of its
+# rope_mode among the arguments after the function's name
+CACHE_CREATE = "vm.builtin.paged_attention_kv_cache_create"
+CREATE_ROPE_MODE_ARG = 8
+
+
+def cache_rope_modes(mod: tvm.IRModule) -> set[int]:
+    """The RopeMode of each paged KV cache the module's Relax functions create."""
+    modes = set()
+
+    def visit(expr):
+        if (isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == "relax.call_pure_packed"
+                and isinstance(expr.args[0], relax.ExternFunc) and expr.args[0].global_symbol == CACHE_CREATE):
+            modes.add(int(expr.args[1 + CREATE_ROPE_MODE_ARG].value))
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)
+    return modes
 
 
 def _global_symbol(func) -> str | None:
@@ -100,23 +123,20 @@ def ragged_shape(func: tirx.PrimFunc) -> AttentionShape | None:
     return AttentionShape(num_kv_heads=h_kv, num_qo_heads=h_qo, head_dim=d, dtype=str(q.dtype), page_size=16)
 
 
-# global symbol -> (its shape from TVM's PrimFunc, our kernel for that shape, lanes, RoPE scaling, sliding window and
-# logit cap)
+# global symbol -> (its shape from TVM's PrimFunc, our kernel for that shape, lanes, sliding window and logit cap)
 KERNELS = {
-    DECODE_SYMBOL: (decode_shape, lambda shape, lanes, rope, _, cap: attention_decode(
-        shape, lanes, rope, logit_cap=cap)),
-    RAGGED_SYMBOL: (ragged_shape, lambda shape, lanes, rope, _, cap: attention_prefill_ragged(
-        shape, lanes, rope, logit_cap=cap)),
+    DECODE_SYMBOL: (decode_shape, lambda shape, lanes, _, cap: attention_decode(shape, lanes, logit_cap=cap)),
+    RAGGED_SYMBOL: (ragged_shape, lambda shape, lanes, _, cap: attention_prefill_ragged(shape, lanes, logit_cap=cap)),
     PAGED_PREFILL_SYMBOL: (lambda func: decode_shape(func, pages_param=2),
-                           lambda shape, lanes, rope, _, cap: attention_prefill_paged(shape, lanes, rope, logit_cap=cap)),
+                           lambda shape, lanes, _, cap: attention_prefill_paged(shape, lanes, logit_cap=cap)),
 }
 # the same for the "mha_sliding" layers
 SLIDING_KERNELS = {
-    DECODE_SYMBOL + SLIDING_SUFFIX: (decode_shape, lambda shape, lanes, rope, _, cap: attention_decode(
-        shape, lanes, rope, sliding=True, logit_cap=cap)),
+    DECODE_SYMBOL + SLIDING_SUFFIX: (decode_shape, lambda shape, lanes, _, cap: attention_decode(
+        shape, lanes, sliding=True, logit_cap=cap)),
     PAGED_PREFILL_SYMBOL + SLIDING_SUFFIX: (lambda func: decode_shape(func, pages_param=2),
-                                            lambda shape, lanes, rope, window, cap: attention_prefill_paged(
-                                                shape, lanes, rope, sliding_window=window, logit_cap=cap)),
+                                            lambda shape, lanes, window, cap: attention_prefill_paged(
+                                                shape, lanes, sliding_window=window, logit_cap=cap)),
 }
 
 
@@ -131,10 +151,11 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
         self.lanes = lanes
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        if RopeMode.INLINE in cache_rope_modes(mod):
+            raise MobilecError("a paged KV cache with RopeMode.INLINE (RoPE inside attention) is not supported by "
+                               "mobilec's CPU attention kernels; create it with RopeMode.NORMAL or NONE")
         kv_format = mod.attrs.get(KV_FORMAT_ATTR) if mod.attrs is not None else None
-        rope_scale, rope_scaling = rope_of(mod)
-        replaced = (self._quantized(mod, kv_format, rope_scale, rope_scaling) if kv_format is not None
-                    else self._float(mod, rope_scaling))
+        replaced = self._quantized(mod, kv_format) if kv_format is not None else self._float(mod)
         if not replaced:
             return mod
         mod = mod.clone()
@@ -142,7 +163,7 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
             mod.update_func(gv, func)
         return mod
 
-    def _float(self, mod: tvm.IRModule, rope_scaling: dict[str, Any]) -> dict:
+    def _float(self, mod: tvm.IRModule) -> dict:
         """TVM's kernels that ours take; with a sliding window (LAYER_SLIDING_WINDOW_ATTR) the sliding variants too,
         and with a logit cap (ATTN_LOGIT_CAP_ATTR) every kernel, or the build fails: TVM's have neither."""
         attrs = mod.attrs if mod.attrs is not None else {}
@@ -161,11 +182,11 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
                     raise MobilecError(f"{symbol}: {needs} needs mobilec's CPU attention kernels, which do not take "
                                        f"{shape} at {self.lanes} lanes (TVM's kernels would be wrong)")
                 continue
-            replaced[gv] = build(shape, self.lanes, rope_scaling, window and int(window), cap).with_attrs(
+            replaced[gv] = build(shape, self.lanes, window and int(window), cap).with_attrs(
                 {**dict(func.attrs), "tirx.noalias": True})
         return replaced
 
-    def _quantized(self, mod: tvm.IRModule, kv_format, rope_scale: float, rope_scaling: dict[str, Any]) -> dict:
+    def _quantized(self, mod: tvm.IRModule, kv_format) -> dict:
         """The five kernels of a quantized cache, for the real geometry in `kv_format` (Carrier.module_attr); TVM's
         would misread the carrier, so a kernel missing or a geometry the vectorized kernels do not take fails."""
         funcs = {_global_symbol(func): (gv, func) for gv, func in mod.functions_items()}
@@ -184,10 +205,11 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
         declared = decode_shape(funcs[DECODE_SYMBOL][1])
         assert declared is not None and (declared.num_qo_heads, declared.num_kv_heads, declared.head_dim,
                                          declared.dtype) == (*shape.declared, "float32"), (declared, shape)
+        rope_scale, rope_scaling = rope_of(mod)
         builds = {
-            DECODE_SYMBOL: lambda: attention_decode(shape, self.lanes, rope_scaling),
-            RAGGED_SYMBOL: lambda: attention_prefill_ragged(shape, self.lanes, rope_scaling),
-            PAGED_PREFILL_SYMBOL: lambda: attention_prefill_paged(shape, self.lanes, rope_scaling),
+            DECODE_SYMBOL: lambda: attention_decode(shape, self.lanes),
+            RAGGED_SYMBOL: lambda: attention_prefill_ragged(shape, self.lanes),
+            PAGED_PREFILL_SYMBOL: lambda: attention_prefill_paged(shape, self.lanes),
             SPLIT_ROTARY_SYMBOL: lambda: quantized_split_rotary(shape, float(kv_format["rope_theta"]), rope_scale,
                                                                 rope_scaling),
             MERGE_SYMBOL: lambda: carrier_merge_state(shape),

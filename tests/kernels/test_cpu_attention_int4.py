@@ -285,8 +285,8 @@ def test_merge_state_merges_the_real_heads():
 
 @pytest.mark.parametrize("dtype", ["int4", "int8"])
 def test_quantized_kernels_refuse_inline_rope(dtype):
-    """K is stored after RoPE: rotary_mode 1 fails with the reason instead of attending without RoPE (the float
-    caches' inline-RoPE path is tested in test_cpu_attention.py); mode 0 runs (one sequence of 5 zero rows)."""
+    """K is stored after RoPE: rotary_mode 1 fails with the reason instead of attending without RoPE (as the float
+    caches' kernels do: test_cpu_attention.py); mode 0 runs (one sequence of 5 zero rows)."""
     hq, hkv, cell = AttentionShape(H_KV, H_QO, D, dtype, PAGE).declared
 
     def zeros(*shape):

@@ -30,7 +30,6 @@ from compiler.kernels.cpu_attention import (
 from compiler.kv_cache_dtype import CODE_FORMATS, KV_FORMAT_ATTR, Carrier
 from compiler.passes.replace_cpu_attention import ReplaceCPUAttention
 from tests.kernels.test_cpu_attention import (
-    LLAMA3,
     PAGE,
     ROPE_SCALE,
     ROPE_THETA,
@@ -42,6 +41,11 @@ from tests.kernels.test_cpu_attention import (
     _numpy_reference,
     _ragged_data,
 )
+
+# Llama 3's RoPE scaling (TVM's rope_freq_llama3), with head_dim 64 and theta 1e4: pairs of wavelength below 16
+# tokens unscaled, above 64 divided by 8, 3 pairs smoothed between
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
 
 H_QO, H_KV = 9, 3
 SHAPE = AttentionShape(H_KV, H_QO, D, "int8", PAGE)
@@ -321,8 +325,9 @@ def test_pass_replaces_all_five_kernels_of_an_int8_cache(tiny_int8_module):
 
 
 def test_pass_gives_an_int8_cache_the_models_rope_scaling(tmp_path):
-    """A Llama 3.x model's int8 cache: the split + RoPE kernel (and the others) get its RoPE scaling, recorded by
-    the importer (ROPE_ATTR); negative control: the plain kernel differs."""
+    """A Llama 3.x model's int8 cache: the split + RoPE kernel gets its RoPE scaling, recorded by the importer
+    (ROPE_ATTR; the attention kernels read K after RoPE, and have none); negative control: the plain kernel
+    differs."""
     from compiler.importer import import_model, open_model
     from compiler.quantization.schemes import get_scheme
     from compiler.targets import load_target
@@ -335,9 +340,9 @@ def test_pass_gives_an_int8_cache_the_models_rope_scaling(tmp_path):
     swapped = ReplaceCPUAttention(8)(mod)
     shape = AttentionShape(2, 4, 16, "int8", PAGE)
     theta = float(mod.attrs[KV_FORMAT_ATTR]["rope_theta"])
-    for symbol, build in ((DECODE_SYMBOL, lambda s: attention_decode(shape, 8, s)),
-                          (RAGGED_SYMBOL, lambda s: attention_prefill_ragged(shape, 8, s)),
-                          (PAGED_PREFILL_SYMBOL, lambda s: attention_prefill_paged(shape, 8, s)),
+    for symbol, build in ((DECODE_SYMBOL, lambda _: attention_decode(shape, 8)),
+                          (RAGGED_SYMBOL, lambda _: attention_prefill_ragged(shape, 8)),
+                          (PAGED_PREFILL_SYMBOL, lambda _: attention_prefill_paged(shape, 8)),
                           (SPLIT_ROTARY_SYMBOL, lambda s: quantized_split_rotary(shape, theta, 1.0, s))):
         attrs = {**dict(mod[symbol].attrs), "tirx.noalias": True}
         tvm.ir.assert_structural_equal(swapped[symbol], build(scaling).with_attrs(attrs))

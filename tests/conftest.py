@@ -15,8 +15,7 @@ import pytest  # noqa: E402  (after the thread counts)
 from compiler.loaders.default_model import default_model_path  # noqa: E402
 
 # Each compiles or runs the real SmolLM2 model, or starts the emulated arm64 device: a minute or more on 2 cores.
-SLOW_FIXTURES = frozenset({"smollm2_reference", "smollm2_q0f32", "smollm2_gguf_exact", "emulated_arm_device",
-                           "mobile_artifacts"})
+SLOW_FIXTURES = frozenset({"smollm2_reference", "smollm2_q0f32", "smollm2_gguf_exact", "emulated_arm_device"})
 
 
 def pytest_collection_modifyitems(items):
@@ -64,7 +63,7 @@ def smollm2_gguf_exact(tmp_path_factory, smollm2_gguf) -> Path:
 @pytest.fixture(scope="session")
 def emulated_arm_device(pytestconfig):
     """An emulated arm64 device (compiler/testing/emulated_arm.py): a handle with tracker_host, tracker_port, key
-    and request(). The image is built on first use (about 7 minutes) and cached; the device starts in ~10 s."""
+    and request(). The image is built on first use (about a minute) and cached; the device starts in ~10 s."""
     import os
 
     from compiler.testing.emulated_arm import build_image, prepare_host, start_device

@@ -1,10 +1,12 @@
 """An emulated arm64 Linux device for tests: TVM's RPC server in a Debian arm64 chroot under qemu-user.
 
-`build_image()` makes, once, a Debian bookworm arm64 root filesystem (debootstrap) with a Python venv at
-/opt/tvm holding the aarch64 wheels of the versions pinned in pyproject.toml, and packs it into a tarball in
-emulated-arm64/ in mobilec's cache (compiler/user_cache.py), named by a hash of the pins and the recipe.
-`start_device()` extracts it next to the tarball once, mounts that read-only at a temporary directory (with
-its own /proc and scratch /tmp), starts an RPC tracker on loopback (host Python) and TVM's RPC server inside
+`build_image()` makes, once, a Debian bookworm arm64 root filesystem with a Python venv at /opt/tvm holding the
+aarch64 wheels of the versions pinned in pyproject.toml, as a directory in emulated-arm64/ in mobilec's cache
+(compiler/user_cache.py), named by a hash of the pins and the recipe. Nothing is emulated while
+building but the final check: debootstrap's first stage downloads the packages, they are unpacked as they are (no
+maintainer scripts: Python needs none), and the host's pip installs the aarch64 wheels into the venv's
+site-packages (--platform --target): about a minute, where debootstrap's second stage and pip under qemu took 16.
+`start_device()` mounts the image read-only at a temporary directory (with its own /proc and scratch /tmp), starts an RPC tracker on loopback (host Python) and TVM's RPC server inside
 that chroot (qemu-aarch64 through binfmt_misc), and returns a handle once the tracker offers the server.
 Clients then use `tvm.rpc.connect_tracker(device.tracker_host, device.tracker_port).request(device.key)`.
 
@@ -44,9 +46,9 @@ from . import processes
 from .local_rpc import free_port
 
 # Bump when the image recipe changes, so cached images are rebuilt.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 DEBIAN_SUITE = "bookworm"
-DEBIAN_PACKAGES = ("python3", "python3-venv", "python3-pip")
+DEBIAN_PACKAGES = ("python3",)
 # bookworm's Python; the wheels are downloaded for it.
 REMOTE_PYTHON_VERSION = "3.11"
 # Packages pinned in pyproject.toml that the device needs: the runtime and the RPC server's dependencies.
@@ -56,12 +58,12 @@ IMPORT_DEPENDENCIES = ("ml_dtypes", "typing_extensions")
 WHEEL_PLATFORMS = ("manylinux_2_28_aarch64", "manylinux2014_aarch64")
 REMOTE_VENV = "/opt/tvm"
 REMOTE_PYTHON = f"{REMOTE_VENV}/bin/python"
+REMOTE_SITE_PACKAGES = f"{REMOTE_VENV}/lib/python{REMOTE_PYTHON_VERSION}/site-packages"
 # Carries random_fill_for_measure, which MetaSchedule's RPC runner calls.
-REMOTE_EXTRA_LIBRARY = (f"{REMOTE_VENV}/lib/python{REMOTE_PYTHON_VERSION}/site-packages/tvm/lib/"
-                        "libtvm_runtime_extra.so")
+REMOTE_EXTRA_LIBRARY = f"{REMOTE_SITE_PACKAGES}/tvm/lib/libtvm_runtime_extra.so"
 # A clean environment for commands in the chroot: host PIP_* and PYTHON* variables must not leak in.
 CHROOT_ENV = ("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "LANG=C.UTF-8")
-# Dropped from the packed image: not needed to run, and they make the tarball bigger.
+# Dropped from the image: not needed to run.
 IMAGE_PRUNE = ("var/cache/apt", "var/lib/apt/lists", "usr/share/doc", "usr/share/man", "usr/share/locale",
                "usr/share/info", "root/.cache")
 INSTALL_HINT = "apt-get install qemu-user-static binfmt-support debootstrap"
@@ -96,11 +98,11 @@ def _pinned_versions(pyproject: Path = REPO_ROOT / "pyproject.toml") -> dict[str
 
 
 def image_path(cache: Path | None = None) -> Path:
-    """The tarball for the current pins and recipe (it may not exist yet)."""
+    """The root filesystem for the current pins and recipe (it may not exist yet)."""
     recipe = {"recipe": RECIPE_VERSION, "suite": DEBIAN_SUITE, "packages": DEBIAN_PACKAGES,
               "python": REMOTE_PYTHON_VERSION, "wheels": _pinned_versions()}
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
-    return (cache or cache_dir()) / f"{DEBIAN_SUITE}-arm64-{digest}.tar.gz"
+    return (cache or cache_dir()) / f"{DEBIAN_SUITE}-arm64-{digest}"
 
 
 def _require_root() -> None:
@@ -247,7 +249,7 @@ def _run_logged(command: list[str], log: Path, what: str) -> None:
 
 @contextlib.contextmanager
 def _image_lock(image: Path) -> Iterator[None]:
-    """One builder or extractor of an image at a time; a second caller waits, then finds the result."""
+    """One builder of an image at a time; a second caller waits, then finds the result."""
     image.parent.mkdir(parents=True, exist_ok=True)
     with (image.parent / f"{image.name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -255,7 +257,7 @@ def _image_lock(image: Path) -> Iterator[None]:
 
 
 def build_image(cache: Path | None = None) -> Path:
-    """Build the image tarball if it is not cached (several minutes); return its path."""
+    """Build the image if it is not cached (about a minute); return its directory."""
     image = image_path(cache)
     if image.exists():
         return image
@@ -280,24 +282,26 @@ def _build_image_locked(image: Path) -> None:
     requirements = [f"{name}=={version}" for name, version in versions.items()]
     try:
         mirror = debian_mirror()
-        with progress.stage(f"debootstrap {DEBIAN_SUITE} arm64 from {mirror}"):
-            _run_logged(["debootstrap", "--arch=arm64", "--variant=minbase",
+        with progress.stage(f"download and unpack Debian {DEBIAN_SUITE} arm64 from {mirror}"):
+            _run_logged(["debootstrap", "--foreign", "--arch=arm64", "--variant=minbase",
                          f"--include={','.join(DEBIAN_PACKAGES)}", DEBIAN_SUITE, str(root), mirror],
                         log, "debootstrap")
-        wheels = root / "tmp" / "wheels"
-        with progress.stage("download aarch64 wheels"):
-            _run_logged([sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--quiet",
-                         "--dest", str(wheels), "--only-binary=:all:", "--implementation", "cp",
-                         "--python-version", REMOTE_PYTHON_VERSION,
+            # The first stage unpacked only the essential packages; the rest waits for the second stage (dpkg
+            # under qemu), which would also run their maintainer scripts. Unpacking is all Python needs.
+            _run_logged(["sh", "-c", 'for deb in "$1"/var/cache/apt/archives/*.deb; do dpkg-deb --fsys-tarfile '
+                         '"$deb" | tar -x -C "$1" --keep-directory-symlink || exit 1; done', "unpack", str(root)],
+                        log, "unpacking the packages")
+            shutil.rmtree(root / "debootstrap")
+            for name in ("passwd", "group"):  # what base-passwd's maintainer script would have written
+                shutil.copyfile(root / "usr/share/base-passwd" / f"{name}.master", root / "etc" / name)
+        with progress.stage(f"install aarch64 wheels into {REMOTE_VENV}"):
+            _make_venv(root / REMOTE_VENV.lstrip("/"))
+            _run_logged([sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--quiet",
+                         "--no-compile", "--target", str(root / REMOTE_SITE_PACKAGES.lstrip("/")),
+                         "--only-binary=:all:", "--implementation", "cp", "--python-version", REMOTE_PYTHON_VERSION,
                          *(f"--platform={platform}" for platform in WHEEL_PLATFORMS), *requirements],
-                        log, "pip download of the aarch64 wheels")
+                        log, "pip install of the aarch64 wheels")
         _mount_proc(root)
-        with progress.stage(f"install wheels into {REMOTE_VENV} (under qemu)"):
-            _run_logged(_chroot_command(root, "python3", "-m", "venv", REMOTE_VENV), log, "python3 -m venv")
-            _run_logged(_chroot_command(root, REMOTE_PYTHON, "-m", "pip", "install", "--no-index",
-                                        "--find-links", "/tmp/wheels", "--no-cache-dir",
-                                        "--disable-pip-version-check", *requirements),
-                        log, "pip install in the chroot")
         with progress.stage("check that tvm imports on the device"):
             _run_logged(_chroot_command(root, REMOTE_PYTHON, "-c",
                                         f"import ctypes, tvm, tvm.rpc; ctypes.CDLL('{REMOTE_EXTRA_LIBRARY}'); "
@@ -305,19 +309,22 @@ def _build_image_locked(image: Path) -> None:
                                         env=("TVM_USE_RUNTIME_LIB=1",)),
                         log, "importing tvm in the chroot")
         _unmount_under(root)
-        shutil.rmtree(wheels)
         for path in IMAGE_PRUNE:
             shutil.rmtree(root / path, ignore_errors=True)
-        partial = image.with_name(f"{image.name}.partial-{os.getpid()}")
-        with progress.stage(f"pack {image.name}"):
-            _run_logged(["tar", "--create", "--gzip", "--numeric-owner", "--file", str(partial),
-                         "--directory", str(root), "."], log, "packing the image")
-            os.replace(partial, image)
-        print(f"emulated-arm64: image {image} ({image.stat().st_size / 2**20:.0f} MiB)", file=sys.stderr)
+        root.rename(image)  # complete, or not there at all
+        print(f"emulated-arm64: image {image} ({time.monotonic() - progress.start:.0f} s)", file=sys.stderr)
     finally:
         _remove_tree(work)
-        for partial in image.parent.glob(f"{image.name}.partial-{os.getpid()}"):
-            partial.unlink()
+
+
+def _make_venv(venv: Path) -> None:
+    """What `python3 -m venv --without-pip` makes, written from here: the device's Python finds pyvenv.cfg beside
+    its bin/ and takes lib/pythonX.Y/site-packages."""
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(f"/usr/bin/python{REMOTE_PYTHON_VERSION}")
+    (venv / "pyvenv.cfg").write_text(f"home = /usr/bin\ninclude-system-site-packages = false\n"
+                                     f"version = {REMOTE_PYTHON_VERSION}\n")
+    (venv / REMOTE_SITE_PACKAGES.removeprefix(f"{REMOTE_VENV}/")).mkdir(parents=True)
 
 
 def _spawn(command: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -395,38 +402,14 @@ def _server_available(host: str, port: int, key: str) -> bool:
         tracker.close()
 
 
-def extracted_image(image: Path) -> Path:
-    """The image extracted next to it, once (7-17 s here); every device mounts this directory read-only."""
-    root = image.with_name(image.name.removesuffix(".tar.gz") + ".rootfs")
-    if (root / REMOTE_EXTRA_LIBRARY.lstrip("/")).is_file():
-        return root
-    with _image_lock(image):
-        if (root / REMOTE_EXTRA_LIBRARY.lstrip("/")).is_file():
-            return root
-        _remove_tree(root)  # an incomplete copy (or none)
-        partial = Path(tempfile.mkdtemp(prefix=f"{root.name}.partial-", dir=image.parent))
-        try:
-            print(f"emulated-arm64: extract {image.name} (once)", file=sys.stderr, flush=True)
-            extracted = subprocess.run(["tar", "--extract", "--gzip", "--numeric-owner", "--file", str(image),
-                                        "--directory", str(partial)], capture_output=True, text=True)
-            if extracted.returncode != 0:
-                raise MobilecError(f"cannot extract {image} ({extracted.stderr.strip()}); delete it and run "
-                                   f"`python -m compiler.testing.emulated_arm build`")
-            partial.rename(root)
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
-    return root
-
-
 def start_device(key: str = DEFAULT_KEY, tracker_port: int | None = None, image: Path | None = None,
                  timeout_s: float = 120.0) -> EmulatedArmDevice:
     """Start the emulated device from the cached image (build it first with build_image); return its handle."""
     prepare_host()
     image = image or image_path()
-    if not image.exists():
+    if not image.is_dir():
         raise MobilecError(f"no emulated arm64 image at {image}; build it with "
                            f"`python -m compiler.testing.emulated_arm build`")
-    image_root = extracted_image(image)
     work = Path(tempfile.mkdtemp(prefix="mobilec-emulated-arm64-"))
     root = work / "rootfs"
     root.mkdir()
@@ -434,10 +417,10 @@ def start_device(key: str = DEFAULT_KEY, tracker_port: int | None = None, image:
     device = EmulatedArmDevice(host, tracker_port or free_port(), key, root, work / "server.log")
     atexit.register(device.stop)
     try:
-        # The shared extracted image, read-only, with this device's own /proc and scratch space: devices never
+        # The shared image, read-only, with this device's own /proc and scratch space: devices never
         # see each other's files and the image stays intact. The RPC server keeps uploads (model weights) in
         # /tmp, so that is a directory on disk, not memory.
-        _mount("--bind", str(image_root), str(root))
+        _mount("--bind", str(image), str(root))
         # Private: on a host whose / is shared, mounts below would otherwise appear in the cached image too.
         _mount("--make-private", str(root))
         _mount("-o", "remount,bind,ro", str(root))
@@ -482,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m compiler.testing.emulated_arm",
                                      description="An emulated arm64 device (TVM RPC server under qemu-user).")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("build", help="build the cached image if needed (several minutes the first time)")
+    commands.add_parser("build", help="build the cached image if needed (about a minute the first time)")
     serve = commands.add_parser("serve", help="build if needed, start the device and serve until Ctrl-C")
     serve.add_argument("--key", default=DEFAULT_KEY, help=f"the device key in the tracker (default {DEFAULT_KEY})")
     serve.add_argument("--tracker-port", type=int, default=None, help="the tracker's port (default: a free one)")

@@ -281,6 +281,9 @@ def _window_checks(sliding: bool):
     return checks
 
 
+# Built once per process (functools.cache): parsing a kernel's TVMScript takes ~0.5 s, and tests and estimate
+# compile many models in one process. The PrimFuncs are immutable IR, shared safely.
+@functools.cache
 def attention_decode(shape: AttentionShape, lanes: int, *, chunk_pages: int = CHUNK_PAGES, sliding: bool = False,
                      logit_cap: float = 0.0) -> tirx.PrimFunc:
     """The paged-KV decode kernel: TVM's `batch_decode_paged_kv_cpu` signature, or (`sliding`) its
@@ -652,6 +655,7 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, paged: bool, block: in
     return query_row
 
 
+@functools.cache
 def attention_prefill_ragged(shape: AttentionShape, lanes: int, *, block: int = 16,
                              logit_cap: float = 0.0) -> tirx.PrimFunc:
     """Self-attention among the new tokens of a prefill: TVM's `batch_prefill_ragged_kv` signature (its CPU
@@ -718,6 +722,7 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, *, block: int = 
     return batch_prefill_ragged_kv.with_attr("global_symbol", RAGGED_SYMBOL)
 
 
+@functools.cache
 def attention_prefill_paged(shape: AttentionShape, lanes: int, *, sliding_window: int = 0,
                             logit_cap: float = 0.0) -> tirx.PrimFunc:
     """New tokens against the KV cache's pages (a prefill after earlier tokens, or a chunked one): TVM's

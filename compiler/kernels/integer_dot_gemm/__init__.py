@@ -25,6 +25,7 @@ dotprod GEMM's 1697 / 4336. Larger tiles (12 or 16 X rows) spilled and modelled 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -116,6 +117,8 @@ def activation_offset(shape: GemmShape, row, value):
     return (value // width * shape.vectors_per_panel + row // rows) * 16 + row % rows * width + value % width
 
 
+# Once per process, as cpu_attention's kernels (TVMScript parsing is the cost).
+@functools.cache
 def quantize_rows(shape: GemmShape) -> tirx.PrimFunc:
     """x [1, M, k] float32 -> xq int8 [panels, TILE_M k] (activation_offset's order), xs float32 [panels,
     terms_per_panel] (per block and activation vector 4 lanes, lane l for row l // columns_per_tile of it) and,
@@ -203,6 +206,7 @@ def _block_term(shape: GemmShape, xq, xs, xo, w, d, m, p, tile_n, unit, block, v
     return dot * xs[p, terms] * scale + xo[p, terms] * _lane_weights(shape, m, tile_n, unit, block)
 
 
+@functools.cache
 def gemm(shape: GemmShape) -> tirx.PrimFunc:
     """(xq, xs, codes, scales) or (xq, xs, xo, codes, scales, mins) -> y [1, M, n] float32; tasks of task_n W
     rows in parallel."""

@@ -27,6 +27,7 @@ vpmovzxbw widening, 0.093 ms widened in-lane (x86.py); int8 activations 0.062 ms
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from tvm import tirx
@@ -180,6 +181,8 @@ class GemvShape:
         return f"int{self.bits}_g{self.group}_{kind}_{self.scale_dtype}_a{self.act_bits}_{self.family}_n{self.n}_k{self.k}"
 
 
+# Once per process, as cpu_attention's kernels (TVMScript parsing is the cost).
+@functools.cache
 def quantize_activation(shape: GemvShape, x_shape: tuple[int, ...]) -> tirx.PrimFunc:
     """x [..., K] float32 (one row) -> xq [K] (int16 or int8) in the GEMV's code order, xs float32 [lane_terms]
     (per lane, its block's scale) and xo float32 [sum_terms] (symmetric codes: per lane, -offset * xs * the sum of q
@@ -295,6 +298,7 @@ def _hsum(acc, lanes: int, start=0):
     return total
 
 
+@functools.cache
 def gemv(shape: GemvShape, y_shape: tuple[int, ...]) -> tirx.PrimFunc:
     """(xq, xs, xo, codes, scales[, mins]) -> y [..., N] float32; rows in parallel tasks of 16."""
     n_rows, k, groups = shape.n, shape.k, -(-shape.k // shape.group)

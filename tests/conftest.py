@@ -1,6 +1,7 @@
-"""Shared fixtures: the default model compiled once per test session, and its float reference; the `slow` marker
-put on every test that needs one of the expensive fixtures."""
+"""Shared fixtures: the default model compiled once per test run (shared by the xdist workers), its float
+reference, the emulated arm64 device; the `slow` marker put on every test that needs one of the expensive fixtures."""
 
+import fcntl
 import os
 from pathlib import Path
 
@@ -40,24 +41,35 @@ def smollm2_reference(smollm2_gguf):
     ).eval()
 
 
-@pytest.fixture(scope="session")
-def smollm2_q0f32(tmp_path_factory, smollm2_gguf) -> Path:
+def _compiled_once(tmp_path_factory, name: str, quant: str, **options) -> Path:
+    """SmolLM2 compiled once per test run, not once per xdist worker: the workers' temporary directories share a
+    parent, where the first compiles under a lock and the other waits, then finds the artifact (compile_model
+    renames it into place whole)."""
     from compiler.compile_model import CompileOptions, compile_model
 
-    out = tmp_path_factory.mktemp("artifacts") / "smollm2-q0f32"
-    compile_model(CompileOptions(str(smollm2_gguf), "host", "q0f32", str(out), context_window=512, progress=False))
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    shared = root / "compiled-once"
+    shared.mkdir(exist_ok=True)
+    out = shared / name
+    with (shared / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            compile_model(CompileOptions(str(default_model_path()), "host", quant, str(out), context_window=512,
+                                         progress=False, **options))
     return out
 
 
 @pytest.fixture(scope="session")
-def smollm2_gguf_exact(tmp_path_factory, smollm2_gguf) -> Path:
-    from compiler.compile_model import CompileOptions, compile_model
+def smollm2_q0f32(tmp_path_factory) -> Path:
+    return _compiled_once(tmp_path_factory, "smollm2-q0f32", "q0f32")
 
-    out = tmp_path_factory.mktemp("artifacts") / "smollm2-gguf"
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_exact(tmp_path_factory) -> Path:
     # exact: the GGUF's blocks bit for bit, and a float32 KV cache (a float16 one moves logits by ~1e-2)
-    compile_model(CompileOptions(str(smollm2_gguf), "host", "gguf", str(out), context_window=512, progress=False,
-                                 kv_dtype="f32"))
-    return out
+    return _compiled_once(tmp_path_factory, "smollm2-gguf", "gguf", kv_dtype="f32")
 
 
 @pytest.fixture(scope="session")

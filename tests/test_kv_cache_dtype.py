@@ -3,6 +3,7 @@ estimate's KV bytes and longest context per KV dtype, and a tiny model decoding 
 cache against transformers."""
 
 import dataclasses
+import functools
 import json
 
 import numpy as np
@@ -188,6 +189,7 @@ def test_estimate_names_the_longest_context_per_kv_dtype(kv_dtype, tmp_path):
     target = tmp_path / "small.toml"
     target.write_text(text)
 
+    @functools.cache  # an estimate runs the compile pipeline: ~10 s each
     def estimate(context, name):
         return estimate_memory(EstimateOptions(config, str(target), "q4f16_g32", context, kv_dtype=name))
 

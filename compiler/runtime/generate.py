@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import validate
 from ..artifact import load_artifact
+from ..cpu_check import check_cpu, this_cpu
 from ..errors import MobilecError
 from ..host import set_threads
 from ..loaders.tokenizer import load_tokenizer
@@ -142,9 +143,10 @@ def generate_text(options: GenerateOptions,
                   on_text: Callable[[str], None] | None = None) -> GenerationResult:
     """`mobilec generate`: the artifact's text for the prompt; `on_text` gets each new piece as it comes (a
     multi-byte character once whole). Every option is checked before the artifact loads, the prompt's length
-    before the library does."""
+    before the library does; first, that this CPU can run the artifact."""
     options.check()
     artifact = load_artifact(options.artifact)
+    check_cpu(artifact.path, artifact.config, this_cpu())  # code this CPU cannot run: the first thing to say
     tokenizer = load_tokenizer(artifact.tokenizer_dir)
     prompt_ids = prompt_token_ids(tokenizer, options.prompt, options.chat)
     check_fits(len(prompt_ids), options.max_new_tokens, int(artifact.config["context_window"]))

@@ -49,7 +49,13 @@ class _Group(click.Group):
                 signal.signal(signal.SIGINT, _interrupt)
                 handled.append(signal.SIGINT)
         try:
-            return super().invoke(ctx)
+            try:
+                return super().invoke(ctx)
+            except Exception:
+                # The handler's exception raised inside a TVM callback (a Python pass) comes back as TVM's own
+                # error, its kind lost: a signal that arrived is still what stopped the command.
+                stop_signals.raise_if_received()
+                raise
         except MobilecError as err:
             click.echo(f"mobilec: error: {err}", err=True)
             sys.exit(2)

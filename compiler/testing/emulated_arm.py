@@ -2,12 +2,13 @@
 
 `build_image()` makes, once, a Debian bookworm arm64 root filesystem with a Python venv at /opt/tvm holding the
 aarch64 wheels of the versions pinned in pyproject.toml, as a directory in emulated-arm64/ in mobilec's cache
-(compiler/user_cache.py), named by a hash of the pins and the recipe. Nothing is emulated while
-building but the final check: debootstrap's first stage downloads the packages, they are unpacked as they are (no
-maintainer scripts: Python needs none), and the host's pip installs the aarch64 wheels into the venv's
-site-packages (--platform --target): about a minute, where debootstrap's second stage and pip under qemu took 16.
-`start_device()` mounts the image read-only at a temporary directory (with its own /proc and scratch /tmp), starts an RPC tracker on loopback (host Python) and TVM's RPC server inside
-that chroot (qemu-aarch64 through binfmt_misc), and returns a handle once the tracker offers the server.
+(compiler/user_cache.py), named by a hash of the pins and the recipe. Nothing is emulated while building but the
+final check: debootstrap's first stage downloads the packages, they are unpacked as they are (no maintainer
+scripts: Python needs none), and the host's pip installs the aarch64 wheels into the venv's site-packages
+(--platform --target): about a minute, where debootstrap's second stage and pip under qemu took 16.
+`start_device()` mounts the image read-only at a temporary directory (with its own /proc and scratch /tmp),
+starts an RPC tracker on loopback (host Python) and TVM's RPC server inside that chroot (qemu-aarch64 through
+binfmt_misc), and returns a handle once the tracker offers the server.
 Clients then use `tvm.rpc.connect_tracker(device.tracker_host, device.tracker_port).request(device.key)`.
 
 Needs root and `apt-get install qemu-user-static binfmt-support debootstrap`. qemu's default CPU advertises

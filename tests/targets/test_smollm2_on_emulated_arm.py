@@ -32,8 +32,9 @@ ACTIVATION_TOKENS = 32
 # to int8, which moves the next GEMV's input by 1/254 of a block's largest value, and so on (measured on this
 # prompt: 0.48 between the aarch64 and x86 int8 builds after one step, 0.0023 between the int16 builds).
 INT8_NEAR_TIE = 0.5
-# The share of steps where the x86 int8 build's own top token is the device's: at least 29 of 32 on AVX2 and AVX-512 hosts
-# run alone, 28 once in a full test run on an AVX-512 host (Zen 4); a wrong kernel misses by whole logits instead.
+# The share of steps where the x86 int8 build's own top token is the device's: at least 29 of 32 on AVX2 and
+# AVX-512 hosts run alone, 28 once in a full test run on an AVX-512 host (Zen 4); a wrong kernel misses by whole
+# logits instead.
 INT8_SAME_SHARE = 0.8
 
 

@@ -250,7 +250,10 @@ class Device:
         # requests unread), so any failure when the session was due to end counts as the timeout.
         expired = remote and ("SessionTimeout" in str(err)
                               or time.monotonic() - self.started >= 0.95 * self.session_timeout_s)
-        lost = remote and ("kShutdown" in first or "Socket" in first or "connection" in first.lower())
+        # A server killed mid-transfer can also surface as the client's protocol check on the reply it expected
+        # (`HandleUntilReturnEvent(...) == RPCCode::kCopyAck` failed): the stream broke, not the device's code.
+        lost = remote and ("kShutdown" in first or "Socket" in first or "connection" in first.lower()
+                           or "RPCCode::" in first)
         if expired:
             return (f"the session on {where} ran past --session-timeout {self.session_timeout_s:g} s while {doing}; "
                     f"raise --session-timeout or bench less (--repeat, --gen-len, --sustained)")

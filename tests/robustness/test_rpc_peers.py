@@ -198,3 +198,25 @@ def test_deadline_in_another_thread_leaves_the_block_alone():
     thread.start()
     thread.join()
     assert done == [True]
+
+
+def _explained(message: str) -> str:
+    """What a remote session's Device says of a TVM error with this message (a session a second old)."""
+    device = object.__new__(remote.Device)  # no connection: only what _explain reads
+    device.session, device.description = object(), {"name": "the RPC server at 10.0.0.2:9090"}
+    device.started, device.session_timeout_s = time.monotonic(), 600.0
+    return device._explain(RuntimeError(message), "running the benchmark")  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("message", [
+    "Socket SockChannel::Recv Error:Connection reset by peer",
+    # a server killed while it sent a tensor back (seen in a full test run, tests/test_bench_rpc.py)
+    "Check failed: (HandleUntilReturnEvent(true, [](ffi::PackedArgs) {}) == RPCCode::kCopyAck) is false:",
+])
+def test_a_broken_stream_is_a_lost_connection(message):
+    assert _explained(message).startswith("lost the connection to the RPC server at 10.0.0.2:9090 while running")
+
+
+def test_negative_control_an_error_of_the_devices_code_is_not_a_lost_connection():
+    said = _explained("TVMError: Check failed: (n == 3) is false: bad shape")
+    assert said.startswith("the RPC server at 10.0.0.2:9090 failed while running the benchmark: ")

@@ -10,20 +10,10 @@ import sys
 
 import pytest
 
-from compiler.compile_model import CompileOptions, compile_model
-from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
+from tests.robustness.conftest import run_subprocess
 
 BUSY_PROCESSES = 3
 EXIT_BUDGET_S = 60
-
-
-@pytest.fixture(scope="module")
-def tiny_artifact(tmp_path_factory):
-    root = tmp_path_factory.mktemp("thread_pool")
-    checkpoint = save_compilable_checkpoint(build_model("llama_gqa"), root / "hf")
-    compile_model(CompileOptions(str(checkpoint), "host", "q0f32", str(root / "tiny"), context_window=64,
-                                 progress=False))
-    return root / "tiny"
 
 
 def _every_core() -> None:
@@ -31,7 +21,7 @@ def _every_core() -> None:
     os.sched_setaffinity(0, range(os.cpu_count()))
 
 
-def _generate_beside_busy_processes(artifact, timeout_s: float) -> subprocess.CompletedProcess:
+def test_two_threads_exit_promptly_beside_busy_processes(tiny_artifact):
     cores = subprocess.run([sys.executable, "-c", "import os; print(len(os.sched_getaffinity(0)))"],
                            capture_output=True, text=True, check=True, preexec_fn=_every_core)
     if int(cores.stdout) < 2:
@@ -39,17 +29,11 @@ def _generate_beside_busy_processes(artifact, timeout_s: float) -> subprocess.Co
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=_every_core)
             for _ in range(BUSY_PROCESSES)]
     try:
-        return subprocess.run([sys.executable, "-m", "compiler", "generate", str(artifact), "--prompt", "the cat",
-                               "--max-new-tokens", "4", "--threads", "2", "--json"],
-                              capture_output=True, text=True, timeout=timeout_s, preexec_fn=_every_core)
+        result = run_subprocess(["generate", tiny_artifact, "--prompt", "the cat", "--max-new-tokens", "4",
+                                 "--threads", "2", "--json"], timeout=EXIT_BUDGET_S, preexec_fn=_every_core)
     finally:
         for process in busy:
             process.kill()
             process.wait()
-
-
-def test_two_threads_exit_promptly_beside_busy_processes(tiny_artifact):
-    result = _generate_beside_busy_processes(tiny_artifact, EXIT_BUDGET_S)
     assert result.returncode == 0, result.stderr
     assert len(json.loads(result.stdout)["token_ids"]) == 4
-

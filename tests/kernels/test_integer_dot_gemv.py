@@ -124,10 +124,11 @@ def test_refuses_shapes_it_cannot_step_through(bits, grp, k, symmetric):
     assert not GemvShape(N, k, 8, 16, True, "float16", family="dotprod").supported()  # arm.py: a lane per block
 
 
-# family -> (act bits -> instructions its GEMV must contain, and must not)
+# family -> (act bits -> instructions its GEMV must contain, and must not); ymm int16 codes are widened by shifts
+# and masks of their int16 words, with no shuffle (vpunpck, vpmovzxbw)
 INSTRUCTIONS = {
-    "avx2": {16: (["vpmaddwd", "ymm"], ["zmm", "vpdpbusd"]), 8: (["vpmaddubsw", "vpmaddwd"], ["zmm", "vpdpbusd"])},
-    "avxvnni": {16: (["vpmaddwd", "ymm"], ["zmm"]), 8: (["{vex} vpdpbusd"], ["vpmaddubsw", "zmm"])},
+    "avx2": {16: (["vpmaddwd", "ymm", "vpsrlw"], ["zmm", "vpdpbusd", "vpunpck", "vpmovzxbw"]), 8: (["vpmaddubsw", "vpmaddwd"], ["zmm", "vpdpbusd"])},
+    "avxvnni": {16: (["vpmaddwd", "ymm", "vpsrlw"], ["zmm", "vpunpck", "vpmovzxbw"]), 8: (["{vex} vpdpbusd"], ["vpmaddubsw", "zmm"])},
     "avx512bw": {16: (["vpmaddwd", "zmm"], ["vpdpbusd"]), 8: (["vpmaddubsw"], ["vpdpbusd"])},
     "avx512vnni": {16: (["vpmaddwd", "zmm"], []), 8: (["vpdpbusd"], ["vpmaddubsw", "{vex}"])},
 }

@@ -4,10 +4,12 @@ each instruction reads them contiguously. The algorithm around it (compiler/kern
 for every family.
 
 - int16 activations: `vpmaddwd` (pairs of int16 products summed into int32). With AVX-512BW one zmm instruction
-  takes 32 codes widened by `vpmovzxbw`. With AVX2 the codes are widened in-lane instead (`vpunpck[lh]bw` with
-  zero): `vpmovzxbw` ymm crosses 128-bit lanes and took 12 of the 22 cycles per 64 codes on Zen 3's two shuffle
-  pipes (llvm-mca). The in-lane order puts the two 4-bit blocks of a step in lanes 0-3 and 4-7 of one int32x8,
-  so a step also needs half the float work of two int32x8 halves.
+  takes 32 codes widened by `vpmovzxbw`. With AVX2 the codes are widened without shuffles: the 32 code bytes read
+  as 16 int16 words, each word's four nibbles (two 8-bit codes) taken out by shift and mask. `vpmovzxbw` ymm
+  crosses 128-bit lanes and took 12 of the 22 cycles per 64 codes on Zen 3's two shuffle pipes (llvm-mca); the
+  in-lane `vpunpck[lh]bw` that replaced it still took 4 shuffles per step. A word of a 4-bit step holds two codes
+  of one block, so the two blocks of a step stay in lanes 0-3 and 4-7 of one int32x8 and a step also needs half the
+  float work of two int32x8 halves.
 - int8 activations: `vpdpbusd` (4 uint8 x int8 products summed into each int32 lane) with AVX-512 VNNI (EVEX) or
   AVX-VNNI (VEX); else `vpmaddubsw` + `vpmaddwd` by ones (AVX2).
 """
@@ -20,13 +22,20 @@ STEP_BYTES = 32  # one ymm of code bytes per step
 TAIL_STEPS = False  # K must be whole steps
 ROWS_TOGETHER = 1  # a row at a time: its step's activations come from L1 and the loads overlap the madds
 MINS_PER_STEP = False  # asymmetric codes: the mins' term once per row, a dot with the per-group activation sums
-# 8-bit codes: lanes 0 .. lanes/2 - 1 of a step sum its codes 0-15 (vpmaddwd after in-lane or in-order widening,
+# 8-bit codes: lanes 0 .. lanes/2 - 1 of a step sum its codes 0-15 (vpmaddwd after word or in-order widening,
 # vpdpbusd), so 16-value groups (GGUF Q6_K) take a scale per half of the lanes
 HALF_BLOCK_GROUPS = True
 reduce_rows = None  # each row's lanes summed on their own
 # int_dot family -> whether its int8 steps have vpdpbusd
 FAMILIES = {"avx512vnni": True, "avx512bw": False, "avxvnni": True, "avx2": False}
 _ZMM_MADD = ("avx512vnni", "avx512bw")
+
+
+def chains(shape) -> int:
+    """Float accumulators per row that consecutive steps add into in turn. With one, each step's FMA waits on the
+    last (4 cycles on Zen 3/4): the ymm steps are short enough for that to bound them (the AVX2 8-bit lm_head, 1
+    thread, Zen 4: 1.80 -> 1.40 ms); the zmm int16 steps are not (llvm-mca: 10% more cycles with two)."""
+    return 2 if int32_lanes(shape) == 8 else 1
 
 
 def blocks_per_step(shape) -> int:
@@ -46,37 +55,46 @@ def split_int16(shape) -> bool:
     return False  # vpmaddwd takes int16 activations as they are
 
 
-def _in_lane_int16(shape) -> bool:
+def _word_int16(shape) -> bool:
     return shape.act_bits == 16 and shape.family not in _ZMM_MADD
 
 
 def int32_lanes(shape) -> int:
-    """32 int16 products summed by pairs (16 lanes; 8 when the in-lane widening folds the two halves of a step into
+    """32 int16 products summed by pairs (16 lanes; 8 when the word widening folds the two halves of a step into
     one ymm), or 32 int8 products summed by fours (8 lanes)."""
-    if shape.act_bits == 8 or _in_lane_int16(shape):
+    if shape.act_bits == 8 or _word_int16(shape):
         return 8
     return 16
 
 
 def activation_index(shape, b, j):
     """Where the activation of code j (0..31) of 32-value block b goes in xq."""
-    if _in_lane_int16(shape):
+    if _word_int16(shape):
         if shape.bits == 4:
-            # per step (blocks 2i, 2i+1): 4 vectors of 16 = codes 8v..8v+7 of block 2i, then of block 2i+1
-            return b // 2 * 64 + j // 8 * 16 + b % 2 * 8 + j % 8
-        # per block: codes 0-7, 16-23, then 8-15, 24-31 (vpunpcklbw / vpunpckhbw of the 32 code bytes)
-        return b * 32 + j % 16 // 8 * 16 + j // 16 * 8 + j % 8
+            # per step (blocks 2i, 2i+1): 4 vectors of 16 (_words_int16: low nibbles of even bytes, high of even,
+            # low of odd, high of odd), each word k of block 2i in lane k, of block 2i+1 in lane 8 + k; byte j of
+            # a block holds codes j (low nibble) and j + 16 (high)
+            nibble = j // 16 + j % 16 % 2 * 2
+            return b // 2 * 64 + nibble * 16 + b % 2 * 8 + j % 16 // 2
+        # per block: even codes, then odd codes (_words_int16: low bytes, then high bytes of the 16 words)
+        return b * 32 + j % 2 * 16 + j // 2
     if shape.bits == 4:
         # low nibbles of blocks 2i and 2i+1 (codes 0..15 of each), then their high nibbles (16..31)
         return b // 2 * 64 + j // 16 * 32 + b % 2 * 16 + j % 16
     return b * 32 + j
 
 
-def _unpack_int16(codes, high: bool):
-    """uint8x32 -> int16x16, zero-extended within each 128-bit lane: bytes 0-7 and 16-23 (or 8-15 and 24-31)."""
-    base = 8 if high else 0
-    order = [i for half in (0, 16) for e in range(8) for i in (half + base + e, 32 + half + base + e)]
-    return T.reinterpret("int16x16", T.Shuffle([codes, T.broadcast(T.uint8(0), STEP_BYTES)], order))
+def _words_int16(codes, bits: int):
+    """uint8x32 -> its 16 int16 words' 4-bit (or 8-bit) fields, low to high, each zero-extended to int16x16: shifts
+    and masks only, which any vector ALU pipe issues (no shuffle)."""
+    words = T.reinterpret("uint16x16", codes)
+    fields = []
+    for shift in range(0, 16, bits):
+        field = T.shift_right(words, T.broadcast(T.uint16(shift), 16)) if shift else words
+        if shift + bits < 16:  # the top field needs no mask: the logical shift brought in zeros
+            field = T.bitwise_and(field, T.broadcast(T.uint16((1 << bits) - 1), 16))
+        fields.append(T.reinterpret("int16x16", field))
+    return fields
 
 
 def _madd_int16x16(acc, codes, act):
@@ -104,15 +122,10 @@ def step_dot(shape, w, xq, n, step):
     """The int32 lanes of step `step` of row n: its 32 code bytes times their activations."""
     zero = T.broadcast(T.int32(0), shape.lanes)
     codes = w[n, T.ramp(step * STEP_BYTES, 1, STEP_BYTES)]
-    if _in_lane_int16(shape):
-        if shape.bits == 4:
-            parts = [T.bitwise_and(codes, T.broadcast(T.uint8(15), STEP_BYTES)),
-                     T.shift_right(codes, T.broadcast(T.uint8(4), STEP_BYTES))]
-        else:
-            parts = [codes]
-        acc, base = zero, step * len(parts) * STEP_BYTES
-        for v, (part, high) in enumerate((p, h) for p in parts for h in (False, True)):
-            acc = _madd_int16x16(acc, _unpack_int16(part, high), xq[T.ramp(base + v * 16, 1, 16)])
+    if _word_int16(shape):
+        acc, base = zero, step * STEP_BYTES * 8 // shape.bits
+        for v, field in enumerate(_words_int16(codes, shape.bits)):
+            acc = _madd_int16x16(acc, field, xq[T.ramp(base + v * 16, 1, 16)])
         return acc
     if shape.act_bits == 16:
         # Widened first (one vpmovzxbw from memory): a 4-bit byte as int16 gives its low code with one AND and its

@@ -169,7 +169,7 @@ ARM_LAYOUTS = LAYOUTS + [
     (8, 32, True, "float16", 576),  # GGUF Q8_0 lm_head
     (4, 128, True, "float16", 576),  # q4f16_g128: a short last group inside the last step
 ]
-# rows: 48 steps 4 rows together; 6 (tasks of 2 rows) 2; 5 one
+# rows: 48 steps 4 rows together (asymmetric 4-bit codes: 2); 6 (tasks of 2 rows) 2; 5 one
 ARM_ROWS = {index: N for index in range(len(ARM_LAYOUTS))} | {1: 6, 7: 5, 8: 6}
 # family -> (instructions its GEMVs must contain, must not); 8-bit codes: usdot with i8mm, centred sdot without
 ARM_INSTRUCTIONS = {
@@ -188,7 +188,10 @@ def test_each_aarch64_family_emits_its_instructions(dot_family, bits, act_bits):
     lib = tvm.tirx.build(tvm.IRModule({"gemv": gemv(shape, (1, 1, N)).with_attr("global_symbol", "gemv")}),
                          target=ARM_FAMILY_TARGETS[dot_family])
     # the vector instructions of the module (it holds only the GEMV)
-    words = re.findall(r"^\s+([a-z][a-z0-9.]*)\s+v\d+\.", assembly(lib), flags=re.MULTILINE)
+    asm = assembly(lib)
+    words = re.findall(r"^\s+([a-z][a-z0-9.]*)\s+v\d+\.", asm, flags=re.MULTILINE)
+    # whole 4-bit steps: their 4 blocks de-interleaved by 4 bytes in one ld4 (arm.py); 8-bit steps read blocks
+    assert bool(re.search(r"^\s+ld4\s+\{", asm, flags=re.MULTILINE)) == (bits == 4)
     must, must_not = ARM_INSTRUCTIONS[dot_family, bits]
     for instruction in must:
         assert instruction in words, f"{dot_family} int{bits} a{act_bits}: no {instruction}"
@@ -235,7 +238,7 @@ def test_aarch64_kernels_match_numpy_on_the_emulated_device(arm_libraries, dot_f
     bits, grp, symmetric, scale_dtype, k = ARM_LAYOUTS[layout]
     shape, arrays, x, ref = _case(bits, grp, symmetric, scale_dtype, k, act_bits=act_bits, dot_family=dot_family,
                                   n=ARM_ROWS[layout])
-    assert shape.rows_together == {48: 4, 6: 2, 5: 1}[shape.n]
+    assert shape.rows_together == {48: 2 if bits == 4 and not symmetric else 4, 6: 2, 5: 1}[shape.n]
     names = (f"quantize_{layout}_a{act_bits}", f"gemv_{layout}_a{act_bits}")
     got = _run(libs[dot_family], shape, x, arrays, dev=remote.cpu(), names=names)
     tol = 2e-4 * np.abs(ref).max()

@@ -17,8 +17,8 @@ its per-block terms already repeated per lane, so the only shuffle left widens t
 step to [d0 ..., d1 ...]. A variant may also step through 4 blocks with a lane each and a shorter last step,
 several rows at a time, the mins' term per step (arm.py). Asymmetric 8-bit codes may also have a scale and min per
 16 values (GGUF Q6_K) where the variant sums each half of a block in its own half of the lanes (x86.py). Every
-variant file defines the same names: FAMILIES, TAIL_STEPS, ROWS_TOGETHER, MINS_PER_STEP, HALF_BLOCK_GROUPS,
-reduce_rows, chains, blocks_per_step, qmax, centered, split_int16, int32_lanes, activation_index and step_dot.
+variant file defines the same names: FAMILIES, TAIL_STEPS, MINS_PER_STEP, HALF_BLOCK_GROUPS, reduce_rows,
+rows_together, chains, blocks_per_step, qmax, centered, split_int16, int32_lanes, activation_index and step_dot.
 
 SmolLM2 decode GEMVs, one Zen 3 core (AVX2), weights in cache, int16 activations: 4-bit gate_up 0.128 ms with
 vpmovzxbw widening, 0.093 ms widened in-lane (x86.py); int8 activations 0.062 ms. AVX2 code on one Zen 4 core,
@@ -103,7 +103,7 @@ class GemvShape:
     @property
     def rows_together(self) -> int:
         """Rows of a task that step together, sharing each step's activation loads (arm.py; x86: one)."""
-        return math.gcd(math.gcd(self.n, ROWS_PER_TASK), _variant(self.family).ROWS_TOGETHER)
+        return math.gcd(math.gcd(self.n, ROWS_PER_TASK), _variant(self.family).rows_together(self))
 
     @property
     def chains(self) -> int:
@@ -266,23 +266,23 @@ def _lane_scale(shape: GemvShape, buf, n, step, blocks: int | None = None):
     return T.broadcast(T.Cast("float32", buf[n, step * bps * BLOCK // shape.group]), lanes)
 
 
-def _step_sum(shape: GemvShape, xq, xs, xo, w, d, m, n, step, blocks: int | None = None):
-    """One step's contribution to the row's float32 partial sums (`blocks`: a shorter last step). Built as one
-    expression: a vector bound to a name inside the kernel would become a Let that the Relax build spills to a
-    stack buffer (8x slower)."""
+def _step_sum(shape: GemvShape, acc, xq, xs, xo, w, d, m, n, step, blocks: int | None = None):
+    """`acc` plus one step's contribution to the row's float32 partial sums (`blocks`: a shorter last step), each
+    product added to the running sum so that it is one FMA. Built as one expression: a vector bound to a name inside
+    the kernel would become a Let that the Relax build spills to a stack buffer (8x slower)."""
     terms = T.ramp(step * shape.lanes, 1, shape.lanes)
     step_dot = _variant(shape.family).step_dot
     ints = step_dot(shape, w, xq, n, step) if blocks is None else step_dot(shape, w, xq, n, step, blocks)
     dot = T.Cast(f"float32x{shape.lanes}", ints)
     scale = _lane_scale(shape, d, n, step, blocks)
     if shape.centered:  # the dot already holds sum (c - 128) q
-        return dot * xs[terms] * scale
+        return acc + dot * xs[terms] * scale
     if shape.symmetric:
         # xo holds -offset * xs * sum q: one FMA gives the block's sum of (c - offset) x
-        return (dot * xs[terms] + xo[terms]) * scale
+        return acc + (dot * xs[terms] + xo[terms]) * scale
     if shape.mins_per_step:  # xo holds xs * sum q per lane
-        return dot * xs[terms] * scale + xo[terms] * _lane_scale(shape, m, n, step, blocks)
-    return dot * xs[terms] * scale  # the mins' term comes once per row (gemv)
+        return acc + xo[terms] * _lane_scale(shape, m, n, step, blocks) + dot * xs[terms] * scale
+    return acc + dot * xs[terms] * scale  # the mins' term comes once per row (gemv)
 
 
 def _mins_tail(m, xo, n, start: int, stop: int):
@@ -330,8 +330,8 @@ def gemv(shape: GemvShape, y_shape: tuple[int, ...]) -> tirx.PrimFunc:
             if prefetch > 0:
                 T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
                     w[row0 + i, step * shape.step_bytes + prefetch]), T.int32(0), T.int32(3), T.int32(1)))
-            acc[T.ramp((chain * together + i) * lanes, 1, lanes)] = acc[T.ramp(
-                (chain * together + i) * lanes, 1, lanes)] + _step_sum(shape, xq, xs, xo, w, d, m, row0 + i, step)
+            acc[T.ramp((chain * together + i) * lanes, 1, lanes)] = _step_sum(
+                shape, acc[T.ramp((chain * together + i) * lanes, 1, lanes)], xq, xs, xo, w, d, m, row0 + i, step)
 
     @T.macro
     def rows_loop(xq, xs, xo, w, d, m, y):
@@ -358,9 +358,9 @@ def gemv(shape: GemvShape, y_shape: tuple[int, ...]) -> tirx.PrimFunc:
                                                             + acc[T.ramp((c * together + i) * lanes, 1, lanes)])
                 if shape.tail_blocks > 0:
                     for i in T.unroll(together):
-                        acc[T.ramp(i * lanes, 1, lanes)] = acc[T.ramp(i * lanes, 1, lanes)] + _step_sum(
-                            shape, xb if split else xq, xs, xo, w, d, m, task * rows + r * together + i, shape.steps,
-                            shape.tail_blocks)
+                        acc[T.ramp(i * lanes, 1, lanes)] = _step_sum(
+                            shape, acc[T.ramp(i * lanes, 1, lanes)], xb if split else xq, xs, xo, w, d, m,
+                            task * rows + r * together + i, shape.steps, shape.tail_blocks)
                 if reduce_rows is not None:
                     # the rows' sums in one vector (arm.py: pairwise adds across the rows' accumulators)
                     yf[T.ramp(task * rows + r * together, 1, together)] = _rows_sums(shape, acc, together)

@@ -3,13 +3,19 @@ lanes, one per block, with NEON's int8 dot products (compiler/isa.py families "d
 around it (compiler/kernels/integer_dot_gemv) is the one x86 uses; this file says how a step is computed, in which
 order the activation kernel stores activations, and how many rows step together.
 
-- A block's 32 codes: one 16-byte load for 4 bits (AND 0x0F gives codes 0-15, a shift by 4 codes 16-31) or two for
-  8 bits. Two `sdot`s (each 16 int8 products summed by fours into 4 int32 lanes) give the block's sum in 4 lanes;
-  `addp` of `addp`s folds 4 blocks' lanes into one int32x4, a lane per block, so the float work (convert, scale by
-  activation and weight scales, accumulate; for asymmetric codes also the 4 mins times the blocks' activation sums)
-  is 4-6 instructions per 128 codes, and a step's 4 weight scales are one 8-byte load and `fcvtl`, in lane order.
-  A K that is not a multiple of 128 ends in a shorter step (SmolLM2's 576: 4 steps and 2 blocks), its lanes past
-  the last block zero. 4 rows step together and share the step's activation loads; their 4 sums are 3 `faddp`s.
+- A whole 4-bit step (4 blocks, 64 bytes of codes) is read by one `ld4` of 32-bit words: each of its 4 vectors
+  holds 4 code bytes of every block, block i in lane i, so after AND 0x0F (low nibbles) and a shift by 4 (high
+  nibbles) every `sdot` (16 int8 products summed by fours into 4 int32 lanes) adds 4 products of each block to its
+  own lane: the step's 8 `sdot`s go into one accumulator, a lane per block. The activation kernel stores the
+  activations in that order. The weights stay in the GGUF block layout (the prefill GEMM and the dequantize read
+  the same shards); `ld4` de-interleaves at load time, where re-laying them was the alternative.
+- Other steps (8-bit codes, a shorter last step): a block's two 16-code vectors (a 16-byte load split into nibbles,
+  or two loads) and two `sdot`s give its sum in 4 lanes; `addp` of `addp`s folds 4 blocks' lanes into one int32x4.
+- The float work of a step (convert, scale by activation and weight scales, accumulate; for asymmetric codes also
+  the 4 mins times the blocks' activation sums) is 4-6 instructions per 128 codes, and a step's 4 weight scales are
+  one 8-byte load and `fcvtl`, in lane order. A K that is not a multiple of 128 ends in a shorter step (SmolLM2's
+  576: 4 steps and 2 blocks), its lanes past the last block zero. 2 or 4 rows step together (rows_together) and
+  share the step's activation loads; their sums are `faddp`s.
 - 4-bit codes 0..15 are valid int8: `sdot` takes them unsigned, and the -8 offset of symmetric codes is the
   activation sum term (as on x86), so no per-code subtraction as in llama.cpp's Q4_0 kernel.
 - 8-bit codes 0..255: with i8mm, `usdot` (unsigned codes x signed activations) takes them as they are; with dotprod
@@ -18,14 +24,11 @@ order the activation kernel stores activations, and how many rows step together.
   stored as two byte planes; each block is `sdot`ed with h, shifted left by 8 and `sdot`ed with l: 4 dot products
   per 32 codes instead of 2, no widening (llvm-mca Neoverse-N2: ~1.5x the int8 cycles).
 
-Modelled by bench/arm_gemv_mca.py (llvm-mca-15, SmolLM2 shapes, steady-state loop, both built for the same -mcpu):
-Q4_0 / Q4_1 / Q8_0 at 0.57-0.72x llama.cpp's cycles per 32 weights on the Neoverse-N2 model and 0.75-0.79x on the
-in-order A55 model (-mcpu=cortex-a510). Not done, because they do not win or need the weights re-laid:
-- `smmla`/`usmmla` (i8mm) multiply a 2x8 by an 8x2 block: with one activation row (decode) half of each product is
-  wasted, and both models issue them at `sdot`'s rate, so i8mm targets use `sdot`/`usdot` here too.
-- Codes re-laid 4 blocks interleaved by 4 bytes would put a block in each lane of one `sdot` accumulator: no zeroing
-  per block and no `addp` (6 of ~30 vector instructions per 128 codes and row); the prefill GEMM and the
-  dequantize that read the same shards would have to follow that layout.
+Modelled by bench/arm_gemv_mca.py (llvm-mca-15, SmolLM2 shapes, steady-state loop, both built for the same -mcpu).
+Q4_1 (asymmetric 4-bit, int8 activations, Neoverse-N2 model), cycles per 32 weights: 4.38 with a 16-byte load and
+`addp`s per block and 4 rows, 3.77 with the interleaved step and 2 rows. Not done: `smmla`/`usmmla` (i8mm) multiply
+a 2x8 by an 8x2 block: with one activation row (decode) half of each product is wasted, and both models issue them
+at `sdot`'s rate, so i8mm targets use `sdot`/`usdot` here too.
 """
 
 from __future__ import annotations
@@ -35,10 +38,6 @@ from tvm.script import tirx as T
 BLOCKS_PER_STEP = 4  # one int32x4 of block sums per step
 TAIL_STEPS = True  # a K of whole blocks that are not a multiple of a step ends in a shorter step
 LANES = 4
-# Rows that step together: a step's activations (128 bytes) are loaded once for 4 rows, and loaded per step rather
-# than hoisted out of the rows loop (with one row, LLVM unrolls SmolLM2's 4.5 steps and keeps all 36 activation
-# vectors live: spills and register moves, Neoverse-N2 model 4.9 instead of 4.1 cycles per 32 codes).
-ROWS_TOGETHER = 4
 MINS_PER_STEP = True  # asymmetric codes: the step's 4 mins times the 4 blocks' activation sums, one FMA
 HALF_BLOCK_GROUPS = False  # a lane per block: 16-value groups (GGUF Q6_K) stay with the float GEMV
 
@@ -49,8 +48,17 @@ FAMILIES = {"i8mm": True, "dotprod": False}
 INT16_QMAX = 32639
 
 
+def rows_together(shape) -> int:
+    """Rows that step together, sharing the step's activation loads (128 bytes). 4, except asymmetric 4-bit codes:
+    their interleaved step (8 code vectors) and its mins' term leave too few registers for 4 rows (llvm-mca
+    Neoverse-N2, SmolLM2 Q4_1 gate_up: 4.41 cycles per 32 weights with 4, 3.77 with 2; Q4_0 4.04 with 4, 4.42 with
+    2, where LLVM unrolls the 4.5 steps and keeps all their activations live). One row: the same unrolling and
+    spills (4.9 instead of 4.1 cycles per 32 codes)."""
+    return 2 if shape.bits == 4 and not shape.symmetric else 4
+
+
 def chains(shape) -> int:
-    return 1  # ROWS_TOGETHER rows step together: their accumulators are already independent
+    return 1  # rows_together rows step together: their accumulators are already independent
 
 
 def blocks_per_step(shape) -> int:
@@ -76,12 +84,19 @@ def split_int16(shape) -> bool:
 
 
 def activation_index(shape, b, j, plane: int = 0):
-    """Where the activation of code j (0..31) of block b goes: natural order for int8 (a block's 16-byte halves
-    meet its low and high nibbles, or its two 16-code vectors); for int16, the index in the byte view of xq of its
-    low byte (plane 0) or high byte (plane 1): per 16 values, 16 low bytes then 16 high bytes."""
+    """Where the activation of code j (0..31) of block b goes. A whole 4-bit step (_step_codes): per 16-value vector
+    v = 2 (j % 16 // 4) + j // 16, 4 values of each of its 4 blocks in block order. Otherwise natural order (a
+    block's 16-byte halves meet its low and high nibbles, or its two 16-code vectors). int8 stores the values; for
+    int16, the index in the byte view of xq of the low byte (plane 0) or high byte (plane 1): per 16 values, 16 low
+    bytes then 16 high bytes."""
+    position = b * 32 + j
+    if shape.bits == 4:  # b: the activation kernel's loop variable, so the choice of order is a select
+        interleaved = (b // BLOCKS_PER_STEP * 128 + (j % 16 // 4 * 2 + j // 16) * 16 + b % BLOCKS_PER_STEP * 4
+                       + j % 4)
+        position = T.Select(b < shape.steps * BLOCKS_PER_STEP, interleaved, position)
     if shape.act_bits == 8:
-        return b * 32 + j
-    return b * 64 + j // 16 * 32 + plane * 16 + j % 16
+        return position
+    return position // 16 * 32 + plane * 16 + position % 16
 
 
 def _dot(shape, acc, codes, act):
@@ -126,9 +141,41 @@ def _addp(a, b):
     return T.call_llvm_pure_intrin("int32x4", "llvm.aarch64.neon.addp.v4i32", a, b)
 
 
+def _step_codes(w, n, step):
+    """The 4 blocks of a whole 4-bit step as 8 vectors of 16 codes, 4 of each block in block order: the step's 64
+    bytes read as 16 words and de-interleaved by 4 (one `ld4`), each then split into low and high nibbles."""
+    words = T.reinterpret("uint32x16", w[n, T.ramp(step * 64, 1, 64)])
+    parts = []
+    for c in range(4):
+        codes = T.reinterpret("uint8x16", T.Shuffle([words], [c, c + 4, c + 8, c + 12]))
+        parts += [T.bitwise_and(codes, T.broadcast(T.uint8(15), 16)), T.shift_right(codes, T.broadcast(T.uint8(4), 16))]
+    return parts
+
+
+def _interleaved_step_dot(shape, w, xq, n, step):
+    """Lane i: block step * 4 + i's sum, each `sdot` adding 4 products of every block: one accumulator, no zeroing
+    per block and no `addp`."""
+    zero = T.broadcast(T.int32(0), LANES)
+    parts = _step_codes(w, n, step)
+    if shape.act_bits == 8:
+        acc = zero
+        for v, codes in enumerate(parts):
+            acc = _dot(shape, acc, codes, xq[T.ramp(step * 128 + v * 16, 1, 16)])
+        return acc
+    high = zero
+    for v, codes in enumerate(parts):
+        high = _dot(shape, high, codes, xq[T.ramp(step * 256 + v * 32 + 16, 1, 16)])
+    acc = T.shift_left(high, T.broadcast(T.int32(8), LANES))
+    for v, codes in enumerate(parts):
+        acc = _dot(shape, acc, codes, xq[T.ramp(step * 256 + v * 32, 1, 16)])
+    return acc
+
+
 def step_dot(shape, w, xq, n, step, blocks: int = BLOCKS_PER_STEP):
     """Lane i: the sum of codes times activations of block step * 4 + i (zero past `blocks`, a shorter last step).
     For int16 activations xq is the byte view of the activation planes."""
+    if blocks == BLOCKS_PER_STEP and shape.bits == 4:
+        return _interleaved_step_dot(shape, w, xq, n, step)
     sums = [_block_dot(shape, w, xq, n, step * BLOCKS_PER_STEP + i) for i in range(blocks)]
     pairs = [_addp(sums[i], sums[i + 1] if i + 1 < blocks else T.broadcast(T.int32(0), LANES))
              if i < blocks else None for i in (0, 2)]

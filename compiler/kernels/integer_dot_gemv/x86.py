@@ -20,7 +20,6 @@ from tvm.script import tirx as T
 
 STEP_BYTES = 32  # one ymm of code bytes per step
 TAIL_STEPS = False  # K must be whole steps
-ROWS_TOGETHER = 1  # a row at a time: its step's activations come from L1 and the loads overlap the madds
 MINS_PER_STEP = False  # asymmetric codes: the mins' term once per row, a dot with the per-group activation sums
 # 8-bit codes: lanes 0 .. lanes/2 - 1 of a step sum its codes 0-15 (vpmaddwd after word or in-order widening,
 # vpdpbusd), so 16-value groups (GGUF Q6_K) take a scale per half of the lanes
@@ -29,6 +28,10 @@ reduce_rows = None  # each row's lanes summed on their own
 # int_dot family -> whether its int8 steps have vpdpbusd
 FAMILIES = {"avx512vnni": True, "avx512bw": False, "avxvnni": True, "avx2": False}
 _ZMM_MADD = ("avx512vnni", "avx512bw")
+
+
+def rows_together(shape) -> int:
+    return 1  # a row at a time: its step's activations come from L1 and the loads overlap the madds
 
 
 def chains(shape) -> int:

@@ -5,7 +5,7 @@ for every family.
 
 - int16 activations: `vpmaddwd` (pairs of int16 products summed into int32). With AVX-512BW one zmm instruction
   takes 32 codes widened by `vpmovzxbw`. With AVX2 the codes are widened without shuffles: the 32 code bytes read
-  as 16 int16 words, each word's four nibbles (two 8-bit codes) taken out by shift and mask. `vpmovzxbw` ymm
+  as 16 int16 words, each word's four 4-bit codes (or two 8-bit ones) taken out by shift and mask. `vpmovzxbw` ymm
   crosses 128-bit lanes and took 12 of the 22 cycles per 64 codes on Zen 3's two shuffle pipes (llvm-mca); the
   in-lane `vpunpck[lh]bw` that replaced it still took 4 shuffles per step. A word of a 4-bit step holds two codes
   of one block, so the two blocks of a step stay in lanes 0-3 and 4-7 of one int32x8 and a step also needs half the

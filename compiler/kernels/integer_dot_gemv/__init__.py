@@ -347,7 +347,8 @@ def gemv(shape: GemvShape, y_shape: tuple[int, ...]) -> tirx.PrimFunc:
                     acc[T.ramp(i * lanes, 1, lanes)] = T.broadcast(T.float32(0), lanes)
                 for outer in range(shape.steps // chains):
                     for c in T.unroll(chains):
-                        add_step(acc, xb if split else xq, xs, xo, w, d, m, task * rows + r * together, outer * chains + c, c)
+                        add_step(acc, xb if split else xq, xs, xo, w, d, m, task * rows + r * together,
+                                 outer * chains + c, c)
                 if shape.steps % chains > 0:
                     for c in T.unroll(shape.steps % chains):
                         add_step(acc, xb if split else xq, xs, xo, w, d, m, task * rows + r * together,

@@ -118,22 +118,27 @@ def _block_codes(shape, w, n, block):
     return halves
 
 
-def _block_dot(shape, w, xq, n, block):
-    """int32x4 whose lanes add up to the block's sum of codes times activations."""
+def _dot_vectors(shape, parts, xq, first):
+    """int32x4: each 16-code vector of `parts` dotted with its 16 activations, vector v being the activations'
+    16-value vector first + v (int8: values; int16: its 16 low bytes then 16 high bytes in the byte view)."""
     zero = T.broadcast(T.int32(0), LANES)
-    parts = _block_codes(shape, w, n, block)
     if shape.act_bits == 8:
         acc = zero
-        for half, codes in enumerate(parts):
-            acc = _dot(shape, acc, codes, xq[T.ramp(block * 32 + half * 16, 1, 16)])
+        for v, codes in enumerate(parts):
+            acc = _dot(shape, acc, codes, xq[T.ramp((first + v) * 16, 1, 16)])
         return acc
     high = zero
-    for half, codes in enumerate(parts):
-        high = _dot(shape, high, codes, xq[T.ramp(block * 64 + half * 32 + 16, 1, 16)])
+    for v, codes in enumerate(parts):
+        high = _dot(shape, high, codes, xq[T.ramp((first + v) * 32 + 16, 1, 16)])
     acc = T.shift_left(high, T.broadcast(T.int32(8), LANES))
-    for half, codes in enumerate(parts):
-        acc = _dot(shape, acc, codes, xq[T.ramp(block * 64 + half * 32, 1, 16)])
+    for v, codes in enumerate(parts):
+        acc = _dot(shape, acc, codes, xq[T.ramp((first + v) * 32, 1, 16)])
     return acc
+
+
+def _block_dot(shape, w, xq, n, block):
+    """int32x4 whose lanes add up to the block's sum of codes times activations."""
+    return _dot_vectors(shape, _block_codes(shape, w, n, block), xq, block * 2)
 
 
 def _addp(a, b):
@@ -155,20 +160,7 @@ def _step_codes(w, n, step):
 def _interleaved_step_dot(shape, w, xq, n, step):
     """Lane i: block step * 4 + i's sum, each `sdot` adding 4 products of every block: one accumulator, no zeroing
     per block and no `addp`."""
-    zero = T.broadcast(T.int32(0), LANES)
-    parts = _step_codes(w, n, step)
-    if shape.act_bits == 8:
-        acc = zero
-        for v, codes in enumerate(parts):
-            acc = _dot(shape, acc, codes, xq[T.ramp(step * 128 + v * 16, 1, 16)])
-        return acc
-    high = zero
-    for v, codes in enumerate(parts):
-        high = _dot(shape, high, codes, xq[T.ramp(step * 256 + v * 32 + 16, 1, 16)])
-    acc = T.shift_left(high, T.broadcast(T.int32(8), LANES))
-    for v, codes in enumerate(parts):
-        acc = _dot(shape, acc, codes, xq[T.ramp(step * 256 + v * 32, 1, 16)])
-    return acc
+    return _dot_vectors(shape, _step_codes(w, n, step), xq, step * 8)
 
 
 def step_dot(shape, w, xq, n, step, blocks: int = BLOCKS_PER_STEP):

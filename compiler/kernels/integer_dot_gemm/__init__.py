@@ -11,15 +11,19 @@ piece of it, the variant's), per block
     acc += float(dot) * xs * d + xo * m        asymmetric: xo = xs * sum q  (w = d c + m)
 
 with xs (and xo) per lane (the activation kernel repeats them in the tile's lane order) and d, m the block's weight
-scale and min: the scales once per block per output, never per code. 8 float32x4 accumulators + 8 block tiles +
-the block's W operands + 4 X operands fit NEON's 32 registers. Each parallel task takes TASK_N rows of W and walks
-every panel of X for them (the task's W codes stay in cache).
+scale and min: the scales once per block per output, never per code. A task first converts its W rows' d (and m)
+to float32 in the tiles' lane order (lane_scales), once for every panel of X, so a block reads them as one vector
+each instead of loading, converting and shuffling the rows' float16 values (NEON's two vector pipes, not the
+multiplies, bound the loop on big cores). 8 float32x4 accumulators + 8 block tiles + the block's W operands + 4 X
+operands fit NEON's 32 registers. Each parallel task takes TASK_N rows of W and walks every panel of X for them
+(the task's W codes stay in cache).
 
 llvm-mca (bench/arm_gemm_mca.py), cycles per 32 x 32 output tile over one 32-value block, Neoverse-N2 / Cortex-A510
-(A55) models: smmla Q4_0 1442 / 4768 against llama.cpp's repacked i8mm GEMM's 1313 / 4176 (its weights interleaved
-and pre-flipped at load time; ours stay in the layout the decode GEMV reads), Q4_1 2178 / 5856 and Q8_0 1779 / 5072
-against its two-row smmla dot products' 5210 / 13573 and 3869 / 10757; sdot Q4_0 2116 / 6496 against its repacked
-dotprod GEMM's 1697 / 4336. Larger tiles (12 or 16 X rows) spilled and modelled slower.
+(A55) models: smmla Q4_0 1282 / 4384 against llama.cpp's repacked i8mm GEMM's 1313 / 4176 (its weights interleaved
+and pre-flipped at load time; ours stay in the layout the decode GEMV reads), Q4_1 1619 / 5152 and Q8_0 1411 / 4640
+against its two-row smmla dot products' 5210 / 13573 and 3869 / 10757; sdot Q4_0 1892 / 4833 against its repacked
+dotprod GEMM's 1697 / 4336. Built for the A510 itself, LLVM unrolls the block loop twice and spills a few
+registers. Larger tiles (12 or 16 X rows) spilled and modelled slower.
 """
 
 from __future__ import annotations
@@ -179,31 +183,18 @@ def quantize_rows(shape: GemmShape) -> tirx.PrimFunc:
     return quantize
 
 
-def _lane_weights(shape: GemmShape, buf, tile_n, unit, block):
-    """The weight scale (or min) of W row tile_n + unit * columns_per_tile + l % columns_per_tile for each lane l, as
-    float32x4."""
-    column, columns = block * BLOCK // shape.group, shape.columns_per_tile
-    n = tile_n + unit * columns
-    if columns == 1:
-        return T.broadcast(T.Cast("float32", buf[n, column]), arm.LANES)
-    repeats = arm.LANES // columns
-    return T.Shuffle([T.broadcast(T.Cast("float32", buf[n + c, column]), repeats) for c in range(columns)],
-                     [lane % columns * repeats + lane // columns for lane in range(arm.LANES)])
-
-
-def _block_term(shape: GemmShape, xq, xs, xo, w, d, m, p, tile_n, unit, block, vector):
-    """One block's float32x4 contribution to unit `unit` of the tile of W rows from tile_n (its W rows from
-    n = tile_n + unit * columns_per_tile) and activation vector `vector` of panel p,
-    built as one expression (a vector bound to a name inside a kernel is spilled to the stack by the Relax build)."""
+def _block_term(shape: GemmShape, xq, xs, xo, w, lane_scales, lane_mins, p, n, lane_term, block, vector):
+    """One block's float32x4 contribution to the tile of W rows from n (its weight scales and mins at lane_term of
+    the task's lane_scales, lane_mins) and activation vector `vector` of panel p, built as one expression (a vector
+    bound to a name inside a kernel is spilled to the stack by the Relax build)."""
     vectors = shape.vectors_per_panel
-    n = tile_n + unit * shape.columns_per_tile
     dot = arm.to_float(shape, arm.block_dot(shape, w, xq, n, block,
                                             lambda step: (p, T.ramp((step * vectors + vector) * 16, 1, 16))))
     terms = T.ramp((block * vectors + vector) * arm.LANES, 1, arm.LANES)
-    scale = _lane_weights(shape, d, tile_n, unit, block)
+    scale = lane_scales[T.ramp(lane_term, 1, arm.LANES)]
     if shape.symmetric:  # centred codes: the dot holds sum (c - offset) q
         return dot * xs[p, terms] * scale
-    return dot * xs[p, terms] * scale + xo[p, terms] * _lane_weights(shape, m, tile_n, unit, block)
+    return dot * xs[p, terms] * scale + xo[p, terms] * lane_mins[T.ramp(lane_term, 1, arm.LANES)]
 
 
 @functools.cache
@@ -216,21 +207,49 @@ def gemm(shape: GemmShape) -> tirx.PrimFunc:
     rows, columns, vectors = shape.rows_per_vector, shape.columns_per_tile, shape.vectors_per_panel
     units = TILE_N // columns  # tiles along n
     tiles = vectors * units
+    blocks, sums = shape.blocks, shape.activation_sums
+    # The order of a block's tiles decides LLVM's register allocation: by W rows first (the X vectors stay live
+    # across units), or by X vector first for 8-bit codes, whose W operands are twice 4-bit's: the other order
+    # spilled vector registers (llvm-mca, bench/arm_gemm_mca.py, cortex-x3 / cortex-a715 builds).
+    vector_major = shape.bits == 8
+
+    lane_terms = task_n // TILE_N * blocks * units * arm.LANES
+
+    @T.macro
+    def block_step(xq, xs, xo, w, lane_scales, lane_mins, acc, p, t, nb, b, u, v):
+        acc[T.ramp((u * vectors + v) * 4, 1, 4)] = acc[T.ramp((u * vectors + v) * 4, 1, 4)] + (
+            _block_term(shape, xq, xs, xo, w, lane_scales, lane_mins, p, t * task_n + nb * TILE_N + u * columns,
+                        ((nb * blocks + b) * units + u) * arm.LANES, b, v))
 
     @T.macro
     def tasks(m, xq, xs, xo, w, d, mins, y):
         for t in T.parallel(n_rows // task_n):
+            # the task's weight scales (and mins) as float32 in the lanes' order, once for every panel of X: in
+            # the block loop they are one vector load instead of per-row loads, converts and shuffles
+            lane_scales = T.alloc_buffer((lane_terms,), "float32")
+            lane_mins = T.alloc_buffer((lane_terms if sums else 1,), "float32")
+            for nb, b, u, lane in T.grid(task_n // TILE_N, blocks, units, arm.LANES):
+                n = t * task_n + nb * TILE_N + u * columns + lane % columns
+                lane_scales[((nb * blocks + b) * units + u) * arm.LANES + lane] = T.Cast(
+                    "float32", d[n, b * BLOCK // shape.group])
+                if sums:
+                    lane_mins[((nb * blocks + b) * units + u) * arm.LANES + lane] = T.Cast(
+                        "float32", mins[n, b * BLOCK // shape.group])
             for p in range((m + TILE_M - 1) // TILE_M):
                 for nb in range(task_n // TILE_N):
                     # default scope: a stack array LLVM keeps in registers
                     acc = T.alloc_buffer((tiles * 4,), "float32")
                     for tile in T.unroll(tiles):
                         acc[T.ramp(tile * 4, 1, 4)] = T.broadcast(T.float32(0), 4)
-                    for b in range(k // BLOCK):
-                        for u in T.unroll(units):
+                    for b in range(blocks):
+                        if vector_major:
                             for v in T.unroll(vectors):
-                                acc[T.ramp((u * vectors + v) * 4, 1, 4)] = acc[T.ramp((u * vectors + v) * 4, 1, 4)] + (
-                                    _block_term(shape, xq, xs, xo, w, d, mins, p, t * task_n + nb * TILE_N, u, b, v))
+                                for u in T.unroll(units):
+                                    block_step(xq, xs, xo, w, lane_scales, lane_mins, acc, p, t, nb, b, u, v)
+                        else:
+                            for u in T.unroll(units):
+                                for v in T.unroll(vectors):
+                                    block_step(xq, xs, xo, w, lane_scales, lane_mins, acc, p, t, nb, b, u, v)
                     for u in T.unroll(units):
                         for v in T.unroll(vectors):
                             for lane in T.unroll(4):

@@ -11,7 +11,7 @@ import tvm
 
 from . import kv_cache_dtype, validate
 from .errors import MobilecError
-from .kernels.cpu_attention import ATTN_LOGIT_CAP_ATTR, LAYER_SLIDING_WINDOW_ATTR, vector_lanes
+from .kernels.cpu_attention import ATTN_LOGIT_CAP_ATTR, LAYER_SLIDING_WINDOW_ATTR, SLIDING_WINDOW_ATTR, vector_lanes
 from .loaders import Checkpoint, open_checkpoint
 from .loaders.default_model import default_model_path
 from .models.llama import LlamaConfig
@@ -95,7 +95,7 @@ def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_win
         return ImportedModel(family, cfg, None, list(model.named_parameters()), sources, plan, dtype, calibration)
     kernel_attrs = model.cpu_attention_attrs()
     if kernel_attrs and vector_lanes(spec.tvm_target()) is None:
-        window = kernel_attrs.get(LAYER_SLIDING_WINDOW_ATTR)
+        window = kernel_attrs.get(LAYER_SLIDING_WINDOW_ATTR) or kernel_attrs.get(SLIDING_WINDOW_ATTR)
         needs = ("a sliding window binding within the context" if window else "") + (
             " and " if window and ATTN_LOGIT_CAP_ATTR in kernel_attrs else "") + (
             "capped attention scores (attn_logit_softcapping)" if ATTN_LOGIT_CAP_ATTR in kernel_attrs else "")

@@ -1,5 +1,6 @@
 """Mistral and Phi-3: tiny seeded random transformers models compiled (q0f32) against transformers (eager attention,
-so its sliding window applies), negative controls that would catch the feature ignored, and the config refusals."""
+so its sliding window applies), windows shorter than the context included, negative controls that would catch the
+feature ignored, and the config refusals."""
 
 import copy
 import dataclasses
@@ -12,6 +13,7 @@ from transformers import MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForC
 from compiler.artifact import load_artifact
 from compiler.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
+from compiler.kernels.cpu_attention import SLIDING_WINDOW_ATTR
 from compiler.models.registry import family_for
 from compiler.runtime.session import Session
 from tests.helpers.reference import reference_greedy
@@ -39,6 +41,12 @@ MODELS = {
     # Phi-3-mini-4k's: whole-head RoPE, no scaling, untied, a sliding window of the context window
     "phi3_window_48": (Phi3ForCausalLM, lambda: Phi3Config(**_SHAPE, tie_word_embeddings=False, sliding_window=48),
                        48),
+    # windows shorter than the context (Mistral 7B v0.1's 4096, Phi-3-mini's 2047), applied by the CPU kernels: the
+    # prompt outgrows the window, a chunked prefill's cached keys cross it and decode moves it page by page
+    "mistral_window_8": (MistralForCausalLM, lambda: MistralConfig(**_SHAPE, sliding_window=8, rope_theta=50000.0),
+                         64),
+    "phi3_window_12": (Phi3ForCausalLM, lambda: Phi3Config(**_SHAPE, tie_word_embeddings=False, sliding_window=12),
+                       64),
 }
 LONG_PROMPT = [(7 * i + 3) % 150 + 3 for i in range(40)]  # past the negative control's window of 4
 
@@ -114,6 +122,9 @@ def _controls(name: str, model) -> dict:
     """The feature ignored or mapped wrongly, as transformers computes it: each must differ from the compiled model."""
     if name == "mistral_no_window":
         return {"a window of 4 tokens": _model(name, sliding_window=4)}
+    if name in ("mistral_window_8", "phi3_window_12"):
+        return {"the window ignored": _model(name, sliding_window=None),
+                "a window one longer": _model(name, sliding_window=model.config.sliding_window + 1)}
     if name == "phi3_window_48":  # and the fused checkpoint rows in another order
         return {"gate and up swapped": _swapped_halves(model, "mlp.gate_up_proj", model.config.intermediate_size),
                 "q after k and v": _swapped_halves(model, "self_attn.qkv_proj", 64)}
@@ -155,13 +166,28 @@ def _config(name: str, context_window: int | None, **changes):
     return family_for(hf).config_class.from_hf(hf, context_window)
 
 
-def test_binding_sliding_window_is_refused():
-    """A window shorter than the context window (every layer TVM's "mha_sliding") fails in TVM 0.27's runtime;
-    one of at least the context window is full attention and compiles."""
+def test_binding_sliding_window_goes_to_the_cpu_kernels():
+    """A window shorter than the context window is recorded for the CPU attention kernels (SLIDING_WINDOW_ATTR; the
+    layers stay full attention: every layer TVM's "mha_sliding" fails in TVM 0.27's runtime); one of at least the
+    context window is full attention, and no attr."""
     for name in ("mistral_no_window", "phi3_window_48"):
-        _refused(_hf(name, sliding_window=8), 64, "sliding_window 8", "--context-window 8 or less")
-        assert _config(name, 8, sliding_window=8).context_window_size == 8
-    assert _config("mistral_no_window", None, sliding_window=256).context_window_size == 256
+        cfg = _config(name, 64, sliding_window=8)
+        assert cfg.sliding_window == 8 and cfg.context_window_size == 64
+        assert family_for(_hf(name)).model_class(cfg).cpu_attention_attrs() == {SLIDING_WINDOW_ATTR: 8}
+        cfg = _config(name, 8, sliding_window=8)
+        assert cfg.sliding_window == 0 and family_for(_hf(name)).model_class(cfg).cpu_attention_attrs() == {}
+    assert _config("mistral_no_window", None, sliding_window=256).sliding_window == 0
+
+
+def test_binding_sliding_window_is_refused_without_the_cpu_kernels(tmp_path):
+    """A GPU target keeps TVM's attention kernels, which have no window: one line naming the fix."""
+    model = _model("mistral_window_8")
+    save_compilable_checkpoint(model, tmp_path / "hf")
+    with pytest.raises(MobilecError) as err:
+        compile_model(CompileOptions(str(tmp_path / "hf"), "android-adreno", "q4f16_g32", str(tmp_path / "out"),
+                                     context_window=64, progress=False))
+    assert "sliding window" in str(err.value) and "--context-window 8 or less" in str(err.value)
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
 
 
 def test_phi3_rope_fields_are_read():

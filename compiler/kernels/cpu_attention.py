@@ -67,6 +67,10 @@ PAGED_PREFILL_SYMBOL = "batch_prefill_paged_kv_cpu"
 SLIDING_SUFFIX = "_sliding_window"
 # module attr: the window of the "mha_sliding" layers, which TVM bakes into its sliding prefill kernel
 LAYER_SLIDING_WINDOW_ATTR = "mobilec_layer_sliding_window"
+# module attr: a window every layer has (Mistral, Phi-3), the cache keeping every key: a query at position i sees
+# the keys at positions > i - window. Applied by the plain kernels (the layers stay "mha": TVM's runtime fails with
+# every layer "mha_sliding")
+SLIDING_WINDOW_ATTR = "mobilec_sliding_window"
 # module attr: Gemma 2's attn_logit_softcapping, which TVM's kernels do not implement
 ATTN_LOGIT_CAP_ATTR = "mobilec_attn_logit_softcapping"
 SPLIT_ROTARY_SYMBOL = "fused_rope"  # a quantized cache replaces TVM's split + RoPE and merge of states too
@@ -285,13 +289,15 @@ def _window_checks(sliding: bool):
 # compile many models in one process. The PrimFuncs are immutable IR, shared safely.
 @functools.cache
 def attention_decode(shape: AttentionShape, lanes: int, *, chunk_pages: int = CHUNK_PAGES, sliding: bool = False,
-                     logit_cap: float = 0.0) -> tirx.PrimFunc:
+                     window: int = 0, logit_cap: float = 0.0) -> tirx.PrimFunc:
     """The paged-KV decode kernel: TVM's `batch_decode_paged_kv_cpu` signature, or (`sliding`) its
     `_sliding_window` variant for "mha_sliding" layers: the cache passes the pages of the window only and length_info
     [3, b] (rows used in the last page, offset of the window's first row in the first page, attention-sink rows),
     and the keys are the rows from that offset on. Sinks (only from kv_state's sequence-wide sliding window, which
-    mobilec never enables) fail an assert, as does rotary_mode 1 (ROTARY_REFUSAL). `logit_cap`: the scores capped
-    (_score_cap)."""
+    mobilec never enables) fail an assert, as does rotary_mode 1 (ROTARY_REFUSAL). `window` (SLIDING_WINDOW_ATTR;
+    not with `sliding`): every page is passed, and the query, the last key, sees the last `window` keys only.
+    `logit_cap`: the scores capped (_score_cap)."""
+    assert not (sliding and window), "a sliding layer's pages are its window's already"
     H_qo, H_kv, D, P, G = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, shape.group
     fdtype, VL, CH, MIN_TASKS = shape.float_dtype, lanes, chunk_pages, MIN_DECODE_TASKS
     H_qo_decl, H_kv_decl, D_decl = shape.declared
@@ -322,9 +328,14 @@ def attention_decode(shape: AttentionShape, lanes: int, *, chunk_pages: int = CH
     def last_rows(length_info, b):
         return length_info[0, b] if sliding else length_info[b]
 
-    def first_row(length_info, b, page_index):
-        """The first key row of the sequence's page `page_index`: the window's offset in its first page."""
-        return T.if_then_else(page_index == 0, length_info[1, b], 0) if sliding else 0
+    def first_row(length_info, b, page_index, num_pages):
+        """The first key row of the sequence's page `page_index`: the window's offset in its first page (sliding),
+        the rows before the last `window` keys (window: P for a page before them), or 0."""
+        if sliding:
+            return T.if_then_else(page_index == 0, length_info[1, b], 0)
+        if window:
+            return T.min(T.max((num_pages - 1 - page_index) * P + last_rows(length_info, b) - window, 0), P)
+        return 0
 
     def q_chunk(Q, b, hq, q_scale):
         """c -> chunk c of query head hq, times sm_scale * log2 e."""
@@ -357,7 +368,7 @@ def attention_decode(shape: AttentionShape, lanes: int, *, chunk_pages: int = CH
         for p in range(count):
             page: T.let[T.int32] = page_table_values[page_begin + first + p]
             rows: T.let[T.int32] = T.if_then_else(first + p == num_pages - 1, last_rows(length_info, b), P)
-            start: T.let[T.int32] = first_row(length_info, b, first + p)
+            start: T.let[T.int32] = first_row(length_info, b, first + p, num_pages)
             for h in range(H_kv):
                 # scores of the page's rows [start, rows) for the G query heads of KV head h
                 for r in range(start, rows):
@@ -504,14 +515,18 @@ def attention_decode(shape: AttentionShape, lanes: int, *, chunk_pages: int = CH
 
 
 def _prefill_row_macro(shape: AttentionShape, lanes: int, paged: bool, block: int, sliding_window: int = 0,
-                       logit_cap: float = 0.0):
+                       window: int = 0, logit_cap: float = 0.0):
     """The work of one query row of a prefill kernel, as a T.macro: for each KV head, its `group` query heads walk
     the visible keys (causal: up to the row's own position, aligned at the end of the keys) in blocks of `block`
     rows, as the decode kernel walks pages. Keys are the ragged k/v rows of the new tokens, or (`paged`) the
     sequence's pages, a block being a page. With a `sliding_window` (paged only: the "mha_sliding" layers' kernel)
     the pages are the window's, its keys start at length_info[1, b] in the first page, and with `causal` the query
     row i of a sequence sees only the last max(window - i - 1, 0) of them, as TVM's _causal_or_sliding_cross_mask
-    (the cached keys before the new tokens, which the ragged kernel covers). `logit_cap`: _score_cap."""
+    (the cached keys before the new tokens, which the ragged kernel covers). `window` (SLIDING_WINDOW_ATTR; not with
+    `sliding_window`): the keys are all the sequence's, and query row i, at position p (causal: the keys end with
+    the new tokens, p = kv_len - qo_len + i; else they are all before them, p = kv_len + i), sees the keys at
+    positions > p - window. `logit_cap`: _score_cap."""
+    assert not (sliding_window and window), "a sliding layer's pages are its window's already"
     H_qo, H_kv, D, G = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.group
     fdtype, VL, P = shape.float_dtype, lanes, block
     DC, PC = D // VL, P // VL
@@ -541,11 +556,13 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, paged: bool, block: in
         """Rows of the first page before the keys (the sliding window's start)."""
         return length_info[1, b] if sliding_window else 0
 
-    def first_visible(causal, kv_len, row):
+    def first_visible(causal, kv_len, qo_len, row):
         """The first key the query row sees: past the window, or 0."""
-        if not sliding_window:
-            return 0
-        return T.if_then_else(causal > 0, T.max(kv_len - T.max(sliding_window - row - 1, 0), 0), 0)
+        if sliding_window:
+            return T.if_then_else(causal > 0, T.max(kv_len - T.max(sliding_window - row - 1, 0), 0), 0)
+        if window:  # position + 1 - window
+            return T.max(T.if_then_else(causal > 0, kv_len - qo_len, kv_len) + row + 1 - window, 0)
+        return 0
 
     def key_param(k_f, v_f, page_values, kv_begin, blk, h, r, kv):
         """(group, i) -> parameter i of a group of key row r of block blk (a quantized cache), from the declared
@@ -593,7 +610,8 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, paged: bool, block: in
             causal > 0, T.max(T.min(kv_len - (q_indptr[b + 1] - q_indptr[b]) + (t - q_indptr[b]) + 1, kv_len), 0),
             kv_len) if not sliding_window else kv_len
         # the visible keys [lo, hi) as rows of the blocks (paged: of the pages, from the window's offset)
-        lo: T.let[T.int32] = first_visible(causal, kv_len, t - q_indptr[b]) + window_offset(length_info, b)
+        lo: T.let[T.int32] = (first_visible(causal, kv_len, q_indptr[b + 1] - q_indptr[b], t - q_indptr[b])
+                              + window_offset(length_info, b))
         hi: T.let[T.int32] = visible + window_offset(length_info, b)
         q_scale[0] = sm_scale * T.float32(LOG2E)
         for h in range(H_kv):
@@ -656,16 +674,16 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, paged: bool, block: in
 
 
 @functools.cache
-def attention_prefill_ragged(shape: AttentionShape, lanes: int, *, block: int = 16,
+def attention_prefill_ragged(shape: AttentionShape, lanes: int, *, block: int = 16, window: int = 0,
                              logit_cap: float = 0.0) -> tirx.PrimFunc:
     """Self-attention among the new tokens of a prefill: TVM's `batch_prefill_ragged_kv` signature (its CPU
     variant, `_attention_prefill_ragged_cpu`), head_dim the same for q/k and v. One parallel task per query row
-    (_prefill_row_macro), keys in blocks of `block` rows; shape.page_size is not used. rotary_mode 1 fails an
-    assert (ROTARY_REFUSAL)."""
+    (_prefill_row_macro), keys in blocks of `block` rows; shape.page_size is not used. `window`: every layer's
+    (_prefill_row_macro). rotary_mode 1 fails an assert (ROTARY_REFUSAL)."""
     H_qo, D, fdtype = shape.num_qo_heads, shape.head_dim, shape.float_dtype
     H_qo_decl, H_kv_decl, D_decl = shape.declared
     assert shape.supported(lanes) and block % lanes == 0, shape
-    query_row = _prefill_row_macro(shape, lanes, paged=False, block=block, logit_cap=logit_cap)
+    query_row = _prefill_row_macro(shape, lanes, paged=False, block=block, window=window, logit_cap=logit_cap)
 
     # pylint: disable=too-many-locals,too-many-statements
     @T.prim_func(private=True, s_tir=True)
@@ -723,19 +741,20 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, *, block: int = 
 
 
 @functools.cache
-def attention_prefill_paged(shape: AttentionShape, lanes: int, *, sliding_window: int = 0,
+def attention_prefill_paged(shape: AttentionShape, lanes: int, *, sliding_window: int = 0, window: int = 0,
                             logit_cap: float = 0.0) -> tirx.PrimFunc:
     """New tokens against the KV cache's pages (a prefill after earlier tokens, or a chunked one): TVM's
     `batch_prefill_paged_kv_cpu` signature, or (a `sliding_window`) its `_sliding_window` variant for the
-    "mha_sliding" layers (_prefill_row_macro; no sinks: _window_checks). One parallel task per query row, one block
-    per page. rotary_mode 1 fails an assert (ROTARY_REFUSAL)."""
+    "mha_sliding" layers (_prefill_row_macro; no sinks: _window_checks); `window`: every layer's, every page passed
+    (_prefill_row_macro). One parallel task per query row, one block per page. rotary_mode 1 fails an assert
+    (ROTARY_REFUSAL)."""
     H_qo, D, P, fdtype = shape.num_qo_heads, shape.head_dim, shape.page_size, shape.float_dtype
     H_qo_decl, H_kv_decl, D_decl = shape.declared
     sliding = sliding_window > 0
     window_checks = _window_checks(sliding)
     assert shape.supported(lanes), shape
     query_row = _prefill_row_macro(shape, lanes, paged=True, block=P, sliding_window=sliding_window,
-                                   logit_cap=logit_cap)
+                                   window=window, logit_cap=logit_cap)
 
     # pylint: disable=too-many-locals,too-many-statements
     @T.prim_func(private=True, s_tir=True)

@@ -1,11 +1,13 @@
-"""Mistral decoder: the Llama structure. A `sliding_window` (Mistral 7B v0.1: 4096; null from v0.2 on) shorter than
-the context window is refused: compile with --context-window at most the window, where it changes nothing."""
+"""Mistral decoder: the Llama structure. A `sliding_window` (Mistral 7B v0.1: 4096; null from v0.2 on; Phi-3-mini
+2047) shorter than the context window is applied by mobilec's CPU attention kernels (SLIDING_WINDOW_ATTR): the
+layers stay full attention to TVM's cache, which keeps every key, and the kernels see only the window's."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from ..errors import MobilecError
+from ..kernels.cpu_attention import SLIDING_WINDOW_ATTR
 from .llama import LlamaConfig, LlamaForCausalLM, _whole
 
 
@@ -19,19 +21,20 @@ def binding_sliding_window(hf: dict[str, Any], context_window: int) -> int | Non
     return window if window < context_window else None
 
 
+@dataclasses.dataclass
 class MistralConfig(LlamaConfig):
+    sliding_window: int = 0  # the window where it binds (binding_sliding_window), else 0
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any], context_window: int | None = None) -> "MistralConfig":
-        """Llama's fields; a window that binds is refused: with every layer TVM's "mha_sliding" the cache fails at
-        run time (a null tensor view in TVM 0.27's runtime), which Gemma's mixed layers do not hit."""
+        """Llama's fields and the window where it binds. TVM's cache fails at run time with every layer
+        "mha_sliding" (a null tensor view in TVM 0.27's runtime), so the window is not declared to it."""
         cfg = super().from_hf(hf, context_window)
-        window = binding_sliding_window(hf, cfg.context_window_size)
-        if window is not None:
-            raise MobilecError(f"config.json: sliding_window {window} is shorter than the context window "
-                               f"{cfg.context_window_size}, which is not implemented for {hf.get('model_type')}; "
-                               f"use --context-window {window} or less")
-        return cfg
+        return dataclasses.replace(cfg, sliding_window=binding_sliding_window(hf, cfg.context_window_size) or 0)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Llama's functions and KV cache (the window, at least the context window, changes nothing)."""
+    """Llama's functions and KV cache; a binding window is the CPU attention kernels' (SLIDING_WINDOW_ATTR)."""
+
+    def cpu_attention_attrs(self) -> dict[str, Any]:
+        return {SLIDING_WINDOW_ATTR: self.cfg.sliding_window} if self.cfg.sliding_window else {}

@@ -12,8 +12,9 @@ The cache also holds `_sliding_window` variants of the decode and paged prefill 
 attention kind "mha_sliding" only. A model with such layers says their window in the module attr
 LAYER_SLIDING_WINDOW_ATTR (TVM bakes it into its prefill kernel, whose CPU version also misreads its softmax
 state): then both are replaced by ours, or the build fails; without the attr they are never called and stay. A
-model whose attention scores are capped (Gemma 2) says so in ATTN_LOGIT_CAP_ATTR: every kernel is then ours, with
-the cap, or the build fails.
+model whose attention scores are capped (Gemma 2) says so in ATTN_LOGIT_CAP_ATTR, and one whose every layer has a
+window shorter than the context (Mistral, Phi-3) in SLIDING_WINDOW_ATTR (its layers stay "mha", every key kept):
+every kernel is then ours, with the cap or the window, or the build fails.
 
 A quantized KV cache (int8, int4: kv_cache_dtype.Carrier) is declared to TVM as a float32 cache of another
 geometry, whose cells TVM's kernels would read as floats: the importer records the real geometry and format as the
@@ -47,6 +48,7 @@ from ..kernels.cpu_attention import (
     PAGED_PREFILL_SYMBOL,
     RAGGED_SYMBOL,
     SLIDING_SUFFIX,
+    SLIDING_WINDOW_ATTR,
     SPLIT_ROTARY_SYMBOL,
     AttentionShape,
     attention_decode,
@@ -123,20 +125,24 @@ def ragged_shape(func: tirx.PrimFunc) -> AttentionShape | None:
     return AttentionShape(num_kv_heads=h_kv, num_qo_heads=h_qo, head_dim=d, dtype=str(q.dtype), page_size=16)
 
 
-# global symbol -> (its shape from TVM's PrimFunc, our kernel for that shape, lanes, sliding window and logit cap)
+# global symbol -> (its shape from TVM's PrimFunc, our kernel for that shape, lanes, the "mha_sliding" layers'
+# window, every layer's window and the logit cap)
 KERNELS = {
-    DECODE_SYMBOL: (decode_shape, lambda shape, lanes, _, cap: attention_decode(shape, lanes, logit_cap=cap)),
-    RAGGED_SYMBOL: (ragged_shape, lambda shape, lanes, _, cap: attention_prefill_ragged(shape, lanes, logit_cap=cap)),
+    DECODE_SYMBOL: (decode_shape, lambda shape, lanes, _, window, cap: attention_decode(
+        shape, lanes, window=window, logit_cap=cap)),
+    RAGGED_SYMBOL: (ragged_shape, lambda shape, lanes, _, window, cap: attention_prefill_ragged(
+        shape, lanes, window=window, logit_cap=cap)),
     PAGED_PREFILL_SYMBOL: (lambda func: decode_shape(func, pages_param=2),
-                           lambda shape, lanes, _, cap: attention_prefill_paged(shape, lanes, logit_cap=cap)),
+                           lambda shape, lanes, _, window, cap: attention_prefill_paged(
+                               shape, lanes, window=window, logit_cap=cap)),
 }
 # the same for the "mha_sliding" layers
 SLIDING_KERNELS = {
-    DECODE_SYMBOL + SLIDING_SUFFIX: (decode_shape, lambda shape, lanes, _, cap: attention_decode(
+    DECODE_SYMBOL + SLIDING_SUFFIX: (decode_shape, lambda shape, lanes, _, __, cap: attention_decode(
         shape, lanes, sliding=True, logit_cap=cap)),
     PAGED_PREFILL_SYMBOL + SLIDING_SUFFIX: (lambda func: decode_shape(func, pages_param=2),
-                                            lambda shape, lanes, window, cap: attention_prefill_paged(
-                                                shape, lanes, sliding_window=window, logit_cap=cap)),
+                                            lambda shape, lanes, layer_window, _, cap: attention_prefill_paged(
+                                                shape, lanes, sliding_window=layer_window, logit_cap=cap)),
 }
 
 
@@ -165,10 +171,12 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
 
     def _float(self, mod: tvm.IRModule) -> dict:
         """TVM's kernels that ours take; with a sliding window (LAYER_SLIDING_WINDOW_ATTR) the sliding variants too,
-        and with a logit cap (ATTN_LOGIT_CAP_ATTR) every kernel, or the build fails: TVM's have neither."""
+        and with a window on every layer (SLIDING_WINDOW_ATTR) or a logit cap (ATTN_LOGIT_CAP_ATTR) every kernel, or
+        the build fails: TVM's have none of them."""
         attrs = mod.attrs if mod.attrs is not None else {}
-        window, cap = attrs.get(LAYER_SLIDING_WINDOW_ATTR), float(attrs.get(ATTN_LOGIT_CAP_ATTR, 0.0))
-        kernels = {**KERNELS, **(SLIDING_KERNELS if window is not None else {})}
+        layer_window, cap = attrs.get(LAYER_SLIDING_WINDOW_ATTR), float(attrs.get(ATTN_LOGIT_CAP_ATTR, 0.0))
+        window = int(attrs.get(SLIDING_WINDOW_ATTR, 0))
+        kernels = {**KERNELS, **(SLIDING_KERNELS if layer_window is not None else {})}
         replaced = {}
         for gv, func in mod.functions_items():
             symbol = _global_symbol(func)
@@ -177,12 +185,12 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
             read_shape, build = kernels[symbol]
             shape = read_shape(func)
             if shape is None or not shape.supported(self.lanes):
-                if cap or symbol in SLIDING_KERNELS:
+                if cap or window or symbol in SLIDING_KERNELS:
                     needs = "capped attention scores" if cap else "a sliding window"
                     raise MobilecError(f"{symbol}: {needs} needs mobilec's CPU attention kernels, which do not take "
                                        f"{shape} at {self.lanes} lanes (TVM's kernels would be wrong)")
                 continue
-            replaced[gv] = build(shape, self.lanes, window and int(window), cap).with_attrs(
+            replaced[gv] = build(shape, self.lanes, layer_window and int(layer_window), window, cap).with_attrs(
                 {**dict(func.attrs), "tirx.noalias": True})
         return replaced
 
@@ -191,7 +199,8 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
         would misread the carrier, so a kernel missing or a geometry the vectorized kernels do not take fails."""
         funcs = {_global_symbol(func): (gv, func) for gv, func in mod.functions_items()}
         name = str(kv_format["format"])
-        if mod.attrs.get(LAYER_SLIDING_WINDOW_ATTR) is not None or mod.attrs.get(ATTN_LOGIT_CAP_ATTR) is not None:
+        if any(mod.attrs.get(attr) is not None
+               for attr in (LAYER_SLIDING_WINDOW_ATTR, SLIDING_WINDOW_ATTR, ATTN_LOGIT_CAP_ATTR)):
             raise MobilecError(f"--kv-dtype {name} with sliding-window attention layers or capped attention logits "
                                f"is not implemented; use f16")
         if name not in CODE_FORMATS or DECODE_SYMBOL not in funcs:

@@ -426,6 +426,89 @@ def test_sliding_paged_prefill_sees_only_the_window(q_lens, ctx, window):
         np.testing.assert_allclose(out, whole, rtol=1e-5, atol=3e-6)
 
 
+# Every layer's window (SLIDING_WINDOW_ATTR: Mistral, Phi-3): the plain kernels, every page passed; a query at
+# position p sees the keys at positions > p - window
+
+
+@functools.cache
+def _windowed_kernels(h_kv: int, h_qo: int, window: int):
+    """(decode, ragged prefill, paged prefill) with every layer's window, built for RUN."""
+    shape, lanes = AttentionShape(h_kv, h_qo, D, "float32", PAGE), vector_lanes(RUN)
+    return tuple(tvm.tirx.build(tvm.IRModule({"main": f}), target=RUN)["main"] for f in (
+        attention_decode(shape, lanes, window=window), attention_prefill_ragged(shape, lanes, window=window),
+        attention_prefill_paged(shape, lanes, window=window)))
+
+
+@pytest.mark.parametrize("ctx,window", [([37, 130], 24), ([16, 15], 16), ([40], 17), ([200, 5, 300], 64)])
+def test_windowed_decode_sees_the_last_keys(ctx, window):
+    """Every page is passed (pages before the window, a window starting inside a page, chunks of the decode task
+    wholly before it: 300 keys), and the query, the last key, sees the last `window` keys."""
+    decode = _windowed_kernels(3, 9, window)[0]
+    cache = _cache(ctx, 3, 9, seed=11)
+    out, _ = _run(decode, cache)
+    for s, c in enumerate(ctx):
+        k, v = _keys(cache, s, c)
+        for h in range(9):
+            want = _numpy_attention(cache["q"][s, h], k[h // 3, -window:], v[h // 3, -window:])
+            np.testing.assert_allclose(out[s, h], want, rtol=1e-5, atol=3e-6)
+    whole, _ = _run(_kernels(3, 9)[0], cache)
+    if max(ctx) > window:  # negative control: every key
+        assert np.abs(whole - out).max() > 1e-2
+
+
+@pytest.mark.parametrize("q_lens,window", [([30, 30], 8), ([37, 5], 16), ([20], 32)])
+def test_windowed_ragged_prefill_sees_the_last_keys(q_lens, window):
+    """New tokens among themselves, causal: row i sees rows i - window + 1 .. i."""
+    ragged = _windowed_kernels(3, 9, window)[1]
+    data = _ragged_data(q_lens, q_lens, 3, 9, seed=12)
+    out, _ = _run_ragged(ragged, data, causal=1)
+    q, k, v = data["q"], data["k"], data["v"]
+    for s in range(len(q_lens)):
+        start = data["q_indptr"][s]
+        for i in range(q_lens[s]):
+            first = max(i - window + 1, 0)
+            for h in range(9):
+                want = _numpy_attention(q[start + i, h], k[start + first:start + i + 1, h // 3],
+                                        v[start + first:start + i + 1, h // 3])
+                np.testing.assert_allclose(out[start + i, h], want, rtol=1e-5, atol=3e-6)
+    whole, _ = _run_ragged(_ragged_kernels(3, 9)[0], data, causal=1)
+    if max(q_lens) > window:  # negative control: the causal keys without the window
+        assert np.abs(whole - out).max() > 1e-2
+    else:
+        np.testing.assert_allclose(out, whole, rtol=1e-5, atol=3e-6)
+
+
+@pytest.mark.parametrize("q_lens,ctx,window,causal", [
+    ([5], [37], 8, 0), ([3, 8], [130, 45], 24, 0), ([4], [10], 16, 0),  # the cached keys, all before the new rows
+    ([7, 2], [40, 7], 16, 1),  # the pages end with the new rows
+])
+def test_windowed_paged_prefill_sees_the_last_keys(q_lens, ctx, window, causal):
+    """Row i of each sequence is at position p = ctx + i (causal 0: every page is before the new rows) or
+    ctx - q_len + i (causal 1); it sees the page keys at positions > p - window (and, causal, <= p)."""
+    prefill = _windowed_kernels(3, 9, window)[2]
+    cache = _cache(ctx, 3, 9, seed=13)
+    q = (2 * np.random.default_rng(14).standard_normal((sum(q_lens), 9, D))).astype("float32")
+    q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype("int32")
+    out, _ = _run_paged_prefill(prefill, cache, q, q_indptr, causal=causal)
+    for s, c in enumerate(ctx):
+        k, v = _keys(cache, s, c)
+        for i in range(q_lens[s]):
+            position = c - q_lens[s] + i if causal else c + i
+            first, end = max(position - window + 1, 0), min(position + 1, c)
+            for h in range(9):
+                got = out[q_indptr[s] + i, h]
+                if first >= end:  # no page key in the window: output 0 (lse -5e4), merged away by the runtime
+                    assert not got.any()
+                    continue
+                want = _numpy_attention(q[q_indptr[s] + i, h], k[h // 3, first:end], v[h // 3, first:end])
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=3e-6)
+    whole, _ = _run_paged_prefill(_paged_prefill_kernels(3, 9)[0], cache, q, q_indptr, causal=causal)
+    if any(c + (0 if causal else n) > window for c, n in zip(ctx, q_lens)):  # negative control: every page key
+        assert np.abs(whole - out).max() > 1e-2
+    else:  # the window holds every key
+        np.testing.assert_allclose(out, whole, rtol=1e-5, atol=3e-6)
+
+
 def test_sliding_kernels_refuse_attention_sinks():
     decode, prefill = _sliding_kernels(3, 9, 24)
     cache = _cache([40], 3, 9, seed=11)

@@ -1,8 +1,9 @@
 """A tiny random Llama stored as GGUF K-quants, the way a Q4_K_M / Q5_K_M file mixes them (Q4_K embedding, Q6_K
 output, q/k Q4_K joined with a Q6_K v, Q5_K layers), compiled with `--quant gguf`: the loader's weights equal
 gguf's dequantization, and the compiled model computes what transformers computes from the same GGUF (transformers
-dequantizes K-quants with gguf): logits to float32 tolerance, 32 greedy tokens equal. llama.cpp is not compared:
-llama-cpp-python is not installed here (the test skips that part when it is absent)."""
+dequantizes K-quants with gguf): logits to float32 tolerance, 32 greedy tokens equal. Where llama-cpp-python is
+installed (not in CI: that test skips), llama.cpp's reading of the same file is compared too, at the tolerance its
+8-bit activations allow."""
 
 from __future__ import annotations
 
@@ -131,16 +132,28 @@ def test_k_quant_layers_keep_their_layouts_and_decode_on_integer_dot_gemvs(artif
             assert b"integer_dot_gemv_int8_g16_asym_float32_" in symbols  # Q4_K q/k joined with a Q6_K v
 
 
-def test_llama_cpp_decodes_the_same_tokens(path, reference):
+# llama.cpp's K-quant dot products round the activations to 8 bits (Q8_K): on this model (weights 0.5 N(0, 1), large
+# activations) its prompt logits are 4-11% of the largest logit off transformers' reading of the same file (the same
+# model stored as F32: 0.04-0.2%, llama.cpp's float16 KV cache), enough to change greedy tokens after the first
+LLAMA_CPP_TOLERANCE = 0.2
+
+
+def test_llama_cpp_reads_the_same_model(path, reference):
+    """llama.cpp's own reader and kernels on the file we wrote: every prompt position's logits within
+    LLAMA_CPP_TOLERANCE of transformers' (relative to the largest), the first greedy token the same; a block
+    layout misread would be off by the whole logit range, as the negative control (positions shifted by one) is."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    ref_tokens, _, _ = reference_greedy(reference, PROMPT, 32)
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, verbose=False)
+    with torch.no_grad():
+        want = reference(torch.tensor([PROMPT])).logits[0].numpy()
+    # logits_all: llama-cpp-python 0.3.36 leaves `scores` zero without it
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, verbose=False, logits_all=True)
     try:
         llm.eval(PROMPT)
-        tokens = []
-        for _ in range(32):
-            tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-            llm.eval([tokens[-1]])
+        got = np.array(llm.scores[:len(PROMPT)])
     finally:
         llm.close()
-    assert tokens == ref_tokens
+    errors = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
+    assert errors.max() < LLAMA_CPP_TOLERANCE, errors
+    assert got[-1].argmax() == want[-1].argmax()
+    shifted = np.abs(got[1:] - want[:-1]).max(axis=1) / np.abs(want[:-1]).max(axis=1)
+    assert shifted.min() > 2 * LLAMA_CPP_TOLERANCE, shifted

@@ -208,14 +208,16 @@ def llama3_rope_freqs(rope: dict[str, Any], head_dim: int) -> np.ndarray:
 
 
 def _add_char_tokenizer(w: gguf.GGUFWriter, vocab_size: int) -> None:
-    """A character-level "gpt2" tokenizer padded to the vocabulary: enough for transformers to build one."""
+    """A character-level "gpt2" tokenizer padded to the vocabulary: enough for transformers to build one. One merge,
+    "z z" -> "zz" (the last token): gguf's writer drops an empty merges list, and llama.cpp refuses a "gpt2"
+    tokenizer without one ("cannot find tokenizer merges")."""
     tokens = ["<unk>", "</s>", " "] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    tokens += [f"<x{i}>" for i in range(vocab_size - len(tokens))]
+    tokens += [f"<x{i}>" for i in range(vocab_size - len(tokens) - 1)] + ["zz"]
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
     w.add_token_types([1] * len(tokens))
     w.add_token_scores([0.0] * len(tokens))
-    w.add_token_merges([])
+    w.add_token_merges(["z z"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(1)
 

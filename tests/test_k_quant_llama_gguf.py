@@ -19,7 +19,7 @@ from compiler.compile_model import CompileOptions, compile_model
 from compiler.loaders import open_checkpoint
 from compiler.runtime.session import Session
 from tests.helpers import k_quants
-from tests.helpers.reference import reference_greedy
+from tests.helpers.reference import llama_cpp_logits, reference_greedy
 from tests.helpers.tiny_models import write_gguf
 
 pytestmark = pytest.mark.slow  # writes and compiles a GGUF: ~1 minute
@@ -142,16 +142,9 @@ def test_llama_cpp_reads_the_same_model(path, reference):
     """llama.cpp's own reader and kernels on the file we wrote: every prompt position's logits within
     LLAMA_CPP_TOLERANCE of transformers' (relative to the largest), the first greedy token the same; a block
     layout misread would be off by the whole logit range, as the negative control (positions shifted by one) is."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    got = llama_cpp_logits(path, PROMPT)
     with torch.no_grad():
         want = reference(torch.tensor([PROMPT])).logits[0].numpy()
-    # logits_all: llama-cpp-python 0.3.36 leaves `scores` zero without it
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, verbose=False, logits_all=True)
-    try:
-        llm.eval(PROMPT)
-        got = np.array(llm.scores[:len(PROMPT)])
-    finally:
-        llm.close()
     errors = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
     assert errors.max() < LLAMA_CPP_TOLERANCE, errors
     assert got[-1].argmax() == want[-1].argmax()

@@ -27,7 +27,7 @@ from compiler.loaders.default_model import default_model_path
 from compiler.loaders.tokenizer import load_tokenizer
 from compiler.runtime.session import Session
 from tests.helpers.assertions import assert_mobilec_error
-from tests.helpers.reference import reference_greedy
+from tests.helpers.reference import llama_cpp_logits, reference_greedy
 
 pytestmark = pytest.mark.slow  # writes and compiles a GGUF: ~1 minute
 
@@ -243,29 +243,19 @@ def test_mobilec_logits_match_transformers(artifact, reference, prompt_ids):
     assert np.abs(session.prefill(prompt_ids[::-1]) - ref_prefill[-1]).max() > 1e-2 * scale
 
 
-def _llama_cpp_logits(path, ids: list[int]) -> np.ndarray:
-    llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
-    try:
-        llm.eval(ids)
-        return np.array(llm.scores[: len(ids)], dtype=np.float32)
-    finally:
-        llm.close()
-
-
 def test_llama_cpp_reads_the_same_weights(path, written, reference, prompt_ids):
     """llama.cpp quantizes activations for its Q4_1 dot products, so its logits are close, not equal."""
     llama_cpp = pytest.importorskip("llama_cpp")
     vocab_only = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     assert vocab_only.tokenize(PROMPT.encode(), add_bos=False) == prompt_ids
     _, ref, _ = reference_greedy(reference, prompt_ids, 1)
-    ours = _llama_cpp_logits(path, prompt_ids)
+    ours = llama_cpp_logits(path, prompt_ids)
     scale = np.abs(ref).max()
     assert ours.shape == ref.shape and np.abs(ours - ref).max() < 0.1 * scale
     for i in range(len(prompt_ids)):
         assert np.corrcoef(ours[i], ref[i])[0, 1] > 0.999, i
     # negative control: llama.cpp on the seed-1 file computes another model
-    other = _llama_cpp_logits(written[1].path, prompt_ids)
+    other = llama_cpp_logits(written[1].path, prompt_ids)
     assert max(np.corrcoef(other[i], ref[i])[0, 1] for i in range(len(prompt_ids))) < 0.5
 
 
@@ -357,5 +347,5 @@ def test_other_architectures_are_read_alike_by_mobilec_transformers_and_llama_cp
     scale = np.abs(ref).max()
     assert np.abs(ours - ref).max() < 1e-4 * scale
     assert np.abs(ours[1:] - ref[:-1]).max() > 0.3 * scale
-    theirs = _llama_cpp_logits(path, ids)
+    theirs = llama_cpp_logits(path, ids)
     assert np.abs(theirs - ref).max() < 0.1 * scale

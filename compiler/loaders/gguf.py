@@ -180,7 +180,8 @@ class GGUFCheckpoint(Checkpoint):
                 raise MobilecError(f"GGUF file {str(self._path)!r} lacks metadata {a}.{key}; re-convert it with llama.cpp")
             return value
 
-        hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+        hidden, heads, layers = (int(need("embedding_length")), int(need("attention.head_count")),
+                                 int(need("block_count")))
         # llama.cpp's own default for the head size when key_length is absent; rope.dimension_count may be partial.
         head_dim = int(self._field(f"{a}.attention.key_length", hidden // heads if heads > 0 else 0))
         # Older converters omit vocab_size; then the tokenizer's token list has the count.
@@ -191,7 +192,7 @@ class GGUFCheckpoint(Checkpoint):
             "vocab_size": int(vocab if vocab is not None else need("vocab_size")),
             "hidden_size": hidden,
             "intermediate_size": int(need("feed_forward_length")),
-            "num_hidden_layers": int(need("block_count")),
+            "num_hidden_layers": layers,
             "num_attention_heads": heads,
             "num_key_value_heads": int(self._field(f"{a}.attention.head_count_kv", heads)),
             "head_dim": head_dim,
@@ -203,7 +204,7 @@ class GGUFCheckpoint(Checkpoint):
             "attention_bias": "blk.0.attn_q.bias" in gguf_names,
         }
         if a in _GEMMA_ARCHS:
-            cfg.update(self._gemma_fields(hidden, heads, head_dim))
+            cfg.update(self._gemma_fields(hidden, heads, head_dim, layers))
         experts = self._field(f"{a}.expert_count")
         if experts:  # llama.cpp stores Mixtral-style models under the llama architecture, with experts
             cfg["num_local_experts"] = int(experts)
@@ -219,14 +220,14 @@ class GGUFCheckpoint(Checkpoint):
                 cfg[hf_key] = int(token_id)
         return cfg
 
-    def _gemma_fields(self, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    def _gemma_fields(self, hidden: int, heads: int, head_dim: int, layers: int) -> dict[str, Any]:
         """What Gemma's config needs beyond Llama's: the window, the score scale and (Gemma 2) the caps, as llama.cpp
         reads them (its defaults where the file has none; the layer pattern and the sliding layers' RoPE base are
         the HF configs' defaults, which llama.cpp hard-codes too)."""
         a = self._arch
         fields: dict[str, Any] = {"sliding_window": int(self._field(f"{a}.attention.sliding_window", 4096)),
                                   "query_pre_attn_scalar": float(head_dim)}
-        if int(self._field(f"{a}.block_count")) == _GEMMA_27B_LAYERS[a]:
+        if layers == _GEMMA_27B_LAYERS[a]:
             fields["query_pre_attn_scalar"] = float(hidden // heads)
         if a == "gemma2":
             fields["attn_logit_softcapping"] = _f32(self._field(f"{a}.attn_logit_softcapping", 50.0))

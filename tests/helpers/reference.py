@@ -20,6 +20,20 @@ def reference_greedy(model, prompt_ids: list[int], n_tokens: int) -> tuple[list[
     return tokens, prefill_logits, decode_logits
 
 
+def llama_cpp_logits(path, ids: list[int]) -> np.ndarray:
+    """llama.cpp's logits at every position of `ids` for the GGUF at `path` (the test skips without
+    llama-cpp-python). logits_all: llama-cpp-python 0.3.36 leaves `scores` zero without it."""
+    import pytest
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    try:
+        llm.eval(ids)
+        return np.array(llm.scores[: len(ids)], dtype=np.float32)
+    finally:
+        llm.close()
+
+
 def fake_quantized(model, layout):
     """A copy of `model` whose linear and embedding weights went through quantize + dequantize (numpy reference);
     the embedding and output layer use the 8-bit layout mobilec keeps for them."""

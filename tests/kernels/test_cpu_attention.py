@@ -384,19 +384,24 @@ def _keys(cache: dict, s: int, c: int):
     return k, v
 
 
-@pytest.mark.parametrize("ctx,window", [([37, 130], 24), ([16, 15], 16), ([40], 17), ([200, 5], 64)])
-def test_sliding_decode_sees_only_the_window(ctx, window):
-    decode, _ = _sliding_kernels(3, 9, window)
-    cache = _cache(ctx, 3, 9, seed=8)
-    out, _ = _run(decode, _window_view(cache, ctx, window))
+def _assert_decode_sees_the_last_keys(out: np.ndarray, cache: dict, ctx: list[int], window: int) -> None:
+    """Each sequence's decode output is numpy's attention over its last `window` keys; negative control: the plain
+    kernel over every key differs where the window binds."""
     for s, c in enumerate(ctx):
         k, v = _keys(cache, s, c)
         for h in range(9):
             want = _numpy_attention(cache["q"][s, h], k[h // 3, -window:], v[h // 3, -window:])
             np.testing.assert_allclose(out[s, h], want, rtol=1e-5, atol=3e-6)
     whole, _ = _run(_kernels(3, 9)[0], cache)
-    if max(ctx) > window:  # negative control: every key instead of the window's
+    if max(ctx) > window:
         assert np.abs(whole - out).max() > 1e-2
+
+
+@pytest.mark.parametrize("ctx,window", [([37, 130], 24), ([16, 15], 16), ([40], 17), ([200, 5], 64)])
+def test_sliding_decode_sees_only_the_window(ctx, window):
+    decode, _ = _sliding_kernels(3, 9, window)
+    cache = _cache(ctx, 3, 9, seed=8)
+    _assert_decode_sees_the_last_keys(_run(decode, _window_view(cache, ctx, window))[0], cache, ctx, window)
 
 
 @pytest.mark.parametrize("q_lens,ctx,window", [([5], [37], 8), ([3, 8], [130, 45], 24), ([4], [10], 16)])
@@ -450,15 +455,7 @@ def test_windowed_decode_sees_the_last_keys(ctx, window, lanes):
     wholly before it: 300 keys), and the query, the last key, sees the last `window` keys."""
     decode = _windowed_kernels(3, 9, window, lanes)[0]
     cache = _cache(ctx, 3, 9, seed=11)
-    out, _ = _run(decode, cache)
-    for s, c in enumerate(ctx):
-        k, v = _keys(cache, s, c)
-        for h in range(9):
-            want = _numpy_attention(cache["q"][s, h], k[h // 3, -window:], v[h // 3, -window:])
-            np.testing.assert_allclose(out[s, h], want, rtol=1e-5, atol=3e-6)
-    whole, _ = _run(_kernels(3, 9)[0], cache)
-    if max(ctx) > window:  # negative control: every key
-        assert np.abs(whole - out).max() > 1e-2
+    _assert_decode_sees_the_last_keys(_run(decode, cache)[0], cache, ctx, window)
 
 
 @pytest.mark.parametrize("lanes", WINDOW_LANES)

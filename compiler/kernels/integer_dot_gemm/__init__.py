@@ -215,11 +215,15 @@ def gemm(shape: GemmShape) -> tirx.PrimFunc:
 
     lane_terms = task_n // TILE_N * blocks * units * arm.LANES
 
+    def lane_term(nb, b, u):
+        """Where the task's lane_scales (and lane_mins) hold tile unit u of W-row tile nb for block b."""
+        return ((nb * blocks + b) * units + u) * arm.LANES
+
     @T.macro
     def block_step(xq, xs, xo, w, lane_scales, lane_mins, acc, p, t, nb, b, u, v):
         acc[T.ramp((u * vectors + v) * 4, 1, 4)] = acc[T.ramp((u * vectors + v) * 4, 1, 4)] + (
             _block_term(shape, xq, xs, xo, w, lane_scales, lane_mins, p, t * task_n + nb * TILE_N + u * columns,
-                        ((nb * blocks + b) * units + u) * arm.LANES, b, v))
+                        lane_term(nb, b, u), b, v))
 
     @T.macro
     def tasks(m, xq, xs, xo, w, d, mins, y):
@@ -230,11 +234,9 @@ def gemm(shape: GemmShape) -> tirx.PrimFunc:
             lane_mins = T.alloc_buffer((lane_terms if sums else 1,), "float32")
             for nb, b, u, lane in T.grid(task_n // TILE_N, blocks, units, arm.LANES):
                 n = t * task_n + nb * TILE_N + u * columns + lane % columns
-                lane_scales[((nb * blocks + b) * units + u) * arm.LANES + lane] = T.Cast(
-                    "float32", d[n, b * BLOCK // shape.group])
+                lane_scales[lane_term(nb, b, u) + lane] = T.Cast("float32", d[n, b * BLOCK // shape.group])
                 if sums:
-                    lane_mins[((nb * blocks + b) * units + u) * arm.LANES + lane] = T.Cast(
-                        "float32", mins[n, b * BLOCK // shape.group])
+                    lane_mins[lane_term(nb, b, u) + lane] = T.Cast("float32", mins[n, b * BLOCK // shape.group])
             for p in range((m + TILE_M - 1) // TILE_M):
                 for nb in range(task_n // TILE_N):
                     # default scope: a stack array LLVM keeps in registers

@@ -85,6 +85,8 @@ def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_win
     family = family_for(ckpt.hf_config)
     cfg = dataclasses.replace(family.config_class.from_hf(ckpt.hf_config, context_window),
                               kv_dtype=kv_cache_dtype.resolve(kv_dtype, spec, scheme))
+    if spec.schedule["rules"] == "gpu" and hasattr(cfg, "sliding_pages_all"):  # kernels/gpu_attention.py says why
+        cfg = dataclasses.replace(cfg, sliding_pages_all=True)
     check_checkpoint_shapes(ckpt, cfg)
     model = family.model_class(cfg)
     dtype = scheme.float_dtype or spec.device["compute_dtype"]
@@ -93,18 +95,18 @@ def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_win
     plan = quantize_model(model, scheme, ckpt, sources, list(quant_skip), dtype, calibration) if quantize else {}
     if not export:  # named_parameters() lists them as export_tvm does
         return ImportedModel(family, cfg, None, list(model.named_parameters()), sources, plan, dtype, calibration)
-    kernel_attrs = model.cpu_attention_attrs()
-    if kernel_attrs and vector_lanes(spec.tvm_target()) is None:
+    kernel_attrs = model.attention_attrs()
+    if kernel_attrs and vector_lanes(spec.tvm_target()) is None and spec.schedule["rules"] != "gpu":
         window = kernel_attrs.get(LAYER_SLIDING_WINDOW_ATTR) or kernel_attrs.get(SLIDING_WINDOW_ATTR)
         needs = ("a sliding window binding within the context" if window else "") + (
             " and " if window and ATTN_LOGIT_CAP_ATTR in kernel_attrs else "") + (
             "capped attention scores (attn_logit_softcapping)" if ATTN_LOGIT_CAP_ATTR in kernel_attrs else "")
-        raise MobilecError(f"this {family.name} model's attention ({needs}) is implemented by mobilec's CPU attention "
-                           f"kernels only, which target {spec.name} does not use"
+        raise MobilecError(f"this {family.name} model's attention ({needs}) is implemented by mobilec's CPU and GPU "
+                           f"attention kernels only, which target {spec.name} does not use"
                            + (f"; --context-window {window} or less needs no window" if window else ""))
     with spec.model_target():
         mod, params = model.export_tvm(spec=model.get_default_spec())
-    for key, value in kernel_attrs.items():  # passes/replace_cpu_attention.py reads them
+    for key, value in kernel_attrs.items():  # passes/replace_{cpu,gpu}_attention.py read them
         mod = mod.with_attr(key, value)
     # the CPU attention kernels that replace TVM's apply the same RoPE scaling (passes/replace_cpu_attention.py)
     mod = mod.with_attr(kv_cache_dtype.ROPE_ATTR, json.dumps({"rope_scale": cfg.rope_scale,

@@ -21,6 +21,7 @@ from .passes.integer_dot_gemm import IntegerDotGEMM
 from .passes.integer_dot_gemv import IntegerDotGEMV
 from .passes.mark_noalias import MarkNoalias
 from .passes.replace_cpu_attention import ReplaceCPUAttention
+from .passes.replace_gpu_attention import ReplaceGPUAttention
 from .passes.verify_alignment import VerifyAlignment
 from .passes.verify_device_limits import VerifyDeviceLimits
 from .passes.vload_half import VloadHalf, opencl_half_pointers
@@ -62,6 +63,8 @@ def steps(spec: TargetSpec, tuning: bool = False, decode_activations: str = "int
         ("integer-dot-gemm", IntegerDotGEMM(gemm_family), gemm_family is not None),
         # LLVM CPU targets: the paged KV cache's attention kernels (decode, prefill) become vectorized ones.
         ("cpu-attention", ReplaceCPUAttention(cpu_lanes), cpu_lanes is not None),
+        # GPU targets, models with a sliding window or capped scores (else TVM's GPU kernels stay): ours.
+        ("gpu-attention", ReplaceGPUAttention(), gpu),
         # Needs the NT_matmul calls above; before FuseOps, so bias/residual adds still fuse into the fused kernel.
         ("fuse-dequantize-matmul", FuseDequantizeMatmul(), every_target),
         # CPU rules: on high-level ops, before LegalizeOps; takes the residual add that FuseOps would put in the

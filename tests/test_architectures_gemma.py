@@ -1,6 +1,7 @@
 """Gemma 3 (gemma3_text) and Gemma 2: tiny seeded random Gemma3ForCausalLM / Gemma2ForCausalLM (sliding window 8,
 shorter than the sequences; Gemma 2 with capped attention scores and logits) compiled at q0f32 against transformers'
-own models (eager attention), negative controls for what is Gemma's own, and the config refusals."""
+own models (eager attention), on the host and on a GPU target (PoCL), negative controls for what is Gemma's own,
+and the config refusals."""
 
 import dataclasses
 import json
@@ -17,6 +18,7 @@ from compiler.errors import MobilecError
 from compiler.loaders import open_checkpoint
 from compiler.models.gemma import Gemma2Config, Gemma3TextConfig, GemmaForCausalLM
 from compiler.models.registry import family_for
+from compiler.runtime import opencl_device
 from compiler.runtime.session import Session
 from tests.helpers.reference import llama_cpp_logits, reference_greedy
 from tests.helpers.tiny_models import build_model, random_model, save_compilable_checkpoint, write_gguf
@@ -34,26 +36,34 @@ def _hf_config(name: str = "gemma3", **changes) -> dict:
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """name -> (transformers' model, a Session of its q0f32 build), each compiled once."""
+    """(name, target) -> (transformers' model, a Session of its q0f32 build), each compiled once. The GPU target runs
+    on PoCL (float32: --host-target host --compute-dtype float32, a float32 cache)."""
     built = {}
 
-    def get(name: str):
-        if name not in built:
+    def get(name: str, target: str = "host"):
+        if (name, target) not in built:
             model = build_model(name)
             root = tmp_path_factory.mktemp(name)
             save_compilable_checkpoint(model, root / "hf")
-            compile_model(CompileOptions(str(root / "hf"), "host", "q0f32", str(root / "artifact"),
-                                         context_window=64, progress=False))
-            built[name] = model, Session(load_artifact(root / "artifact"))
-        return built[name]
+            gpu = dict(host_target="host", compute_dtype="float32", kv_dtype="f32") if target != "host" else {}
+            compile_model(CompileOptions(str(root / "hf"), target, "q0f32", str(root / "artifact"),
+                                         context_window=64, progress=False, **gpu))
+            built[name, target] = model, Session(load_artifact(root / "artifact"))
+        return built[name, target]
 
     return get
 
 
+GPU = pytest.param("android-adreno", marks=pytest.mark.skipif(
+    not opencl_device.available(), reason="no OpenCL platform (apt-get install pocl-opencl-icd)"))
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("target", ["host", GPU])
 @pytest.mark.parametrize("name", ["gemma3", "gemma2"])
-def test_logits_and_32_greedy_tokens_match_transformers(compiled, name):
-    model, session = compiled(name)
+def test_logits_and_32_greedy_tokens_match_transformers(compiled, name, target):
+    """On the GPU: mobilec's GPU attention kernels (the window by position, the cap) and merge of states."""
+    model, session = compiled(name, target)
     ref_tokens, ref_prefill, ref_decode = reference_greedy(model, PROMPT, 32)
     session.reset()
     assert _rel_err(session.prefill_all_logits(PROMPT), ref_prefill) < 1e-4
@@ -165,16 +175,20 @@ def test_gemma3_cache_layers_are_sliding_only_where_the_window_binds():
     assert window_binds["layer_sliding_window_size"] == 8 and window_binds["rope_mode"] == RopeMode.NONE
     fits = GemmaForCausalLM(Gemma3TextConfig.from_hf(_hf_config(), context_window=8)).kv_cache_attention()
     assert fits == {"attn_kind": "mha", "rope_mode": RopeMode.NONE}
+    # GPU targets: every page to the sliding layers too (kernels/gpu_attention.py), the window in the kernels
+    gpu = dataclasses.replace(Gemma3TextConfig.from_hf(_hf_config(), context_window=64), sliding_pages_all=True)
+    assert GemmaForCausalLM(gpu).kv_cache_attention()["layer_sliding_window_size"] == 64
 
 
 @pytest.mark.parametrize("name, context, message", [
     ("gemma3", 64, "sliding window.*--context-window 8 or less"),
     ("gemma2", 8, r"\(capped attention scores \(attn_logit_softcapping\)\)"),
 ])
-def test_what_only_our_cpu_kernels_do_is_refused_on_other_targets(tmp_path, name, context, message):
+def test_what_only_our_kernels_do_is_refused_on_other_targets(tmp_path, name, context, message):
+    """The NPU target runs TVM's attention kernels (neither our CPU nor our GPU ones)."""
     save_compilable_checkpoint(build_model(name), tmp_path / "hf")
     with pytest.raises(MobilecError, match=message):
-        compile_model(CompileOptions(str(tmp_path / "hf"), "android-adreno", "q0f32", str(tmp_path / "out"),
+        compile_model(CompileOptions(str(tmp_path / "hf"), "hexagon-npu", "q0f32", str(tmp_path / "out"),
                                      context_window=context, progress=False))
     assert not (tmp_path / "out").exists()
 

@@ -15,6 +15,7 @@ from compiler.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
 from compiler.kernels.cpu_attention import SLIDING_WINDOW_ATTR
 from compiler.models.registry import family_for
+from compiler.runtime import opencl_device
 from compiler.runtime.session import Session
 from tests.helpers.reference import reference_greedy
 from tests.helpers.tiny_models import random_model, save_compilable_checkpoint, write_gguf
@@ -108,6 +109,32 @@ def test_chunked_prefill_matches_transformers(compiled):
     assert _rel_err(logits, ref_prefill) < TOLERANCE
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not opencl_device.available(), reason="no OpenCL platform (apt-get install pocl-opencl-icd)")
+@pytest.mark.parametrize("name", ["mistral_window_8", "phi3_window_12"])
+def test_windows_on_a_gpu_target_match_transformers(tmp_path, name):
+    """android-adreno on PoCL (float32): mobilec's GPU attention kernels apply the window; the prompt outgrows it,
+    decode moves it, and a prefill in chunks of 8 (the paged kernel and the merge of states) matches too."""
+    model = _model(name)
+    save_compilable_checkpoint(model, tmp_path / "hf")
+    compile_model(CompileOptions(str(tmp_path / "hf"), "android-adreno", "q0f32", str(tmp_path / "gpu"),
+                                 context_window=64, progress=False, host_target="host", compute_dtype="float32",
+                                 kv_dtype="f32"))
+    session = Session(load_artifact(tmp_path / "gpu"))
+    assert str(session.device.dev).startswith("opencl")
+    ref_tokens, ref_prefill, ref_decode = reference_greedy(model, PROMPT, GREEDY)
+    assert _rel_err(_prefill(session), ref_prefill) < TOLERANCE
+    for step, token in enumerate(ref_tokens[:-1]):
+        assert _rel_err(session.decode(token), ref_decode[step]) < TOLERANCE, f"decode step {step}"
+    _, ref_long, _ = reference_greedy(model, LONG_PROMPT, 1)
+    session.reset()
+    session.prefill_chunk = 8
+    chunked = session.prefill_all_logits(LONG_PROMPT)
+    assert _rel_err(chunked, ref_long) < TOLERANCE
+    _, unwindowed, _ = reference_greedy(_model(name, sliding_window=None), LONG_PROMPT, 1)
+    assert _rel_err(chunked, unwindowed) > DIFFERS  # negative control: the window ignored
+
+
 def _swapped_halves(model, param: str, split: int):
     """A copy of `model` whose fused `param` rows [:split] and [split:] trade places in every layer."""
     other = copy.deepcopy(model)
@@ -173,18 +200,18 @@ def test_binding_sliding_window_goes_to_the_cpu_kernels():
     for name in ("mistral_no_window", "phi3_window_48"):
         cfg = _config(name, 64, sliding_window=8)
         assert cfg.sliding_window == 8 and cfg.context_window_size == 64
-        assert family_for(_hf(name)).model_class(cfg).cpu_attention_attrs() == {SLIDING_WINDOW_ATTR: 8}
+        assert family_for(_hf(name)).model_class(cfg).attention_attrs() == {SLIDING_WINDOW_ATTR: 8}
         cfg = _config(name, 8, sliding_window=8)
-        assert cfg.sliding_window == 0 and family_for(_hf(name)).model_class(cfg).cpu_attention_attrs() == {}
+        assert cfg.sliding_window == 0 and family_for(_hf(name)).model_class(cfg).attention_attrs() == {}
     assert _config("mistral_no_window", None, sliding_window=256).sliding_window == 0
 
 
-def test_binding_sliding_window_is_refused_without_the_cpu_kernels(tmp_path):
-    """A GPU target keeps TVM's attention kernels, which have no window: one line naming the fix."""
+def test_binding_sliding_window_is_refused_without_our_kernels(tmp_path):
+    """The NPU target keeps TVM's attention kernels, which have no window: one line naming the fix."""
     model = _model("mistral_window_8")
     save_compilable_checkpoint(model, tmp_path / "hf")
     with pytest.raises(MobilecError) as err:
-        compile_model(CompileOptions(str(tmp_path / "hf"), "android-adreno", "q4f16_g32", str(tmp_path / "out"),
+        compile_model(CompileOptions(str(tmp_path / "hf"), "hexagon-npu", "q4f16_g32", str(tmp_path / "out"),
                                      context_window=64, progress=False))
     assert "sliding window" in str(err.value) and "--context-window 8 or less" in str(err.value)
     assert "\n" not in str(err.value) and not (tmp_path / "out").exists()

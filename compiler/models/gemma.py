@@ -5,7 +5,7 @@ sqrt(hidden_size) in the activations' dtype; every RMSNorm multiplies by (1 + we
 the MLP each sit between a pre- and a post-norm; the MLP is gelu_tanh(gate) * up; the softmax scale is
 1 / sqrt(query_pre_attn_scalar); layers alternate sliding-window and global attention. Gemma 3 adds q/k RMSNorms per
 head before RoPE and a RoPE base of its own for the sliding layers (linear scaling on the global ones only); Gemma 2
-caps the attention scores (attn_logit_softcapping, in mobilec's CPU attention kernels) and the final logits with
+caps the attention scores (attn_logit_softcapping, in mobilec's CPU and GPU attention kernels) and the final logits with
 cap * tanh(x / cap).
 
 RoPE bases that differ per layer are not something TVM's paged cache does (one rope_theta): the cache runs with
@@ -42,6 +42,9 @@ class GemmaConfig(LlamaConfig):
     rope_global_factor: float = 1.0  # linear RoPE scaling of the global layers (positions / factor)
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
+    # The cache's sliding layers get every page and the kernels mask by position (GPU targets: the importer sets
+    # it; kernels/gpu_attention.py says why), instead of the window's pages only (CPU targets)
+    sliding_pages_all: bool = False
 
     @property
     def kv_carrier(self):
@@ -256,7 +259,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         cfg = self.cfg
         return SLIDING in cfg.layer_types and cfg.context_window_size > cfg.sliding_window
 
-    def cpu_attention_attrs(self) -> dict[str, Any]:
+    def attention_attrs(self) -> dict[str, Any]:
         """The sliding layers' window when it binds, the attention scores' cap when there is one."""
         attrs: dict[str, Any] = {}
         if self._window_binds():
@@ -267,10 +270,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def kv_cache_attention(self) -> dict[str, Any]:
         """No RoPE in the cache (applied here); the sliding layers as "mha_sliding" when the context window exceeds
-        their window (the cache then gives their kernels the window's pages; TVM's runtime keeps every page), else
-        full attention everywhere, the same thing there."""
+        their window (the cache then gives their kernels the window's pages, or every page with sliding_pages_all;
+        TVM's runtime keeps every page), else full attention everywhere, the same thing there."""
         cfg = self.cfg
         if not self._window_binds():
             return {"attn_kind": "mha", "rope_mode": RopeMode.NONE}
         return {"attn_kind": ["mha_sliding" if kind == SLIDING else "mha" for kind in cfg.layer_types],
-                "rope_mode": RopeMode.NONE, "layer_sliding_window_size": cfg.sliding_window}
+                "rope_mode": RopeMode.NONE,
+                "layer_sliding_window_size": cfg.context_window_size if cfg.sliding_pages_all else cfg.sliding_window}

@@ -416,9 +416,10 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
     def decode(self, input_embed: Tensor, kv_cache: PagedKVCache):
         return self._logits(self.model(input_embed, kv_cache)), kv_cache
 
-    def cpu_attention_attrs(self) -> dict[str, Any]:
-        """Module attrs for what this model's attention needs of mobilec's CPU kernels beyond TVM's
-        (passes/replace_cpu_attention.py); a model with any compiles for LLVM CPU targets only. None here."""
+    def attention_attrs(self) -> dict[str, Any]:
+        """Module attrs for what this model's attention needs of mobilec's attention kernels beyond TVM's
+        (passes/replace_cpu_attention.py, replace_gpu_attention.py); a model with any compiles for LLVM CPU and GPU
+        targets only. None here."""
         return {}
 
     def kv_cache_attention(self) -> dict[str, Any]:

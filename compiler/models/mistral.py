@@ -1,5 +1,5 @@
 """Mistral decoder: the Llama structure. A `sliding_window` (Mistral 7B v0.1: 4096; null from v0.2 on; Phi-3-mini
-2047) shorter than the context window is applied by mobilec's CPU attention kernels (SLIDING_WINDOW_ATTR): the
+2047) shorter than the context window is applied by mobilec's attention kernels (CPU and GPU) (SLIDING_WINDOW_ATTR): the
 layers stay full attention to TVM's cache, which keeps every key, and the kernels see only the window's."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class MistralConfig(LlamaConfig):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Llama's functions and KV cache; a binding window is the CPU attention kernels' (SLIDING_WINDOW_ATTR)."""
+    """Llama's functions and KV cache; a binding window is mobilec's attention kernels' (SLIDING_WINDOW_ATTR)."""
 
-    def cpu_attention_attrs(self) -> dict[str, Any]:
+    def attention_attrs(self) -> dict[str, Any]:
         return {SLIDING_WINDOW_ATTR: self.cfg.sliding_window} if self.cfg.sliding_window else {}

@@ -1,6 +1,6 @@
 """Phi-3 decoder (Phi-3-mini, Phi-3.5-mini, Phi-4-mini): the Llama structure, with q/k/v and gate/up fused in the
 checkpoint, RoPE on the first `partial_rotary_factor` of each head, LongRoPE scaling, and a sliding window (Phi-3-mini:
-2047) applied by the CPU attention kernels where it binds (as Mistral's)."""
+2047) applied by mobilec's attention kernels where it binds (as Mistral's)."""
 
 from __future__ import annotations
 

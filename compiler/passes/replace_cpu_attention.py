@@ -90,7 +90,7 @@ def cache_rope_modes(mod: tvm.IRModule) -> set[int]:
     return modes
 
 
-def _global_symbol(func) -> str | None:
+def global_symbol(func) -> str | None:
     if not isinstance(func, tirx.PrimFunc) or func.attrs is None:
         return None
     symbol = func.attrs.get("global_symbol")
@@ -179,7 +179,7 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
         kernels = {**KERNELS, **(SLIDING_KERNELS if layer_window is not None else {})}
         replaced = {}
         for gv, func in mod.functions_items():
-            symbol = _global_symbol(func)
+            symbol = global_symbol(func)
             if symbol not in kernels:
                 continue
             read_shape, build = kernels[symbol]
@@ -197,7 +197,7 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
     def _quantized(self, mod: tvm.IRModule, kv_format) -> dict:
         """The five kernels of a quantized cache, for the real geometry in `kv_format` (Carrier.module_attr); TVM's
         would misread the carrier, so a kernel missing or a geometry the vectorized kernels do not take fails."""
-        funcs = {_global_symbol(func): (gv, func) for gv, func in mod.functions_items()}
+        funcs = {global_symbol(func): (gv, func) for gv, func in mod.functions_items()}
         name = str(kv_format["format"])
         if any(mod.attrs.get(attr) is not None
                for attr in (LAYER_SLIDING_WINDOW_ATTR, SLIDING_WINDOW_ATTR, ATTN_LOGIT_CAP_ATTR)):

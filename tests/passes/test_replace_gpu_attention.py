@@ -1,0 +1,96 @@
+"""ReplaceGPUAttention on TVM's own GPU paged KV cache (TIRPagedKVCache built for android-adreno): IR in, IR out.
+The merge of attention states always becomes ours; the attention kernels only in a model with a window or a logit
+cap (every layer's window in the plain kernels, the "mha_sliding" layers' in their variants), with TVM's signatures
+and symbols; an inline-RoPE cache is refused then; the pipeline runs the step on GPU targets only."""
+
+import pytest
+import tvm
+from tvm import relax
+from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
+
+from compiler import pipeline
+from compiler.errors import MobilecError
+from compiler.kernels.cpu_attention import ATTN_LOGIT_CAP_ATTR, LAYER_SLIDING_WINDOW_ATTR, SLIDING_WINDOW_ATTR
+from compiler.kernels.gpu_attention import (
+    gpu_attention_decode,
+    gpu_attention_prefill_paged,
+    gpu_attention_prefill_ragged,
+    gpu_merge_state,
+)
+from compiler.passes.replace_cpu_attention import decode_shape, ragged_shape
+from compiler.passes.replace_gpu_attention import ReplaceGPUAttention
+from compiler.targets import load_target
+
+TARGET = load_target("android-adreno").tvm_target()
+DECODE, RAGGED, PAGED = "tir_attention_decode", "tir_attention_prefill_ragged", "tir_attention_prefill"
+MERGE = "tir_attention_merge_state"
+
+
+def _cache_module(rope_mode: RopeMode = RopeMode.NORMAL, dtype: str = "float16") -> tvm.IRModule:
+    """A module creating TVM's paged KV cache for the GPU target, as models/llama.py does."""
+    bb = relax.BlockBuilder()
+    with bb.function("create", []):
+        cache = TIRPagedKVCache(
+            attn_kind="mha", max_batch_size=1, max_total_seq_len=64, prefill_chunk_size=64, page_size=16,
+            support_sliding_window=0, layer_partition=relax.ShapeExpr([0, 1]), num_hidden_layers=1,
+            num_attention_heads=8, num_key_value_heads=2, qk_head_dim=64, v_head_dim=64, mla_original_qk_head_dim=0,
+            mla_original_v_head_dim=0, rope_mode=rope_mode, rope_scale=1, rope_theta=10000, rope_scaling={},
+            rope_ext_factors=relax.prim_value(0), rotary_dim=64, enable_disaggregation=False, dtype=dtype,
+            target=TARGET)
+        bb.emit_func_output(cache._expr)  # pylint: disable=protected-access
+    return bb.get()
+
+
+def _ours(func, old):
+    return func.with_attrs({**dict(old.attrs), "tirx.noalias": True})
+
+
+def test_without_a_window_or_cap_only_the_merge_is_replaced():
+    mod = _cache_module()
+    swapped = ReplaceGPUAttention()(mod)
+    tvm.ir.assert_structural_equal(swapped[MERGE], _ours(gpu_merge_state("float16"), mod[MERGE]))
+    assert not swapped[MERGE].same_as(mod[MERGE])
+    for name in (DECODE, RAGGED, PAGED, DECODE + "_sliding_window", PAGED + "_sliding_window"):
+        assert swapped[name].same_as(mod[name]), name
+
+
+def test_every_layer_window_goes_to_the_plain_kernels():
+    mod = _cache_module().with_attr(SLIDING_WINDOW_ATTR, 24)
+    swapped = ReplaceGPUAttention()(mod)
+    for name, read_shape, build in (
+            (DECODE, decode_shape, lambda s: gpu_attention_decode(s, window=24)),
+            (RAGGED, ragged_shape, lambda s: gpu_attention_prefill_ragged(s, window=24)),
+            (PAGED, lambda f: decode_shape(f, pages_param=2), lambda s: gpu_attention_prefill_paged(s, window=24))):
+        old = mod[name]
+        tvm.ir.assert_structural_equal(swapped[name], _ours(build(read_shape(old)), old))
+        assert swapped[name].attrs["global_symbol"] == old.attrs["global_symbol"]
+        assert [p.name for p in swapped[name].params] == [p.name for p in old.params]
+    assert swapped[DECODE + "_sliding_window"].same_as(mod[DECODE + "_sliding_window"])  # never called
+
+
+def test_layer_window_and_cap_go_to_every_kernel():
+    """Gemma: the sliding variants with the layers' window by position, every kernel with the cap."""
+    mod = _cache_module().with_attr(LAYER_SLIDING_WINDOW_ATTR, 8).with_attr(ATTN_LOGIT_CAP_ATTR, 50.0)
+    swapped = ReplaceGPUAttention()(mod)
+    for name, build in (
+            (DECODE, lambda s: gpu_attention_decode(s, logit_cap=50.0)),
+            (DECODE + "_sliding_window", lambda s: gpu_attention_decode(s, sliding=True, window=8, logit_cap=50.0)),
+            (PAGED + "_sliding_window",
+             lambda s: gpu_attention_prefill_paged(s, sliding=True, window=8, logit_cap=50.0))):
+        old = mod[name]
+        tvm.ir.assert_structural_equal(swapped[name], _ours(build(decode_shape(old, 2 if "prefill" in name else 1)),
+                                                            old))
+    assert swapped[PAGED + "_sliding_window"].attrs["global_symbol"] == "batch_prefill_paged_kv_sliding_window"
+
+
+def test_inline_rope_is_refused_only_where_our_attention_kernels_go():
+    with pytest.raises(MobilecError, match="RopeMode.INLINE"):
+        ReplaceGPUAttention()(_cache_module(RopeMode.INLINE).with_attr(SLIDING_WINDOW_ATTR, 24))
+    mod = _cache_module(RopeMode.INLINE)
+    assert ReplaceGPUAttention()(mod)[DECODE].same_as(mod[DECODE])
+
+
+def test_pipeline_runs_it_on_gpu_targets_only():
+    for name, has_step in (("host", False), ("android-arm64", False), ("hexagon-npu", False),
+                           ("android-adreno", True), ("android-mali", True)):
+        assert ("gpu-attention" in [step for step, _ in pipeline.steps(load_target(name))]) == has_step, name

@@ -57,6 +57,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 from tvm.target import Target
 
+from . import paged_kv_signatures as signatures
 from ..isa import cpu_isa
 from ..kv_cache_dtype import Carrier, carrier_for
 
@@ -265,12 +266,6 @@ def _score_cap(cap: float):
     return cap_score
 
 
-def _length_info_shape(batch, sliding: bool):
-    """length_info's shape: [b] rows used in each sequence's last page, or (a sliding-window kernel) [3, b]: those
-    rows, the window's offset in its first page, the attention-sink rows."""
-    return (3, batch) if sliding else (batch,)
-
-
 def _window_checks(sliding: bool):
     """A T.macro that fails a sliding-window kernel's call with what it does not implement: attention sinks (rows
     kept before the window, only from kv_state's sequence-wide sliding window, which mobilec never enables);
@@ -422,48 +417,9 @@ def attention_decode(shape: AttentionShape, lanes: int, *, chunk_pages: int = CH
                     for c in T.unroll(DC):
                         part_acc[vec((task * H_qo + h * G + g) * D + c * VL)] = acc[vec(g * D + c * VL)]
 
-    # pylint: disable=too-many-locals,too-many-statements
-    @T.prim_func(private=True, s_tir=True)
-    def batch_decode_paged_kv(
-        Q_handle: T.handle,
-        pages_handle: T.handle,
-        page_table_indptr_handle: T.handle,
-        page_table_values_handle: T.handle,
-        var_length_info: T.handle,  # _length_info_shape
-        k_rope_pos_offset_handle: T.handle,
-        q_rope_position_handle: T.handle,
-        output_handle: T.handle,
-        lse_handle: T.handle,
-        rotary_mode: T.int32,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-        sm_scale: T.float32,
-    ):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        B = T.int32()
-        nnz_pages = T.int32()
-        max_num_pages = T.int32()
-        page_indptr_elem_offset = T.int32()
-        page_values_elem_offset = T.int32()
-        k_rope_pos_offset_elem_offset = T.int32()
-        q_rope_position_elem_offset = T.int32()
-        length_info_elem_offset = T.int32()
-
-        Q = T.match_buffer(Q_handle, (B, H_qo_decl, D_decl), fdtype)
-        pages = T.match_buffer(pages_handle, (max_num_pages, 2, H_kv_decl, P, D_decl), fdtype)
-        page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32",
-                                           elem_offset=page_indptr_elem_offset)
-        page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32",
-                                           elem_offset=page_values_elem_offset)
-        # matched as TVM's kernel does (the runtime checks the arguments), unused: K is stored after RoPE
-        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32",
-                                           elem_offset=k_rope_pos_offset_elem_offset)
-        q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_position_elem_offset)
-        output = T.match_buffer(output_handle, (B, H_qo_decl, D_decl), fdtype)
-        lse = T.match_buffer(lse_handle, (B, H_qo_decl), "float32")
-        length_info = T.match_buffer(var_length_info, _length_info_shape(B, sliding), "int32",
-                                     elem_offset=length_info_elem_offset)
-
+    @T.macro
+    def body(Q, pages, page_table_indptr, page_table_values, length_info, output, lse, rotary_mode, sm_scale, B,
+             max_num_pages):
         with T.sblock("root"):
             assert rotary_mode == 0, ROTARY_REFUSAL
             window_checks(length_info, B)
@@ -511,7 +467,9 @@ def attention_decode(shape: AttentionShape, lanes: int, *, chunk_pages: int = CH
                     for d in T.unroll(DC):
                         output_rows[b, hq, vec(d * VL)] = T.Cast(_vec(fdtype, VL), out_row[vec(d * VL)])
 
-    return batch_decode_paged_kv.with_attr("global_symbol", DECODE_SYMBOL + (SLIDING_SUFFIX if sliding else ""))
+    func = signatures.decode(body, heads=H_qo_decl, kv_heads=H_kv_decl, head_dim=D_decl, page_size=P,
+                             dtype=fdtype, sliding=sliding)
+    return func.with_attr("global_symbol", DECODE_SYMBOL + (SLIDING_SUFFIX if sliding else ""))
 
 
 def _prefill_row_macro(shape: AttentionShape, lanes: int, paged: bool, block: int, sliding_window: int = 0,
@@ -685,46 +643,8 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, *, block: int = 
     assert shape.supported(lanes) and block % lanes == 0, shape
     query_row = _prefill_row_macro(shape, lanes, paged=False, block=block, window=window, logit_cap=logit_cap)
 
-    # pylint: disable=too-many-locals,too-many-statements
-    @T.prim_func(private=True, s_tir=True)
-    def batch_prefill_ragged_kv(
-        var_q: T.handle,  # [total_len, h_q, d_qk]
-        var_q_indptr: T.handle,  # [batch_size + 1]
-        var_k: T.handle,  # [total_len, h_kv, d_qk]
-        var_v: T.handle,  # [total_len, h_kv, d_v]
-        var_kv_indptr: T.handle,  # [batch_size + 1]
-        var_q_rope_position: T.handle,  # [total_q_len]
-        var_k_rope_pos_offset: T.handle,  # [b]
-        var_output: T.handle,  # [total_len, h_q, d_v]
-        var_lse: T.handle,  # [total_len, h_q]
-        causal: T.int32,
-        rotary_mode: T.int32,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-        sm_scale: T.float32,
-    ):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        batch_size = T.int32()
-        qo_len = T.int32()
-        kv_len = T.int32()
-        q_indptr_elem_offset = T.int32()
-        kv_indptr_elem_offset = T.int32()
-        q_rope_position_elem_offset = T.int32()
-        k_rope_pos_offset_elem_offset = T.int32()
-
-        q = T.match_buffer(var_q, (qo_len, H_qo_decl, D_decl), fdtype)
-        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        k = T.match_buffer(var_k, (kv_len, H_kv_decl, D_decl), fdtype)
-        v = T.match_buffer(var_v, (kv_len, H_kv_decl, D_decl), fdtype)
-        kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset)
-        # matched as TVM's kernel does (the runtime checks the arguments), unused: K is stored after RoPE
-        q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32",
-                                         elem_offset=q_rope_position_elem_offset)
-        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
-                                           elem_offset=k_rope_pos_offset_elem_offset)
-        output = T.match_buffer(var_output, (qo_len, H_qo_decl, D_decl), fdtype)
-        lse = T.match_buffer(var_lse, (qo_len, H_qo_decl), "float32")
-
+    @T.macro
+    def body(q, q_indptr, k, v, kv_indptr, output, lse, causal, rotary_mode, sm_scale, batch_size, qo_len, kv_len):
         with T.sblock("root"):
             assert rotary_mode == 0, ROTARY_REFUSAL
             # the KV layout's views (AttentionShape): the buffers themselves for a float cache
@@ -737,7 +657,8 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, *, block: int = 
                 query_row(t, q_rows, q_indptr, k_codes, v_codes, k, v, kv_indptr, None, None, output_rows, lse,
                           batch_size, causal, sm_scale)
 
-    return batch_prefill_ragged_kv.with_attr("global_symbol", RAGGED_SYMBOL)
+    func = signatures.ragged_prefill(body, heads=H_qo_decl, kv_heads=H_kv_decl, head_dim=D_decl, dtype=fdtype)
+    return func.with_attr("global_symbol", RAGGED_SYMBOL)
 
 
 @functools.cache
@@ -756,52 +677,9 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, *, sliding_window
     query_row = _prefill_row_macro(shape, lanes, paged=True, block=P, sliding_window=sliding_window,
                                    window=window, logit_cap=logit_cap)
 
-    # pylint: disable=too-many-locals,too-many-statements
-    @T.prim_func(private=True, s_tir=True)
-    def batch_prefill_paged_kv_cpu(
-        var_q: T.handle,  # [total_len, h_q, d]
-        var_q_indptr: T.handle,  # [batch_size + 1]
-        var_pages: T.handle,  # [max_num_pages, 2, h_kv, page_size, d]
-        var_page_indptr: T.handle,  # [batch_size + 1]
-        var_page_values: T.handle,  # [nnz_pages]
-        var_length_info: T.handle,  # _length_info_shape
-        var_k_rope_pos_offset: T.handle,  # [b]
-        var_q_rope_position: T.handle,  # [total_len]
-        var_output: T.handle,  # [total_len, h_q, d]
-        var_lse: T.handle,  # [total_len, h_q]
-        causal: T.int32,
-        rotary_mode: T.int32,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-        sm_scale: T.float32,
-    ):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        batch_size = T.int32()
-        total_len = T.int32()
-        nnz_pages = T.int32()
-        max_num_pages = T.int32()
-        q_indptr_elem_offset = T.int32()
-        page_indptr_elem_offset = T.int32()
-        page_values_elem_offset = T.int32()
-        k_rope_pos_offset_elem_offset = T.int32()
-        q_rope_position_elem_offset = T.int32()
-        length_info_elem_offset = T.int32()
-
-        q = T.match_buffer(var_q, (total_len, H_qo_decl, D_decl), fdtype)
-        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        pages = T.match_buffer(var_pages, (max_num_pages, 2, H_kv_decl, P, D_decl), fdtype)
-        page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_elem_offset)
-        page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
-        # matched as TVM's kernel does (the runtime checks the arguments), unused: K is stored after RoPE
-        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
-                                           elem_offset=k_rope_pos_offset_elem_offset)
-        q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32",
-                                         elem_offset=q_rope_position_elem_offset)
-        output = T.match_buffer(var_output, (total_len, H_qo_decl, D_decl), fdtype)
-        lse = T.match_buffer(var_lse, (total_len, H_qo_decl), "float32")
-        length_info = T.match_buffer(var_length_info, _length_info_shape(batch_size, sliding), "int32",
-                                     elem_offset=length_info_elem_offset)
-
+    @T.macro
+    def body(q, q_indptr, pages, page_indptr, page_values, length_info, output, lse, causal, rotary_mode, sm_scale,
+             batch_size, total_len, max_num_pages):
         with T.sblock("root"):
             assert rotary_mode == 0, ROTARY_REFUSAL
             window_checks(length_info, batch_size)
@@ -815,7 +693,9 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, *, sliding_window
                 query_row(t, q_rows, q_indptr, codes, codes, pages, pages, page_indptr, page_values, length_info,
                           output_rows, lse, batch_size, causal, sm_scale)
 
-    return batch_prefill_paged_kv_cpu.with_attr("global_symbol",
+    func = signatures.paged_prefill(body, heads=H_qo_decl, kv_heads=H_kv_decl, head_dim=D_decl, page_size=P,
+                                    dtype=fdtype, sliding=sliding)
+    return func.with_attr("global_symbol",
                                                 PAGED_PREFILL_SYMBOL + (SLIDING_SUFFIX if sliding else ""))
 
 

@@ -32,6 +32,7 @@ import functools
 from tvm import tirx
 from tvm.script import tirx as T
 
+from . import paged_kv_signatures as signatures
 from .cpu_attention import (
     DECODE_SYMBOL,
     LOG2E,
@@ -50,10 +51,6 @@ GPU_PAGED_PREFILL_SYMBOL = PAGED_PREFILL_SYMBOL.removesuffix("_cpu")
 GPU_RAGGED_SYMBOL = RAGGED_SYMBOL
 GPU_MERGE_SYMBOL = "tir_attention_merge_state"
 THREADS = 64  # work-items per work-group: within every GPU's limit, two Adreno waves or one warp pair
-
-
-def _length_info_shape(batch, sliding: bool):
-    return (3, batch) if sliding else (batch,)
 
 
 def _attend(shape: AttentionShape, logit_cap: float):
@@ -140,48 +137,9 @@ def gpu_attention_decode(shape: AttentionShape, *, sliding: bool = False, window
     G = H_qo // H_kv
     attend = _attend(shape, logit_cap)
 
-    @T.prim_func(private=True, s_tir=True)
-    def batch_decode_paged_kv(
-        Q_handle: T.handle,
-        pages_handle: T.handle,
-        page_table_indptr_handle: T.handle,
-        page_table_values_handle: T.handle,
-        var_length_info: T.handle,  # [b], or (sliding) [3, b]
-        k_rope_pos_offset_handle: T.handle,
-        q_rope_position_handle: T.handle,
-        output_handle: T.handle,
-        lse_handle: T.handle,
-        rotary_mode: T.int32,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-        sm_scale: T.float32,
-    ):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        B = T.int32()
-        nnz_pages = T.int32()
-        max_num_pages = T.int32()
-        pages_elem_offset = T.int64()
-        page_indptr_elem_offset = T.int32()
-        page_values_elem_offset = T.int32()
-        k_rope_pos_offset_elem_offset = T.int32()
-        q_rope_position_elem_offset = T.int32()
-        length_info_elem_offset = T.int32()
-
-        Q = T.match_buffer(Q_handle, (B, H_qo, D), fdtype)
-        pages = T.match_buffer(pages_handle, (max_num_pages, 2, H_kv, P, D), fdtype, elem_offset=pages_elem_offset)
-        page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32",
-                                           elem_offset=page_indptr_elem_offset)
-        page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32",
-                                           elem_offset=page_values_elem_offset)
-        # matched as TVM's kernel does (the runtime checks the arguments), unused: K is stored after RoPE
-        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32",
-                                           elem_offset=k_rope_pos_offset_elem_offset)
-        q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_position_elem_offset)
-        output = T.match_buffer(output_handle, (B, H_qo, D), fdtype)
-        lse = T.match_buffer(lse_handle, (B, H_qo), "float32")
-        length_info = T.match_buffer(var_length_info, _length_info_shape(B, sliding), "int32",
-                                     elem_offset=length_info_elem_offset)
-
+    @T.macro
+    def body(Q, pages, page_table_indptr, page_table_values, length_info, output, lse, rotary_mode, sm_scale, B,
+             max_num_pages):
         assert rotary_mode == 0, ROTARY_REFUSAL
         for b in T.thread_binding(B, thread="blockIdx.x"):
             for hq in T.thread_binding(H_qo, thread="blockIdx.y"):
@@ -199,7 +157,8 @@ def gpu_attention_decode(shape: AttentionShape, *, sliding: bool = False, window
                                lambda c, x: T.buffer_store(output, T.Cast(fdtype, x), [b, hq, c]),
                                lambda x: T.buffer_store(lse, x, [b, hq]), sm_scale)
 
-    return batch_decode_paged_kv.with_attr("global_symbol", GPU_DECODE_SYMBOL + (SLIDING_SUFFIX if sliding else ""))
+    func = signatures.decode(body, heads=H_qo, kv_heads=H_kv, head_dim=D, page_size=P, dtype=fdtype, sliding=sliding)
+    return func.with_attr("global_symbol", GPU_DECODE_SYMBOL + (SLIDING_SUFFIX if sliding else ""))
 
 
 @T.macro
@@ -232,56 +191,17 @@ def _last_key(end_aligned, n_keys, qo_len, row):
     return T.if_then_else(end_aligned, T.max(T.min(n_keys - qo_len + row + 1, n_keys), 0), n_keys)
 
 
-@functools.cache
-def gpu_attention_prefill_ragged(shape: AttentionShape, *, window: int = 0,
-                                 logit_cap: float = 0.0) -> tirx.PrimFunc:
-    """TVM's GPU `batch_prefill_ragged_kv` (the new tokens among themselves; head_dim the same for q/k and v) with
-    every layer's `window` and `logit_cap`. shape.page_size is not used."""
-    H_qo, H_kv, D, fdtype = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.dtype
-    G = H_qo // H_kv
+def _prefill_rows(shape: AttentionShape, logit_cap: float, window: int):
+    """A T.macro: a prefill kernel's work, one work-group per query row t < total and head (_attend), the row's
+    sequence found in q_indptr. Per sequence b, `first(b)`: where its keys start in their buffer (ragged rows or
+    page-table entries), `n_keys(b, first)`, `key(b, first, h, kv)` -> (i, c) -> channel c of key i's K (kv 0) or
+    V (kv 1) of KV head h; `end_aligned`: whether the keys end with the new rows (_keys_end_with_rows)."""
+    H_qo, G, fdtype = shape.num_qo_heads, shape.group, shape.dtype
     attend = _attend(shape, logit_cap)
 
-    @T.prim_func(private=True, s_tir=True)
-    def batch_prefill_ragged_kv(
-        var_q: T.handle,  # [total_len, h_q, d_qk]
-        var_q_indptr: T.handle,  # [batch_size + 1]
-        var_k: T.handle,  # [total_len, h_kv, d_qk]
-        var_v: T.handle,  # [total_len, h_kv, d_v]
-        var_kv_indptr: T.handle,  # [batch_size + 1]
-        var_q_rope_position: T.handle,  # [total_q_len]
-        var_k_rope_pos_offset: T.handle,  # [b]
-        var_output: T.handle,  # [total_len, h_q, d_v]
-        var_lse: T.handle,  # [total_len, h_q]
-        causal: T.int32,
-        rotary_mode: T.int32,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-        sm_scale: T.float32,
-    ):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        batch_size = T.int32()
-        qo_len = T.int32()
-        kv_len = T.int32()
-        q_indptr_elem_offset = T.int32()
-        kv_indptr_elem_offset = T.int32()
-        q_rope_position_elem_offset = T.int32()
-        k_rope_pos_offset_elem_offset = T.int32()
-
-        q = T.match_buffer(var_q, (qo_len, H_qo, D), fdtype)
-        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        k = T.match_buffer(var_k, (kv_len, H_kv, D), fdtype)
-        v = T.match_buffer(var_v, (kv_len, H_kv, D), fdtype)
-        kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset)
-        # matched as TVM's kernel does (the runtime checks the arguments), unused: K is stored after RoPE
-        q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32",
-                                         elem_offset=q_rope_position_elem_offset)
-        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
-                                           elem_offset=k_rope_pos_offset_elem_offset)
-        output = T.match_buffer(var_output, (qo_len, H_qo, D), fdtype)
-        lse = T.match_buffer(var_lse, (qo_len, H_qo), "float32")
-
-        assert rotary_mode == 0, ROTARY_REFUSAL
-        for t in T.thread_binding(qo_len, thread="blockIdx.x"):
+    @T.macro
+    def rows(total, q, q_indptr, output, lse, batch_size, sm_scale, first, n_keys, key, end_aligned):
+        for t in T.thread_binding(total, thread="blockIdx.x"):
             for hq in T.thread_binding(H_qo, thread="blockIdx.y"):
                 for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
                     with T.sblock("attn"):
@@ -290,18 +210,35 @@ def gpu_attention_prefill_ragged(shape: AttentionShape, *, window: int = 0,
                         seq = T.sblock_alloc_buffer((1,), "int32", scope="local")
                         _find_sequence(q_indptr, batch_size, t, seq)
                         b: T.let[T.int32] = seq[0]
-                        begin: T.let[T.int32] = kv_indptr[b]
-                        n_keys: T.let[T.int32] = kv_indptr[b + 1] - begin
-                        rows: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
-                        attend(tx, _first_key(causal > 0, n_keys, rows, t - q_indptr[b], window),
-                               _last_key(causal > 0, n_keys, rows, t - q_indptr[b]),
-                               lambda c: q[t, hq, c],
-                               lambda i, c: k[begin + i, hq // G, c],
-                               lambda i, c: v[begin + i, hq // G, c],
+                        begin: T.let[T.int32] = first(b)
+                        keys: T.let[T.int32] = n_keys(b, begin)
+                        new_rows: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                        attend(tx, _first_key(end_aligned, keys, new_rows, t - q_indptr[b], window),
+                               _last_key(end_aligned, keys, new_rows, t - q_indptr[b]),
+                               lambda c: q[t, hq, c], key(b, begin, hq // G, 0), key(b, begin, hq // G, 1),
                                lambda c, x: T.buffer_store(output, T.Cast(fdtype, x), [t, hq, c]),
                                lambda x: T.buffer_store(lse, x, [t, hq]), sm_scale)
 
-    return batch_prefill_ragged_kv.with_attr("global_symbol", GPU_RAGGED_SYMBOL)
+    return rows
+
+
+@functools.cache
+def gpu_attention_prefill_ragged(shape: AttentionShape, *, window: int = 0,
+                                 logit_cap: float = 0.0) -> tirx.PrimFunc:
+    """TVM's GPU `batch_prefill_ragged_kv` (the new tokens among themselves; head_dim the same for q/k and v) with
+    every layer's `window` and `logit_cap`. shape.page_size is not used."""
+    rows = _prefill_rows(shape, logit_cap, window)
+
+    @T.macro
+    def body(q, q_indptr, k, v, kv_indptr, output, lse, causal, rotary_mode, sm_scale, batch_size, qo_len, kv_len):
+        assert rotary_mode == 0, ROTARY_REFUSAL
+        rows(qo_len, q, q_indptr, output, lse, batch_size, sm_scale, lambda b: kv_indptr[b],
+             lambda b, begin: kv_indptr[b + 1] - begin,
+             lambda b, begin, h, kv: lambda i, c: (k if kv == 0 else v)[begin + i, h, c], causal > 0)
+
+    func = signatures.ragged_prefill(body, heads=shape.num_qo_heads, kv_heads=shape.num_kv_heads,
+                                     head_dim=shape.head_dim, dtype=shape.dtype)
+    return func.with_attr("global_symbol", GPU_RAGGED_SYMBOL)
 
 
 @functools.cache
@@ -309,80 +246,21 @@ def gpu_attention_prefill_paged(shape: AttentionShape, *, sliding: bool = False,
                                 logit_cap: float = 0.0) -> tirx.PrimFunc:
     """TVM's GPU `batch_prefill_paged_kv` (new tokens against the cached pages) or (`sliding`) its `_sliding_window`
     variant for the "mha_sliding" layers, with a `window` (_first_key) and `logit_cap` (Gemma 2's)."""
-    H_qo, H_kv, D, P, fdtype = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, shape.dtype
-    G = H_qo // H_kv
-    attend = _attend(shape, logit_cap)
+    P = shape.page_size
+    rows = _prefill_rows(shape, logit_cap, window)
 
-    @T.prim_func(private=True, s_tir=True)
-    def batch_prefill_paged_kv(
-        var_q: T.handle,  # [total_len, h_q, d]
-        var_q_indptr: T.handle,  # [batch_size + 1]
-        var_pages: T.handle,  # [max_num_pages, 2, h_kv, page_size, d]
-        var_page_indptr: T.handle,  # [batch_size + 1]
-        var_page_values: T.handle,  # [nnz_pages]
-        var_length_info: T.handle,  # [b], or (sliding) [3, b]
-        var_k_rope_pos_offset: T.handle,  # [b]
-        var_q_rope_position: T.handle,  # [total_len]
-        var_output: T.handle,  # [total_len, h_q, d]
-        var_lse: T.handle,  # [total_len, h_q]
-        causal: T.int32,
-        rotary_mode: T.int32,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-        sm_scale: T.float32,
-    ):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        batch_size = T.int32()
-        total_len = T.int32()
-        nnz_pages = T.int32()
-        max_num_pages = T.int32()
-        pages_elem_offset = T.int64()
-        q_indptr_elem_offset = T.int32()
-        page_indptr_elem_offset = T.int32()
-        page_values_elem_offset = T.int32()
-        k_rope_pos_offset_elem_offset = T.int32()
-        q_rope_position_elem_offset = T.int32()
-        length_info_elem_offset = T.int32()
-
-        q = T.match_buffer(var_q, (total_len, H_qo, D), fdtype)
-        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        pages = T.match_buffer(var_pages, (max_num_pages, 2, H_kv, P, D), fdtype, elem_offset=pages_elem_offset)
-        page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_elem_offset)
-        page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
-        # matched as TVM's kernel does (the runtime checks the arguments), unused: K is stored after RoPE
-        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
-                                           elem_offset=k_rope_pos_offset_elem_offset)
-        q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32",
-                                         elem_offset=q_rope_position_elem_offset)
-        output = T.match_buffer(var_output, (total_len, H_qo, D), fdtype)
-        lse = T.match_buffer(var_lse, (total_len, H_qo), "float32")
-        length_info = T.match_buffer(var_length_info, _length_info_shape(batch_size, sliding), "int32",
-                                     elem_offset=length_info_elem_offset)
-
+    @T.macro
+    def body(q, q_indptr, pages, page_indptr, page_values, length_info, output, lse, causal, rotary_mode, sm_scale,
+             batch_size, total_len, max_num_pages):
         assert rotary_mode == 0, ROTARY_REFUSAL
-        for t in T.thread_binding(total_len, thread="blockIdx.x"):
-            for hq in T.thread_binding(H_qo, thread="blockIdx.y"):
-                for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
-                    with T.sblock("attn"):
-                        T.reads()
-                        T.writes()
-                        seq = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                        _find_sequence(q_indptr, batch_size, t, seq)
-                        b: T.let[T.int32] = seq[0]
-                        begin: T.let[T.int32] = page_indptr[b]
-                        n_keys: T.let[T.int32] = _paged_keys(length_info, b, begin, page_indptr[b + 1], sliding, P)
-                        rows: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
-                        end_aligned: T.let[T.bool] = _keys_end_with_rows(causal, sliding)
-                        attend(tx, _first_key(end_aligned, n_keys, rows, t - q_indptr[b], window),
-                               _last_key(end_aligned, n_keys, rows, t - q_indptr[b]),
-                               lambda c: q[t, hq, c],
-                               _paged_key(pages, page_values, length_info, b, begin, hq // G, 0, sliding, P),
-                               _paged_key(pages, page_values, length_info, b, begin, hq // G, 1, sliding, P),
-                               lambda c, x: T.buffer_store(output, T.Cast(fdtype, x), [t, hq, c]),
-                               lambda x: T.buffer_store(lse, x, [t, hq]), sm_scale)
+        rows(total_len, q, q_indptr, output, lse, batch_size, sm_scale, lambda b: page_indptr[b],
+             lambda b, begin: _paged_keys(length_info, b, begin, page_indptr[b + 1], sliding, P),
+             lambda b, begin, h, kv: _paged_key(pages, page_values, length_info, b, begin, h, kv, sliding, P),
+             _keys_end_with_rows(causal, sliding))
 
-    return batch_prefill_paged_kv.with_attr("global_symbol",
-                                            GPU_PAGED_PREFILL_SYMBOL + (SLIDING_SUFFIX if sliding else ""))
+    func = signatures.paged_prefill(body, heads=shape.num_qo_heads, kv_heads=shape.num_kv_heads,
+                                    head_dim=shape.head_dim, page_size=P, dtype=shape.dtype, sliding=sliding)
+    return func.with_attr("global_symbol", GPU_PAGED_PREFILL_SYMBOL + (SLIDING_SUFFIX if sliding else ""))
 
 
 @functools.cache

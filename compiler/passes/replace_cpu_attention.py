@@ -69,6 +69,17 @@ def rope_of(mod: tvm.IRModule) -> tuple[float, dict[str, Any]]:
     return float(rope["rope_scale"]), dict(rope["rope_scaling"])
 
 
+def with_functions(mod: tvm.IRModule, replaced: dict) -> tvm.IRModule:
+    """`mod` with the PrimFuncs of `replaced` (GlobalVar -> PrimFunc) bound to their GlobalVars; `mod` itself when
+    there are none."""
+    if not replaced:
+        return mod
+    mod = mod.clone()
+    for gv, func in replaced.items():
+        mod.update_func(gv, func)
+    return mod
+
+
 # TVM's call that creates the paged KV cache (TIRPagedKVCache, FlashInferPagedKVCache), and the position of its
 # rope_mode among the arguments after the function's name
 CACHE_CREATE = "vm.builtin.paged_attention_kv_cache_create"
@@ -161,13 +172,7 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
             raise MobilecError("a paged KV cache with RopeMode.INLINE (RoPE inside attention) is not supported by "
                                "mobilec's CPU attention kernels; create it with RopeMode.NORMAL or NONE")
         kv_format = mod.attrs.get(KV_FORMAT_ATTR) if mod.attrs is not None else None
-        replaced = self._quantized(mod, kv_format) if kv_format is not None else self._float(mod)
-        if not replaced:
-            return mod
-        mod = mod.clone()
-        for gv, func in replaced.items():
-            mod.update_func(gv, func)
-        return mod
+        return with_functions(mod, self._quantized(mod, kv_format) if kv_format is not None else self._float(mod))
 
     def _float(self, mod: tvm.IRModule) -> dict:
         """TVM's kernels that ours take; with a sliding window (LAYER_SLIDING_WINDOW_ATTR) the sliding variants too,

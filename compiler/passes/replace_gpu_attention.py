@@ -27,7 +27,7 @@ from ..kernels.gpu_attention import (
     gpu_attention_prefill_ragged,
     gpu_merge_state,
 )
-from .replace_cpu_attention import cache_rope_modes, decode_shape, global_symbol, ragged_shape
+from .replace_cpu_attention import cache_rope_modes, decode_shape, global_symbol, ragged_shape, with_functions
 
 
 def _builders(layer_window: int, window: int, cap: float) -> dict:
@@ -80,9 +80,4 @@ class ReplaceGPUAttention:  # pylint: disable=too-few-public-methods
         if missing:
             raise MobilecError(f"a sliding window or capped scores on a GPU: the module lacks TVM's kernels {missing} "
                                f"to replace")
-        if not replaced:
-            return mod
-        mod = mod.clone()
-        for gv, func in replaced.items():
-            mod.update_func(gv, func)
-        return mod
+        return with_functions(mod, replaced)

@@ -85,8 +85,10 @@ def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_win
     family = family_for(ckpt.hf_config)
     cfg = dataclasses.replace(family.config_class.from_hf(ckpt.hf_config, context_window),
                               kv_dtype=kv_cache_dtype.resolve(kv_dtype, spec, scheme))
-    if spec.schedule["rules"] == "gpu" and hasattr(cfg, "sliding_pages_all"):  # kernels/gpu_attention.py says why
-        cfg = dataclasses.replace(cfg, sliding_pages_all=True)
+    if spec.schedule["rules"] == "gpu":
+        if hasattr(cfg, "sliding_pages_all"):  # kernels/gpu_attention.py says why
+            cfg = dataclasses.replace(cfg, sliding_pages_all=True)
+        kv_cache_dtype.check_gpu_carrier(cfg.kv_carrier, spec.name)
     check_checkpoint_shapes(ckpt, cfg)
     model = family.model_class(cfg)
     dtype = scheme.float_dtype or spec.device["compute_dtype"]

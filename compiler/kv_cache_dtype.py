@@ -5,10 +5,10 @@ scratch, in one dtype and checks that the q/k/v it is given have that dtype. A f
 activations is therefore built by casting q/k/v to float16 before attention and its output back (models/llama.py);
 the CPU attention kernels (kernels/cpu_attention.py) widen float16 to float32 on load and compute in float32.
 
-A quantized cache (int8, int4; CPU targets only) cannot be declared to that runtime in its own dtype: it is declared
+A quantized cache (int8, int4; CPU and GPU targets) cannot be declared to that runtime in its own dtype: it is declared
 as a float32 cache of another geometry whose cells carry the packed codes and their parameters (Carrier, in the
-CodeFormat of its dtype), and every kernel that reads or writes the packed cells is ours (kernels/cpu_attention.py,
-swapped in by passes/replace_cpu_attention.py).
+CodeFormat of its dtype), and every kernel that reads or writes the packed cells is ours (kernels/cpu_attention.py, kernels/gpu_attention.py,
+swapped in by passes/replace_cpu_attention.py, replace_gpu_attention.py).
 """
 
 from __future__ import annotations
@@ -75,11 +75,11 @@ def resolve(name: str, spec: TargetSpec, scheme: Scheme) -> str:
         name = spec.device.get("kv_dtype", AUTO)
     dtype = TVM_DTYPES[name]
     if name not in names_for(spec):
-        raise MobilecError(f"--kv-dtype {name} on {spec.name}: not implemented on GPU yet (its kernels are for LLVM "
-                           f"CPU targets only); use f16")
+        raise MobilecError(f"--kv-dtype {name} on {spec.name}: not implemented there (mobilec's quantized-cache "
+                           f"kernels are for LLVM CPU and GPU targets); use f16")
     if dtype in CODE_FORMATS and compute != "float32":
         raise MobilecError(f"--kv-dtype {name} needs float32 activations (its carrier is the float32 projection "
-                           f"output), not {compute}; use f16")
+                           f"output), not {compute}; use --compute-dtype float32, or --kv-dtype f16")
     if gpu and dtype == "float16" and compute == "float32":
         raise MobilecError(f"--kv-dtype f16 on {spec.name} computing in float32: its attention kernels would compute "
                            f"in float16, which the device lacks (--compute-dtype float32); use --kv-dtype f32")
@@ -148,6 +148,21 @@ class Carrier:
                 "head_dim": self.head_dim}
 
 
+# TVM 0.27's GPU prefill kernels, which the paged cache creates (for the carrier's geometry) before ours replace
+# them, fail to build for rows of fewer floats ("Prefill tile is incompatible with the scheduler's thread
+# factorization")
+GPU_MIN_CELL = 8
+
+
+def check_gpu_carrier(carrier: Carrier | None, target: str) -> None:
+    """Refuses, in one line, a quantized cache whose carrier rows TVM's GPU kernels cannot be built for."""
+    if carrier is not None and carrier.cell < GPU_MIN_CELL:
+        least = GPU_MIN_CELL * carrier.format.codes_per_cell
+        raise MobilecError(f"--kv-dtype {carrier.format.name} on {target}: heads of {carrier.head_dim} channels make "
+                           f"carrier rows of {carrier.cell} floats, for which TVM 0.27's GPU prefill kernels do not "
+                           f"build (heads of {least} channels or more do); use --kv-dtype f16")
+
+
 def carrier_for(dtype: str | None, heads: int, kv_heads: int, head_dim: int) -> Carrier | None:
     """The carrier of a cache in TVM dtype `dtype`; None for a float cache."""
     code_format = CODE_FORMATS.get(dtype)
@@ -194,7 +209,7 @@ def names_for(spec: TargetSpec) -> list[str]:
     """The --kv-dtype names (not auto) `spec` takes."""
     gpu = spec.schedule["rules"] == "gpu"
     return [name for name, dtype in TVM_DTYPES.items()
-            if dtype not in CODE_FORMATS or not (gpu or cpu_isa(spec.tvm_target()) is None)]
+            if dtype not in CODE_FORMATS or gpu or cpu_isa(spec.tvm_target()) is not None]
 
 
 def of_artifact(config: dict) -> str:

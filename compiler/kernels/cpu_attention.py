@@ -699,27 +699,39 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, *, sliding_window
                                                 PAGED_PREFILL_SYMBOL + (SLIDING_SUFFIX if sliding else ""))
 
 
-def quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale: float = 1.0,
-                           rope_scaling: dict[str, Any] | None = None) -> tirx.PrimFunc:
-    """A quantized cache's `tir_split_rotary` (TVM's `fused_rope` signature: qkv, position_map, q, k, v, apply_rope),
-    on the float32 carrier (kv_cache_dtype.Carrier): reads the fused projection output as the real (tokens,
-    heads + 2 kv_heads, head_dim) floats, applies RoPE to q and k as TVM's llama_rope_with_position_map does
-    (rotate-half, freq = position * rope_scale / theta^(2i / head_dim), when apply_rope > 0; with `rope_scaling`
-    llama3, that inverse frequency smoothed as TVM's rope_freq_llama3 does), writes q to the start of its declared
-    rows and quantizes k (after RoPE) and v per token and KV head in the cache's format (kv_cache_dtype.CODE_FORMATS),
-    the codes into the head's row and the parameters into their cells: int8 scale = max|x| / 127, codes
-    round(x / scale); int4 per group of channels scale = (max - min) / 15 and min, codes round((x - min) / scale),
-    two to a byte. One parallel task per token; cos and sin go through buffers (a float Let inside a parallel loop
-    breaks the CPU codegen)."""
-    c = shape.carrier
-    assert c is not None, shape
+def rope_angle(head_dim: int, rope_theta: float, rope_scale: float, rope_scaling: dict[str, Any] | None):
+    """A T.macro: freq[0] = the RoPE angle of pair i at `position` as TVM's llama_rope_with_position_map computes
+    it (freq = position * rope_scale / theta^(2i / head_dim); with `rope_scaling` llama3, that inverse frequency
+    smoothed as TVM's rope_freq_llama3 does); `freq`: 3 floats of scratch (a float Let inside a parallel loop breaks
+    the CPU codegen)."""
     kind = (rope_scaling or {}).get("rope_type")
     if kind not in (None, "llama3"):
         raise ValueError(f"quantized_split_rotary: RoPE scaling {kind!r} is not implemented")
     llama3 = _llama3_constants(rope_scaling) if kind == "llama3" else None
-    H_qo, H_kv, D = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim
-    H_qo_decl, H_kv_decl, D_decl = shape.declared
-    HALF, GS = D // 2, c.group
+
+    @T.macro
+    def angle(freq, i, position):
+        if llama3 is None:
+            freq[0] = T.Cast("float32", position) * T.float32(rope_scale) / T.pow(
+                T.float32(rope_theta), T.Cast("float32", i * 2) / T.float32(head_dim))
+        else:  # freq[1]: the plain inverse frequency, freq[2]: its smoothing weight
+            freq[1] = T.float32(1) / T.pow(T.float32(rope_theta), T.Cast("float32", i * 2) / T.float32(head_dim))
+            freq[2] = T.max(T.float32(0), T.min(T.float32(1), T.float32(llama3[1]) * freq[1] - T.float32(llama3[2])))
+            freq[0] = T.Cast("float32", position) * T.float32(rope_scale) * (
+                (T.float32(1) - freq[2]) * freq[1] * T.float32(llama3[0]) + freq[2] * freq[1])
+
+    return angle
+
+
+def row_quantizer(shape: AttentionShape):
+    """A T.macro quantizing one K or V row (`row`: head_dim floats) of token s and KV head h in the cache's format
+    (kv_cache_dtype.CODE_FORMATS): the codes into `codes` (the code view), the parameters into their cells of
+    `params` (the declared float32 buffer); `stat`: 2 floats of scratch. int8 scale = max|x| / 127, codes
+    round(x / scale); int4 per group of channels scale = (max - min) / 15 and min, codes round((x - min) / scale),
+    two to a byte."""
+    c = shape.carrier
+    assert c is not None, shape
+    D, GS = shape.head_dim, c.group
 
     def param_row(h, group, i):
         return c.param_position(h, group, i)[0]
@@ -757,7 +769,64 @@ def quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale:
                     nibble(row[group * GS + 2 * j], stat), T.shift_left(nibble(row[group * GS + 2 * j + 1], stat),
                                                                        T.uint8(4)))
 
-    quantize = {"int8": quantize_int8, "int4": quantize_int4}[shape.dtype]
+    return {"int8": quantize_int8, "int4": quantize_int4}[shape.dtype]
+
+
+def quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale: float = 1.0,
+                           rope_scaling: dict[str, Any] | None = None) -> tirx.PrimFunc:
+    """A quantized cache's `tir_split_rotary` (TVM's `fused_rope` signature: qkv, position_map, q, k, v, apply_rope),
+    on the float32 carrier (kv_cache_dtype.Carrier): reads the fused projection output as the real (tokens,
+    heads + 2 kv_heads, head_dim) floats, applies RoPE to q and k as TVM's llama_rope_with_position_map does
+    (rotate-half, rope_angle, when apply_rope > 0), writes q to the start of its declared rows and quantizes k
+    (after RoPE) and v per token and KV head (row_quantizer). One parallel task per token; cos and sin go through
+    buffers (a float Let inside a parallel loop breaks the CPU codegen)."""
+    c = shape.carrier
+    assert c is not None, shape
+    H_qo, H_kv, D = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim
+    HALF = D // 2
+    angle = rope_angle(D, rope_theta, rope_scale, rope_scaling)
+    quantize = row_quantizer(shape)
+
+    @T.macro
+    def body(qkv_rows, position_map, q_rows, k_codes, v_codes, k, v, apply_rope, seq_len):
+        for s in T.parallel(seq_len):
+            cos = T.alloc_buffer((HALF,), "float32")
+            sin = T.alloc_buffer((HALF,), "float32")
+            freq = T.alloc_buffer((3,), "float32")
+            row = T.alloc_buffer((D,), "float32")
+            stat = T.alloc_buffer((2,), "float32")  # the row's statistics
+            for i in range(HALF):
+                angle(freq, i, position_map[s])
+                cos[i] = T.cos(freq[0])
+                sin[i] = T.sin(freq[0])
+            for h in range(H_qo + H_kv):  # q and k heads: RoPE
+                if apply_rope > 0:
+                    for i in range(HALF):
+                        row[i] = cos[i] * qkv_rows[s, h, i] - sin[i] * qkv_rows[s, h, i + HALF]
+                        row[i + HALF] = cos[i] * qkv_rows[s, h, i + HALF] + sin[i] * qkv_rows[s, h, i]
+                else:
+                    for d in range(D):
+                        row[d] = qkv_rows[s, h, d]
+                if h < H_qo:
+                    for d in range(D):
+                        q_rows[s, h, d] = row[d]
+                else:
+                    quantize(row, k_codes, k, s, h - H_qo, stat)
+            for h in range(H_kv):
+                for d in range(D):
+                    row[d] = qkv_rows[s, H_qo + H_kv + h, d]
+                quantize(row, v_codes, v, s, h, stat)
+
+    return split_rotary_signature(shape, body)
+
+
+def split_rotary_signature(shape: AttentionShape, body) -> tirx.PrimFunc:
+    """TVM's `fused_rope` signature (qkv, position_map, q, k, v, apply_rope) on a quantized cache's carrier, around
+    `body(qkv_rows, position_map, q_rows, k_codes, v_codes, k, v, apply_rope, seq_len)`: the fused projection
+    output as the real (tokens, heads + 2 kv_heads, head_dim) floats, q's real rows, the K/V code views and the
+    declared K/V buffers (for the parameters)."""
+    H_qo, H_kv, D = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim
+    H_qo_decl, H_kv_decl, D_decl = shape.declared
 
     # pylint: disable=too-many-locals
     @T.prim_func(private=True, s_tir=True)
@@ -776,41 +845,7 @@ def quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale:
             q_rows = T.decl_buffer((seq_len, H_qo, D), "float32", data=q.data, strides=(H_qo_decl * D_decl, D, 1))
             k_codes = T.decl_buffer((seq_len, H_kv_decl, shape.code_row), shape.code_dtype, data=k.data)
             v_codes = T.decl_buffer((seq_len, H_kv_decl, shape.code_row), shape.code_dtype, data=v.data)
-            for s in T.parallel(seq_len):
-                cos = T.alloc_buffer((HALF,), "float32")
-                sin = T.alloc_buffer((HALF,), "float32")
-                freq = T.alloc_buffer((1 if llama3 is None else 3,), "float32")
-                row = T.alloc_buffer((D,), "float32")
-                stat = T.alloc_buffer((2,), "float32")  # the row's statistics
-                for i in range(HALF):
-                    if llama3 is None:
-                        freq[0] = T.Cast("float32", position_map[s]) * T.float32(rope_scale) / T.pow(
-                            T.float32(rope_theta), T.Cast("float32", i * 2) / T.float32(D))
-                    else:  # freq[1]: the plain inverse frequency, freq[2]: its smoothing weight
-                        freq[1] = T.float32(1) / T.pow(T.float32(rope_theta), T.Cast("float32", i * 2) / T.float32(D))
-                        freq[2] = T.max(T.float32(0), T.min(T.float32(1), T.float32(llama3[1]) * freq[1]
-                                                            - T.float32(llama3[2])))
-                        freq[0] = T.Cast("float32", position_map[s]) * T.float32(rope_scale) * (
-                            (T.float32(1) - freq[2]) * freq[1] * T.float32(llama3[0]) + freq[2] * freq[1])
-                    cos[i] = T.cos(freq[0])
-                    sin[i] = T.sin(freq[0])
-                for h in range(H_qo + H_kv):  # q and k heads: RoPE
-                    if apply_rope > 0:
-                        for i in range(HALF):
-                            row[i] = cos[i] * qkv_rows[s, h, i] - sin[i] * qkv_rows[s, h, i + HALF]
-                            row[i + HALF] = cos[i] * qkv_rows[s, h, i + HALF] + sin[i] * qkv_rows[s, h, i]
-                    else:
-                        for d in range(D):
-                            row[d] = qkv_rows[s, h, d]
-                    if h < H_qo:
-                        for d in range(D):
-                            q_rows[s, h, d] = row[d]
-                    else:
-                        quantize(row, k_codes, k, s, h - H_qo, stat)
-                for h in range(H_kv):
-                    for d in range(D):
-                        row[d] = qkv_rows[s, H_qo + H_kv + h, d]
-                    quantize(row, v_codes, v, s, h, stat)
+            body(qkv_rows, position_map, q_rows, k_codes, v_codes, k, v, apply_rope, seq_len)
 
     return fused_rope.with_attr("global_symbol", SPLIT_ROTARY_SYMBOL)
 

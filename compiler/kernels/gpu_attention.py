@@ -43,6 +43,9 @@ from .cpu_attention import (
     ROTARY_REFUSAL,
     SLIDING_SUFFIX,
     AttentionShape,
+    rope_angle,
+    row_quantizer,
+    split_rotary_signature,
 )
 
 # TVM's global symbols of the GPU kernels (the ragged kernel has one symbol on both)
@@ -57,7 +60,7 @@ def _attend(shape: AttentionShape, logit_cap: float):
     """A T.macro: one work-group's attention of one query row and head over the keys [lo, hi) (indices into the
     sequence's keys). `query(c)`: channel c of q; `key(i, c)`, `value(i, c)`: of key i; `store(c, x)`: output
     channel c; `store_lse(x)`."""
-    D, fdtype = shape.head_dim, shape.dtype
+    D, fdtype = shape.head_dim, shape.float_dtype
     per_item = -(-D // THREADS)  # output channels per work-item
     cap = logit_cap
 
@@ -112,13 +115,55 @@ def _attend(shape: AttentionShape, logit_cap: float):
     return attend
 
 
-def _paged_key(pages, page_values, length_info, b, begin, h, kv, sliding: bool, page_size: int):
+def _value(shape: AttentionShape, load, param, c):
+    """Channel c of a K/V row as the cache stores it (float32 for a quantized cache): `load(index)` reads the row's
+    code view (AttentionShape), `param(group, i)` its parameters. int8: the code times the row's scale; int4: the
+    nibble (code 2j low, 2j + 1 high in byte j) times its group's scale, plus its min."""
+    if shape.carrier is None:
+        return load(c)
+    if shape.dtype == "int8":
+        return T.Cast("float32", load(c)) * param(0, 0)
+    nibble = T.bitwise_and(T.shift_right(load(T.floordiv(c, 2)), T.Cast("uint8", T.floormod(c, 2) * 4)), T.uint8(15))
+    group = T.floordiv(c, shape.carrier.group)
+    return T.Cast("float32", nibble) * param(group, 0) + param(group, 1)
+
+
+def _paged_key(shape: AttentionShape, codes, pages, page_values, length_info, b, begin, h, kv, sliding: bool):
     """(i, c) -> channel c of the K (kv 0) or V (kv 1) of key i of sequence b, whose pages start at `begin` in the
-    page table (sliding: key i is sink row i, or row i - sinks + the window's offset)."""
+    page table (sliding: key i is sink row i, or row i - sinks + the window's offset); `codes`: the pages' code
+    view, `pages` as declared (a quantized cache's parameters)."""
+    P = shape.page_size
+
     def load(i, c):
         row = T.if_then_else(i < length_info[2, b], i, i - length_info[2, b] + length_info[1, b]) if sliding else i
-        return pages[page_values[begin + T.floordiv(row, page_size)], kv, h, T.floormod(row, page_size), c]
+        page, r = page_values[begin + T.floordiv(row, P)], T.floormod(row, P)
+        return _value(shape, lambda index: codes[page, kv, h, r, index],
+                      lambda group, j: shape.param(lambda prow, cell: pages[page, kv, prow, r, cell], h, group, j), c)
     return load
+
+
+def _ragged_key(shape: AttentionShape, codes, rows, begin, h):
+    """(i, c) -> channel c of key i of a sequence whose rows start at `begin`; `codes`: the K or V code view,
+    `rows` the K or V buffer as declared (a quantized cache's parameters)."""
+    return lambda i, c: _value(shape, lambda index: codes[begin + i, h, index],
+                               lambda group, j: shape.param(lambda prow, cell: rows[begin + i, prow, cell], h, group,
+                                                            j), c)
+
+
+def _views(shape: AttentionShape):
+    """(rows, codes): functions making the views of a kernel's buffers (AttentionShape): `rows(buffer, n)` the
+    real (n, heads, head_dim) query or output rows at the start of the declared ones, `codes(buffer)` the K/V code
+    view of declared K/V rows or pages (the buffers themselves for a float cache)."""
+    H_qo, D, fdtype = shape.num_qo_heads, shape.head_dim, shape.float_dtype
+    H_qo_decl, _, D_decl = shape.declared
+
+    def rows(buffer, n):
+        return T.decl_buffer((n, H_qo, D), fdtype, data=buffer.data, strides=(H_qo_decl * D_decl, D, 1))
+
+    def codes(buffer):
+        return T.decl_buffer((*buffer.shape[:-1], shape.code_row), shape.code_dtype, data=buffer.data)
+
+    return rows, codes
 
 
 def _paged_keys(length_info, b, begin, end, sliding: bool, page_size: int):
@@ -133,14 +178,17 @@ def gpu_attention_decode(shape: AttentionShape, *, sliding: bool = False, window
                          logit_cap: float = 0.0) -> tirx.PrimFunc:
     """TVM's GPU `batch_decode_paged_kv` (or, `sliding`, its `_sliding_window` variant for the "mha_sliding"
     layers) with a `window` (the query sees the last `window` keys) and `logit_cap` (Gemma 2's)."""
-    H_qo, H_kv, D, P, fdtype = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, shape.dtype
-    G = H_qo // H_kv
+    H_qo, G, P, fdtype = shape.num_qo_heads, shape.group, shape.page_size, shape.float_dtype
     attend = _attend(shape, logit_cap)
+    rows_view, codes_view = _views(shape)
 
     @T.macro
     def body(Q, pages, page_table_indptr, page_table_values, length_info, output, lse, rotary_mode, sm_scale, B,
              max_num_pages):
         assert rotary_mode == 0, ROTARY_REFUSAL
+        q_rows = rows_view(Q, B)
+        out_rows = rows_view(output, B)
+        codes = codes_view(pages)
         for b in T.thread_binding(B, thread="blockIdx.x"):
             for hq in T.thread_binding(H_qo, thread="blockIdx.y"):
                 for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
@@ -151,13 +199,17 @@ def gpu_attention_decode(shape: AttentionShape, *, sliding: bool = False, window
                         n_keys: T.let[T.int32] = _paged_keys(length_info, b, begin, page_table_indptr[b + 1],
                                                              sliding, P)
                         attend(tx, _first_key(True, n_keys, 1, 0, window), n_keys,  # the query is the last key
-                               lambda c: Q[b, hq, c],
-                               _paged_key(pages, page_table_values, length_info, b, begin, hq // G, 0, sliding, P),
-                               _paged_key(pages, page_table_values, length_info, b, begin, hq // G, 1, sliding, P),
-                               lambda c, x: T.buffer_store(output, T.Cast(fdtype, x), [b, hq, c]),
+                               lambda c: q_rows[b, hq, c],
+                               _paged_key(shape, codes, pages, page_table_values, length_info, b, begin, hq // G, 0,
+                                          sliding),
+                               _paged_key(shape, codes, pages, page_table_values, length_info, b, begin, hq // G, 1,
+                                          sliding),
+                               lambda c, x: T.buffer_store(out_rows, T.Cast(fdtype, x), [b, hq, c]),
                                lambda x: T.buffer_store(lse, x, [b, hq]), sm_scale)
 
-    func = signatures.decode(body, heads=H_qo, kv_heads=H_kv, head_dim=D, page_size=P, dtype=fdtype, sliding=sliding)
+    heads, kv_heads, head_dim = shape.declared
+    func = signatures.decode(body, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=P, dtype=fdtype,
+                             sliding=sliding)
     return func.with_attr("global_symbol", GPU_DECODE_SYMBOL + (SLIDING_SUFFIX if sliding else ""))
 
 
@@ -196,7 +248,7 @@ def _prefill_rows(shape: AttentionShape, logit_cap: float, window: int):
     sequence found in q_indptr. Per sequence b, `first(b)`: where its keys start in their buffer (ragged rows or
     page-table entries), `n_keys(b, first)`, `key(b, first, h, kv)` -> (i, c) -> channel c of key i's K (kv 0) or
     V (kv 1) of KV head h; `end_aligned`: whether the keys end with the new rows (_keys_end_with_rows)."""
-    H_qo, G, fdtype = shape.num_qo_heads, shape.group, shape.dtype
+    H_qo, G, fdtype = shape.num_qo_heads, shape.group, shape.float_dtype
     attend = _attend(shape, logit_cap)
 
     @T.macro
@@ -228,16 +280,23 @@ def gpu_attention_prefill_ragged(shape: AttentionShape, *, window: int = 0,
     """TVM's GPU `batch_prefill_ragged_kv` (the new tokens among themselves; head_dim the same for q/k and v) with
     every layer's `window` and `logit_cap`. shape.page_size is not used."""
     rows = _prefill_rows(shape, logit_cap, window)
+    rows_view, codes_view = _views(shape)
 
     @T.macro
     def body(q, q_indptr, k, v, kv_indptr, output, lse, causal, rotary_mode, sm_scale, batch_size, qo_len, kv_len):
         assert rotary_mode == 0, ROTARY_REFUSAL
-        rows(qo_len, q, q_indptr, output, lse, batch_size, sm_scale, lambda b: kv_indptr[b],
+        q_rows = rows_view(q, qo_len)
+        out_rows = rows_view(output, qo_len)
+        k_codes = codes_view(k)
+        v_codes = codes_view(v)
+        rows(qo_len, q_rows, q_indptr, out_rows, lse, batch_size, sm_scale, lambda b: kv_indptr[b],
              lambda b, begin: kv_indptr[b + 1] - begin,
-             lambda b, begin, h, kv: lambda i, c: (k if kv == 0 else v)[begin + i, h, c], causal > 0)
+             lambda b, begin, h, kv: _ragged_key(shape, k_codes, k, begin, h) if kv == 0 else _ragged_key(
+                 shape, v_codes, v, begin, h), causal > 0)
 
-    func = signatures.ragged_prefill(body, heads=shape.num_qo_heads, kv_heads=shape.num_kv_heads,
-                                     head_dim=shape.head_dim, dtype=shape.dtype)
+    heads, kv_heads, head_dim = shape.declared
+    func = signatures.ragged_prefill(body, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                     dtype=shape.float_dtype)
     return func.with_attr("global_symbol", GPU_RAGGED_SYMBOL)
 
 
@@ -248,19 +307,49 @@ def gpu_attention_prefill_paged(shape: AttentionShape, *, sliding: bool = False,
     variant for the "mha_sliding" layers, with a `window` (_first_key) and `logit_cap` (Gemma 2's)."""
     P = shape.page_size
     rows = _prefill_rows(shape, logit_cap, window)
+    rows_view, codes_view = _views(shape)
 
     @T.macro
     def body(q, q_indptr, pages, page_indptr, page_values, length_info, output, lse, causal, rotary_mode, sm_scale,
              batch_size, total_len, max_num_pages):
         assert rotary_mode == 0, ROTARY_REFUSAL
-        rows(total_len, q, q_indptr, output, lse, batch_size, sm_scale, lambda b: page_indptr[b],
+        q_rows = rows_view(q, total_len)
+        out_rows = rows_view(output, total_len)
+        codes = codes_view(pages)
+        rows(total_len, q_rows, q_indptr, out_rows, lse, batch_size, sm_scale, lambda b: page_indptr[b],
              lambda b, begin: _paged_keys(length_info, b, begin, page_indptr[b + 1], sliding, P),
-             lambda b, begin, h, kv: _paged_key(pages, page_values, length_info, b, begin, h, kv, sliding, P),
+             lambda b, begin, h, kv: _paged_key(shape, codes, pages, page_values, length_info, b, begin, h, kv,
+                                                sliding),
              _keys_end_with_rows(causal, sliding))
 
-    func = signatures.paged_prefill(body, heads=shape.num_qo_heads, kv_heads=shape.num_kv_heads,
-                                    head_dim=shape.head_dim, page_size=P, dtype=shape.dtype, sliding=sliding)
+    heads, kv_heads, head_dim = shape.declared
+    func = signatures.paged_prefill(body, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=P,
+                                    dtype=shape.float_dtype, sliding=sliding)
     return func.with_attr("global_symbol", GPU_PAGED_PREFILL_SYMBOL + (SLIDING_SUFFIX if sliding else ""))
+
+
+@T.macro
+def _merge(V, S, V_other, S_other, N, H, D):
+    """V, S <- the merge of the attention states (V, S) and (V_other, S_other) of N rows of H heads of D channels, one
+    work-group per row and head: S read by every work-item, then (after a barrier) written by one."""
+    for n in T.thread_binding(N, thread="blockIdx.x"):
+        for h in T.thread_binding(H, thread="blockIdx.y"):
+            for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                with T.sblock("merge"):
+                    T.reads()
+                    T.writes()
+                    st = T.sblock_alloc_buffer((3,), "float32", scope="local")  # max, then the two weights
+                    st[0] = T.max(S[n, h], S_other[n, h])
+                    st[1] = T.exp2(S[n, h] - st[0])
+                    st[2] = T.exp2(S_other[n, h] - st[0])
+                    T.tvm_storage_sync("shared")  # every work-item has read S
+                    for c in T.serial(T.ceildiv(D, THREADS)):
+                        if c * THREADS + tx < D:
+                            V[n, h, c * THREADS + tx] = T.Cast(V.dtype, (
+                                T.Cast("float32", V[n, h, c * THREADS + tx]) * st[1]
+                                + T.Cast("float32", V_other[n, h, c * THREADS + tx]) * st[2]) / (st[1] + st[2]))
+                    if tx == 0:
+                        S[n, h] = T.log2(st[1] + st[2]) + st[0]
 
 
 @functools.cache
@@ -281,23 +370,71 @@ def gpu_merge_state(dtype: str) -> tirx.PrimFunc:
         S = T.match_buffer(s, (N, H), "float32")
         V_other = T.match_buffer(v_other, (N, H, D), dtype)
         S_other = T.match_buffer(s_other, (N, H), "float32")
-        for n in T.thread_binding(N, thread="blockIdx.x"):
-            for h in T.thread_binding(H, thread="blockIdx.y"):
-                for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
-                    with T.sblock("merge"):
-                        T.reads()
-                        T.writes()
-                        st = T.sblock_alloc_buffer((3,), "float32", scope="local")  # max, then the two weights
-                        st[0] = T.max(S[n, h], S_other[n, h])
-                        st[1] = T.exp2(S[n, h] - st[0])
-                        st[2] = T.exp2(S_other[n, h] - st[0])
-                        T.tvm_storage_sync("shared")  # every work-item has read S
-                        for c in T.serial(T.ceildiv(D, THREADS)):
-                            if c * THREADS + tx < D:
-                                V[n, h, c * THREADS + tx] = T.Cast(dtype, (
-                                    T.Cast("float32", V[n, h, c * THREADS + tx]) * st[1]
-                                    + T.Cast("float32", V_other[n, h, c * THREADS + tx]) * st[2]) / (st[1] + st[2]))
-                        if tx == 0:
-                            S[n, h] = T.log2(st[1] + st[2]) + st[0]
+        _merge(V, S, V_other, S_other, N, H, D)
 
     return merge_state_inplace.with_attr("global_symbol", GPU_MERGE_SYMBOL)
+
+
+@functools.cache
+def gpu_carrier_merge_state(shape: AttentionShape) -> tirx.PrimFunc:
+    """gpu_merge_state for a quantized cache's carrier (kv_cache_dtype.Carrier): the states of the real query heads,
+    whose output rows lie at the start of the declared ones and whose lse the kernels write at [n, hq], hq < heads
+    (merging every declared row would pair lse with the wrong floats: cpu_attention.carrier_merge_state)."""
+    H_qo, D = shape.num_qo_heads, shape.head_dim
+    H_qo_decl, _, D_decl = shape.declared
+    rows_view, _ = _views(shape)
+
+    @T.prim_func(private=True, s_tir=True)
+    def merge_state_inplace(v: T.handle, s: T.handle, v_other: T.handle, s_other: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        N = T.int32()
+        V = T.match_buffer(v, (N, H_qo_decl, D_decl), "float32")
+        S = T.match_buffer(s, (N, H_qo_decl), "float32")
+        V_other = T.match_buffer(v_other, (N, H_qo_decl, D_decl), "float32")
+        S_other = T.match_buffer(s_other, (N, H_qo_decl), "float32")
+        V_rows = rows_view(V, N)
+        V_other_rows = rows_view(V_other, N)
+        _merge(V_rows, S, V_other_rows, S_other, N, H_qo, D)
+
+    return merge_state_inplace.with_attr("global_symbol", GPU_MERGE_SYMBOL)
+
+
+def gpu_quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale: float = 1.0,
+                               rope_scaling: dict | None = None) -> tirx.PrimFunc:
+    """A quantized cache's split + RoPE + quantize (cpu_attention.quantized_split_rotary's work, TVM's `fused_rope`
+    signature) for a GPU: one work-group per token, one work-item per q, k and v head, which ropes (q, k) and stores
+    (q) or quantizes (k, v: cpu_attention.row_quantizer) its row."""
+    H_qo, H_kv, D = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim
+    HALF = D // 2
+    angle = rope_angle(D, rope_theta, rope_scale, rope_scaling)
+    quantize = row_quantizer(shape)
+
+    @T.macro
+    def body(qkv_rows, position_map, q_rows, k_codes, v_codes, k, v, apply_rope, seq_len):
+        for s in T.thread_binding(seq_len, thread="blockIdx.x"):
+            for h in T.thread_binding(H_qo + 2 * H_kv, thread="threadIdx.x"):
+                with T.sblock("split"):
+                    T.reads()
+                    T.writes()
+                    freq = T.sblock_alloc_buffer((3,), "float32", scope="local")
+                    row = T.sblock_alloc_buffer((D,), "float32", scope="local")
+                    stat = T.sblock_alloc_buffer((2,), "float32", scope="local")  # cos and sin, then the row's
+                    if h < H_qo + H_kv and apply_rope > 0:
+                        for i in T.serial(HALF):
+                            angle(freq, i, position_map[s])
+                            stat[0] = T.cos(freq[0])
+                            stat[1] = T.sin(freq[0])
+                            row[i] = stat[0] * qkv_rows[s, h, i] - stat[1] * qkv_rows[s, h, i + HALF]
+                            row[i + HALF] = stat[0] * qkv_rows[s, h, i + HALF] + stat[1] * qkv_rows[s, h, i]
+                    else:
+                        for d in T.serial(D):
+                            row[d] = qkv_rows[s, h, d]
+                    if h < H_qo:
+                        for d in T.serial(D):
+                            q_rows[s, h, d] = row[d]
+                    elif h < H_qo + H_kv:
+                        quantize(row, k_codes, k, s, h - H_qo, stat)
+                    else:
+                        quantize(row, v_codes, v, s, h - H_qo - H_kv, stat)
+
+    return split_rotary_signature(shape, body)

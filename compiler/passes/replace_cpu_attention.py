@@ -200,36 +200,47 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
         return replaced
 
     def _quantized(self, mod: tvm.IRModule, kv_format) -> dict:
-        """The five kernels of a quantized cache, for the real geometry in `kv_format` (Carrier.module_attr); TVM's
-        would misread the carrier, so a kernel missing or a geometry the vectorized kernels do not take fails."""
-        funcs = {global_symbol(func): (gv, func) for gv, func in mod.functions_items()}
-        name = str(kv_format["format"])
-        if any(mod.attrs.get(attr) is not None
-               for attr in (LAYER_SLIDING_WINDOW_ATTR, SLIDING_WINDOW_ATTR, ATTN_LOGIT_CAP_ATTR)):
-            raise MobilecError(f"--kv-dtype {name} with sliding-window attention layers or capped attention logits "
-                               f"is not implemented; use f16")
-        if name not in CODE_FORMATS or DECODE_SYMBOL not in funcs:
-            raise MobilecError(f"{KV_FORMAT_ATTR} {dict(kv_format)}: not a quantized cache with TVM's CPU kernels")
-        page_size = int(funcs[DECODE_SYMBOL][1].params[1].shape[3])
-        shape = AttentionShape(num_kv_heads=int(kv_format["kv_heads"]), num_qo_heads=int(kv_format["heads"]),
-                               head_dim=int(kv_format["head_dim"]), dtype=name, page_size=page_size)
-        if not shape.supported(self.lanes):
-            raise MobilecError(f"--kv-dtype {name}: {shape.num_qo_heads} query heads, {shape.num_kv_heads} KV heads "
-                               f"of head_dim {shape.head_dim} are not taken by the {self.lanes}-lane CPU kernels")
-        declared = decode_shape(funcs[DECODE_SYMBOL][1])
-        assert declared is not None and (declared.num_qo_heads, declared.num_kv_heads, declared.head_dim,
-                                         declared.dtype) == (*shape.declared, "float32"), (declared, shape)
-        rope_scale, rope_scaling = rope_of(mod)
-        builds = {
-            DECODE_SYMBOL: lambda: attention_decode(shape, self.lanes),
-            RAGGED_SYMBOL: lambda: attention_prefill_ragged(shape, self.lanes),
-            PAGED_PREFILL_SYMBOL: lambda: attention_prefill_paged(shape, self.lanes),
-            SPLIT_ROTARY_SYMBOL: lambda: quantized_split_rotary(shape, float(kv_format["rope_theta"]), rope_scale,
-                                                                rope_scaling),
-            MERGE_SYMBOL: lambda: carrier_merge_state(shape),
-        }
-        missing = [symbol for symbol in builds if symbol not in funcs]
-        if missing:
-            raise MobilecError(f"--kv-dtype {name}: the module lacks TVM's kernels {missing} to replace")
-        return {funcs[symbol][0]: build().with_attrs({**dict(funcs[symbol][1].attrs), "tirx.noalias": True})
-                for symbol, build in builds.items()}
+        """The five kernels of a quantized cache (quantized_replacements) at the target's lanes."""
+
+        def kernels(shape: AttentionShape, rope_theta: float, rope_scale: float, rope_scaling: dict) -> dict:
+            if not shape.supported(self.lanes):
+                raise MobilecError(f"--kv-dtype {shape.dtype}: {shape.num_qo_heads} query heads, {shape.num_kv_heads} "
+                                   f"KV heads of head_dim {shape.head_dim} are not taken by the {self.lanes}-lane "
+                                   f"CPU kernels")
+            return {
+                DECODE_SYMBOL: lambda: attention_decode(shape, self.lanes),
+                RAGGED_SYMBOL: lambda: attention_prefill_ragged(shape, self.lanes),
+                PAGED_PREFILL_SYMBOL: lambda: attention_prefill_paged(shape, self.lanes),
+                SPLIT_ROTARY_SYMBOL: lambda: quantized_split_rotary(shape, rope_theta, rope_scale, rope_scaling),
+                MERGE_SYMBOL: lambda: carrier_merge_state(shape),
+            }
+
+        return quantized_replacements(mod, kv_format, DECODE_SYMBOL, kernels)
+
+
+def quantized_replacements(mod: tvm.IRModule, kv_format, decode_symbol: str, kernels) -> dict:
+    """GlobalVar -> our kernel, for every kernel that reads or writes a quantized cache's packed cells, for the real
+    geometry in `kv_format` (Carrier.module_attr); TVM's would misread the carrier, so a kernel missing fails.
+    `kernels(shape, rope_theta, rope_scale, rope_scaling)` -> {TVM's global symbol: build()}; `decode_symbol`: TVM's
+    decode kernel, whose pages give the page size."""
+    funcs = {global_symbol(func): (gv, func) for gv, func in mod.functions_items()}
+    name = str(kv_format["format"])
+    if any(mod.attrs.get(attr) is not None
+           for attr in (LAYER_SLIDING_WINDOW_ATTR, SLIDING_WINDOW_ATTR, ATTN_LOGIT_CAP_ATTR)):
+        raise MobilecError(f"--kv-dtype {name} with sliding-window attention layers or capped attention logits "
+                           f"is not implemented; use f16")
+    if name not in CODE_FORMATS or decode_symbol not in funcs:
+        raise MobilecError(f"{KV_FORMAT_ATTR} {dict(kv_format)}: not a quantized cache with TVM's kernels")
+    page_size = int(funcs[decode_symbol][1].params[1].shape[3])
+    shape = AttentionShape(num_kv_heads=int(kv_format["kv_heads"]), num_qo_heads=int(kv_format["heads"]),
+                           head_dim=int(kv_format["head_dim"]), dtype=name, page_size=page_size)
+    declared = decode_shape(funcs[decode_symbol][1])
+    assert declared is not None and (declared.num_qo_heads, declared.num_kv_heads, declared.head_dim,
+                                     declared.dtype) == (*shape.declared, "float32"), (declared, shape)
+    rope_scale, rope_scaling = rope_of(mod)
+    builds = kernels(shape, float(kv_format["rope_theta"]), rope_scale, rope_scaling)
+    missing = [symbol for symbol in builds if symbol not in funcs]
+    if missing:
+        raise MobilecError(f"--kv-dtype {name}: the module lacks TVM's kernels {missing} to replace")
+    return {funcs[symbol][0]: build().with_attrs({**dict(funcs[symbol][1].attrs), "tirx.noalias": True})
+            for symbol, build in builds.items()}

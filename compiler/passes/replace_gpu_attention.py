@@ -2,6 +2,8 @@
 the merge of attention states always (TVM's races: gpu_merge_state), and the attention kernels in a model whose
 attention TVM's kernels do not implement: a window on every layer (SLIDING_WINDOW_ATTR: Mistral, Phi-3), the
 "mha_sliding" layers' window (LAYER_SLIDING_WINDOW_ATTR: Gemma) or capped scores (ATTN_LOGIT_CAP_ATTR: Gemma 2).
+A quantized KV cache (KV_FORMAT_ATTR: int8, int4 on the float32 carrier) gets all five kernels that read or write
+its packed cells, as on the CPU (replace_cpu_attention.quantized_replacements).
 
 As in passes/replace_cpu_attention.py: the runtime calls the kernels by position, so each PrimFunc bound to the
 GlobalVar of TVM's kernel (found by its global symbol) is replaced by ours of the same signature and symbol, its
@@ -16,7 +18,13 @@ import tvm
 from tvm.relax.frontend.nn.llm.kv_cache import RopeMode
 
 from ..errors import MobilecError
-from ..kernels.cpu_attention import ATTN_LOGIT_CAP_ATTR, LAYER_SLIDING_WINDOW_ATTR, SLIDING_SUFFIX, SLIDING_WINDOW_ATTR
+from ..kernels.cpu_attention import (
+    ATTN_LOGIT_CAP_ATTR,
+    LAYER_SLIDING_WINDOW_ATTR,
+    SLIDING_SUFFIX,
+    SLIDING_WINDOW_ATTR,
+    SPLIT_ROTARY_SYMBOL,
+)
 from ..kernels.gpu_attention import (
     GPU_DECODE_SYMBOL,
     GPU_MERGE_SYMBOL,
@@ -25,9 +33,19 @@ from ..kernels.gpu_attention import (
     gpu_attention_decode,
     gpu_attention_prefill_paged,
     gpu_attention_prefill_ragged,
+    gpu_carrier_merge_state,
     gpu_merge_state,
+    gpu_quantized_split_rotary,
 )
-from .replace_cpu_attention import cache_rope_modes, decode_shape, global_symbol, ragged_shape, with_functions
+from ..kv_cache_dtype import KV_FORMAT_ATTR
+from .replace_cpu_attention import (
+    cache_rope_modes,
+    decode_shape,
+    global_symbol,
+    quantized_replacements,
+    ragged_shape,
+    with_functions,
+)
 
 
 def _builders(layer_window: int, window: int, cap: float) -> dict:
@@ -48,6 +66,16 @@ def _builders(layer_window: int, window: int, cap: float) -> dict:
     return kernels
 
 
+def _quantized_kernels(shape, rope_theta: float, rope_scale: float, rope_scaling: dict) -> dict:
+    return {
+        GPU_DECODE_SYMBOL: lambda: gpu_attention_decode(shape),
+        GPU_RAGGED_SYMBOL: lambda: gpu_attention_prefill_ragged(shape),
+        GPU_PAGED_PREFILL_SYMBOL: lambda: gpu_attention_prefill_paged(shape),
+        SPLIT_ROTARY_SYMBOL: lambda: gpu_quantized_split_rotary(shape, rope_theta, rope_scale, rope_scaling),
+        GPU_MERGE_SYMBOL: lambda: gpu_carrier_merge_state(shape),
+    }
+
+
 @tvm.transform.module_pass(opt_level=0, name="ReplaceGPUAttention")
 class ReplaceGPUAttention:  # pylint: disable=too-few-public-methods
     """TVM's GPU merge of attention states -> ours; its attention kernels too in a module with a window or a logit
@@ -56,6 +84,12 @@ class ReplaceGPUAttention:  # pylint: disable=too-few-public-methods
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         attrs = mod.attrs if mod.attrs is not None else {}
+        if attrs.get(KV_FORMAT_ATTR) is not None:
+            if RopeMode.INLINE in cache_rope_modes(mod):
+                raise MobilecError("a quantized KV cache with RopeMode.INLINE (RoPE inside attention) is not "
+                                   "supported by mobilec's GPU attention kernels")
+            return with_functions(mod, quantized_replacements(mod, attrs[KV_FORMAT_ATTR], GPU_DECODE_SYMBOL,
+                                                              _quantized_kernels))
         layer_window = int(attrs.get(LAYER_SLIDING_WINDOW_ATTR, 0))
         window, cap = int(attrs.get(SLIDING_WINDOW_ATTR, 0)), float(attrs.get(ATTN_LOGIT_CAP_ATTR, 0.0))
         builders = _builders(layer_window, window, cap) if layer_window or window or cap else {}

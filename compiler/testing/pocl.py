@@ -189,6 +189,17 @@ def _sizes(launch: Launch, ana: Analyzer) -> tuple[list[int], list[int]]:
 LaunchHook = Callable[[str, list[int], list[int]], tuple[list[int], list[int]]]
 
 
+def _views_of_parameters(host: tirx.PrimFunc) -> dict[str, str]:
+    """Buffers the host function declares over another buffer's data (views such as a quantized KV cache's code
+    view of its float32 pages), by name -> the name of that buffer: a kernel given the view gets that memory."""
+    views = {}
+    for stmt in tir_statements(host.body):
+        data = stmt.data if isinstance(stmt, tirx.DeclBuffer) else None
+        if isinstance(data, tvm.ir.Call) and data.args and is_buffer(data.args[0]):
+            views[stmt.buffer.name] = data.args[0].name
+    return views
+
+
 def run_pocl(build: OpenCLBuild, args: Sequence, bindings: Mapping[str, int],
              launch_hook: LaunchHook | None = None) -> list[np.ndarray | int | float]:
     """Run the build's kernels in order on PoCL; return every argument after the run (buffers copied back).
@@ -199,6 +210,8 @@ def run_pocl(build: OpenCLBuild, args: Sequence, bindings: Mapping[str, int],
     func = build.func
     ana = _analyzer(func, bindings)
     by_name = {p.name: i for i, p in enumerate(func.params)}
+    by_name.update({view: by_name[param] for view, param in _views_of_parameters(build.host).items()
+                    if param in by_name})
     device: dict[int, cl.Buffer] = {}
     for i, (param, value) in enumerate(zip(func.params, args)):
         if is_buffer(param):

@@ -1,7 +1,11 @@
 """Greedy decoding and logits with a transformers model: the reference mobilec is compared against."""
 
+import math
+
 import numpy as np
 import torch
+
+from compiler.kv_cache_dtype import CODE_FORMATS
 
 
 def reference_greedy(model, prompt_ids: list[int], n_tokens: int) -> tuple[list[int], np.ndarray, list[np.ndarray]]:
@@ -60,10 +64,14 @@ def _int8_round_trip(x):
     return torch.round(x * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))) * (amax / 127)
 
 
-def _int4_round_trip(x):  # per row: the tiny models' head_dim 16 is one group of int4 channels
+def _int4_round_trip(x):
+    """Per group of the cache's channels (kv_cache_dtype.Carrier.group: 16, or fewer where head_dim is not a
+    multiple of 16)."""
+    group = math.gcd(CODE_FORMATS["int4"].group, x.shape[-1])
+    x = x.unflatten(-1, (-1, group))
     lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
     inv = torch.where(hi > lo, 15 / (hi - lo), torch.zeros_like(hi))
-    return torch.clamp(torch.round((x - lo) * inv), max=15) * ((hi - lo) / 15) + lo
+    return (torch.clamp(torch.round((x - lo) * inv), max=15) * ((hi - lo) / 15) + lo).flatten(-2)
 
 
 KV_ROUND_TRIPS = {"int8": _int8_round_trip, "int4": _int4_round_trip}

@@ -1,7 +1,8 @@
 """ReplaceGPUAttention on TVM's own GPU paged KV cache (TIRPagedKVCache built for android-adreno): IR in, IR out.
 The merge of attention states always becomes ours; the attention kernels only in a model with a window or a logit
 cap (every layer's window in the plain kernels, the "mha_sliding" layers' in their variants), with TVM's signatures
-and symbols; an inline-RoPE cache is refused then; the pipeline runs the step on GPU targets only."""
+and symbols; an inline-RoPE cache is refused then; a quantized cache gets all five kernels that touch its cells;
+the pipeline runs the step on GPU targets only."""
 
 import pytest
 import tvm
@@ -11,12 +12,16 @@ from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
 from compiler import pipeline
 from compiler.errors import MobilecError
 from compiler.kernels.cpu_attention import ATTN_LOGIT_CAP_ATTR, LAYER_SLIDING_WINDOW_ATTR, SLIDING_WINDOW_ATTR
+from compiler.kernels.cpu_attention import AttentionShape
 from compiler.kernels.gpu_attention import (
     gpu_attention_decode,
     gpu_attention_prefill_paged,
     gpu_attention_prefill_ragged,
+    gpu_carrier_merge_state,
     gpu_merge_state,
+    gpu_quantized_split_rotary,
 )
+from compiler.kv_cache_dtype import KV_FORMAT_ATTR, carrier_for
 from compiler.passes.replace_cpu_attention import decode_shape, ragged_shape
 from compiler.passes.replace_gpu_attention import ReplaceGPUAttention
 from compiler.targets import load_target
@@ -26,17 +31,20 @@ DECODE, RAGGED, PAGED = "tir_attention_decode", "tir_attention_prefill_ragged", 
 MERGE = "tir_attention_merge_state"
 
 
-def _cache_module(rope_mode: RopeMode = RopeMode.NORMAL, dtype: str = "float16") -> tvm.IRModule:
-    """A module creating TVM's paged KV cache for the GPU target, as models/llama.py does."""
+def _cache_module(rope_mode: RopeMode = RopeMode.NORMAL, dtype: str = "float16",
+                  geometry: tuple[int, int, int] = (8, 2, 64)) -> tvm.IRModule:
+    """A module creating TVM's paged KV cache for the GPU target, as models/llama.py does, with (query heads, KV
+    heads, head_dim) `geometry`."""
+    heads, kv_heads, head_dim = geometry
     bb = relax.BlockBuilder()
     with bb.function("create", []):
         cache = TIRPagedKVCache(
             attn_kind="mha", max_batch_size=1, max_total_seq_len=64, prefill_chunk_size=64, page_size=16,
             support_sliding_window=0, layer_partition=relax.ShapeExpr([0, 1]), num_hidden_layers=1,
-            num_attention_heads=8, num_key_value_heads=2, qk_head_dim=64, v_head_dim=64, mla_original_qk_head_dim=0,
-            mla_original_v_head_dim=0, rope_mode=rope_mode, rope_scale=1, rope_theta=10000, rope_scaling={},
-            rope_ext_factors=relax.prim_value(0), rotary_dim=64, enable_disaggregation=False, dtype=dtype,
-            target=TARGET)
+            num_attention_heads=heads, num_key_value_heads=kv_heads, qk_head_dim=head_dim, v_head_dim=head_dim,
+            mla_original_qk_head_dim=0, mla_original_v_head_dim=0, rope_mode=rope_mode, rope_scale=1,
+            rope_theta=10000, rope_scaling={}, rope_ext_factors=relax.prim_value(0), rotary_dim=head_dim,
+            enable_disaggregation=False, dtype=dtype, target=TARGET)
         bb.emit_func_output(cache._expr)  # pylint: disable=protected-access
     return bb.get()
 
@@ -94,3 +102,19 @@ def test_pipeline_runs_it_on_gpu_targets_only():
     for name, has_step in (("host", False), ("android-arm64", False), ("hexagon-npu", False),
                            ("android-adreno", True), ("android-mali", True)):
         assert ("gpu-attention" in [step for step, _ in pipeline.steps(load_target(name))]) == has_step, name
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_a_quantized_cache_gets_all_five_kernels(name):
+    """KV_FORMAT_ATTR (SmolLM2's geometry on its float32 carrier): split + RoPE + quantize, decode, ragged and paged
+    prefill and the carrier's merge are ours; with a logit cap it is refused (not implemented)."""
+    shape = AttentionShape(3, 9, 64, name, 16)
+    mod = _cache_module(dtype="float32", geometry=shape.declared).with_attr(KV_FORMAT_ATTR, {
+        **carrier_for(name, 9, 3, 64).module_attr(), "rope_theta": 10000.0})
+    swapped = ReplaceGPUAttention()(mod)
+    for gv_name, build in ((DECODE, gpu_attention_decode), (RAGGED, gpu_attention_prefill_ragged),
+                           (PAGED, gpu_attention_prefill_paged), (MERGE, gpu_carrier_merge_state),
+                           ("tir_split_rotary", lambda s: gpu_quantized_split_rotary(s, 10000.0, 1.0, {}))):
+        tvm.ir.assert_structural_equal(swapped[gv_name], _ours(build(shape), mod[gv_name]))
+    with pytest.raises(MobilecError, match=f"--kv-dtype {name} with sliding-window attention layers or capped"):
+        ReplaceGPUAttention()(mod.with_attr(ATTN_LOGIT_CAP_ATTR, 50.0))

@@ -1,5 +1,7 @@
 """Paged-KV attention kernels for GPUs with what TVM 0.27's GPU kernels lack: a window on every layer (Mistral,
-Phi-3), the "mha_sliding" layers' window (Gemma 2/3) and capped scores (Gemma 2).
+Phi-3), the "mha_sliding" layers' window (Gemma 2/3), capped scores (Gemma 2) and quantized caches (int8, int4 on
+kv_cache_dtype.Carrier, with their split + RoPE + quantize kernel); and the merge of attention states without the
+race of TVM's (gpu_merge_state).
 
 They have the signatures of TVM's GPU kernels (`batch_decode_paged_kv`, `batch_prefill_ragged_kv`,
 `batch_prefill_paged_kv` and the `_sliding_window` variants; the paged KV cache calls them by position) and compute

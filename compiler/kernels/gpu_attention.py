@@ -8,12 +8,13 @@ They have the signatures of TVM's GPU kernels (`batch_decode_paged_kv`, `batch_p
 what the CPU kernels of kernels/cpu_attention.py compute, masks included, in the same log2 units (lse = m +
 log2(d), the runtime's merge of attention states unchanged).
 
-One work-group of THREADS work-items per (query row, query head): q is scaled into local memory; the visible keys
-[lo, hi) are walked in blocks of THREADS, each work-item scoring one key (a dot product over head_dim), the block's
-scores shared; then every work-item rescales the online softmax by the block's maximum and accumulates the V rows
-for its own channels (tx, tx + THREADS, ...), reading V rows coalesced. Simple rather than fast: each query head
-reads its KV head's keys itself (no sharing across a GQA group, no K tiles in local memory), so these kernels are
-used only for the models that need them (passes/replace_gpu_attention.py); every other model keeps TVM's.
+One work-group of THREADS work-items per (query row, KV head), for the GQA group of query heads that share it (each K
+and V element read once for the group): q is scaled into local memory; the visible keys [lo, hi) are walked in
+blocks of THREADS, each work-item scoring one key for every head of the group (dot products over head_dim), the
+block's scores shared; then every work-item rescales the online softmax by the block's maximum and accumulates the
+V rows for its own channels (tx, tx + THREADS, ...), reading V rows coalesced. Simple rather than fast (no K tiles
+in local memory, K rows read by one work-item each), so these kernels are used only for the models and caches that
+need them (passes/replace_gpu_attention.py); every other model keeps TVM's.
 
 The "mha_sliding" layers' kernels (`sliding`) take the pages and length_info [3, b] TVM's runtime passes them
 ((rows used in the last page, the window's first row in the first page, attention-sink rows); key i the sink row i
@@ -59,10 +60,11 @@ THREADS = 64  # work-items per work-group: within every GPU's limit, two Adreno 
 
 
 def _attend(shape: AttentionShape, logit_cap: float):
-    """A T.macro: one work-group's attention of one query row and head over the keys [lo, hi) (indices into the
-    sequence's keys). `query(c)`: channel c of q; `key(i, c)`, `value(i, c)`: of key i; `store(c, x)`: output
-    channel c; `store_lse(x)`."""
-    D, fdtype = shape.head_dim, shape.float_dtype
+    """A T.macro: one work-group's attention of one query row's `group` query heads, which share a KV head, over the
+    keys [lo, hi) (indices into the sequence's keys): each K and V element is read once for the group.
+    `query(g, c)`: channel c of the group's query head g; `key(i, c)`, `value(i, c)`: of key i; `store(g, c, x)`:
+    output channel c of head g; `store_lse(g, x)`."""
+    D, G, fdtype = shape.head_dim, shape.group, shape.float_dtype
     per_item = -(-D // THREADS)  # output channels per work-item
     cap = logit_cap
 
@@ -71,48 +73,64 @@ def _attend(shape: AttentionShape, logit_cap: float):
 
     @T.macro
     def attend(tx, lo, hi, query, key, value, store, store_lse, sm_scale):
-        q_s = T.sblock_alloc_buffer((per_item * THREADS,), "float32", scope="shared")
-        s_s = T.sblock_alloc_buffer((THREADS,), "float32", scope="shared")
-        acc = T.sblock_alloc_buffer((per_item,), "float32", scope="local")
-        # running max, running sum, the block's max, sum of its weights, score / dot product scratch
-        st = T.sblock_alloc_buffer((5,), "float32", scope="local")
-        for c in T.unroll(per_item):
-            if c * THREADS + tx < D:
-                q_s[c * THREADS + tx] = f32(query(c * THREADS + tx)) * sm_scale * T.float32(LOG2E)
-            acc[c] = T.float32(0)
-        st[0] = T.float32(NO_SCORE)
-        st[1] = T.float32(0)
+        q_s = T.sblock_alloc_buffer((G, per_item * THREADS), "float32", scope="shared")
+        s_s = T.sblock_alloc_buffer((G, THREADS), "float32", scope="shared")
+        acc = T.sblock_alloc_buffer((G, per_item), "float32", scope="local")
+        # per head: running max, running sum, the block's max, sum of its weights, score scratch
+        st = T.sblock_alloc_buffer((G, 5), "float32", scope="local")
+        kv = T.sblock_alloc_buffer((1,), "float32", scope="local")  # a K or V element, read once for the group
+        for g in T.unroll(G):
+            for c in T.unroll(per_item):
+                if c * THREADS + tx < D:
+                    q_s[g, c * THREADS + tx] = f32(query(g, c * THREADS + tx)) * sm_scale * T.float32(LOG2E)
+                acc[g, c] = T.float32(0)
+            st[g, 0] = T.float32(NO_SCORE)
+            st[g, 1] = T.float32(0)
         T.tvm_storage_sync("shared")
         for blk in T.serial(T.ceildiv(T.max(hi - lo, 0), THREADS)):
-            st[4] = T.float32(MASKED)
+            for g in T.unroll(G):
+                st[g, 4] = T.float32(MASKED)
             if lo + blk * THREADS + tx < hi:
-                st[4] = T.float32(0)
+                for g in T.unroll(G):
+                    st[g, 4] = T.float32(0)
                 for c in T.serial(D):
-                    st[4] = st[4] + q_s[c] * f32(key(lo + blk * THREADS + tx, c))
+                    kv[0] = f32(key(lo + blk * THREADS + tx, c))
+                    for g in T.unroll(G):
+                        st[g, 4] = st[g, 4] + q_s[g, c] * kv[0]
                 if cap > 0:  # Gemma 2: cap * tanh(s / cap) in natural units, the score in log2 units
-                    st[4] = T.float32(cap * LOG2E) * T.tanh(st[4] / T.float32(cap * LOG2E))
-            s_s[tx] = st[4]
+                    for g in T.unroll(G):
+                        st[g, 4] = T.float32(cap * LOG2E) * T.tanh(st[g, 4] / T.float32(cap * LOG2E))
+            for g in T.unroll(G):
+                s_s[g, tx] = st[g, 4]
             T.tvm_storage_sync("shared")
-            st[2] = st[0]
-            for j in T.serial(THREADS):
-                st[2] = T.max(st[2], s_s[j])
-            st[3] = T.float32(0)
-            for c in T.unroll(per_item):
-                acc[c] = acc[c] * T.exp2(st[0] - st[2])
+            for g in T.unroll(G):
+                st[g, 2] = st[g, 0]
+                for j in T.serial(THREADS):
+                    st[g, 2] = T.max(st[g, 2], s_s[g, j])
+                st[g, 3] = T.float32(0)
+                for c in T.unroll(per_item):
+                    acc[g, c] = acc[g, c] * T.exp2(st[g, 0] - st[g, 2])
             for j in T.serial(T.min(hi - lo - blk * THREADS, THREADS)):
-                st[4] = T.exp2(s_s[j] - st[2])
-                st[3] = st[3] + st[4]
+                for g in T.unroll(G):  # key j's weight for each head
+                    st[g, 4] = T.exp2(s_s[g, j] - st[g, 2])
+                    st[g, 3] = st[g, 3] + st[g, 4]
                 for c in T.unroll(per_item):
                     if c * THREADS + tx < D:
-                        acc[c] = acc[c] + st[4] * f32(value(lo + blk * THREADS + j, c * THREADS + tx))
-            st[1] = st[1] * T.exp2(st[0] - st[2]) + st[3]
-            st[0] = st[2]
+                        kv[0] = f32(value(lo + blk * THREADS + j, c * THREADS + tx))
+                        for g in T.unroll(G):
+                            acc[g, c] = acc[g, c] + st[g, 4] * kv[0]
+            for g in T.unroll(G):
+                st[g, 1] = st[g, 1] * T.exp2(st[g, 0] - st[g, 2]) + st[g, 3]
+                st[g, 0] = st[g, 2]
             T.tvm_storage_sync("shared")  # every work-item has read s_s before the next block writes it
-        for c in T.unroll(per_item):
-            if c * THREADS + tx < D:
-                store(c * THREADS + tx, T.if_then_else(st[1] > T.float32(0), acc[c] / st[1], T.float32(0)))
-        if tx == 0:
-            store_lse(T.if_then_else(st[1] > T.float32(0), st[0] + T.log2(st[1]), T.float32(NO_SCORE)))
+        for g in T.unroll(G):
+            for c in T.unroll(per_item):
+                if c * THREADS + tx < D:
+                    store(g, c * THREADS + tx,
+                          T.if_then_else(st[g, 1] > T.float32(0), acc[g, c] / st[g, 1], T.float32(0)))
+            if tx == 0:
+                store_lse(g, T.if_then_else(st[g, 1] > T.float32(0), st[g, 0] + T.log2(st[g, 1]),
+                                            T.float32(NO_SCORE)))
 
     return attend
 
@@ -180,7 +198,7 @@ def gpu_attention_decode(shape: AttentionShape, *, sliding: bool = False, window
                          logit_cap: float = 0.0) -> tirx.PrimFunc:
     """TVM's GPU `batch_decode_paged_kv` (or, `sliding`, its `_sliding_window` variant for the "mha_sliding"
     layers) with a `window` (the query sees the last `window` keys) and `logit_cap` (Gemma 2's)."""
-    H_qo, G, P, fdtype = shape.num_qo_heads, shape.group, shape.page_size, shape.float_dtype
+    H_kv, G, P, fdtype = shape.num_kv_heads, shape.group, shape.page_size, shape.float_dtype
     attend = _attend(shape, logit_cap)
     rows_view, codes_view = _views(shape)
 
@@ -192,7 +210,7 @@ def gpu_attention_decode(shape: AttentionShape, *, sliding: bool = False, window
         out_rows = rows_view(output, B)
         codes = codes_view(pages)
         for b in T.thread_binding(B, thread="blockIdx.x"):
-            for hq in T.thread_binding(H_qo, thread="blockIdx.y"):
+            for h in T.thread_binding(H_kv, thread="blockIdx.y"):
                 for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
                     with T.sblock("attn"):
                         T.reads()
@@ -201,13 +219,13 @@ def gpu_attention_decode(shape: AttentionShape, *, sliding: bool = False, window
                         n_keys: T.let[T.int32] = _paged_keys(length_info, b, begin, page_table_indptr[b + 1],
                                                              sliding, P)
                         attend(tx, _first_key(True, n_keys, 1, 0, window), n_keys,  # the query is the last key
-                               lambda c: q_rows[b, hq, c],
-                               _paged_key(shape, codes, pages, page_table_values, length_info, b, begin, hq // G, 0,
+                               lambda g, c: q_rows[b, h * G + g, c],
+                               _paged_key(shape, codes, pages, page_table_values, length_info, b, begin, h, 0,
                                           sliding),
-                               _paged_key(shape, codes, pages, page_table_values, length_info, b, begin, hq // G, 1,
+                               _paged_key(shape, codes, pages, page_table_values, length_info, b, begin, h, 1,
                                           sliding),
-                               lambda c, x: T.buffer_store(out_rows, T.Cast(fdtype, x), [b, hq, c]),
-                               lambda x: T.buffer_store(lse, x, [b, hq]), sm_scale)
+                               lambda g, c, x: T.buffer_store(out_rows, T.Cast(fdtype, x), [b, h * G + g, c]),
+                               lambda g, x: T.buffer_store(lse, x, [b, h * G + g]), sm_scale)
 
     heads, kv_heads, head_dim = shape.declared
     func = signatures.decode(body, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=P, dtype=fdtype,
@@ -246,17 +264,17 @@ def _last_key(end_aligned, n_keys, qo_len, row):
 
 
 def _prefill_rows(shape: AttentionShape, logit_cap: float, window: int):
-    """A T.macro: a prefill kernel's work, one work-group per query row t < total and head (_attend), the row's
-    sequence found in q_indptr. Per sequence b, `first(b)`: where its keys start in their buffer (ragged rows or
+    """A T.macro: a prefill kernel's work, one work-group per query row t < total and KV head (_attend: its query
+    heads together), the row's sequence found in q_indptr. Per sequence b, `first(b)`: where its keys start in their buffer (ragged rows or
     page-table entries), `n_keys(b, first)`, `key(b, first, h, kv)` -> (i, c) -> channel c of key i's K (kv 0) or
     V (kv 1) of KV head h; `end_aligned`: whether the keys end with the new rows (_keys_end_with_rows)."""
-    H_qo, G, fdtype = shape.num_qo_heads, shape.group, shape.float_dtype
+    H_kv, G, fdtype = shape.num_kv_heads, shape.group, shape.float_dtype
     attend = _attend(shape, logit_cap)
 
     @T.macro
     def rows(total, q, q_indptr, output, lse, batch_size, sm_scale, first, n_keys, key, end_aligned):
         for t in T.thread_binding(total, thread="blockIdx.x"):
-            for hq in T.thread_binding(H_qo, thread="blockIdx.y"):
+            for h in T.thread_binding(H_kv, thread="blockIdx.y"):
                 for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
                     with T.sblock("attn"):
                         T.reads()
@@ -269,9 +287,9 @@ def _prefill_rows(shape: AttentionShape, logit_cap: float, window: int):
                         new_rows: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
                         attend(tx, _first_key(end_aligned, keys, new_rows, t - q_indptr[b], window),
                                _last_key(end_aligned, keys, new_rows, t - q_indptr[b]),
-                               lambda c: q[t, hq, c], key(b, begin, hq // G, 0), key(b, begin, hq // G, 1),
-                               lambda c, x: T.buffer_store(output, T.Cast(fdtype, x), [t, hq, c]),
-                               lambda x: T.buffer_store(lse, x, [t, hq]), sm_scale)
+                               lambda g, c: q[t, h * G + g, c], key(b, begin, h, 0), key(b, begin, h, 1),
+                               lambda g, c, x: T.buffer_store(output, T.Cast(fdtype, x), [t, h * G + g, c]),
+                               lambda g, x: T.buffer_store(lse, x, [t, h * G + g]), sm_scale)
 
     return rows
 

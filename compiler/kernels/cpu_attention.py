@@ -859,16 +859,38 @@ def _llama3_constants(rope_scaling: dict[str, Any]) -> tuple[float, float, float
 
 
 def carrier_merge_state(shape: AttentionShape) -> tirx.PrimFunc:
-    """A quantized cache's `tir_attention_merge_state_cpu` (TVM's `merge_state_inplace_cpu` signature: v, s, v_other,
-    s_other, merging into v and s): the attention states of the real query heads, whose output rows lie at the
-    start of the declared rows (AttentionShape views) and whose lse the kernels here write at [n, hq], hq < heads.
-    TVM's merges every declared head as a (declared heads, cell) row, which pairs lse with the wrong floats."""
+    """A quantized cache's `tir_attention_merge_state_cpu` (carrier_merge_signature): one parallel task per row."""
+    H_qo, D = shape.num_qo_heads, shape.head_dim
+
+    @T.macro
+    def body(V_rows, S, V_other_rows, S_other, N):
+        for n in T.parallel(N):
+            # s_max, then the two weights: through buffers (no float Let inside a parallel loop)
+            state = T.alloc_buffer((3,), "float32")
+            for h in range(H_qo):
+                state[0] = T.max(S[n, h], S_other[n, h])
+                state[1] = T.exp2(S[n, h] - state[0])
+                state[2] = T.exp2(S_other[n, h] - state[0])
+                for d in range(D):
+                    V_rows[n, h, d] = (V_rows[n, h, d] * state[1] + V_other_rows[n, h, d] * state[2]) / (
+                        state[1] + state[2])
+                S[n, h] = T.log2(state[1] + state[2]) + state[0]
+
+    return carrier_merge_signature(shape, body).with_attr("global_symbol", MERGE_SYMBOL)
+
+
+def carrier_merge_signature(shape: AttentionShape, body) -> tirx.PrimFunc:
+    """TVM's merge of attention states (v, s, v_other, s_other, merging into v and s) on a quantized cache's
+    carrier, around `body(V_rows, S, V_other_rows, S_other, N)`: the states of the real query heads, whose output
+    rows lie at the start of the declared rows (AttentionShape views) and whose lse the kernels write at [n, hq],
+    hq < heads. TVM's merges every declared head as a (declared heads, cell) row, which pairs lse with the wrong
+    floats."""
     assert shape.carrier is not None, shape
     H_qo, D = shape.num_qo_heads, shape.head_dim
     H_qo_decl, _, D_decl = shape.declared
 
     @T.prim_func(private=True, s_tir=True)
-    def merge_state_inplace_cpu(v: T.handle, s: T.handle, v_other: T.handle, s_other: T.handle):
+    def merge_state_inplace(v: T.handle, s: T.handle, v_other: T.handle, s_other: T.handle):
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
         N = T.int32()
         V = T.match_buffer(v, (N, H_qo_decl, D_decl), "float32")
@@ -879,16 +901,6 @@ def carrier_merge_state(shape: AttentionShape) -> tirx.PrimFunc:
             V_rows = T.decl_buffer((N, H_qo, D), "float32", data=V.data, strides=(H_qo_decl * D_decl, D, 1))
             V_other_rows = T.decl_buffer((N, H_qo, D), "float32", data=V_other.data,
                                          strides=(H_qo_decl * D_decl, D, 1))
-            for n in T.parallel(N):
-                # s_max, then the two weights: through buffers (no float Let inside a parallel loop)
-                state = T.alloc_buffer((3,), "float32")
-                for h in range(H_qo):
-                    state[0] = T.max(S[n, h], S_other[n, h])
-                    state[1] = T.exp2(S[n, h] - state[0])
-                    state[2] = T.exp2(S_other[n, h] - state[0])
-                    for d in range(D):
-                        V_rows[n, h, d] = (V_rows[n, h, d] * state[1] + V_other_rows[n, h, d] * state[2]) / (
-                            state[1] + state[2])
-                    S[n, h] = T.log2(state[1] + state[2]) + state[0]
+            body(V_rows, S, V_other_rows, S_other, N)
 
-    return merge_state_inplace_cpu.with_attr("global_symbol", MERGE_SYMBOL)
+    return merge_state_inplace

@@ -46,6 +46,7 @@ from .cpu_attention import (
     ROTARY_REFUSAL,
     SLIDING_SUFFIX,
     AttentionShape,
+    carrier_merge_signature,
     rope_angle,
     row_quantizer,
     split_rotary_signature,
@@ -397,26 +398,14 @@ def gpu_merge_state(dtype: str) -> tirx.PrimFunc:
 
 @functools.cache
 def gpu_carrier_merge_state(shape: AttentionShape) -> tirx.PrimFunc:
-    """gpu_merge_state for a quantized cache's carrier (kv_cache_dtype.Carrier): the states of the real query heads,
-    whose output rows lie at the start of the declared ones and whose lse the kernels write at [n, hq], hq < heads
-    (merging every declared row would pair lse with the wrong floats: cpu_attention.carrier_merge_state)."""
-    H_qo, D = shape.num_qo_heads, shape.head_dim
-    H_qo_decl, _, D_decl = shape.declared
-    rows_view, _ = _views(shape)
+    """gpu_merge_state for a quantized cache's carrier (cpu_attention.carrier_merge_signature: the real query heads'
+    states only)."""
 
-    @T.prim_func(private=True, s_tir=True)
-    def merge_state_inplace(v: T.handle, s: T.handle, v_other: T.handle, s_other: T.handle):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        N = T.int32()
-        V = T.match_buffer(v, (N, H_qo_decl, D_decl), "float32")
-        S = T.match_buffer(s, (N, H_qo_decl), "float32")
-        V_other = T.match_buffer(v_other, (N, H_qo_decl, D_decl), "float32")
-        S_other = T.match_buffer(s_other, (N, H_qo_decl), "float32")
-        V_rows = rows_view(V, N)
-        V_other_rows = rows_view(V_other, N)
-        _merge(V_rows, S, V_other_rows, S_other, N, H_qo, D)
+    @T.macro
+    def body(V_rows, S, V_other_rows, S_other, N):
+        _merge(V_rows, S, V_other_rows, S_other, N, shape.num_qo_heads, shape.head_dim)
 
-    return merge_state_inplace.with_attr("global_symbol", GPU_MERGE_SYMBOL)
+    return carrier_merge_signature(shape, body).with_attr("global_symbol", GPU_MERGE_SYMBOL)
 
 
 def gpu_quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale: float = 1.0,

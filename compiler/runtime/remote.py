@@ -241,15 +241,24 @@ class Device:
             yield
         except RuntimeError as err:  # TVM raises its errors (RPC ones included) as RuntimeError subclasses
             raise MobilecError(self._explain(err, doing)) from None
+        except TypeError as err:
+            # a call into a session the server has just ended can return None where a value was due (tvm_ffi:
+            # "Cannot convert from type `None` to `int`"): the timeout, when the session was due to end
+            if not self._expired(err):
+                raise
+            raise MobilecError(self._explain(err, doing)) from None
 
-    def _explain(self, err: RuntimeError, doing: str) -> str:
+    def _expired(self, err: Exception) -> bool:
+        """Whether `err` came from the session's end: the server's timeout message may arrive cut short, or as a
+        bare reset (it closes the socket with requests unread), so any failure when it was due counts."""
+        return self.session is not None and (
+            "SessionTimeout" in str(err) or time.monotonic() - self.started >= 0.95 * self.session_timeout_s)
+
+    def _explain(self, err: Exception, doing: str) -> str:
         where = self.description["name"]
         first = last_line(err)
         remote = self.session is not None
-        # The server's timeout message may arrive cut short, or as a bare reset (it closes the socket with
-        # requests unread), so any failure when the session was due to end counts as the timeout.
-        expired = remote and ("SessionTimeout" in str(err)
-                              or time.monotonic() - self.started >= 0.95 * self.session_timeout_s)
+        expired = self._expired(err)
         # A server killed mid-transfer can also surface as the client's protocol check on the reply it expected
         # (`HandleUntilReturnEvent(...) == RPCCode::kCopyAck` failed): the stream broke, not the device's code.
         lost = remote and ("kShutdown" in first or "Socket" in first or "connection" in first.lower()

@@ -200,12 +200,29 @@ def test_deadline_in_another_thread_leaves_the_block_alone():
     assert done == [True]
 
 
-def _explained(message: str) -> str:
-    """What a remote session's Device says of a TVM error with this message (a session a second old)."""
-    device = object.__new__(remote.Device)  # no connection: only what _explain reads
+def _session(age_s: float = 0.0, timeout_s: float = 600.0) -> remote.Device:
+    """A remote session's Device `age_s` old, without a connection: only what its error handling reads."""
+    device = object.__new__(remote.Device)
     device.session, device.description = object(), {"name": "the RPC server at 10.0.0.2:9090"}
-    device.started, device.session_timeout_s = time.monotonic(), 600.0
-    return device._explain(RuntimeError(message), "running the benchmark")  # pylint: disable=protected-access
+    device.started, device.session_timeout_s = time.monotonic() - age_s, timeout_s
+    return device
+
+
+def _explained(message: str) -> str:
+    """What a remote session's Device says of a TVM error with this message (a fresh session)."""
+    return _session()._explain(RuntimeError(message), "running the benchmark")  # pylint: disable=protected-access
+
+
+def test_a_call_into_an_ended_session_that_returns_nothing_is_the_timeout():
+    """A call into a session the server has just ended can return None where a value was due, and tvm_ffi raises
+    TypeError (seen in a full test run, tests/test_bench_rpc.py::test_session_timeout_ends_the_bench); negative
+    control: a TypeError in a session not due to end is not taken for the timeout."""
+    with pytest.raises(MobilecError, match="ran past --session-timeout 5 s while running the benchmark"):
+        with _session(age_s=10.0, timeout_s=5.0).errors("running the benchmark"):
+            raise TypeError("Cannot convert from type `None` to `int`")
+    with pytest.raises(TypeError, match="None"):
+        with _session().errors("running the benchmark"):
+            raise TypeError("Cannot convert from type `None` to `int`")
 
 
 @pytest.mark.parametrize("message", [

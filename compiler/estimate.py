@@ -197,7 +197,8 @@ def _budget(description: str, spec: TargetSpec, quant: str, cfg: LlamaConfig, pa
                  cfg.prefill_chunk_size * kv_cache_dtype.conversion_bytes_per_token(
                      kv, dtype, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
                  if kv != cfg.kv_dtype else 0), kv, ram, max_alloc)
-             for name, kv in ((name, kv_cache_dtype.TVM_DTYPES[name]) for name in kv_cache_dtype.names_for(spec))}
+             for name, kv in ((name, kv_cache_dtype.TVM_DTYPES[name])
+                              for name in kv_cache_dtype.names_taken(spec, SCHEMES[quant]))}
     return MemoryEstimate(
         model=description, target=spec.name, quant=quant, context=cfg.context_window_size,
         prefill_chunk=cfg.prefill_chunk_size, dtype=dtype, kv_dtype=cfg.kv_dtype,

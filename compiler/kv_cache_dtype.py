@@ -212,6 +212,19 @@ def names_for(spec: TargetSpec) -> list[str]:
             if dtype not in CODE_FORMATS or gpu or cpu_isa(spec.tvm_target()) is not None]
 
 
+def names_taken(spec: TargetSpec, scheme: Scheme) -> list[str]:
+    """The --kv-dtype names (not auto) `resolve` takes for `spec` and `scheme` (a quantized cache needs float32
+    activations; a GPU computing in float32 has no float16 cache)."""
+    taken = []
+    for name in names_for(spec):
+        try:
+            resolve(name, spec, scheme)
+        except MobilecError:
+            continue
+        taken.append(name)
+    return taken
+
+
 def of_artifact(config: dict) -> str:
     """The KV cache dtype an artifact's config records (artifacts older than the field: the compute dtype)."""
     return config.get("kv_dtype") or config["compute_dtype"]

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 import tvm
 from tvm import relax
 
+from compiler import kv_cache_dtype
 from compiler.artifact import CONFIG_FILE, load_artifact
 from compiler.cli import main
 from compiler.compile_model import CompileOptions, compile_model
@@ -227,6 +228,21 @@ def test_estimate_names_the_longest_context_per_kv_dtype(kv_dtype, tmp_path):
     exact = estimate(longest[other], other).context_by_kv_dtype[other]
     assert estimate(longest[other], other).fits and exact * 0.95 <= longest[other] <= exact
     assert estimate(4096, kv_dtype).ram_bytes == GIB // 16
+
+
+def test_estimate_lists_only_the_kv_dtypes_the_target_takes(tiny_hf):
+    """A phone GPU computing in float16 has no quantized cache; the same GPU computing in float32 (PoCL) no float16
+    one; the host all four."""
+    def listed(target, **overrides):
+        spec = with_overrides(load_target(target), **overrides) if overrides else load_target(target)
+        return sorted(kv_cache_dtype.names_taken(spec, get_scheme("q4f16_g32")))
+    assert listed("android-adreno") == ["f16", "f32"]
+    assert listed("android-adreno", host_target="host", compute_dtype="float32") == ["f32", "int4", "int8"]
+    assert listed("host") == ["f16", "f32", "int4", "int8"]
+    result = CliRunner().invoke(main, ["estimate", "--model", str(tiny_hf), "--target", "android-adreno", "--quant",
+                                       "q4f16_g32", "--context-window", "64", "--json"])
+    assert result.exit_code == 0, result.output
+    assert sorted(json.loads(result.output)["context_by_kv_dtype"]) == ["f16", "f32"]
 
 
 def test_estimate_cli_takes_kv_dtype(tiny_hf):

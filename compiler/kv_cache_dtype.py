@@ -5,10 +5,11 @@ scratch, in one dtype and checks that the q/k/v it is given have that dtype. A f
 activations is therefore built by casting q/k/v to float16 before attention and its output back (models/llama.py);
 the CPU attention kernels (kernels/cpu_attention.py) widen float16 to float32 on load and compute in float32.
 
-A quantized cache (int8, int4; CPU and GPU targets) cannot be declared to that runtime in its own dtype: it is declared
-as a float32 cache of another geometry whose cells carry the packed codes and their parameters (Carrier, in the
-CodeFormat of its dtype), and every kernel that reads or writes the packed cells is ours (kernels/cpu_attention.py, kernels/gpu_attention.py,
-swapped in by passes/replace_cpu_attention.py, replace_gpu_attention.py).
+A quantized cache (int8, int4; CPU and GPU targets) cannot be declared to that runtime in its own dtype: it is
+declared as a float32 cache of another geometry whose cells carry the packed codes and their parameters (Carrier,
+in the CodeFormat of its dtype), and every kernel that reads or writes the packed cells is ours
+(kernels/cpu_attention.py, kernels/gpu_attention.py, swapped in by passes/replace_cpu_attention.py and
+replace_gpu_attention.py).
 """
 
 from __future__ import annotations

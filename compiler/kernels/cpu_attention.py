@@ -169,6 +169,16 @@ class AttentionShape:
         group = c * lanes // self.carrier.group
         return codes * _bcast(param(group, 0), lanes) + _bcast(param(group, 1), lanes)
 
+    def rows_view(self, buffer, n):
+        """The real (n, heads, head_dim) query or output rows at the start of `buffer`'s declared rows."""
+        heads_decl, _, cell = self.declared
+        return T.decl_buffer((n, self.num_qo_heads, self.head_dim), self.float_dtype, data=buffer.data,
+                             strides=(heads_decl * cell, self.head_dim, 1))
+
+    def codes_view(self, buffer):
+        """The K/V code view of declared K/V rows or pages (`buffer` itself for a float cache)."""
+        return T.decl_buffer((*buffer.shape[:-1], self.code_row), self.code_dtype, data=buffer.data)
+
     def param(self, load, h, group, i: int):
         """Parameter i (0: scale, 1: min) of channel group `group` of KV head h's row, `load(declared head, cell)`
         reading the declared float32 buffer at its position."""
@@ -296,7 +306,7 @@ def attention_decode(shape: AttentionShape, lanes: int, *, chunk_pages: int = CH
     H_qo, H_kv, D, P, G = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, shape.group
     fdtype, VL, CH, MIN_TASKS = shape.float_dtype, lanes, chunk_pages, MIN_DECODE_TASKS
     H_qo_decl, H_kv_decl, D_decl = shape.declared
-    DC, PC, ROW = D // VL, P // VL, shape.code_row  # vectors per head row, per page of scores; code row elements
+    DC, PC = D // VL, P // VL  # vectors per head row, per page of scores
     factored = shape.factored
     window_checks = _window_checks(sliding)
     cap_score = _score_cap(logit_cap)
@@ -424,9 +434,9 @@ def attention_decode(shape: AttentionShape, lanes: int, *, chunk_pages: int = CH
             assert rotary_mode == 0, ROTARY_REFUSAL
             window_checks(length_info, B)
             # the KV layout's views (AttentionShape): the buffers themselves for a float cache
-            Q_rows = T.decl_buffer((B, H_qo, D), fdtype, data=Q.data, strides=(H_qo_decl * D_decl, D, 1))
-            output_rows = T.decl_buffer((B, H_qo, D), fdtype, data=output.data, strides=(H_qo_decl * D_decl, D, 1))
-            codes = T.decl_buffer((max_num_pages, 2, H_kv_decl, P, ROW), shape.code_dtype, data=pages.data)
+            Q_rows = shape.rows_view(Q, B)
+            output_rows = shape.rows_view(output, B)
+            codes = shape.codes_view(pages)
             # each sequence's pages in chunks of at most CH (fewer pages each for a short sequence, so that there
             # are MIN_DECODE_TASKS of them): the chunks run in parallel, each keeps an unnormalized state (sum of
             # p * V, running max, sum of p) per query head, merged at the end
@@ -638,7 +648,7 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, *, block: int = 
     variant, `_attention_prefill_ragged_cpu`), head_dim the same for q/k and v. One parallel task per query row
     (_prefill_row_macro), keys in blocks of `block` rows; shape.page_size is not used. `window`: every layer's
     (_prefill_row_macro). rotary_mode 1 fails an assert (ROTARY_REFUSAL)."""
-    H_qo, D, fdtype = shape.num_qo_heads, shape.head_dim, shape.float_dtype
+    fdtype = shape.float_dtype
     H_qo_decl, H_kv_decl, D_decl = shape.declared
     assert shape.supported(lanes) and block % lanes == 0, shape
     query_row = _prefill_row_macro(shape, lanes, paged=False, block=block, window=window, logit_cap=logit_cap)
@@ -648,11 +658,10 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, *, block: int = 
         with T.sblock("root"):
             assert rotary_mode == 0, ROTARY_REFUSAL
             # the KV layout's views (AttentionShape): the buffers themselves for a float cache
-            q_rows = T.decl_buffer((qo_len, H_qo, D), fdtype, data=q.data, strides=(H_qo_decl * D_decl, D, 1))
-            output_rows = T.decl_buffer((qo_len, H_qo, D), fdtype, data=output.data,
-                                        strides=(H_qo_decl * D_decl, D, 1))
-            k_codes = T.decl_buffer((kv_len, H_kv_decl, shape.code_row), shape.code_dtype, data=k.data)
-            v_codes = T.decl_buffer((kv_len, H_kv_decl, shape.code_row), shape.code_dtype, data=v.data)
+            q_rows = shape.rows_view(q, qo_len)
+            output_rows = shape.rows_view(output, qo_len)
+            k_codes = shape.codes_view(k)
+            v_codes = shape.codes_view(v)
             for t in T.parallel(qo_len):
                 query_row(t, q_rows, q_indptr, k_codes, v_codes, k, v, kv_indptr, None, None, output_rows, lse,
                           batch_size, causal, sm_scale)
@@ -669,7 +678,7 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, *, sliding_window
     "mha_sliding" layers (_prefill_row_macro; no sinks: _window_checks); `window`: every layer's, every page passed
     (_prefill_row_macro). One parallel task per query row, one block per page. rotary_mode 1 fails an assert
     (ROTARY_REFUSAL)."""
-    H_qo, D, P, fdtype = shape.num_qo_heads, shape.head_dim, shape.page_size, shape.float_dtype
+    P, fdtype = shape.page_size, shape.float_dtype
     H_qo_decl, H_kv_decl, D_decl = shape.declared
     sliding = sliding_window > 0
     window_checks = _window_checks(sliding)
@@ -684,11 +693,9 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, *, sliding_window
             assert rotary_mode == 0, ROTARY_REFUSAL
             window_checks(length_info, batch_size)
             # the KV layout's views (AttentionShape): the buffers themselves for a float cache
-            q_rows = T.decl_buffer((total_len, H_qo, D), fdtype, data=q.data, strides=(H_qo_decl * D_decl, D, 1))
-            output_rows = T.decl_buffer((total_len, H_qo, D), fdtype, data=output.data,
-                                        strides=(H_qo_decl * D_decl, D, 1))
-            codes = T.decl_buffer((max_num_pages, 2, H_kv_decl, P, shape.code_row), shape.code_dtype,
-                                  data=pages.data)
+            q_rows = shape.rows_view(q, total_len)
+            output_rows = shape.rows_view(output, total_len)
+            codes = shape.codes_view(pages)
             for t in T.parallel(total_len):
                 query_row(t, q_rows, q_indptr, codes, codes, pages, pages, page_indptr, page_values, length_info,
                           output_rows, lse, batch_size, causal, sm_scale)
@@ -842,9 +849,9 @@ def split_rotary_signature(shape: AttentionShape, body) -> tirx.PrimFunc:
         position_map = T.match_buffer(var_position_map, (seq_len,), "int32", elem_offset=position_map_elem_offset)
         with T.sblock("root"):
             qkv_rows = T.decl_buffer((seq_len, H_qo + 2 * H_kv, D), "float32", data=qkv.data)
-            q_rows = T.decl_buffer((seq_len, H_qo, D), "float32", data=q.data, strides=(H_qo_decl * D_decl, D, 1))
-            k_codes = T.decl_buffer((seq_len, H_kv_decl, shape.code_row), shape.code_dtype, data=k.data)
-            v_codes = T.decl_buffer((seq_len, H_kv_decl, shape.code_row), shape.code_dtype, data=v.data)
+            q_rows = shape.rows_view(q, seq_len)
+            k_codes = shape.codes_view(k)
+            v_codes = shape.codes_view(v)
             body(qkv_rows, position_map, q_rows, k_codes, v_codes, k, v, apply_rope, seq_len)
 
     return fused_rope.with_attr("global_symbol", SPLIT_ROTARY_SYMBOL)
@@ -886,7 +893,6 @@ def carrier_merge_signature(shape: AttentionShape, body) -> tirx.PrimFunc:
     hq < heads. TVM's merges every declared head as a (declared heads, cell) row, which pairs lse with the wrong
     floats."""
     assert shape.carrier is not None, shape
-    H_qo, D = shape.num_qo_heads, shape.head_dim
     H_qo_decl, _, D_decl = shape.declared
 
     @T.prim_func(private=True, s_tir=True)
@@ -898,9 +904,8 @@ def carrier_merge_signature(shape: AttentionShape, body) -> tirx.PrimFunc:
         V_other = T.match_buffer(v_other, (N, H_qo_decl, D_decl), "float32")
         S_other = T.match_buffer(s_other, (N, H_qo_decl), "float32")
         with T.sblock("root"):
-            V_rows = T.decl_buffer((N, H_qo, D), "float32", data=V.data, strides=(H_qo_decl * D_decl, D, 1))
-            V_other_rows = T.decl_buffer((N, H_qo, D), "float32", data=V_other.data,
-                                         strides=(H_qo_decl * D_decl, D, 1))
+            V_rows = shape.rows_view(V, N)
+            V_other_rows = shape.rows_view(V_other, N)
             body(V_rows, S, V_other_rows, S_other, N)
 
     return merge_state_inplace

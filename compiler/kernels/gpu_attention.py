@@ -171,22 +171,6 @@ def _ragged_key(shape: AttentionShape, codes, rows, begin, h):
                                                             j), c)
 
 
-def _views(shape: AttentionShape):
-    """(rows, codes): functions making the views of a kernel's buffers (AttentionShape): `rows(buffer, n)` the
-    real (n, heads, head_dim) query or output rows at the start of the declared ones, `codes(buffer)` the K/V code
-    view of declared K/V rows or pages (the buffers themselves for a float cache)."""
-    H_qo, D, fdtype = shape.num_qo_heads, shape.head_dim, shape.float_dtype
-    H_qo_decl, _, D_decl = shape.declared
-
-    def rows(buffer, n):
-        return T.decl_buffer((n, H_qo, D), fdtype, data=buffer.data, strides=(H_qo_decl * D_decl, D, 1))
-
-    def codes(buffer):
-        return T.decl_buffer((*buffer.shape[:-1], shape.code_row), shape.code_dtype, data=buffer.data)
-
-    return rows, codes
-
-
 def _paged_keys(length_info, b, begin, end, sliding: bool, page_size: int):
     """Keys of sequence b whose pages are [begin, end) of the page table (sliding: the window's and sinks')."""
     last = length_info[0, b] if sliding else length_info[b]
@@ -201,15 +185,14 @@ def gpu_attention_decode(shape: AttentionShape, *, sliding: bool = False, window
     layers) with a `window` (the query sees the last `window` keys) and `logit_cap` (Gemma 2's)."""
     H_kv, G, P, fdtype = shape.num_kv_heads, shape.group, shape.page_size, shape.float_dtype
     attend = _attend(shape, logit_cap)
-    rows_view, codes_view = _views(shape)
 
     @T.macro
     def body(Q, pages, page_table_indptr, page_table_values, length_info, output, lse, rotary_mode, sm_scale, B,
              max_num_pages):
         assert rotary_mode == 0, ROTARY_REFUSAL
-        q_rows = rows_view(Q, B)
-        out_rows = rows_view(output, B)
-        codes = codes_view(pages)
+        q_rows = shape.rows_view(Q, B)
+        out_rows = shape.rows_view(output, B)
+        codes = shape.codes_view(pages)
         for b in T.thread_binding(B, thread="blockIdx.x"):
             for h in T.thread_binding(H_kv, thread="blockIdx.y"):
                 for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
@@ -266,9 +249,10 @@ def _last_key(end_aligned, n_keys, qo_len, row):
 
 def _prefill_rows(shape: AttentionShape, logit_cap: float, window: int):
     """A T.macro: a prefill kernel's work, one work-group per query row t < total and KV head (_attend: its query
-    heads together), the row's sequence found in q_indptr. Per sequence b, `first(b)`: where its keys start in their buffer (ragged rows or
-    page-table entries), `n_keys(b, first)`, `key(b, first, h, kv)` -> (i, c) -> channel c of key i's K (kv 0) or
-    V (kv 1) of KV head h; `end_aligned`: whether the keys end with the new rows (_keys_end_with_rows)."""
+    heads together), the row's sequence found in q_indptr. Per sequence b, `first(b)`: where its keys start in
+    their buffer (ragged rows or page-table entries), `n_keys(b, first)`, `key(b, first, h, kv)` -> (i, c) ->
+    channel c of key i's K (kv 0) or V (kv 1) of KV head h; `end_aligned`: whether the keys end with the new rows
+    (_keys_end_with_rows)."""
     H_kv, G, fdtype = shape.num_kv_heads, shape.group, shape.float_dtype
     attend = _attend(shape, logit_cap)
 
@@ -301,15 +285,14 @@ def gpu_attention_prefill_ragged(shape: AttentionShape, *, window: int = 0,
     """TVM's GPU `batch_prefill_ragged_kv` (the new tokens among themselves; head_dim the same for q/k and v) with
     every layer's `window` and `logit_cap`. shape.page_size is not used."""
     rows = _prefill_rows(shape, logit_cap, window)
-    rows_view, codes_view = _views(shape)
 
     @T.macro
     def body(q, q_indptr, k, v, kv_indptr, output, lse, causal, rotary_mode, sm_scale, batch_size, qo_len, kv_len):
         assert rotary_mode == 0, ROTARY_REFUSAL
-        q_rows = rows_view(q, qo_len)
-        out_rows = rows_view(output, qo_len)
-        k_codes = codes_view(k)
-        v_codes = codes_view(v)
+        q_rows = shape.rows_view(q, qo_len)
+        out_rows = shape.rows_view(output, qo_len)
+        k_codes = shape.codes_view(k)
+        v_codes = shape.codes_view(v)
         rows(qo_len, q_rows, q_indptr, out_rows, lse, batch_size, sm_scale, lambda b: kv_indptr[b],
              lambda b, begin: kv_indptr[b + 1] - begin,
              lambda b, begin, h, kv: _ragged_key(shape, k_codes, k, begin, h) if kv == 0 else _ragged_key(
@@ -328,15 +311,14 @@ def gpu_attention_prefill_paged(shape: AttentionShape, *, sliding: bool = False,
     variant for the "mha_sliding" layers, with a `window` (_first_key) and `logit_cap` (Gemma 2's)."""
     P = shape.page_size
     rows = _prefill_rows(shape, logit_cap, window)
-    rows_view, codes_view = _views(shape)
 
     @T.macro
     def body(q, q_indptr, pages, page_indptr, page_values, length_info, output, lse, causal, rotary_mode, sm_scale,
              batch_size, total_len, max_num_pages):
         assert rotary_mode == 0, ROTARY_REFUSAL
-        q_rows = rows_view(q, total_len)
-        out_rows = rows_view(output, total_len)
-        codes = codes_view(pages)
+        q_rows = shape.rows_view(q, total_len)
+        out_rows = shape.rows_view(output, total_len)
+        codes = shape.codes_view(pages)
         rows(total_len, q_rows, q_indptr, out_rows, lse, batch_size, sm_scale, lambda b: page_indptr[b],
              lambda b, begin: _paged_keys(length_info, b, begin, page_indptr[b + 1], sliding, P),
              lambda b, begin, h, kv: _paged_key(shape, codes, pages, page_values, length_info, b, begin, h, kv,

@@ -69,6 +69,12 @@ def rope_of(mod: tvm.IRModule) -> tuple[float, dict[str, Any]]:
     return float(rope["rope_scale"]), dict(rope["rope_scaling"])
 
 
+def in_place_of(old: tirx.PrimFunc, new: tirx.PrimFunc) -> tirx.PrimFunc:
+    """`new` with the attributes of TVM's kernel `old` (its global symbol: the name the runtime calls), and
+    noalias."""
+    return new.with_attrs({**dict(old.attrs), "tirx.noalias": True})
+
+
 def with_functions(mod: tvm.IRModule, replaced: dict) -> tvm.IRModule:
     """`mod` with the PrimFuncs of `replaced` (GlobalVar -> PrimFunc) bound to their GlobalVars; `mod` itself when
     there are none."""
@@ -195,8 +201,7 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
                     raise MobilecError(f"{symbol}: {needs} needs mobilec's CPU attention kernels, which do not take "
                                        f"{shape} at {self.lanes} lanes (TVM's kernels would be wrong)")
                 continue
-            replaced[gv] = build(shape, self.lanes, layer_window and int(layer_window), window, cap).with_attrs(
-                {**dict(func.attrs), "tirx.noalias": True})
+            replaced[gv] = in_place_of(func, build(shape, self.lanes, layer_window and int(layer_window), window, cap))
         return replaced
 
     def _quantized(self, mod: tvm.IRModule, kv_format) -> dict:
@@ -242,5 +247,4 @@ def quantized_replacements(mod: tvm.IRModule, kv_format, decode_symbol: str, ker
     missing = [symbol for symbol in builds if symbol not in funcs]
     if missing:
         raise MobilecError(f"--kv-dtype {name}: the module lacks TVM's kernels {missing} to replace")
-    return {funcs[symbol][0]: build().with_attrs({**dict(funcs[symbol][1].attrs), "tirx.noalias": True})
-            for symbol, build in builds.items()}
+    return {funcs[symbol][0]: in_place_of(funcs[symbol][1], build()) for symbol, build in builds.items()}

@@ -42,6 +42,7 @@ from .replace_cpu_attention import (
     cache_rope_modes,
     decode_shape,
     global_symbol,
+    in_place_of,
     quantized_replacements,
     ragged_shape,
     with_functions,
@@ -84,24 +85,20 @@ class ReplaceGPUAttention:  # pylint: disable=too-few-public-methods
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         attrs = mod.attrs if mod.attrs is not None else {}
-        if attrs.get(KV_FORMAT_ATTR) is not None:
-            if RopeMode.INLINE in cache_rope_modes(mod):
-                raise MobilecError("a quantized KV cache with RopeMode.INLINE (RoPE inside attention) is not "
-                                   "supported by mobilec's GPU attention kernels")
-            return with_functions(mod, quantized_replacements(mod, attrs[KV_FORMAT_ATTR], GPU_DECODE_SYMBOL,
-                                                              _quantized_kernels))
+        kv_format = attrs.get(KV_FORMAT_ATTR)
         layer_window = int(attrs.get(LAYER_SLIDING_WINDOW_ATTR, 0))
         window, cap = int(attrs.get(SLIDING_WINDOW_ATTR, 0)), float(attrs.get(ATTN_LOGIT_CAP_ATTR, 0.0))
         builders = _builders(layer_window, window, cap) if layer_window or window or cap else {}
-        if builders and RopeMode.INLINE in cache_rope_modes(mod):
+        if (kv_format is not None or builders) and RopeMode.INLINE in cache_rope_modes(mod):
             raise MobilecError("a paged KV cache with RopeMode.INLINE (RoPE inside attention) is not supported by "
                                "mobilec's GPU attention kernels; create it with RopeMode.NORMAL or NONE")
+        if kv_format is not None:
+            return with_functions(mod, quantized_replacements(mod, kv_format, GPU_DECODE_SYMBOL, _quantized_kernels))
         replaced = {}
         for gv, func in mod.functions_items():
             symbol = global_symbol(func)
             if symbol == GPU_MERGE_SYMBOL:
-                dtype = str(func.params[0].dtype)  # V's
-                replaced[gv] = gpu_merge_state(dtype).with_attrs({**dict(func.attrs), "tirx.noalias": True})
+                replaced[gv] = in_place_of(func, gpu_merge_state(str(func.params[0].dtype)))  # V's dtype
             if symbol not in builders:
                 continue
             read_shape, build = builders[symbol]
@@ -109,7 +106,7 @@ class ReplaceGPUAttention:  # pylint: disable=too-few-public-methods
             if shape is None:
                 raise MobilecError(f"{symbol}: a sliding window or capped scores need mobilec's GPU attention "
                                    f"kernels, which cannot read this kernel's shape (TVM's kernels would be wrong)")
-            replaced[gv] = build(shape).with_attrs({**dict(func.attrs), "tirx.noalias": True})
+            replaced[gv] = in_place_of(func, build(shape))
         missing = sorted(set(builders) - {global_symbol(f) for f in replaced.values()})
         if missing:
             raise MobilecError(f"a sliding window or capped scores on a GPU: the module lacks TVM's kernels {missing} "

@@ -18,8 +18,8 @@ from compiler.errors import MobilecError
 from compiler.loaders import open_checkpoint
 from compiler.models.gemma import Gemma2Config, Gemma3TextConfig, GemmaForCausalLM
 from compiler.models.registry import family_for
-from compiler.runtime import opencl_device
 from compiler.runtime.session import Session
+from tests.helpers.pocl_device import NEEDS_OPENCL, ON_POCL
 from tests.helpers.reference import llama_cpp_logits, reference_greedy
 from tests.helpers.tiny_models import build_model, random_model, save_compilable_checkpoint, write_gguf
 
@@ -45,7 +45,7 @@ def compiled(tmp_path_factory):
             model = build_model(name)
             root = tmp_path_factory.mktemp(name)
             save_compilable_checkpoint(model, root / "hf")
-            gpu = dict(host_target="host", compute_dtype="float32", kv_dtype="f32") if target != "host" else {}
+            gpu = dict(ON_POCL, kv_dtype="f32") if target != "host" else {}
             compile_model(CompileOptions(str(root / "hf"), target, "q0f32", str(root / "artifact"),
                                          context_window=64, progress=False, **gpu))
             built[name, target] = model, Session(load_artifact(root / "artifact"))
@@ -54,8 +54,7 @@ def compiled(tmp_path_factory):
     return get
 
 
-GPU = pytest.param("android-adreno", marks=pytest.mark.skipif(
-    not opencl_device.available(), reason="no OpenCL platform (apt-get install pocl-opencl-icd)"))
+GPU = pytest.param("android-adreno", marks=NEEDS_OPENCL)
 
 
 @pytest.mark.slow

@@ -15,8 +15,8 @@ from compiler.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
 from compiler.kernels.cpu_attention import SLIDING_WINDOW_ATTR
 from compiler.models.registry import family_for
-from compiler.runtime import opencl_device
 from compiler.runtime.session import Session
+from tests.helpers.pocl_device import NEEDS_OPENCL, ON_POCL
 from tests.helpers.reference import reference_greedy
 from tests.helpers.tiny_models import random_model, save_compilable_checkpoint, write_gguf
 
@@ -110,7 +110,7 @@ def test_chunked_prefill_matches_transformers(compiled):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not opencl_device.available(), reason="no OpenCL platform (apt-get install pocl-opencl-icd)")
+@NEEDS_OPENCL
 @pytest.mark.parametrize("name", ["mistral_window_8", "phi3_window_12"])
 def test_windows_on_a_gpu_target_match_transformers(tmp_path, name):
     """android-adreno on PoCL (float32): mobilec's GPU attention kernels apply the window; the prompt outgrows it,
@@ -118,8 +118,7 @@ def test_windows_on_a_gpu_target_match_transformers(tmp_path, name):
     model = _model(name)
     save_compilable_checkpoint(model, tmp_path / "hf")
     compile_model(CompileOptions(str(tmp_path / "hf"), "android-adreno", "q0f32", str(tmp_path / "gpu"),
-                                 context_window=64, progress=False, host_target="host", compute_dtype="float32",
-                                 kv_dtype="f32"))
+                                 context_window=64, progress=False, kv_dtype="f32", **ON_POCL))
     session = Session(load_artifact(tmp_path / "gpu"))
     assert str(session.device.dev).startswith("opencl")
     ref_tokens, ref_prefill, ref_decode = reference_greedy(model, PROMPT, GREEDY)

@@ -25,10 +25,10 @@ from compiler.kv_cache_dtype import KV_FORMAT_ATTR, bytes_per_token_layer, resol
 from compiler.models.llama import LlamaConfig
 from compiler.passes.replace_cpu_attention import decode_shape
 from compiler.quantization.schemes import get_scheme
-from compiler.runtime import opencl_device
 from compiler.runtime.session import Session
 from compiler.targets import TARGETS_DIR, available_targets, load_target, with_overrides
 from tests.helpers.assertions import assert_mobilec_error
+from tests.helpers.pocl_device import NEEDS_OPENCL, ON_POCL
 from tests.helpers.reference import kv_fake_quantized, reference_greedy
 from tests.helpers.tiny_models import build_model, random_model, save_compilable_checkpoint
 
@@ -77,7 +77,7 @@ def test_gpu_quantized_caches_refuse_carrier_rows_tvm_cannot_build(tmp_path, nam
     save_compilable_checkpoint(build_model("llama_gqa"), tmp_path / "hf")
     assert_mobilec_error(lambda: compile_model(CompileOptions(
         str(tmp_path / "hf"), "android-adreno", "q0f32", str(tmp_path / "out"), context_window=64, progress=False,
-        kv_dtype=name, host_target="host", compute_dtype="float32")), f"--kv-dtype {name}", "16 channels",
+        kv_dtype=name, **ON_POCL)), f"--kv-dtype {name}", "16 channels",
         "--kv-dtype f16")
     assert not (tmp_path / "out").exists()
 
@@ -237,7 +237,7 @@ def test_estimate_lists_only_the_kv_dtypes_the_target_takes(tiny_hf):
         spec = with_overrides(load_target(target), **overrides) if overrides else load_target(target)
         return sorted(kv_cache_dtype.names_taken(spec, get_scheme("q4f16_g32")))
     assert listed("android-adreno") == ["f16", "f32"]
-    assert listed("android-adreno", host_target="host", compute_dtype="float32") == ["f32", "int4", "int8"]
+    assert listed("android-adreno", **ON_POCL) == ["f32", "int4", "int8"]
     assert listed("host") == ["f16", "f32", "int4", "int8"]
     result = CliRunner().invoke(main, ["estimate", "--model", str(tiny_hf), "--target", "android-adreno", "--quant",
                                        "q4f16_g32", "--context-window", "64", "--json"])
@@ -334,7 +334,7 @@ def test_quantized_cache_decodes_like_transformers(tmp_path_factory, name):
 
 
 @pytest.mark.slow  # a compile of a tiny model and transformers: ~1 minute each
-@pytest.mark.skipif(not opencl_device.available(), reason="no OpenCL platform (apt-get install pocl-opencl-icd)")
+@NEEDS_OPENCL
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_quantized_cache_on_a_gpu_target_decodes_like_transformers(tmp_path_factory, name):
     """android-adreno on PoCL (--compute-dtype float32): mobilec's GPU kernels of the cache (split + RoPE +
@@ -347,7 +347,6 @@ def test_quantized_cache_on_a_gpu_target_decodes_like_transformers(tmp_path_fact
                  rope_theta=50000.0)
     model = random_model(transformers.LlamaForCausalLM, transformers.LlamaConfig(**shape))
     _, to_quantized, to_float, _ = _decode_against_transformers(
-        model, tmp_path_factory.mktemp(f"kv-gpu-{name}"), name, "android-adreno", host_target="host",
-        compute_dtype="float32")
+        model, tmp_path_factory.mktemp(f"kv-gpu-{name}"), name, "android-adreno", **ON_POCL)
     assert max(to_quantized) < 1e-4, to_quantized  # PoCL's float32 sums and cos/sin: 1.3e-5 seen
     assert min(to_float) > 1e-3, to_float

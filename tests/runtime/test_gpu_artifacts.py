@@ -12,15 +12,14 @@ import pytest
 
 from compiler.artifact import CONFIG_FILE, load_artifact
 from compiler.compile_model import CompileOptions, compile_model
-from compiler.runtime import opencl_device
 from compiler.runtime.session import Session
 from compiler.targets import load_target, with_overrides
 from tests.helpers.assertions import assert_mobilec_error
+from tests.helpers.pocl_device import NEEDS_OPENCL, ON_POCL
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 pytestmark = [pytest.mark.slow,  # five compiles
-              pytest.mark.skipif(not opencl_device.available(), reason="no OpenCL platform (apt-get install "
-                                                                       "pocl-opencl-icd)")]
+              NEEDS_OPENCL]
 
 PROMPT = np.array([3, 7, 1, 4, 4, 9, 2, 5, 6, 8, 1, 2, 3], "int32")
 STEPS = 16
@@ -56,7 +55,7 @@ def _greedy(path: str) -> tuple[np.ndarray, list[int], str]:
 
 @pytest.mark.parametrize("target,quant,atol", [("android-adreno", "q0f32", 1e-4), ("android-mali", "q4f32_g32", 1e-2)])
 def test_gpu_artifact_decodes_the_host_artifacts_tokens_on_opencl(checkpoint, target, quant, atol):
-    gpu = _compile(checkpoint, target, quant, f"{target}-{quant}", host_target="host", compute_dtype="float32")
+    gpu = _compile(checkpoint, target, quant, f"{target}-{quant}", **ON_POCL)
     config = json.loads((load_artifact(gpu).path / CONFIG_FILE).read_text())
     assert config["target"]["overrides"] == {"host_target": "host", "compute_dtype": "float32"}
     assert config["target"]["tvm_target"]["kind"] == "opencl" and config["compute_dtype"] == "float32"
@@ -75,7 +74,7 @@ def test_chunked_prefill_on_opencl_matches_one_chunk(checkpoint):
     of attention states, mobilec's gpu_merge_state) gives the logits of one chunk; TVM's merge kernel raced on PoCL
     (a tiny Llama's logits off by 1.2 relative from the second chunk)."""
     session = Session(load_artifact(_compile(checkpoint, "android-adreno", "q0f32", "android-adreno-q0f32",
-                                             host_target="host", compute_dtype="float32")))
+                                             **ON_POCL)))
     session.reset()
     whole = session.prefill_all_logits(PROMPT)
     session.reset()

@@ -25,14 +25,13 @@ from compiler.runtime.session import Session
 from compiler.testing.local_rpc import start_server, start_tracker, wait_until_free
 from compiler.tune import TuneOptions, tune
 from tests.helpers.assertions import assert_mobilec_error
+from tests.helpers.pocl_device import NEEDS_OPENCL, ON_POCL
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 pytestmark = [pytest.mark.slow,  # three compiles, a tuning run and RPC servers: ~3 minutes on 2 cores
-              pytest.mark.skipif(not opencl_device.available(), reason="no OpenCL platform (apt-get install "
-                                                                       "pocl-opencl-icd)")]
+              NEEDS_OPENCL]
 
 TARGET, QUANT = "android-adreno", "q4f32_g32"
-HERE = {"host_target": "host", "compute_dtype": "float32"}  # the phone's kernels, run on this machine
 OPENCL_KEY, PLAIN_KEY = "mobilec-opencl", "mobilec-plain"
 PROMPT_LEN, GEN_LEN = 12, 8
 GEMV = "fused_dequantize4_NT_matmul4"  # the MLP's down projection, once per layer and decode step
@@ -52,7 +51,7 @@ def _compile(root, name: str, tuning_logs=None) -> tuple[str, dict]:
         if tuning_logs is not None:
             env.setenv(tuning_log.TUNING_LOGS_ENV, str(tuning_logs))
         summary = compile_model(CompileOptions(str(root / "hf"), TARGET, QUANT, str(root / name), context_window=64,
-                                               progress=False, no_tuning=tuning_logs is None, **HERE))
+                                               progress=False, no_tuning=tuning_logs is None, **ON_POCL))
     return str(root / name), summary
 
 
@@ -121,7 +120,7 @@ def test_tuning_on_the_rpc_servers_opencl_and_compile_follows_the_log(checkpoint
     logs = tmp_path / "tuning_logs"
     monkeypatch.setenv(tuning_log.TUNING_LOGS_ENV, str(logs))
     summary = tune(TuneOptions(str(checkpoint / "hf"), TARGET, QUANT, TRIALS, tracker=tracker, key=OPENCL_KEY,
-                               kernel_patterns=[GEMV], **HERE))
+                               kernel_patterns=[GEMV], **ON_POCL))
     (row,) = summary["kernels"]
     assert summary["measured_on"].startswith("1 device(s) with key 'mobilec-opencl'")
     assert row["functions"] == [GEMV] and row["trials"] == TRIALS
@@ -141,5 +140,5 @@ def test_tuning_on_the_rpc_servers_opencl_and_compile_follows_the_log(checkpoint
 
 
 def test_tuning_opencl_kernels_without_a_tracker_is_told_to_pass_one(checkpoint):
-    assert_mobilec_error(lambda: tune(TuneOptions(str(checkpoint / "hf"), TARGET, QUANT, TRIALS, **HERE)),
+    assert_mobilec_error(lambda: tune(TuneOptions(str(checkpoint / "hf"), TARGET, QUANT, TRIALS, **ON_POCL)),
                          "kernels run on OpenCL", "--tracker HOST:PORT --key KEY", "--load-library")

@@ -15,11 +15,10 @@ from click.testing import CliRunner
 from compiler.artifact import CONFIG_FILE
 from compiler.cli import main
 from compiler.compile_model import CompileOptions, compile_model
-from compiler.runtime import opencl_device
+from tests.helpers.pocl_device import NEEDS_OPENCL, ON_POCL
 
 pytestmark = [pytest.mark.slow,  # three compiles, 32 tokens decoded on PoCL, short evals: ~3 minutes
-              pytest.mark.skipif(not opencl_device.available(), reason="no OpenCL platform (apt-get install "
-                                                                       "pocl-opencl-icd)")]
+              NEEDS_OPENCL]
 
 PROMPT = "The three primary colors are"
 EVAL_TOKENS = 32  # one window: prefill on PoCL is slow, and the kernels match the host's to ~1e-6 relative
@@ -35,7 +34,7 @@ def _compile(root: Path, smollm2_gguf: Path, target: str, quant: str, **override
 
 
 def _gpu_artifact(root: Path, smollm2_gguf: Path, target: str, quant: str) -> Path:
-    out = _compile(root, smollm2_gguf, target, quant, host_target="host", compute_dtype="float32")
+    out = _compile(root, smollm2_gguf, target, quant, **ON_POCL)
     config = json.loads((out / CONFIG_FILE).read_text())
     assert config["target"]["tvm_target"]["kind"] == "opencl" and config["compute_dtype"] == "float32"
     kernels = (out / "lib" / "kernels.cl").read_text()

@@ -120,7 +120,8 @@ def prompt_ids(vocab_size: int, n: int, seed: int) -> np.ndarray:
 
 
 def generate(session: Session, ids: np.ndarray, n_tokens: int, on_token=lambda: None) -> Run:
-    """A fresh sequence: the prompt, then greedy tokens (picked on the host) up to `n_tokens`, timed."""
+    """A fresh sequence: the prompt, then greedy tokens (picked on the host) up to `n_tokens`, timed; `on_token`
+    runs after each token."""
     session.reset()
     t0 = time.perf_counter()
     tokens = [int(np.argmax(session.prefill(ids)))]
@@ -153,6 +154,7 @@ def sustained(session: Session, ids: np.ndarray, seconds: float, progress: bool)
     last = math.ceil(seconds / SUSTAINED_INTERVAL_S) - 1  # the step that ends past the deadline counts here
 
     def restart() -> int:
+        session.device.step_inside_session("decoding (--sustained)")
         session.reset()
         return int(np.argmax(session.prefill(ids)))
 
@@ -164,6 +166,7 @@ def sustained(session: Session, ids: np.ndarray, seconds: float, progress: bool)
             if session.length >= session.context_window:
                 token = restart()
                 continue
+            session.device.step_inside_session("decoding (--sustained)")
             token = int(np.argmax(session.decode(token)))
             end = time.perf_counter()
             interval = min(int((end - start) // SUSTAINED_INTERVAL_S), last)
@@ -223,12 +226,17 @@ def _run_bench(artifact: Artifact, device: Device, options: BenchOptions, progre
     staged = session.staged
     ids = prompt_ids(int(cfg["model"]["config"]["vocab_size"]), options.prompt_len, options.seed)
     with device.errors("running the benchmark"):
-        generate(session, ids, 2)  # warm-up: the first calls set up the VM's memory pools
+        generate(session, ids, 2, lambda: device.step_inside_session("warming up"))  # sets up the VM's pools
         with tqdm(total=options.repeat * options.gen_len, desc="bench", unit="tok", file=sys.stderr,
                   disable=not progress) as bar:
             runs, device_step_s = [], []
+
+            def on_token() -> None:
+                bar.update()
+                device.step_inside_session("running the benchmark")
+
             for _ in range(options.repeat):
-                runs.append(generate(session, ids, options.gen_len, lambda: bar.update()))
+                runs.append(generate(session, ids, options.gen_len, on_token))
                 device_step_s.append(device_decode_s(session, runs[-1].tokens[-1]))
         device_tok_s = 1.0 / float(np.median(device_step_s))
         sustained_run = sustained(session, ids, options.sustained_s, progress) if options.sustained_s else None

@@ -43,6 +43,7 @@ TENSOR_CACHE_JSON = "tensor-cache.json"  # the file name vm.builtin.tensor_cache
 # A key no server accepts (TVM's clients send "client:..."): a TVM RPC server answers it with RPC_CODE_MISMATCH
 # at once, without starting a session. The line end makes an HTTP server answer too (with an error page).
 _PROBE_KEY = b"mobilec:probe\r\n"
+SESSION_MARGIN_S = 1.0  # what a loop leaves of its session, besides twice its step, to close it cleanly
 _RPC_CODES = {rpc.base.RPC_CODE_SUCCESS, rpc.base.RPC_CODE_DUPLICATE, rpc.base.RPC_CODE_MISMATCH}
 
 
@@ -65,6 +66,7 @@ class Device:
         self.description = description
         self.session_timeout_s = session_timeout_s
         self.started = time.monotonic()
+        self._last_step: float | None = None  # when step_inside_session last ran
         self.dev = session.cpu() if session else tvm.cpu()
         self._work_dir: tempfile.TemporaryDirectory | None = None
         with self.bounded(), self.errors("asking what the device is"):
@@ -222,6 +224,19 @@ class Device:
                                         f"{self.session_timeout_s:g} s (+{grace:g} s) and the device did not end it: "
                                         f"the device or the network is gone; check them, then rerun")
 
+    def step_inside_session(self, doing: str) -> None:
+        """Called before each step of a long loop on the device: refuses the step when the last one, taken again,
+        might not finish inside --session-timeout. The server ends a session by closing its socket, and TVM's
+        client, cut off mid-reply, can abort the whole process (std::length_error) instead of raising; so the
+        bench stops itself first and closes the session cleanly. Nothing for this process."""
+        if self.session is None:
+            return
+        now = time.monotonic()
+        step_s = now - self._last_step if self._last_step is not None else 0.0
+        self._last_step = now
+        if self.session_timeout_s - (now - self.started) < SESSION_MARGIN_S + 2 * step_s:
+            raise MobilecError(self._timed_out(doing))
+
     def close(self) -> None:
         """End the session now (the server serves one at a time; handles left in a traceback would keep this
         one open until its timeout) and remove local staging files."""
@@ -254,6 +269,10 @@ class Device:
         return self.session is not None and (
             "SessionTimeout" in str(err) or time.monotonic() - self.started >= 0.95 * self.session_timeout_s)
 
+    def _timed_out(self, doing: str) -> str:
+        return (f"the session on {self.description['name']} ran past --session-timeout {self.session_timeout_s:g} s "
+                f"while {doing}; raise --session-timeout or bench less (--repeat, --gen-len, --sustained)")
+
     def _explain(self, err: Exception, doing: str) -> str:
         where = self.description["name"]
         first = last_line(err)
@@ -264,8 +283,7 @@ class Device:
         lost = remote and ("kShutdown" in first or "Socket" in first or "connection" in first.lower()
                            or "RPCCode::" in first)
         if expired:
-            return (f"the session on {where} ran past --session-timeout {self.session_timeout_s:g} s while {doing}; "
-                    f"raise --session-timeout or bench less (--repeat, --gen-len, --sustained)")
+            return self._timed_out(doing)
         if lost:
             return (f"lost the connection to {where} while {doing} ({first}); check that the device's RPC server "
                     f"is still running, then rerun")

@@ -205,6 +205,7 @@ def _session(age_s: float = 0.0, timeout_s: float = 600.0) -> remote.Device:
     device = object.__new__(remote.Device)
     device.session, device.description = object(), {"name": "the RPC server at 10.0.0.2:9090"}
     device.started, device.session_timeout_s = time.monotonic() - age_s, timeout_s
+    device._last_step = None  # pylint: disable=protected-access
     return device
 
 
@@ -223,6 +224,23 @@ def test_a_call_into_an_ended_session_that_returns_nothing_is_the_timeout():
     with pytest.raises(TypeError, match="None"):
         with _session().errors("running the benchmark"):
             raise TypeError("Cannot convert from type `None` to `int`")
+
+
+def test_a_loop_stops_before_its_session_ends():
+    """The bench stops a step that might not finish inside the session (the server cutting a reply short can abort
+    TVM's client: std::length_error, seen in CI on tests/test_bench_rpc.py::test_session_timeout_ends_the_bench);
+    negative controls: steps with time to spare go on, and this process has no session to end."""
+    device = _session(age_s=2.0, timeout_s=5.0)
+    device.step_inside_session("decoding")  # 3 s left, no step timed yet
+    device._last_step -= 1.5  # pylint: disable=protected-access  # a 1.5 s step: 3 s left < 1 + 2 x 1.5
+    with pytest.raises(MobilecError, match="ran past --session-timeout 5 s while decoding; raise --session-timeout"):
+        device.step_inside_session("decoding")
+    roomy = _session(age_s=2.0, timeout_s=600.0)
+    for _ in range(3):
+        roomy.step_inside_session("decoding")
+    local = _session(age_s=10.0, timeout_s=5.0)
+    local.session = None
+    local.step_inside_session("decoding")
 
 
 @pytest.mark.parametrize("message", [

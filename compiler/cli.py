@@ -152,8 +152,8 @@ def targets():
               help="How the KV cache stores keys and values. auto: f16 (the target file's device.kv_dtype if it "
                    "has one), f32 for the unquantized q0f32 and for GPUs computing in float32. f16 halves the "
                    "cache's bytes (longer contexts, faster long-context decode) for ~0.001% perplexity; int8 "
-                   "(CPU targets) saves a third of f16's bytes for ~0.03%; int4 (CPU targets, groups of 16 channels) "
-                   "half of them for +4.7% (SmolLM2; over the +3% gate).")
+                   "saves a third of f16's bytes for ~0.03%; int4 (K in groups of 8 channels, V of 16) half of them "
+                   "for +1-3% (SmolLM2). int8 and int4: CPU targets, and GPUs computing in float32.")
 @json_option("the summary")
 def compile(as_json, **options):  # pylint: disable=redefined-builtin
     """Compile MODEL for TARGET into an artifact directory (library, weight shards, tokenizer, config).

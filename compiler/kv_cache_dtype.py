@@ -35,13 +35,13 @@ AUTO = "f16"  # llama.cpp's default too: half the bytes of float32, within 0.001
 @dataclasses.dataclass(frozen=True)
 class CodeFormat:
     """How a quantized cache stores one token's K or V row of one KV head: head_dim codes of `bits` bits (32 // bits
-    to a float32 cell of the carrier) and, per group of `group` channels (None: the whole row), `params` float32
-    values that dequantize them: x ~ code * scale (+ min)."""
+    to a float32 cell of the carrier) and, per group of channels (`groups`: K's, V's; None: the whole row), one
+    float32 cell of parameters that dequantize them: x ~ code * scale (+ min)."""
 
     name: str
     bits: int
-    params: int  # per group: the scale, then (asymmetric formats) the min
-    group: int | None = None
+    params: int  # per group: the scale (a float32 cell), or the scale and the min (bfloat16 halves of the cell)
+    groups: tuple[int | None, int | None] = (None, None)
 
     @property
     def codes_per_cell(self) -> int:
@@ -49,12 +49,14 @@ class CodeFormat:
 
 
 # int8: symmetric per row, scale = max|x| / 127, code = round(x / scale) in [-127, 127].
-# int4: asymmetric per group of 16 channels, scale = (max - min) / 15, code = round((x - min) / scale) in [0, 15],
-# two codes a byte (code 2j in the low nibble of byte j, 2j + 1 in the high one). SmolLM2's perplexity against the
-# float32 cache (README): one scale and min per row of 64 channels +20.5%, per 32 +6.6%, per 16 +4.7%. Scale and
-# min are float32: no rounding of their own (a min's error shifts every value of its group), at the cost of a
-# parameter row that float16 values would save at SmolLM2's geometry (384 bytes a token and layer instead of 320).
-CODE_FORMATS = {"int8": CodeFormat("int8", 8, 1), "int4": CodeFormat("int4", 4, 2, group=16)}
+# int4: asymmetric per group of channels, scale = (max - min) / 15 and the min stored as bfloat16 (scale in the low
+# half of the cell, min in the high one), code = round((x - min) / scale) in [0, 15] with the stored scale and min,
+# two codes a byte (code 2j in the low nibble of byte j, 2j + 1 in the high one). K in groups of 8 channels, V in
+# groups of 16: K's error is what costs perplexity (SmolLM2, LICENSE, transformers with K/V round-tripped: K alone
+# at groups of 16 +4.5%, V alone +0.1%), and bfloat16 parameters keep K's 8 groups in the cells float32 ones took
+# for 4. SmolLM2 gguf vs the float32 cache: LICENSE +2.8% (groups of 16, float32 parameters: +4.7%), pydoc topics
+# +1.0% (README).
+CODE_FORMATS = {"int8": CodeFormat("int8", 8, 1), "int4": CodeFormat("int4", 4, 2, groups=(8, 16))}
 
 
 def check_name(name: str, what: str = "--kv-dtype") -> str:
@@ -106,19 +108,20 @@ class Carrier:
     def cell(self) -> int:
         return self.head_dim // self.format.codes_per_cell
 
-    @property
-    def group(self) -> int:
-        """Channels per set of parameters: the format's group, or the largest power of two dividing both it and
-        head_dim (head_dim 40: 8), or the whole row."""
-        return self.head_dim if self.format.group is None else math.gcd(self.format.group, self.head_dim)
+    def group(self, kv: int) -> int:
+        """Channels per parameter cell of K (kv 0) or V (kv 1) rows: the format's group, or the largest power of two
+        dividing both it and head_dim (head_dim 40, group 16: 8), or the whole row."""
+        group = self.format.groups[kv]
+        return self.head_dim if group is None else math.gcd(group, self.head_dim)
 
-    @property
-    def row_params(self) -> int:
-        return self.format.params * (self.head_dim // self.group)
+    def row_params(self, kv: int) -> int:
+        """Parameter cells of one K (kv 0) or V (kv 1) head row."""
+        return self.head_dim // self.group(kv)
 
     @property
     def param_rows(self) -> int:
-        return -(-self.kv_heads * self.row_params // self.cell)
+        """Declared rows per token for the parameters, as many in the K plane as in the V one (the larger need)."""
+        return -(-self.kv_heads * max(self.row_params(0), self.row_params(1)) // self.cell)
 
     @property
     def declared_kv_heads(self) -> int:
@@ -137,10 +140,10 @@ class Carrier:
     def declared_heads(self) -> int:
         return self.fused_rows - 2 * self.declared_kv_heads
 
-    def param_position(self, h, group, i):
-        """(declared head, cell) of parameter i (0: scale, 1: min) of channel group `group` of KV head h's row (h,
-        group: ints or TIR indices)."""
-        index = h * self.row_params + group * self.format.params + i
+    def param_position(self, h, group, kv: int):
+        """(declared head, cell) of the parameter cell of channel group `group` of KV head h's K (kv 0) or V (kv 1)
+        row (h, group: ints or TIR indices)."""
+        index = h * self.row_params(kv) + group
         return self.kv_heads + index // self.cell, index % self.cell
 
     def module_attr(self) -> dict[str, object]:

@@ -191,12 +191,13 @@ def test_estimate_counts_kv_bytes_by_dtype(tiny_hf):
     # int8: counted as allocated, its float32 carrier (tiny model: 3 rows of 4 floats per token and layer, K and V)
     int8 = estimate_memory(EstimateOptions(str(tiny_hf), "host", "q4f16_g32", 256, kv_dtype="int8"))
     assert int8.kv_dtype == "int8" and int8.kv_cache_bytes * 256 == f32.kv_cache_bytes * (2 * 3 * 4 * 4)
-    # int4: 2 code rows + 2 parameter rows (scale and min of 2 heads) of 2 floats
+    # int4: 2 code rows + 2 parameter rows of 2 cells (a cell per K group of 8 channels: 2 groups of 2 heads)
     int4 = estimate_memory(EstimateOptions(str(tiny_hf), "host", "q4f16_g32", 256, kv_dtype="int4"))
     assert int4.kv_dtype == "int4" and int4.kv_cache_bytes * 256 == f32.kv_cache_bytes * (2 * 4 * 2 * 4)
     assert int4.bytes_per_token < int8.bytes_per_token < f16.bytes_per_token
     # SmolLM2 (3 KV heads of 64), K and V of a token in a layer: f16 768 bytes; int8 3 code rows + 1 scale row of
-    # 16 floats; int4 3 code rows + 3 rows of 8 floats for the 12 scales and 12 mins (groups of 16 channels)
+    # 16 floats; int4 3 code rows + 3 rows of 8 cells for K's 24 groups of 8 channels (V's 12 groups of 16 fill
+    # half of its plane's)
     assert [bytes_per_token_layer(dtype, 3, 64) for dtype in ("float16", "int8", "int4")] == [768, 512, 384]
 
 

@@ -129,7 +129,7 @@ class AttentionShape:
         """A row's one scale multiplies sums over its codes (int8: a score, a V weight) rather than each code: the
         same product, D times fewer multiplications. int4 rows (a scale and a min per group) dequantize on load."""
         c = self.carrier
-        return c is not None and c.format.params == 1 and c.group == self.head_dim
+        return c is not None and c.format.params == 1 and c.group(0) == c.group(1) == self.head_dim
 
     @property
     def float_dtype(self) -> str:
@@ -154,11 +154,12 @@ class AttentionShape:
             return self.num_qo_heads, self.num_kv_heads, self.head_dim
         return c.declared_heads, c.declared_kv_heads, c.cell
 
-    def values(self, load, param, c: int, lanes: int):
-        """Values [c * lanes, (c + 1) * lanes) of a K/V row as float32, `load(index)` reading the row of the code
-        view at a ramp index and `param(group, i)` the row's parameters: a float cache's as loaded, int8 codes as
-        they are (factored: the scale applies to sums), int4 codes dequantized with their group's scale and min
-        (lanes / 2 bytes, code 2j in byte j's low nibble and 2j + 1 in its high one, interleaved back)."""
+    def values(self, load, param, c: int, lanes: int, kv: int):
+        """Values [c * lanes, (c + 1) * lanes) of a K (kv 0) or V (kv 1) row as float32, `load(index)` reading the
+        row of the code view at a ramp index and `param(group, i)` the row's parameters: a float cache's as loaded,
+        int8 codes as they are (factored: the scale applies to sums), int4 codes dequantized with their group's
+        scale and min (lanes / 2 bytes, code 2j in byte j's low nibble and 2j + 1 in its high one, interleaved
+        back; a vector wider than a group takes each group's parameters in its lanes)."""
         if self.dtype != "int4":
             return _f32(load(T.ramp(c * lanes, 1, lanes)), self.dtype, lanes)
         half = lanes // 2
@@ -166,8 +167,13 @@ class AttentionShape:
         low = T.bitwise_and(raw, T.broadcast(T.uint8(15), half))
         high = T.shift_right(raw, T.broadcast(T.uint8(4), half))
         codes = T.Cast(_vec("float32", lanes), T.Shuffle([low, high], [j // 2 + j % 2 * half for j in range(lanes)]))
-        group = c * lanes // self.carrier.group
-        return codes * _bcast(param(group, 0), lanes) + _bcast(param(group, 1), lanes)
+        group = self.carrier.group(kv)
+        if group >= lanes:
+            first = c * lanes // group
+            return codes * _bcast(param(first, 0), lanes) + _bcast(param(first, 1), lanes)
+        groups = range(c * lanes // group, (c + 1) * lanes // group)
+        scales, mins = ([_bcast(param(g, i), group) for g in groups] for i in (0, 1))
+        return (codes * T.Shuffle(scales, list(range(lanes))) + T.Shuffle(mins, list(range(lanes))))
 
     def rows_view(self, buffer, n):
         """The real (n, heads, head_dim) query or output rows at the start of `buffer`'s declared rows."""
@@ -179,17 +185,40 @@ class AttentionShape:
         """The K/V code view of declared K/V rows or pages (`buffer` itself for a float cache)."""
         return T.decl_buffer((*buffer.shape[:-1], self.code_row), self.code_dtype, data=buffer.data)
 
-    def param(self, load, h, group, i: int):
-        """Parameter i (0: scale, 1: min) of channel group `group` of KV head h's row, `load(declared head, cell)`
-        reading the declared float32 buffer at its position."""
-        return load(*self.carrier.param_position(h, group, i))
+    def param(self, load, h, group, i: int, kv: int):
+        """Parameter i (0: scale, 1: min) of channel group `group` of KV head h's K (kv 0) or V (kv 1) row,
+        `load(declared head, cell)` reading the declared float32 buffer at its cell (param_cell's layout)."""
+        cell = load(*self.carrier.param_position(h, group, kv))
+        return cell if self.carrier.format.params == 1 else param_of_cell(cell, i)
 
     def supported(self, lanes: int) -> bool:
         c = self.carrier
         return (self.num_qo_heads % self.num_kv_heads == 0 and self.head_dim % lanes == 0
                 and self.head_dim % 2 == 0 and self.page_size % lanes == 0
                 and (self.dtype in ("float32", "float16") or c is not None
-                     and self.head_dim % c.format.codes_per_cell == 0 and c.group % lanes == 0))
+                     and self.head_dim % c.format.codes_per_cell == 0
+                     and all(c.group(kv) % lanes == 0 or lanes % c.group(kv) == 0 for kv in (0, 1))))
+
+
+def _bfloat16_bits(x):
+    """The bfloat16 nearest float32 x (ties to even), as the high 16 bits of a uint32."""
+    bits = T.reinterpret("uint32", x)
+    rounded = bits + T.uint32(0x7FFF) + T.bitwise_and(T.shift_right(bits, T.uint32(16)), T.uint32(1))
+    return T.bitwise_and(rounded, T.uint32(0xFFFF0000))
+
+
+def param_cell(scale, low):
+    """A float32 cell holding a group's scale (low half) and min (high half) as bfloat16: bit patterns only,
+    moved whole by the runtime's copies."""
+    return T.reinterpret("float32", T.bitwise_or(T.shift_right(_bfloat16_bits(scale), T.uint32(16)),
+                                                 _bfloat16_bits(low)))
+
+
+def param_of_cell(cell, i: int):
+    """Parameter i (0: scale, 1: min) of a param_cell, as float32."""
+    bits = T.reinterpret("uint32", cell)
+    return T.reinterpret("float32", T.shift_left(bits, T.uint32(16)) if i == 0
+                         else T.bitwise_and(bits, T.uint32(0xFFFF0000)))
 
 
 def _vec(dtype: str, lanes: int) -> str:
@@ -317,14 +346,14 @@ def attention_decode(shape: AttentionShape, lanes: int, *, chunk_pages: int = CH
 
     def page_param(pages_f, page, kv, h, r):
         """(group, i) -> parameter i of a group of the K (kv 0) or V (kv 1) row r of the page for KV head h."""
-        return lambda group, i: shape.param(lambda row, cell: pages_f[page, kv, row, r, cell], h, group, i)
+        return lambda group, i: shape.param(lambda row, cell: pages_f[page, kv, row, r, cell], h, group, i, kv)
 
     def page_k(pages, pages_f, page, h, r):
         return lambda c: shape.values(lambda index: pages[page, 0, h, r, index], page_param(pages_f, page, 0, h, r),
-                                      c, VL)
+                                      c, VL, 0)
 
     def page_v(pages, pages_f, page, h, r, c):
-        return shape.values(lambda index: pages[page, 1, h, r, index], page_param(pages_f, page, 1, h, r), c, VL)
+        return shape.values(lambda index: pages[page, 1, h, r, index], page_param(pages_f, page, 1, h, r), c, VL, 1)
 
     def dot_terms(q_chunk, k_chunk):
         """sum_c q[chunk c] * k[chunk c]: VL partial sums of one score."""
@@ -537,14 +566,14 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, paged: bool, block: in
         buffers."""
         if paged:
             return lambda group, i: shape.param(
-                lambda row, cell: k_f[page_values[kv_begin + blk], kv, row, r, cell], h, group, i)
+                lambda row, cell: k_f[page_values[kv_begin + blk], kv, row, r, cell], h, group, i, kv)
         return lambda group, i: shape.param(
-            lambda row, cell: (k_f if kv == 0 else v_f)[kv_begin + blk * P + r, row, cell], h, group, i)
+            lambda row, cell: (k_f if kv == 0 else v_f)[kv_begin + blk * P + r, row, cell], h, group, i, kv)
 
     def key_chunk(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, kv):
         """c -> chunk c of key row r of block blk as float32 (AttentionShape.values)."""
         return lambda c: shape.values(lambda index: key(k, v, page_values, kv_begin, blk, h, r, kv, index),
-                                      key_param(k_f, v_f, page_values, kv_begin, blk, h, r, kv), c, VL)
+                                      key_param(k_f, v_f, page_values, kv_begin, blk, h, r, kv), c, VL, kv)
 
     @T.macro
     def query_row(t, q, q_indptr, k, v, k_f, v_f, kv_indptr, page_values, length_info, output, lse, batch_size,
@@ -730,32 +759,32 @@ def rope_angle(head_dim: int, rope_theta: float, rope_scale: float, rope_scaling
     return angle
 
 
-def row_quantizer(shape: AttentionShape):
-    """A T.macro quantizing one K or V row (`row`: head_dim floats) of token s and KV head h in the cache's format
-    (kv_cache_dtype.CODE_FORMATS): the codes into `codes` (the code view), the parameters into their cells of
+def row_quantizer(shape: AttentionShape, kv: int):
+    """A T.macro quantizing one K (kv 0) or V (kv 1) row (`row`: head_dim floats) of token s and KV head h in the
+    cache's format (kv_cache_dtype.CODE_FORMATS): the codes into `codes` (the code view), the parameter cells into
     `params` (the declared float32 buffer); `stat`: 2 floats of scratch. int8 scale = max|x| / 127, codes
-    round(x / scale); int4 per group of channels scale = (max - min) / 15 and min, codes round((x - min) / scale),
-    two to a byte."""
+    round(x / scale); int4 per group of channels scale = (max - min) / 15 and min, stored as bfloat16
+    (param_cell), codes round((x - min) / scale) with the stored two, in [0, 15], two to a byte."""
     c = shape.carrier
     assert c is not None, shape
-    D, GS = shape.head_dim, c.group
+    D, GS = shape.head_dim, c.group(kv)
 
-    def param_row(h, group, i):
-        return c.param_position(h, group, i)[0]
+    def prow(h, group):
+        return c.param_position(h, group, kv)[0]
 
-    def param_cell(h, group, i):
-        return c.param_position(h, group, i)[1]
+    def pcell(h, group):
+        return c.param_position(h, group, kv)[1]
 
     def nibble(x, stat):
-        """The int4 code of x, stat[0] the row's min and stat[1] 15 / (max - min)."""
-        return T.Cast("uint8", T.min(T.round((x - stat[0]) * stat[1]), T.float32(15)))
+        """The int4 code of x, stat[0] the group's stored min and stat[1] 1 / its stored scale."""
+        return T.Cast("uint8", T.max(T.min(T.round((x - stat[0]) * stat[1]), T.float32(15)), T.float32(0)))
 
     @T.macro
     def quantize_int8(row, codes, params, s, h, stat):
         stat[0] = T.float32(0)
         for d in range(D):
             stat[0] = T.max(stat[0], T.fabs(row[d]))
-        params[s, param_row(h, 0, 0), param_cell(h, 0, 0)] = stat[0] / T.float32(127)
+        params[s, prow(h, 0), pcell(h, 0)] = stat[0] / T.float32(127)
         stat[0] = T.if_then_else(stat[0] > T.float32(0), T.float32(127) / stat[0], T.float32(0))
         for d in range(D):
             codes[s, h, d] = T.Cast("int8", T.round(row[d] * stat[0]))
@@ -764,13 +793,15 @@ def row_quantizer(shape: AttentionShape):
     def quantize_int4(row, codes, params, s, h, stat):
         for group in range(D // GS):
             stat[0] = row[group * GS]  # min
-            stat[1] = row[group * GS]  # max, then 15 / (max - min)
+            stat[1] = row[group * GS]  # max
             for d in range(GS):
                 stat[0] = T.min(stat[0], row[group * GS + d])
                 stat[1] = T.max(stat[1], row[group * GS + d])
-            params[s, param_row(h, group, 0), param_cell(h, group, 0)] = (stat[1] - stat[0]) / T.float32(15)
-            params[s, param_row(h, group, 1), param_cell(h, group, 1)] = stat[0]
-            stat[1] = T.if_then_else(stat[1] > stat[0], T.float32(15) / (stat[1] - stat[0]), T.float32(0))
+            params[s, prow(h, group), pcell(h, group)] = param_cell((stat[1] - stat[0]) / T.float32(15), stat[0])
+            # the codes are taken against the parameters as stored (bfloat16)
+            stat[0] = param_of_cell(params[s, prow(h, group), pcell(h, group)], 1)
+            stat[1] = param_of_cell(params[s, prow(h, group), pcell(h, group)], 0)
+            stat[1] = T.if_then_else(stat[1] > T.float32(0), T.float32(1) / stat[1], T.float32(0))
             for j in range(GS // 2):
                 codes[s, h, group * GS // 2 + j] = T.bitwise_or(
                     nibble(row[group * GS + 2 * j], stat), T.shift_left(nibble(row[group * GS + 2 * j + 1], stat),
@@ -792,7 +823,7 @@ def quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale:
     H_qo, H_kv, D = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim
     HALF = D // 2
     angle = rope_angle(D, rope_theta, rope_scale, rope_scaling)
-    quantize = row_quantizer(shape)
+    quantize_k, quantize_v = row_quantizer(shape, 0), row_quantizer(shape, 1)
 
     @T.macro
     def body(qkv_rows, position_map, q_rows, k_codes, v_codes, k, v, apply_rope, seq_len):
@@ -818,11 +849,11 @@ def quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale:
                     for d in range(D):
                         q_rows[s, h, d] = row[d]
                 else:
-                    quantize(row, k_codes, k, s, h - H_qo, stat)
+                    quantize_k(row, k_codes, k, s, h - H_qo, stat)
             for h in range(H_kv):
                 for d in range(D):
                     row[d] = qkv_rows[s, H_qo + H_kv + h, d]
-                quantize(row, v_codes, v, s, h, stat)
+                quantize_v(row, v_codes, v, s, h, stat)
 
     return split_rotary_signature(shape, body)
 

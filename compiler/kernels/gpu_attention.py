@@ -136,16 +136,16 @@ def _attend(shape: AttentionShape, logit_cap: float):
     return attend
 
 
-def _value(shape: AttentionShape, load, param, c):
-    """Channel c of a K/V row as the cache stores it (float32 for a quantized cache): `load(index)` reads the row's
-    code view (AttentionShape), `param(group, i)` its parameters. int8: the code times the row's scale; int4: the
-    nibble (code 2j low, 2j + 1 high in byte j) times its group's scale, plus its min."""
+def _value(shape: AttentionShape, load, param, c, kv: int):
+    """Channel c of a K (kv 0) or V (kv 1) row as the cache stores it (float32 for a quantized cache): `load(index)`
+    reads the row's code view (AttentionShape), `param(group, i)` its parameters. int8: the code times the row's
+    scale; int4: the nibble (code 2j low, 2j + 1 high in byte j) times its group's scale, plus its min."""
     if shape.carrier is None:
         return load(c)
     if shape.dtype == "int8":
         return T.Cast("float32", load(c)) * param(0, 0)
     nibble = T.bitwise_and(T.shift_right(load(T.floordiv(c, 2)), T.Cast("uint8", T.floormod(c, 2) * 4)), T.uint8(15))
-    group = T.floordiv(c, shape.carrier.group)
+    group = T.floordiv(c, shape.carrier.group(kv))
     return T.Cast("float32", nibble) * param(group, 0) + param(group, 1)
 
 
@@ -159,16 +159,17 @@ def _paged_key(shape: AttentionShape, codes, pages, page_values, length_info, b,
         row = T.if_then_else(i < length_info[2, b], i, i - length_info[2, b] + length_info[1, b]) if sliding else i
         page, r = page_values[begin + T.floordiv(row, P)], T.floormod(row, P)
         return _value(shape, lambda index: codes[page, kv, h, r, index],
-                      lambda group, j: shape.param(lambda prow, cell: pages[page, kv, prow, r, cell], h, group, j), c)
+                      lambda group, j: shape.param(lambda prow, cell: pages[page, kv, prow, r, cell], h, group, j,
+                                                   kv), c, kv)
     return load
 
 
-def _ragged_key(shape: AttentionShape, codes, rows, begin, h):
-    """(i, c) -> channel c of key i of a sequence whose rows start at `begin`; `codes`: the K or V code view,
-    `rows` the K or V buffer as declared (a quantized cache's parameters)."""
+def _ragged_key(shape: AttentionShape, codes, rows, begin, h, kv: int):
+    """(i, c) -> channel c of K (kv 0) or V (kv 1) of key i of a sequence whose rows start at `begin`; `codes`: its
+    code view, `rows` its buffer as declared (a quantized cache's parameters)."""
     return lambda i, c: _value(shape, lambda index: codes[begin + i, h, index],
                                lambda group, j: shape.param(lambda prow, cell: rows[begin + i, prow, cell], h, group,
-                                                            j), c)
+                                                            j, kv), c, kv)
 
 
 def _paged_keys(length_info, b, begin, end, sliding: bool, page_size: int):
@@ -295,8 +296,8 @@ def gpu_attention_prefill_ragged(shape: AttentionShape, *, window: int = 0,
         v_codes = shape.codes_view(v)
         rows(qo_len, q_rows, q_indptr, out_rows, lse, batch_size, sm_scale, lambda b: kv_indptr[b],
              lambda b, begin: kv_indptr[b + 1] - begin,
-             lambda b, begin, h, kv: _ragged_key(shape, k_codes, k, begin, h) if kv == 0 else _ragged_key(
-                 shape, v_codes, v, begin, h), causal > 0)
+             lambda b, begin, h, kv: _ragged_key(shape, k_codes, k, begin, h, 0) if kv == 0 else _ragged_key(
+                 shape, v_codes, v, begin, h, 1), causal > 0)
 
     heads, kv_heads, head_dim = shape.declared
     func = signatures.ragged_prefill(body, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
@@ -398,7 +399,7 @@ def gpu_quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_sc
     H_qo, H_kv, D = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim
     HALF = D // 2
     angle = rope_angle(D, rope_theta, rope_scale, rope_scaling)
-    quantize = row_quantizer(shape)
+    quantize_k, quantize_v = row_quantizer(shape, 0), row_quantizer(shape, 1)
 
     @T.macro
     def body(qkv_rows, position_map, q_rows, k_codes, v_codes, k, v, apply_rope, seq_len):
@@ -424,8 +425,8 @@ def gpu_quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_sc
                         for d in T.serial(D):
                             q_rows[s, h, d] = row[d]
                     elif h < H_qo + H_kv:
-                        quantize(row, k_codes, k, s, h - H_qo, stat)
+                        quantize_k(row, k_codes, k, s, h - H_qo, stat)
                     else:
-                        quantize(row, v_codes, v, s, h - H_qo - H_kv, stat)
+                        quantize_v(row, v_codes, v, s, h - H_qo - H_kv, stat)
 
     return split_rotary_signature(shape, body)

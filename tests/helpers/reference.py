@@ -64,17 +64,18 @@ def _int8_round_trip(x):
     return torch.round(x * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))) * (amax / 127)
 
 
-def _int4_round_trip(x):
-    """Per group of the cache's channels (kv_cache_dtype.Carrier.group: 16, or fewer where head_dim is not a
-    multiple of 16)."""
-    group = math.gcd(CODE_FORMATS["int4"].group, x.shape[-1])
+def _int4_round_trip(x, kv: int):
+    """Per group of the cache's channels (kv_cache_dtype.Carrier.group: K's 8, V's 16, or fewer where head_dim is
+    not a multiple), with the scale and min rounded to bfloat16 and the codes taken against them, as stored."""
+    group = math.gcd(CODE_FORMATS["int4"].groups[kv], x.shape[-1])
     x = x.unflatten(-1, (-1, group))
     lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    inv = torch.where(hi > lo, 15 / (hi - lo), torch.zeros_like(hi))
-    return (torch.clamp(torch.round((x - lo) * inv), max=15) * ((hi - lo) / 15) + lo).flatten(-2)
+    scale, lo = ((hi - lo) / 15).to(torch.bfloat16).float(), lo.to(torch.bfloat16).float()
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return (torch.clamp(torch.round((x - lo) * inv), 0, 15) * scale + lo).flatten(-2)
 
 
-KV_ROUND_TRIPS = {"int8": _int8_round_trip, "int4": _int4_round_trip}
+KV_ROUND_TRIPS = {"int8": lambda x, kv: _int8_round_trip(x), "int4": _int4_round_trip}
 
 
 def kv_fake_quantized(model, name: str):
@@ -89,7 +90,8 @@ def kv_fake_quantized(model, name: str):
     round_trip = KV_ROUND_TRIPS[name]
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        return sdpa_attention_forward(module, query, round_trip(key), round_trip(value), attention_mask, **kwargs)
+        return sdpa_attention_forward(module, query, round_trip(key, 0), round_trip(value, 1), attention_mask,
+                                      **kwargs)
 
     AttentionInterface.register(f"mobilec_{name}_kv", attention)
     clone = copy.deepcopy(model)

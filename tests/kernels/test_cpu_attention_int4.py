@@ -51,21 +51,23 @@ H_QO, H_KV = 9, 3
 SHAPE = AttentionShape(H_KV, H_QO, D, "int4", PAGE)
 CARRIER = Carrier(CODE_FORMATS["int4"], H_QO, H_KV, D)
 HQ_DECL, HKV_DECL, CELL = SHAPE.declared
-GS = CARRIER.group
-GROUPS = D // GS
 
 
 def test_carrier_geometry():
-    """SmolLM2: 8 floats a cell, 3 code rows + 3 parameter rows (scale and min of 4 groups of 3 heads), 120 fused
-    rows, 108 declared query heads of which the first 72 hold q."""
-    assert (CARRIER.group, CARRIER.cell, CARRIER.declared_kv_heads, CARRIER.fused_rows, CARRIER.declared_heads,
-            CARRIER.q_rows) == (16, 8, 6, 120, 108, 72)
-    positions = [CARRIER.param_position(h, g, i) for h in range(H_KV) for g in range(4) for i in range(2)]
-    assert positions == [(3 + j // 8, j % 8) for j in range(24)]
+    """SmolLM2: 8 floats a cell, 3 code rows + 3 parameter rows (a cell for each of K's 8 groups and V's 4 of each
+    of 3 heads: the K plane's 24 cells), 120 fused rows, 108 declared query heads of which the first 72 hold q."""
+    assert ((CARRIER.group(0), CARRIER.group(1)), CARRIER.cell, CARRIER.declared_kv_heads, CARRIER.fused_rows,
+            CARRIER.declared_heads, CARRIER.q_rows) == ((8, 16), 8, 6, 120, 108, 72)
+    k_cells = [CARRIER.param_position(h, g, 0) for h in range(H_KV) for g in range(8)]
+    assert k_cells == [(3 + j // 8, j % 8) for j in range(24)]
+    v_cells = [CARRIER.param_position(h, g, 1) for h in range(H_KV) for g in range(4)]
+    assert v_cells == [(3 + j // 8, j % 8) for j in range(12)]
     assert CARRIER.declared_heads * CARRIER.cell >= H_QO * D
-    tiny = Carrier(CODE_FORMATS["int4"], 4, 2, 16)  # one group of 16; 2-float cells: 4 parameters take 2 rows
-    assert (tiny.group, tiny.cell, tiny.param_rows, tiny.declared_kv_heads, tiny.declared_heads) == (16, 2, 2, 4, 56)
-    assert Carrier(CODE_FORMATS["int4"], 4, 2, 40).group == 8
+    tiny = Carrier(CODE_FORMATS["int4"], 4, 2, 16)  # K: 2 groups of 8, V: 1 of 16; 2-float cells: K's 4 take 2 rows
+    assert ((tiny.group(0), tiny.group(1)), tiny.cell, tiny.param_rows, tiny.declared_kv_heads,
+            tiny.declared_heads) == ((8, 16), 2, 2, 4, 56)
+    assert (Carrier(CODE_FORMATS["int4"], 4, 2, 40).group(0), Carrier(CODE_FORMATS["int4"], 4, 2, 40).group(1)) \
+        == (8, 8)
 
 
 @functools.cache
@@ -80,40 +82,72 @@ def _build(kind: str, dtype: str = "int4", lanes: int | None = None):
     return tvm.tirx.build(tvm.IRModule({"main": func}), target=RUN)["main"]
 
 
-def quantize(x: np.ndarray):
-    """int4 codes (uint8, 0..15, the shape of x), float32 scales and mins (x's shape with the last axis cut to its
-    groups of GS), as the split kernel makes them."""
-    grouped = x.reshape(*x.shape[:-1], GROUPS, GS)
+def bfloat16(x: np.ndarray) -> np.ndarray:
+    """float32 x rounded to bfloat16 (nearest, ties to even), as float32."""
+    bits = np.asarray(x, "float32").view("uint32").astype("uint64")
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype("uint32").view("float32")
+
+
+def cells(scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
+    """Parameter cells: bfloat16 scale in the low half, min in the high half (cpu_attention.param_cell)."""
+    return ((bfloat16(scales).view("uint32") >> 16) | bfloat16(mins).view("uint32")).view("float32")
+
+
+def uncell(cell: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    bits = np.asarray(cell, "float32").view("uint32")
+    return (bits << 16).view("float32"), (bits & 0xFFFF0000).view("float32")
+
+
+def quantize(x: np.ndarray, kv: int):
+    """int4 codes (uint8, 0..15, the shape of x), scales and mins (bfloat16 values; x's shape with the last axis
+    cut to its groups) of K (kv 0) or V (kv 1) rows, as the split kernel makes them."""
+    gs = CARRIER.group(kv)
+    grouped = x.reshape(*x.shape[:-1], D // gs, gs)
     lo, hi = grouped.min(axis=-1).astype("float32"), grouped.max(axis=-1).astype("float32")
-    inv = np.where(hi > lo, np.float32(15) / np.where(hi > lo, hi - lo, 1), 0).astype("float32")
-    codes = np.minimum(np.round((grouped - lo[..., None]) * inv[..., None]), 15).astype("uint8")
-    return codes.reshape(x.shape), ((hi - lo) / np.float32(15)).astype("float32"), lo
+    scales, mins = bfloat16((hi - lo) / np.float32(15)), bfloat16(lo)
+    inv = np.where(scales > 0, np.float32(1) / np.where(scales > 0, scales, 1), 0).astype("float32")
+    codes = np.clip(np.round((grouped - mins[..., None]) * inv[..., None]), 0, 15).astype("uint8")
+    return codes.reshape(x.shape), scales, mins
 
 
-def dequantize(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
-    grouped = codes.reshape(*codes.shape[:-1], GROUPS, GS).astype("float32")
+def dequantize(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray, kv: int) -> np.ndarray:
+    gs = CARRIER.group(kv)
+    grouped = codes.reshape(*codes.shape[:-1], D // gs, gs).astype("float32")
     return (grouped * scales[..., None] + mins[..., None]).reshape(codes.shape)
 
 
-def pack_rows(x: np.ndarray):
-    """Real K or V rows (..., H_KV, D) -> the carrier's (..., HKV_DECL, CELL) float32 rows of packed codes and
-    parameters; returns (carrier, dequantized x)."""
-    codes, scales, mins = quantize(x)
+def pack_rows(x: np.ndarray, kv: int):
+    """Real K (kv 0) or V (kv 1) rows (..., H_KV, D) -> the carrier's (..., HKV_DECL, CELL) float32 rows of packed
+    codes and parameter cells; returns (carrier, dequantized x)."""
+    codes, scales, mins = quantize(x, kv)
     lead = x.shape[:-2]
     out = np.zeros((*lead, HKV_DECL, CELL), "float32")
     out.view("uint8").reshape(*lead, HKV_DECL, D // 2)[..., :H_KV, :] = codes[..., 0::2] | codes[..., 1::2] << 4
+    packed = cells(scales, mins)
     for h in range(H_KV):
-        for group in range(GROUPS):
-            for i, param in enumerate((scales, mins)):
-                row, cell = CARRIER.param_position(h, group, i)
-                out[..., row, cell] = param[..., h, group]
-    return out, dequantize(codes, scales, mins)
+        for group in range(D // CARRIER.group(kv)):
+            row, cell = CARRIER.param_position(h, group, kv)
+            out[..., row, cell] = packed[..., h, group]
+    return out, dequantize(codes, scales, mins, kv)
+
+
+def scaled_param(carrier: np.ndarray, kv: int, i: int, group: int, factor: float) -> np.ndarray:
+    """Carrier pages (n, 2, HKV_DECL, P, CELL) with parameter i (0: scale, 1: min) of group `group` of every K
+    (kv 0) or V (kv 1) row times `factor`."""
+    bad = carrier.copy()
+    for h in range(H_KV):
+        row, cell = CARRIER.param_position(h, group, kv)
+        params = list(uncell(bad[:, kv, row, :, cell]))
+        params[i] = params[i] * np.float32(factor)
+        bad[:, kv, row, :, cell] = cells(*params)
+    return bad
 
 
 def pack_pages(pages: np.ndarray):
     """Float pages (n, 2, H_KV, P, D) -> the carrier pages (n, 2, HKV_DECL, P, CELL) and the dequantized pages."""
     t = np.nan_to_num(pages.transpose(0, 1, 3, 2, 4))  # (n, 2, P, H_KV, D)
-    carrier, deq = pack_rows(t)
+    packed = [pack_rows(t[:, kv], kv) for kv in (0, 1)]
+    carrier, deq = (np.stack([p[j] for p in packed], axis=1) for j in (0, 1))
     carrier = np.ascontiguousarray(carrier.transpose(0, 1, 3, 2, 4))
     # the rows past a sequence's end (NaN in _cache) get NaN parameters: a kernel reading them gives NaN
     carrier[:, :, H_KV:].transpose(0, 1, 3, 2, 4)[np.isnan(pages[:, :, 0, :, 0])] = np.nan
@@ -159,6 +193,22 @@ def test_decode_matches_numpy_on_dequantized_values(ctx):
     assert np.abs(out - float_out).max() < 0.6
 
 
+@pytest.mark.parametrize("lanes", [4, 8, 16])
+def test_decode_at_every_vector_width(lanes):
+    """NEON's 4 lanes (a vector within a group), AVX2's 8 (K's group exactly) and AVX-512's 16 (two K groups and one
+    V group in a vector: the parameters go lane by lane)."""
+    packed, deq = _int4_cache([45, 3])
+    b = packed["q"].shape[0]
+    out, lse = tvm.runtime.empty((b, HQ_DECL, CELL), "float32"), tvm.runtime.empty((b, HQ_DECL), "float32")
+    _build("decode", "int4", lanes)(
+        tvm.runtime.tensor(to_q_carrier(packed["q"])), tvm.runtime.tensor(packed["pages"]),
+        tvm.runtime.tensor(packed["indptr"]), tvm.runtime.tensor(packed["values"]),
+        tvm.runtime.tensor(packed["last"]), tvm.runtime.tensor(np.zeros(b, "int32")),
+        tvm.runtime.tensor(np.zeros(b, "int32")), out, lse, 0, ROPE_SCALE, ROPE_THETA, SM_SCALE)
+    ref_out, _ = _numpy_reference(deq)
+    np.testing.assert_allclose(from_q_carrier(out.numpy()), ref_out, rtol=1e-5, atol=3e-6)
+
+
 def test_decode_negative_controls():
     """The second groups' scales or mins doubled (K's: the scores change; V's: the output) are caught, and so are
     the two nibbles of
@@ -170,10 +220,7 @@ def test_decode_negative_controls():
     np.testing.assert_allclose(good, ref, rtol=1e-5, atol=3e-6)
     for kv in (0, 1):
         for i in (0, 1):
-            bad = packed["pages"].copy()
-            for h in range(H_KV):
-                row, cell = CARRIER.param_position(h, 1, i)  # the second group's
-                bad[:, kv, row, :, cell] *= 2
+            bad = scaled_param(packed["pages"], kv, i, 1, 2.0)  # the second group's
             out, _ = _decode(dict(packed, pages=bad), packed["q"])
             assert np.abs(out - ref).max() > 1e-2, (kv, i)
     bad = packed["pages"].copy()
@@ -186,8 +233,8 @@ def test_decode_negative_controls():
 @pytest.mark.parametrize("q_lens,causal", [([5], 1), ([37], 1), ([20, 0, 7], 1), ([19, 6], 0)])
 def test_ragged_prefill_matches_numpy(q_lens, causal):
     data = _ragged_data(q_lens, q_lens, H_KV, H_QO)
-    k_car, k_deq = pack_rows(data["k"])
-    v_car, v_deq = pack_rows(data["v"])
+    k_car, k_deq = pack_rows(data["k"], 0)
+    v_car, v_deq = pack_rows(data["v"], 1)
     n = data["q"].shape[0]
     out, lse = tvm.runtime.empty((n, HQ_DECL, CELL), "float32"), tvm.runtime.empty((n, HQ_DECL), "float32")
     _build("ragged")(tvm.runtime.tensor(to_q_carrier(data["q"])), tvm.runtime.tensor(data["q_indptr"]),
@@ -249,22 +296,26 @@ def test_split_rotary_quantizes_k_after_rope_and_v(apply_rope):
     np.testing.assert_allclose(from_q_carrier(q.numpy()), tvm_q.numpy(), rtol=1e-6, atol=1e-6)
     rope = _numpy_rope if apply_rope else lambda x, _: x
     np.testing.assert_allclose(tvm_q.numpy(), rope(qkv[:, :H_QO], pos), atol=3e-4)
-    for got, want in ((k.numpy(), tvm_k.numpy()), (v.numpy(), tvm_v.numpy())):
-        ref_car, ref_deq = pack_rows(want)
-        np.testing.assert_allclose(got[:, H_KV:], ref_car[:, H_KV:], rtol=1e-5, atol=1e-7)  # scales and mins
+    for kv, got, want in ((0, k.numpy(), tvm_k.numpy()), (1, v.numpy(), tvm_v.numpy())):
+        groups = D // CARRIER.group(kv)
+        ref_car, ref_deq = pack_rows(want, kv)
+        ref_scales, ref_mins = quantize(want, kv)[1:]
         got_bytes = got.view("uint8").reshape(n, HKV_DECL, D // 2)[:, :H_KV]
         codes = np.stack([got_bytes & 15, got_bytes >> 4], axis=-1).reshape(n, H_KV, D).astype(int)
-        ref_codes = quantize(want)[0].astype(int)
+        ref_codes = quantize(want, kv)[0].astype(int)
         assert np.abs(codes - ref_codes).max() <= 1 and (codes == ref_codes).mean() > 0.99
-        scales, mins = (np.stack([np.stack([got[:, row, cell] for row, cell in (CARRIER.param_position(h, g, i)
-                                                                       for g in range(GROUPS))], -1)
-                                  for h in range(H_KV)], 1) for i in (0, 1))
-        got_deq = dequantize(codes, scales, mins)
+        scales, mins = (np.stack([np.stack([uncell(got[:, row, cell])[i] for row, cell in (
+            CARRIER.param_position(h, g, kv) for g in range(groups))], -1) for h in range(H_KV)], 1) for i in (0, 1))
+        # bfloat16 values: the kernel's k (its own RoPE) may round to the neighbour of TVM's
+        np.testing.assert_allclose(scales, ref_scales, rtol=2**-7)
+        np.testing.assert_allclose(mins, ref_mins, rtol=2**-7, atol=1e-30)
+        got_deq = dequantize(codes, scales, mins, kv)
         np.testing.assert_allclose(got_deq, ref_deq, atol=1.01 * scales.max() + 1e-6)
-        assert np.abs(got_deq - want).max() <= 0.51 * scales.max() + 1e-6
+        # half a step from the codes, and the min's bfloat16 rounding
+        assert np.abs(got_deq - want).max() <= 0.51 * scales.max() + 2**-8 * np.abs(mins).max() + 1e-6
     constant = v.numpy()[4]
-    for group in range(GROUPS):
-        scale, low = (constant[CARRIER.param_position(0, group, i)] for i in (0, 1))
+    for group in range(D // CARRIER.group(1)):
+        scale, low = uncell(constant[CARRIER.param_position(0, group, 1)])
         assert (scale, low) == (0, np.float32(0.25))
     assert not constant[0].view("uint8").any()
 

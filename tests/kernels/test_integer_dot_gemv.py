@@ -168,6 +168,8 @@ ARM_LAYOUTS = LAYOUTS + [
     (4, 32, False, "float16", 576),  # GGUF Q4_1 at SmolLM2's hidden size: 4 steps and a 2-block last step
     (8, 32, True, "float16", 576),  # GGUF Q8_0 lm_head
     (4, 128, True, "float16", 576),  # q4f16_g128: a short last group inside the last step
+    (8, 32, False, "float32", 576),  # GGUF Q5_K re-laid: 8-bit codes, a float32 scale and min per 32 (dotprod:
+    # centred, the 128 joining each step's mins)
 ]
 # rows: 48 steps 4 rows together (asymmetric 4-bit codes: 2); 6 (tasks of 2 rows) 2; 5 one
 ARM_ROWS = {index: N for index in range(len(ARM_LAYOUTS))} | {1: 6, 7: 5, 8: 6}

@@ -168,14 +168,14 @@ class GemvShape:
 
     def supported(self) -> bool:
         # Both 32-code blocks of a 4-bit step must fall in one group, or each have their own (group 32); mins
-        # are read per group of at most 32 values; centred codes drop the -offset term, which only symmetric codes
-        # have.
+        # are read per group of at most 32 values; centred codes drop the -offset term of symmetric codes, and
+        # asymmetric ones take the centring into each step's mins (mins_per_step).
         return (self.bits in (4, 8) and self.act_bits in ACTIVATION_BITS and any(
                     self.family in module.FAMILIES for module in VARIANTS.values())
                 and self.k % BLOCK == 0 and (self.group % BLOCK == 0 or self.half_block_groups)
                 and (self.tail_blocks == 0 or _variant(self.family).TAIL_STEPS)
                 and (self.group <= BLOCK or self.group % (BLOCK * self.blocks_per_step) == 0)
-                and (self.symmetric or (self.group <= BLOCK and not self.centered))
+                and (self.symmetric or (self.group <= BLOCK and (not self.centered or self.mins_per_step)))
                 and not (self.centered and self.offset != 128))  # centring subtracts 128, not another zero
 
     def activation_name(self) -> str:
@@ -275,13 +275,16 @@ def _step_sum(shape: GemvShape, acc, xq, xs, xo, w, d, m, n, step, blocks: int |
     ints = step_dot(shape, w, xq, n, step) if blocks is None else step_dot(shape, w, xq, n, step, blocks)
     dot = T.Cast(f"float32x{shape.lanes}", ints)
     scale = _lane_scale(shape, d, n, step, blocks)
-    if shape.centered:  # the dot already holds sum (c - 128) q
+    if shape.centered and shape.symmetric:  # the dot already holds sum (c - 128) q
         return acc + dot * xs[terms] * scale
     if shape.symmetric:
         # xo holds -offset * xs * sum q: one FMA gives the block's sum of (c - offset) x
         return acc + (dot * xs[terms] + xo[terms]) * scale
     if shape.mins_per_step:  # xo holds xs * sum q per lane
-        return acc + xo[terms] * _lane_scale(shape, m, n, step, blocks) + dot * xs[terms] * scale
+        mins = _lane_scale(shape, m, n, step, blocks)
+        if shape.centered:  # the dot holds sum (c - 128) q: the 128 codes join the min, c * d + m = (c - 128) d + m'
+            mins = mins + scale * T.broadcast(T.float32(128), shape.lanes)
+        return acc + xo[terms] * mins + dot * xs[terms] * scale
     return acc + dot * xs[terms] * scale  # the mins' term comes once per row (gemv)
 
 

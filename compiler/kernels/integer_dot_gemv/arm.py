@@ -19,7 +19,8 @@ order the activation kernel stores activations, and how many rows step together.
 - 4-bit codes 0..15 are valid int8: `sdot` takes them unsigned, and the -8 offset of symmetric codes is the
   activation sum term (as on x86), so no per-code subtraction as in llama.cpp's Q4_0 kernel.
 - 8-bit codes 0..255: with i8mm, `usdot` (unsigned codes x signed activations) takes them as they are; with dotprod
-  alone they go in as c - 128 (one EOR per 16 codes, GemvShape.centered) and the offset term drops out.
+  alone they go in as c - 128 (one EOR per 16 codes, GemvShape.centered): the offset term of symmetric codes drops
+  out, and asymmetric ones (GGUF Q5_K) take 128 scales into each step's mins (c d + m = (c - 128) d + 128 d + m).
 - int16 activations (the float-accurate default): q = 256 h + l with l and h int8 (|q| <= 32639 so that h fits),
   stored as two byte planes; each block is `sdot`ed with h, shifted left by 8 and `sdot`ed with l: 4 dot products
   per 32 codes instead of 2, no widening (llvm-mca Neoverse-N2: ~1.5x the int8 cycles).

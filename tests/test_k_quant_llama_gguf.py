@@ -129,22 +129,23 @@ def test_k_quant_layers_keep_their_layouts_and_decode_on_integer_dot_gemvs(artif
         symbols = artifact.library.read_bytes()
         assert b"integer_dot_gemv_int4_g32_asym_float32_" in symbols
         assert b"integer_dot_gemv_int8_g32_asym_float32_" in symbols
-        if artifact.config["cpu"]["arch"] == "x86_64":  # 16-value groups (arm.py leaves them to the float GEMV)
-            assert b"integer_dot_gemv_int8_g16_sym_float32_" in symbols  # Q6_K
-            assert b"integer_dot_gemv_int8_g16_asym_float32_" in symbols  # Q4_K q/k joined with a Q6_K v
+        assert b"integer_dot_gemv_int8_g16_sym_float32_" in symbols  # Q6_K
+        assert b"integer_dot_gemv_int8_g16_asym_float32_" in symbols  # Q4_K q/k joined with a Q6_K v
 
 
 def test_linux_arm64_build_decodes_k_quants_with_sdot_on_the_emulated_device(path, reference, emulated_arm_device,
                                                                               tmp_path):
-    """linux-arm64 (dotprod): Q4_K and Q5_K layers decode on the aarch64 integer GEMVs (Q5_K's 8-bit asymmetric
-    codes centred for `sdot`, the 128 joining each step's mins), benched through the tracker on the emulated arm64
-    device: its greedy tokens are transformers' from the same file."""
+    """linux-arm64 (dotprod): every K-quant layer decodes on the aarch64 integer GEMVs (Q5_K's 8-bit asymmetric
+    codes centred for `sdot`, the 128 joining each step's mins; Q6_K's 16-value groups a block per step), benched
+    through the tracker on the emulated arm64 device: its greedy tokens are transformers' from the same file."""
     arm = tmp_path / "arm64"
     compile_model(CompileOptions(str(path), "linux-arm64", "gguf", str(arm), context_window=64, progress=False,
                                  kv_dtype="f32"))
     symbols = load_artifact(arm).library.read_bytes()
     assert b"integer_dot_gemv_int8_g32_asym_float32_a16_dotprod_" in symbols  # Q5_K
     assert b"integer_dot_gemv_int4_g32_asym_float32_a16_dotprod_" in symbols  # Q4_K
+    assert b"integer_dot_gemv_int8_g16_sym_float32_a16_dotprod_" in symbols  # Q6_K: a block per step
+    assert b"integer_dot_gemv_int8_g16_asym_float32_a16_dotprod_" in symbols  # Q4_K q/k joined with a Q6_K v
     result = _bench_on_device(arm, emulated_arm_device, 16, session_timeout=600)
     prompt = prompt_ids(CONFIG["vocab_size"], result["prompt_len"], result["prompt_seed"])
     ref_tokens = reference_greedy(reference, [int(t) for t in prompt], 16)[0]

@@ -118,10 +118,9 @@ def test_negative_controls_fail_the_same_tolerance():
 @pytest.mark.parametrize("bits,grp,k,symmetric", [(4, 32, 96, True), (4, 48, 192, True), (4, 16, 64, True),
                                                    (4, 32, 100, True), (3, 32, 64, True), (4, 64, 128, False)])
 def test_refuses_shapes_it_cannot_step_through(bits, grp, k, symmetric):
-    """4-bit steps take two 32-code blocks (K/64 whole), groups hold whole blocks (8-bit codes on x86: also halves,
+    """4-bit steps take two 32-code blocks (K/64 whole), groups hold whole blocks (8-bit codes: also halves,
     tests/quantization/test_gguf_k_quants.py), bits 4 or 8, mins per 32 (or 16)."""
     assert not GemvShape(N, k, bits, grp, symmetric, "float16").supported()
-    assert not GemvShape(N, k, 8, 16, True, "float16", family="dotprod").supported()  # arm.py: a lane per block
 
 
 # family -> (act bits -> instructions its GEMV must contain, and must not); ymm int16 codes are widened by shifts
@@ -170,6 +169,8 @@ ARM_LAYOUTS = LAYOUTS + [
     (4, 128, True, "float16", 576),  # q4f16_g128: a short last group inside the last step
     (8, 32, False, "float32", 576),  # GGUF Q5_K re-laid: 8-bit codes, a float32 scale and min per 32 (dotprod:
     # centred, the 128 joining each step's mins)
+    (8, 16, True, "float32", 576),  # a scale per 16 values (as GGUF Q6_K): a block per step, a half in 2 lanes
+    (8, 16, False, "float32", 576),  # and a min per 16 (Q4_K q/k joined with a Q6_K v)
 ]
 # rows: 48 steps 4 rows together (asymmetric 4-bit codes: 2); 6 (tasks of 2 rows) 2; 5 one
 ARM_ROWS = {index: N for index in range(len(ARM_LAYOUTS))} | {1: 6, 7: 5, 8: 6}

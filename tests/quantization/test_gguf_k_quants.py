@@ -186,7 +186,7 @@ def _gemv_case(ggml_type: str, act_bits: int, dot_family: str):
 
 
 @pytest.mark.parametrize("dot_family", RUNNABLE)
-@pytest.mark.parametrize("ggml_type,act_bits", [("Q4_K", 16), ("Q4_K", 8), ("Q5_K", 16), ("Q6_K", 16)])
+@pytest.mark.parametrize("ggml_type,act_bits", [("Q4_K", 16), ("Q4_K", 8), ("Q5_K", 16), ("Q6_K", 16), ("Q6_K", 8)])
 def test_integer_dot_gemv_on_k_quants_matches_gguf_values_times_x(ggml_type, act_bits, dot_family):
     shape, arrays, x, weights = _gemv_case(ggml_type, act_bits, dot_family)
     ref = weights @ x
@@ -218,30 +218,26 @@ def test_integer_dot_gemv_on_k_quants_matches_gguf_values_times_x(ggml_type, act
 @pytest.mark.parametrize("ggml_type", K_QUANTS)
 def test_every_family_builds_k_quant_gemvs(dot_family, ggml_type):
     """Built, not run, for every x86 and aarch64 family with int16 activations: its dot instructions read the
-    layout. Left to the float GEMV: Q6_K's 16-value groups on aarch64 (arm.py has a lane per block). Q5_K's 8-bit
-    asymmetric codes on dotprod are centred, the 128 joining each step's mins."""
+    layout (aarch64: Q6_K's 16-value groups a block per step, two lanes per half; Q5_K's 8-bit asymmetric codes on
+    dotprod centred, the 128 joining each step's mins)."""
     target = {**X86_FAMILY_TARGETS, **ARM_FAMILY_TARGETS}[dot_family]
     layout = LAYOUTS[ggml_type]
     shape = GemvShape(N, K, layout.bits, layout.group, layout.symmetric, layout.scale_dtype, 16, dot_family,
                       layout.zero_code)
-    if (ggml_type, dot_family) in {("Q6_K", "i8mm"), ("Q6_K", "dotprod")}:
-        assert not shape.supported()
-        return
     assert shape.supported()
     asm = assembly(tvm.tirx.build(_module(shape), target=target))
     instruction = "vpmaddwd" if dot_family in X86_FAMILY_TARGETS else "s?u?s?dot"
     assert re.search(rf"\b{instruction}\b", asm), dot_family
 
 
-def test_int8_activations_leave_centred_8_bit_k_quants_to_the_float_gemv():
-    """Asymmetric 8-bit codes, or symmetric ones about code 32, where the family centres codes about 128 (int8
-    activations on AVX2 or AVX-512BW without VNNI, dotprod) are not integer-dot shapes: IntegerDotGEMV leaves Q5_K
-    and Q6_K there to the float GEMV; except Q5_K on dotprod, whose steps take the centring into their mins
-    (arm.py: mins per step)."""
+def test_int8_activations_leave_centred_asymmetric_8_bit_k_quants_to_the_float_gemv_on_x86():
+    """Asymmetric 8-bit codes where the family centres codes about 128 (int8 activations on AVX2 or AVX-512BW
+    without VNNI) are not integer-dot shapes on x86, whose mins' term comes once per row: IntegerDotGEMV leaves Q5_K
+    there to the float GEMV. Centred symmetric codes about 32 (Q6_K) keep 96 of each code's offset in the
+    activation sums; dotprod's steps take Q5_K's centring into their mins (arm.py: mins per step)."""
     for ggml_type in ("Q5_K", "Q6_K"):
         lay = LAYOUTS[ggml_type]
         for dot_family in ("avx2", "avx512bw", "avxvnni", "dotprod"):
             shape = GemvShape(N, K, lay.bits, lay.group, lay.symmetric, lay.scale_dtype, 8, dot_family, lay.zero_code)
-            # vpdpbusd: uncentred
-            assert shape.supported() == (dot_family == "avxvnni" or (ggml_type, dot_family) == ("Q5_K", "dotprod")), \
-                (ggml_type, dot_family)
+            assert shape.supported() == (ggml_type == "Q6_K" or dot_family in ("avxvnni", "dotprod")), \
+                (ggml_type, dot_family)  # vpdpbusd: uncentred

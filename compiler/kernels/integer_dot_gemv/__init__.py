@@ -15,8 +15,8 @@ variant turns them into int32 lanes, each a sum of products of one block, and sa
 kernel stores the activations so that every instruction reads them contiguously; the activation kernel also writes
 its per-block terms already repeated per lane, so the only shuffle left widens the two weight scales of a 4-bit
 step to [d0 ..., d1 ...]. A variant may also step through 4 blocks with a lane each and a shorter last step,
-several rows at a time, the mins' term per step (arm.py). Asymmetric 8-bit codes may also have a scale and min per
-16 values (GGUF Q6_K) where the variant sums each half of a block in its own half of the lanes (x86.py). Every
+several rows at a time, the mins' term per step (arm.py). 8-bit codes may also have a scale (and min) per 16 values
+(GGUF Q6_K) where the variant sums each half of a block in its own half of the lanes (x86.py, arm.py). Every
 variant file defines the same names: FAMILIES, TAIL_STEPS, MINS_PER_STEP, HALF_BLOCK_GROUPS, reduce_rows,
 rows_together, chains, blocks_per_step, qmax, centered, split_int16, int32_lanes, activation_index and step_dot.
 
@@ -168,15 +168,14 @@ class GemvShape:
 
     def supported(self) -> bool:
         # Both 32-code blocks of a 4-bit step must fall in one group, or each have their own (group 32); mins
-        # are read per group of at most 32 values; centred codes drop the -offset term of symmetric codes, and
-        # asymmetric ones take the centring into each step's mins (mins_per_step).
+        # are read per group of at most 32 values; centred symmetric codes keep 128 - offset of the offset term (none
+        # about 128), and asymmetric ones take the centring into each step's mins (mins_per_step).
         return (self.bits in (4, 8) and self.act_bits in ACTIVATION_BITS and any(
                     self.family in module.FAMILIES for module in VARIANTS.values())
                 and self.k % BLOCK == 0 and (self.group % BLOCK == 0 or self.half_block_groups)
                 and (self.tail_blocks == 0 or _variant(self.family).TAIL_STEPS)
                 and (self.group <= BLOCK or self.group % (BLOCK * self.blocks_per_step) == 0)
-                and (self.symmetric or (self.group <= BLOCK and (not self.centered or self.mins_per_step)))
-                and not (self.centered and self.offset != 128))  # centring subtracts 128, not another zero
+                and (self.symmetric or (self.group <= BLOCK and (not self.centered or self.mins_per_step))))
 
     def activation_name(self) -> str:
         """What the activation kernel depends on: K, the code order (bits, and the family's lanes), the sum terms
@@ -195,10 +194,12 @@ class GemvShape:
 def quantize_activation(shape: GemvShape, x_shape: tuple[int, ...]) -> tirx.PrimFunc:
     """x [..., K] float32 (one row) -> xq [K] (int16 or int8) in the GEMV's code order, xs float32 [lane_terms]
     (per lane, its block's scale) and xo float32 [sum_terms] (symmetric codes: per lane, -offset * xs * the sum of q
-    over the lane's group / its lanes; asymmetric: per group of 32 or 16 values, xs * its sum of q)."""
+    over the lane's group / its lanes, the offset less 128 for centred codes; asymmetric: per lane with mins per
+    step, xs * the sum over its group / its lanes, else per group of 32 or 16 values, xs * its sum of q)."""
     k, lanes, qmax, act = shape.k, shape.lanes_per_block, float(shape.qmax), shape.act_dtype
     halves = 2 if shape.half_block_groups else 1  # groups per block: each half of the lanes sums its own
-    sum_factor = -shape.offset / (lanes // halves)
+    # centred codes (c - 128) leave 128 - offset of each code's offset to the sums
+    sum_factor = -(shape.offset - (128 if shape.centered else 0)) / (lanes // halves)
     symmetric = shape.symmetric
     lane_sums = symmetric or shape.mins_per_step  # xo per lane, else per group
     order = _variant(shape.family).activation_index
@@ -237,7 +238,8 @@ def quantize_activation(shape: GemvShape, x_shape: tuple[int, ...]) -> tirx.Prim
                         xo[b * lanes + lane] = (amax[0] / T.float32(qmax) * T.Cast("float32", qsum[lane * halves // lanes])
                                                 * T.float32(sum_factor))
                     elif lane_sums:
-                        xo[b * lanes + lane] = amax[0] / T.float32(qmax) * T.Cast("float32", qsum[0]) / T.float32(lanes)
+                        xo[b * lanes + lane] = (amax[0] / T.float32(qmax) * T.Cast("float32", qsum[lane * halves // lanes])
+                                                / T.float32(lanes // halves))
                 if not lane_sums:
                     for h in range(halves):
                         xo[b * halves + h] = amax[0] / T.float32(qmax) * T.Cast("float32", qsum[h])
@@ -275,7 +277,7 @@ def _step_sum(shape: GemvShape, acc, xq, xs, xo, w, d, m, n, step, blocks: int |
     ints = step_dot(shape, w, xq, n, step) if blocks is None else step_dot(shape, w, xq, n, step, blocks)
     dot = T.Cast(f"float32x{shape.lanes}", ints)
     scale = _lane_scale(shape, d, n, step, blocks)
-    if shape.centered and shape.symmetric:  # the dot already holds sum (c - 128) q
+    if shape.centered and shape.symmetric and shape.offset == 128:  # the dot already holds sum (c - 128) q
         return acc + dot * xs[terms] * scale
     if shape.symmetric:
         # xo holds -offset * xs * sum q: one FMA gives the block's sum of (c - offset) x

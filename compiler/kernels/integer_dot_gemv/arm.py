@@ -11,6 +11,8 @@ order the activation kernel stores activations, and how many rows step together.
   the same shards); `ld4` de-interleaves at load time, where re-laying them was the alternative.
 - Other steps (8-bit codes, a shorter last step): a block's two 16-code vectors (a 16-byte load split into nibbles,
   or two loads) and two `sdot`s give its sum in 4 lanes; `addp` of `addp`s folds 4 blocks' lanes into one int32x4.
+  8-bit codes with a scale per 16 values (GGUF Q6_K, 6-bit codes about 32) step one block at a time: one `addp` of
+  its halves' `sdot`s puts each half's sum in 2 lanes, which take that half's scale.
 - The float work of a step (convert, scale by activation and weight scales, accumulate; for asymmetric codes also
   the 4 mins times the blocks' activation sums) is 4-6 instructions per 128 codes, and a step's 4 weight scales are
   one 8-byte load and `fcvtl`, in lane order. A K that is not a multiple of 128 ends in a shorter step (SmolLM2's
@@ -40,7 +42,7 @@ BLOCKS_PER_STEP = 4  # one int32x4 of block sums per step
 TAIL_STEPS = True  # a K of whole blocks that are not a multiple of a step ends in a shorter step
 LANES = 4
 MINS_PER_STEP = True  # asymmetric codes: the step's 4 mins times the 4 blocks' activation sums, one FMA
-HALF_BLOCK_GROUPS = False  # a lane per block: 16-value groups (GGUF Q6_K) stay with the float GEMV
+HALF_BLOCK_GROUPS = True  # 8-bit codes in groups of 16 (GGUF Q6_K): a block per step, 2 lanes per half
 
 
 # int_dot family -> whether it has an unsigned x signed int8 dot product (usdot)
@@ -63,7 +65,7 @@ def chains(shape) -> int:
 
 
 def blocks_per_step(shape) -> int:
-    return BLOCKS_PER_STEP
+    return 1 if shape.half_block_groups else BLOCKS_PER_STEP
 
 
 def int32_lanes(shape) -> int:
@@ -167,6 +169,10 @@ def _interleaved_step_dot(shape, w, xq, n, step):
 def step_dot(shape, w, xq, n, step, blocks: int = BLOCKS_PER_STEP):
     """Lane i: the sum of codes times activations of block step * 4 + i (zero past `blocks`, a shorter last step).
     For int16 activations xq is the byte view of the activation planes."""
+    if shape.half_block_groups:  # lanes 0-1: the block's first 16 codes, 2-3: its last 16
+        halves = [_dot_vectors(shape, [codes], xq, step * 2 + h) for h, codes in enumerate(_block_codes(shape, w, n,
+                                                                                                          step))]
+        return _addp(halves[0], halves[1])
     if blocks == BLOCKS_PER_STEP and shape.bits == 4:
         return _interleaved_step_dot(shape, w, xq, n, step)
     sums = [_block_dot(shape, w, xq, n, step * BLOCKS_PER_STEP + i) for i in range(blocks)]

@@ -150,8 +150,9 @@ class GemvShape:
 
     @property
     def mins_per_step(self) -> bool:
-        """Asymmetric codes: the mins' term joins each step's float work (arm.py: a lane per block, so the step's
-        mins are one 4-lane vector) instead of one dot with the row's mins after the steps (x86)."""
+        """Asymmetric codes: the mins' term joins each step's float work (arm.py: a lane per block, or per half of a
+        block's lanes, so the step's mins are one 4-lane vector) instead of one dot with the row's mins after the
+        steps (x86)."""
         return not self.symmetric and _variant(self.family).MINS_PER_STEP
 
     @property

@@ -57,7 +57,8 @@ def check_options(method: str | None, calib_text: str | None, layout: GroupLayou
 # ---------------------------------------------------------------- quantization in torch (search and GPTQ)
 
 def _group_scale(g, layout: GroupLayout):
-    """torch version of group._symmetric_scale on [..., group] values: the same candidates, the same choice."""
+    """torch version of group._symmetric_scale on [..., group] values: the same candidates, the same choice. Returns
+    (the stored scale, the plain grid's float32 scale before its rounding: group._plain_codes takes codes from it)."""
     import torch  # pylint: disable=import-outside-toplevel
 
     dtype = getattr(torch, layout.scale_dtype)
@@ -66,18 +67,25 @@ def _group_scale(g, layout: GroupLayout):
     best = torch.zeros_like(base)
     for t in scale_candidates(layout):
         s = (base * float(t)).to(dtype).float()
-        err = ((_codes(g, s[..., None], layout) - layout.offset) * s[..., None] - g).square().sum(dim=-1)
+        codes = _codes(g, s[..., None], base[..., None], layout)
+        err = ((codes - layout.offset) * s[..., None] - g).square().sum(dim=-1)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best = torch.where(better, s, best)
-    return best
+    return best, base
 
 
-def _codes(w, scale, layout: GroupLayout):
+def _codes(w, scale, base, layout: GroupLayout):
+    """Codes of w: on the plain grid (one candidate) from its unrounded scale `base`, halves up (group._plain_codes);
+    else nearest to the stored `scale` (group._symmetric_codes)."""
     import torch  # pylint: disable=import-outside-toplevel
 
+    top = (1 << layout.bits) - 1
+    if len(scale_candidates(layout)) == 1:
+        inv = torch.where(base != 0, 1 / torch.where(base != 0, base, 1.0), 0.0)
+        return torch.clamp(torch.floor(w * inv + (layout.offset + 0.5)), 0, top)
     q = torch.where(scale != 0, torch.round(w / torch.where(scale != 0, scale, 1.0)), 0.0)
-    return torch.clamp(q + layout.offset, 0, (1 << layout.bits) - 1)
+    return torch.clamp(q + layout.offset, 0, top)
 
 
 def fake_quantize(w, layout: GroupLayout):
@@ -87,8 +95,9 @@ def fake_quantize(w, layout: GroupLayout):
     n, k = w.shape
     kp = layout.padded_k(k)
     g = torch.nn.functional.pad(w, (0, kp - k)).view(n, kp // layout.group, layout.group)
-    scale = _group_scale(g, layout)[..., None]
-    return (_codes(g, scale, layout) * scale + scale * -layout.offset).view(n, kp)[:, :k]  # as group.dequantize
+    scale, base = _group_scale(g, layout)
+    scale, base = scale[..., None], base[..., None]
+    return (_codes(g, scale, base, layout) * scale + scale * -layout.offset).view(n, kp)[:, :k]  # as group.dequantize
 
 
 def search_scale(w, xs, mean_abs, layout: GroupLayout, heads: tuple[int, int, int] | None = None):
@@ -138,9 +147,9 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, layout: GroupLayout) -> di
         for j in range(b1 - b0):
             col = b0 + j
             if col % layout.group == 0:
-                scale = _group_scale(block[:, j : j + layout.group], layout)
+                scale, base = _group_scale(block[:, j : j + layout.group], layout)
                 scales[:, col // layout.group] = scale
-            codes[:, col] = _codes(block[:, j], scale, layout)
+            codes[:, col] = _codes(block[:, j], scale, base, layout)
             err = (block[:, j] - (codes[:, col] - layout.offset) * scale) / ub[j, j]
             block[:, j:] -= err[:, None] * ub[j, j:][None, :]
             errors[:, j] = err

@@ -22,7 +22,7 @@ import numpy as np
 from .. import validate
 from ..errors import MobilecError
 from ..loaders import Checkpoint
-from .group import GroupLayout, pack_codes, quantize, scale_candidates, stored_codes
+from .group import GroupLayout, pack_codes, plain_grid, quantize, scale_candidates, stored_codes
 
 METHODS = ("awq",)
 CALIB_WINDOWS, CALIB_WINDOW = 8, 512  # windows spread over the text: GPTQ overfits fewer tokens (K is 576-1536)
@@ -57,8 +57,8 @@ def check_options(method: str | None, calib_text: str | None, layout: GroupLayou
 # ---------------------------------------------------------------- quantization in torch (search and GPTQ)
 
 def _group_scale(g, layout: GroupLayout):
-    """torch version of group._symmetric_scale on [..., group] values: the same candidates, the same choice. Returns
-    (the stored scale, the plain grid's float32 scale before its rounding: group._plain_codes takes codes from it)."""
+    """torch version of group._symmetric's scale on [..., group] values: the same candidates, the same choice.
+    Returns (the stored scale, the plain grid's float32 scale before its rounding, which its codes come from)."""
     import torch  # pylint: disable=import-outside-toplevel
 
     dtype = getattr(torch, layout.scale_dtype)
@@ -76,12 +76,12 @@ def _group_scale(g, layout: GroupLayout):
 
 
 def _codes(w, scale, base, layout: GroupLayout):
-    """Codes of w: on the plain grid (one candidate) from its unrounded scale `base`, halves up (group._plain_codes);
-    else nearest to the stored `scale` (group._symmetric_codes)."""
+    """Codes of w as group._symmetric takes them: on the plain grid from its unrounded scale `base`, halves up; else
+    nearest to the stored `scale`."""
     import torch  # pylint: disable=import-outside-toplevel
 
     top = (1 << layout.bits) - 1
-    if len(scale_candidates(layout)) == 1:
+    if plain_grid(layout):
         inv = torch.where(base != 0, 1 / torch.where(base != 0, base, 1.0), 0.0)
         return torch.clamp(torch.floor(w * inv + (layout.offset + 0.5)), 0, top)
     q = torch.where(scale != 0, torch.round(w / torch.where(scale != 0, scale, 1.0)), 0.0)

@@ -78,7 +78,7 @@ def scale_candidates(layout: GroupLayout) -> np.ndarray:
 
     8 bits: 1 to 1.2 (a wider grid than the largest value needs can round the rest better): SmolLM2 q8f16_g128
     perplexity +0.51% -> +0.03%; and 128/127, the grid of GGUF Q8_0 (scale = largest magnitude / 127), on which
-    weights that were Q8_0 (SmolLM2's embedding) quantize without error. 4 bits: 1 only (_plain_codes). The same
+    weights that were Q8_0 (SmolLM2's embedding) quantize without error. 4 bits: 1 only (plain_grid). The same
     search there lowered the error but not perplexity (q4f16_g32 +19.6% -> +17.5%, q4f16_g128 +44% -> +48%, with
     AWQ+GPTQ +15.4% -> +20.1%); at 16 levels the largest magnitudes, kept exact at 1, matter more than the mean
     error. Below 1 (clipping) was worse still.
@@ -86,34 +86,35 @@ def scale_candidates(layout: GroupLayout) -> np.ndarray:
     return np.append(np.linspace(1.0, 1.2, 17), 128 / 127) if layout.bits == 8 else np.ones(1)
 
 
-def _symmetric_scale(g: np.ndarray, layout: GroupLayout) -> np.ndarray:
-    """[n, groups, group] values -> the [n, groups] scale (in the stored dtype) that minimizes squared error."""
+def plain_grid(layout: GroupLayout) -> bool:
+    """Whether the layout's scale is the plain grid's (one candidate: 4 bits), its codes taken as llama.cpp's Q4_0
+    quantizer takes them (_symmetric)."""
+    return len(scale_candidates(layout)) == 1
+
+
+def _symmetric(g: np.ndarray, layout: GroupLayout) -> tuple[np.ndarray, np.ndarray]:
+    """[n, groups, group] values -> the [n, groups] scale (in the stored dtype) and the codes. The plain grid (the
+    signed largest magnitude onto code 0): codes as llama.cpp's Q4_0 quantizer makes them, from the float32 scale
+    before its rounding to the stored dtype, halves rounded up, so q4f16_g32 stores, bit for bit, the Q4_0 blocks
+    llama.cpp (and gguf's quantizer) write for the same weights (codes taken against the rounded scale instead differ
+    in ~0.05% of SmolLM2's codes, with no lower error). Searched scales: the candidate that minimizes squared error,
+    codes taken against it as stored."""
     idx = np.abs(g).argmax(axis=2)[:, :, None]
-    base = np.take_along_axis(g, idx, axis=2)[:, :, 0] / -layout.offset
-    candidates = scale_candidates(layout)
-    if len(candidates) == 1:  # nothing to choose between (4 bits): skip the error computation
-        return (base * np.float32(candidates[0])).astype(layout.scale_dtype)
+    base = np.take_along_axis(g, idx, axis=2)[:, :, 0] / np.float32(-layout.offset)
+    if plain_grid(layout):  # nothing to choose between: skip the error computation
+        inv = np.divide(np.float32(1), base, out=np.zeros_like(base), where=base != 0)[:, :, None]
+        codes = np.clip(np.floor(g * inv + np.float32(layout.offset + 0.5)), 0, (1 << layout.bits) - 1)
+        return base.astype(layout.scale_dtype), codes
     best_err = np.full(base.shape, np.inf, np.float32)
     best = np.zeros(base.shape, np.float32)
-    for t in candidates:
+    for t in scale_candidates(layout):
         s = (base * np.float32(t)).astype(layout.scale_dtype).astype(np.float32)
         q = _symmetric_codes(g, s[:, :, None], layout) - layout.offset
         err = np.square(q * s[:, :, None] - g).sum(axis=2)
         better = err < best_err
         best_err = np.where(better, err, best_err)
         best = np.where(better, s, best)
-    return best.astype(layout.scale_dtype)
-
-
-def _plain_codes(g: np.ndarray, layout: GroupLayout) -> np.ndarray:
-    """[n, groups, group] values -> codes on the plain grid (the signed largest magnitude onto code 0) as llama.cpp's
-    Q4_0 quantizer makes them: from the float32 scale before its rounding to the stored dtype, halves rounded up.
-    So q4f16_g32 stores, bit for bit, the Q4_0 blocks llama.cpp (and gguf's quantizer) write for the same weights.
-    (Codes taken against the rounded scale instead differ in ~0.05% of SmolLM2's codes, with no lower error.)"""
-    idx = np.abs(g).argmax(axis=2)[:, :, None]
-    base = np.take_along_axis(g, idx, axis=2) / np.float32(-layout.offset)
-    inv = np.divide(np.float32(1), base, out=np.zeros_like(base), where=base != 0)
-    return np.clip(np.floor(g * inv + np.float32(layout.offset + 0.5)), 0, (1 << layout.bits) - 1)
+    return best.astype(layout.scale_dtype), _symmetric_codes(g, best[:, :, None], layout)
 
 
 def _symmetric_codes(g: np.ndarray, s: np.ndarray, layout: GroupLayout) -> np.ndarray:
@@ -123,7 +124,7 @@ def _symmetric_codes(g: np.ndarray, s: np.ndarray, layout: GroupLayout) -> np.nd
 
 def quantize(w: np.ndarray, layout: GroupLayout) -> dict[str, np.ndarray]:
     """Float [n, k] -> the stored arrays. Searched scales (8 bits): codes computed from the scale as stored (after
-    dtype rounding); the plain grid (4 bits): as llama.cpp's Q4_0 (_plain_codes)."""
+    dtype rounding); the plain grid (4 bits): as llama.cpp's Q4_0 (_symmetric)."""
     n, k = w.shape
     kp = layout.padded_k(k)
     wp = np.zeros((n, kp), np.float32)
@@ -131,9 +132,7 @@ def quantize(w: np.ndarray, layout: GroupLayout) -> dict[str, np.ndarray]:
     g = wp.reshape(n, kp // layout.group, layout.group)
     qmax = (1 << layout.bits) - 1
     if layout.symmetric:
-        scale = _symmetric_scale(g, layout)
-        codes = (_plain_codes(g, layout) if len(scale_candidates(layout)) == 1
-                 else _symmetric_codes(g, scale.astype(np.float32)[:, :, None], layout))
+        scale, codes = _symmetric(g, layout)
         out = {"q_scale": scale}
     else:
         lo = g.min(axis=2)

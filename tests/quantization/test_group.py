@@ -53,7 +53,7 @@ def test_quantize_error_is_bounded_by_half_a_step(layout, k):
         assert np.all(per_group(back) <= per_group(plain_back) * (1 + 1e-2) + 1e-9)
         if layout.bits == 8:
             assert (per_group(back) < 0.99 * per_group(plain_back)).any()
-        else:  # 4 bits keep the plain grid, codes taken as llama.cpp's Q4_0 takes them (group._plain_codes)
+        else:  # 4 bits keep the plain grid, codes taken as llama.cpp's Q4_0 takes them (group._symmetric)
             base = peak / np.float32(-layout.offset)
             llama_codes = np.clip(np.floor(groups * (np.float32(1) / base) + np.float32(layout.offset + 0.5)), 0, 15)
             np.testing.assert_allclose(back, ((llama_codes - layout.offset) * s).reshape(16, -1)[:, :k], rtol=1e-6,

@@ -1,0 +1,34 @@
+"""host.set_threads: without --threads, TVM's own default count is written into TVM_NUM_THREADS (TVM otherwise
+re-reads the CPU count from sysfs at every parallel kernel launch); a count the user set is kept."""
+
+import subprocess
+import sys
+
+import pytest
+
+CODE = """
+import os, compiler.host as host, tvm
+host.set_threads({threads})
+print(os.environ.get("TVM_NUM_THREADS"), tvm.get_global_func("runtime.NumThreads")())
+"""
+
+
+def _run(threads, **env):
+    clean = {k: v for k, v in __import__("os").environ.items() if k not in ("TVM_NUM_THREADS", "OMP_NUM_THREADS")}
+    done = subprocess.run([sys.executable, "-c", CODE.format(threads=threads)], capture_output=True, text=True,
+                          check=True, env={**clean, **env})
+    return done.stdout.split()
+
+
+def test_default_count_is_pinned_in_the_variable():
+    variable, default = _run(None)
+    assert variable == default and int(default) >= 1
+
+
+@pytest.mark.parametrize("env,expected", [({"TVM_NUM_THREADS": "1"}, "1"), ({"OMP_NUM_THREADS": "1"}, "None")])
+def test_a_count_the_user_set_is_kept(env, expected):
+    assert _run(None, **env)[0] == expected
+
+
+def test_threads_option_sets_the_variable():
+    assert _run(1)[0] == "1"

@@ -1,0 +1,135 @@
+"""Builds the native runtime (native/runtime/): libmobilec.so, the C API of mobilec.h with its tokenizer, and the
+mobilec-run command on it, against TVM's runtime libraries, into the layout a package ships:
+
+    OUT/bin/mobilec-run                          finds its libraries in $ORIGIN/../lib (RUNPATH)
+    OUT/lib/libmobilec.so                        finds TVM's beside it ($ORIGIN)
+    OUT/lib/libtvm_runtime.so, libtvm_ffi.so     copied from the TVM build it was compiled against
+    OUT/include/mobilec.h
+
+For this machine with the system compiler and the venv's TVM (`build_runtime(out)`), or for a device with a cross
+compiler and that device's TVM libraries (`build_runtime(out, "aarch64-linux-gnu-g++", TvmLibraries(...))`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from .data_files import data_dir
+from .errors import MobilecError
+
+SOURCE_DIR = data_dir("native") / "runtime"  # the checkout's, or the installed copy (pyproject data-files)
+LIBRARY_SOURCES = ("mobilec_api.cc", "bpe_tokenizer.cc")
+RUNNER_SOURCES = ("runner.cc",)
+PUBLIC_HEADER = "mobilec.h"
+LIBRARY_NAME = "libmobilec.so"
+RUNNER_NAME = "mobilec-run"
+# The flags TVM's headers build with (scripts/build_opencl_runtime.sh); hidden visibility: the library exports
+# only what mobilec.h marks MOBILEC_API.
+CXX_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter")
+
+
+@dataclasses.dataclass(frozen=True)
+class TvmLibraries:
+    """The TVM runtime a build links against: its headers, its two libraries, and the versions of the packages
+    they come from (the runtime refuses artifacts compiled by other versions, as `mobilec generate` does)."""
+
+    include_dirs: tuple[Path, ...]
+    runtime_library: Path  # libtvm_runtime.so
+    ffi_library: Path  # libtvm_ffi.so
+    tvm_version: str  # apache-tvm's version, as artifacts record it
+    tvm_ffi_version: str  # apache-tvm-ffi's
+
+
+def _package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)  # without importing it (tvm takes seconds)
+    if spec is None or not spec.submodule_search_locations:
+        raise MobilecError(f"the Python package {name} is not installed: run scripts/setup.sh first")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def host_tvm_libraries() -> TvmLibraries:
+    """The TVM runtime of this venv (apache-tvm and apache-tvm-ffi's wheels)."""
+    tvm_dir, ffi_dir = _package_dir("tvm"), _package_dir("tvm_ffi")
+    return TvmLibraries(
+        include_dirs=(tvm_dir / "include", ffi_dir / "include"),
+        runtime_library=tvm_dir / "lib" / "libtvm_runtime.so",
+        ffi_library=ffi_dir / "lib" / "libtvm_ffi.so",
+        tvm_version=importlib.metadata.version("apache-tvm"),
+        tvm_ffi_version=importlib.metadata.version("apache-tvm-ffi"),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltRuntime:
+    root: Path
+    runner: Path
+    library: Path
+    header: Path
+
+
+def _run_compiler(command: list[str], what: str) -> None:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        raise MobilecError(f"the C++ compiler {command[0]} is missing: install it (apt-get install g++, or the cross "
+                           f"compiler for the device)") from None
+    if done.returncode != 0:
+        lines = done.stderr.splitlines()
+        first = next((line for line in lines if "error" in line), lines[0] if lines else f"exit {done.returncode}")
+        raise MobilecError(f"{command[0]} failed {what}: {first.strip()}")
+
+
+def build_runtime(out_dir: str | Path, compiler: str = "g++", tvm_libs: TvmLibraries | None = None,
+                  extra_flags: tuple[str, ...] = ()) -> BuiltRuntime:
+    """Compile the native runtime into `out_dir` (replaced if it holds an earlier build). Everything is written to
+    a temporary directory beside it and renamed into place at the end: a failed build leaves no half-written
+    output."""
+    tvm_libs = tvm_libs or host_tvm_libraries()
+    for path in (tvm_libs.runtime_library, tvm_libs.ffi_library, *tvm_libs.include_dirs):
+        if not path.exists():
+            raise MobilecError(f"{path} is missing: the TVM runtime to build against is incomplete")
+    out = Path(out_dir)
+    if out.exists() and not (out / "bin" / RUNNER_NAME).is_file():
+        raise MobilecError(f"{out} exists and is not a native runtime build; pick a new path")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    versions = {"MOBILEC_VERSION": importlib.metadata.version("mobilec"), "MOBILEC_TVM_VERSION": tvm_libs.tvm_version,
+                "MOBILEC_TVM_FFI_VERSION": tvm_libs.tvm_ffi_version}
+    flags = [*CXX_FLAGS, *extra_flags, *(f"-I{d}" for d in tvm_libs.include_dirs),
+             *(f'-D{name}="{value}"' for name, value in versions.items())]
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700 would keep other users from running the build
+    try:
+        for sub in ("bin", "lib", "include", "obj"):
+            (staging / sub).mkdir()
+        objects = []
+        for source in LIBRARY_SOURCES + RUNNER_SOURCES:
+            obj = staging / "obj" / f"{Path(source).stem}.o"
+            _run_compiler([compiler, *flags, "-c", str(SOURCE_DIR / source), "-o", str(obj)], f"on {source}")
+            objects.append(obj)
+        library_objects, runner_objects = objects[: len(LIBRARY_SOURCES)], objects[len(LIBRARY_SOURCES):]
+        lib_dir = staging / "lib"
+        for tvm_library in (tvm_libs.runtime_library, tvm_libs.ffi_library):
+            shutil.copy2(tvm_library, lib_dir / tvm_library.name)
+        _run_compiler([compiler, "-shared", *map(str, library_objects), "-o", str(lib_dir / LIBRARY_NAME),
+                       f"-Wl,-soname,{LIBRARY_NAME}", "-Wl,-rpath,$ORIGIN", f"-L{lib_dir}", "-ltvm_runtime",
+                       "-ltvm_ffi"], f"linking {LIBRARY_NAME}")
+        _run_compiler([compiler, *map(str, runner_objects), "-o", str(staging / "bin" / RUNNER_NAME),
+                       "-Wl,-rpath,$ORIGIN/../lib", f"-L{lib_dir}", "-lmobilec"], f"linking {RUNNER_NAME}")
+        shutil.copy2(SOURCE_DIR / PUBLIC_HEADER, staging / "include" / PUBLIC_HEADER)
+        shutil.rmtree(staging / "obj")
+        if out.exists():
+            previous = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+            out.rename(previous / "build")
+            staging.rename(out)
+            shutil.rmtree(previous)
+        else:
+            staging.rename(out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return BuiltRuntime(out, out / "bin" / RUNNER_NAME, out / "lib" / LIBRARY_NAME, out / "include" / PUBLIC_HEADER)

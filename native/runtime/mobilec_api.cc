@@ -1,0 +1,1210 @@
+// mobilec_api.cc: the C API of mobilec.h over TVM's C++ runtime. What compiler/artifact.py load_artifact,
+// compiler/cpu_check.py, compiler/runtime/session.py Session and compiler/runtime/generate.py do in Python, with
+// the same checks and messages, for CPU (llvm) artifacts in this process.
+#include "mobilec.h"
+
+#include <dlpack/dlpack.h>
+#include <tvm/ffi/any.h>
+#include <tvm/ffi/container/array.h>
+#include <tvm/ffi/container/map.h>
+#include <tvm/ffi/container/shape.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/dtype.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/json.h>
+#include <tvm/ffi/extra/module.h>
+#include <tvm/ffi/function.h>
+#include <tvm/ffi/string.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <regex>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#elif defined(__aarch64__)
+#include <sys/auxv.h>
+#endif
+
+#include "bpe_tokenizer.h"
+
+// What this runtime checks an artifact's "versions" against (compiler/native_runtime.py passes the versions of
+// the packages whose TVM libraries it links; an empty one is not checked).
+#ifndef MOBILEC_VERSION
+#error "build with -DMOBILEC_VERSION=... (compiler/native_runtime.py does)"
+#endif
+#ifndef MOBILEC_TVM_VERSION
+#error "build with -DMOBILEC_TVM_VERSION=... (compiler/native_runtime.py does)"
+#endif
+#ifndef MOBILEC_TVM_FFI_VERSION
+#error "build with -DMOBILEC_TVM_FFI_VERSION=... (compiler/native_runtime.py does)"
+#endif
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace ffi = tvm::ffi;
+namespace json = tvm::ffi::json;
+
+// compiler/artifact.py's layout.
+constexpr int64_t kFormatVersion = 2;
+constexpr const char* kConfigFile = "mobilec-config.json";
+constexpr const char* kParamsDir = "params";
+constexpr const char* kParamsIndex = "params/index.json";
+constexpr const char* kTokenizerDir = "tokenizer";
+constexpr int kPooledAllocator = 2;  // tvm.runtime.vm.VirtualMachine.POOLED_ALLOCATOR, its default
+
+thread_local std::string last_error;
+
+// A failure with the status the C API returns for it; the message is one line.
+class Failure : public std::runtime_error {
+ public:
+  Failure(mobilec_status status, const std::string& message) : std::runtime_error(message), status(status) {}
+  mobilec_status status;
+};
+
+[[noreturn]] void Fail(mobilec_status status, const std::string& message) { throw Failure(status, message); }
+
+std::string FirstLine(const std::string& text) { return text.substr(0, text.find('\n')); }
+
+// Runs one C API call: every exception (ours, TVM's, the standard library's) becomes a status and last_error.
+template <typename Body>
+mobilec_status Guarded(Body body) {
+  try {
+    body();
+    return MOBILEC_OK;
+  } catch (const Failure& failure) {
+    last_error = failure.what();
+    return failure.status;
+  } catch (const ffi::Error& error) {
+    last_error = FirstLine(error.kind() + ": " + error.message());
+    return MOBILEC_ERROR_RUNTIME;
+  } catch (const std::bad_alloc&) {
+    last_error = "out of memory";
+    return MOBILEC_ERROR_RUNTIME;
+  } catch (const std::exception& error) {
+    last_error = FirstLine(error.what());
+    return MOBILEC_ERROR_RUNTIME;
+  } catch (...) {
+    last_error = "unknown error";
+    return MOBILEC_ERROR_RUNTIME;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// JSON values, read the way compiler/artifact.py reads them (Python's int excludes bool).
+
+std::optional<int64_t> AsInt(const ffi::Any& value) {
+  if (value.as<bool>().has_value()) return std::nullopt;
+  return value.as<int64_t>();
+}
+
+std::optional<std::string> AsString(const ffi::Any& value) {
+  if (auto text = value.as<ffi::String>()) return std::string(*text);
+  return std::nullopt;
+}
+
+ffi::Any Field(const json::Object& object, const char* key) {
+  auto value = object.Get(ffi::String(key));
+  return value.has_value() ? *value : ffi::Any();
+}
+
+std::optional<json::Object> ObjectField(const json::Object& object, const char* key) {
+  return Field(object, key).as<json::Object>();
+}
+
+std::string StringField(const json::Object& object, const char* key, const std::string& fallback = "") {
+  return AsString(Field(object, key)).value_or(fallback);
+}
+
+// A JSON value as Python's repr would show it in a message (None, 'text', 12).
+std::string Repr(const ffi::Any& value) {
+  if (value.type_index() == ffi::TypeIndex::kTVMFFINone) return "None";
+  if (auto flag = value.as<bool>()) return *flag ? "True" : "False";
+  if (auto text = AsString(value)) return "'" + *text + "'";
+  return std::string(json::Stringify(value));
+}
+
+std::string ReadFile(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) Fail(MOBILEC_ERROR_ARTIFACT, "cannot read " + path.string() + ": " + std::strerror(errno));
+  std::ostringstream content;
+  content << in.rdbuf();
+  return content.str();
+}
+
+// compiler/artifact.py _read_json.
+json::Object ReadJsonObject(const fs::path& path, const std::string& what) {
+  std::error_code ignored;
+  if (!fs::exists(path, ignored)) {
+    Fail(MOBILEC_ERROR_ARTIFACT, path.parent_path().string() + " is not a mobilec artifact: " + what +
+                                     " is missing; run `mobilec compile` first");
+  }
+  ffi::String parse_error;
+  json::Value value = json::Parse(ReadFile(path), &parse_error);
+  if (!parse_error.empty()) {
+    Fail(MOBILEC_ERROR_ARTIFACT,
+         path.string() + " is corrupt (not JSON); recompile the artifact with `mobilec compile`");
+  }
+  auto object = value.as<json::Object>();
+  if (!object) {
+    Fail(MOBILEC_ERROR_ARTIFACT,
+         path.string() + " is corrupt (not a JSON object); recompile the artifact with `mobilec compile`");
+  }
+  return *object;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// SHA-256 (FIPS 180-4), for the sha256 of every file the artifact's config lists.
+
+class Sha256 {
+ public:
+  void Update(const uint8_t* data, size_t size) {
+    total_bytes_ += size;
+    while (size > 0) {
+      size_t take = std::min(size, sizeof(block_) - block_used_);
+      std::memcpy(block_ + block_used_, data, take);
+      block_used_ += take;
+      data += take;
+      size -= take;
+      if (block_used_ == sizeof(block_)) {
+        Compress(block_);
+        block_used_ = 0;
+      }
+    }
+  }
+
+  std::string HexDigest() {
+    uint64_t bits = total_bytes_ * 8;
+    uint8_t padding[72] = {0x80};
+    size_t pad = (block_used_ < 56 ? 56 : 120) - block_used_;
+    Update(padding, pad);
+    uint8_t length[8];
+    for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>(bits >> (56 - 8 * i));
+    Update(length, 8);
+    char hex[65];
+    for (int i = 0; i < 8; ++i) std::snprintf(hex + 8 * i, 9, "%08x", state_[i]);
+    return std::string(hex, 64);
+  }
+
+ private:
+  static uint32_t Rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+
+  void Compress(const uint8_t* block) {
+    static constexpr uint32_t kRound[64] = {
+        0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+        0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+        0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+        0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+        0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+        0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+        0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+        0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+    uint32_t w[64];
+    for (int i = 0; i < 16; ++i) {
+      w[i] = (uint32_t{block[4 * i]} << 24) | (uint32_t{block[4 * i + 1]} << 16) |
+             (uint32_t{block[4 * i + 2]} << 8) | uint32_t{block[4 * i + 3]};
+    }
+    for (int i = 16; i < 64; ++i) {
+      uint32_t s0 = Rotr(w[i - 15], 7) ^ Rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+      uint32_t s1 = Rotr(w[i - 2], 17) ^ Rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    uint32_t a = state_[0], b = state_[1], c = state_[2], d = state_[3];
+    uint32_t e = state_[4], f = state_[5], g = state_[6], h = state_[7];
+    for (int i = 0; i < 64; ++i) {
+      uint32_t t1 = h + (Rotr(e, 6) ^ Rotr(e, 11) ^ Rotr(e, 25)) + ((e & f) ^ (~e & g)) + kRound[i] + w[i];
+      uint32_t t2 = (Rotr(a, 2) ^ Rotr(a, 13) ^ Rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+      h = g;
+      g = f;
+      f = e;
+      e = d + t1;
+      d = c;
+      c = b;
+      b = a;
+      a = t1 + t2;
+    }
+    uint32_t add[8] = {a, b, c, d, e, f, g, h};
+    for (int i = 0; i < 8; ++i) state_[i] += add[i];
+  }
+
+  uint32_t state_[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                        0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+  uint8_t block_[64];
+  size_t block_used_ = 0;
+  uint64_t total_bytes_ = 0;
+};
+
+std::string Sha256OfFile(const fs::path& path) {
+  std::FILE* file = std::fopen(path.c_str(), "rb");
+  if (file == nullptr) Fail(MOBILEC_ERROR_ARTIFACT, "cannot read " + path.string() + ": " + std::strerror(errno));
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> closer(file, std::fclose);
+  Sha256 digest;
+  std::vector<uint8_t> buffer(1 << 22);
+  size_t got;
+  while ((got = std::fread(buffer.data(), 1, buffer.size(), file)) > 0) digest.Update(buffer.data(), got);
+  if (std::ferror(file)) Fail(MOBILEC_ERROR_ARTIFACT, "cannot read " + path.string() + ": " + std::strerror(errno));
+  return digest.HexDigest();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The artifact, checked as compiler/artifact.py load_artifact checks it (same messages).
+
+struct Artifact {
+  fs::path root;
+  json::Object config;
+  json::Object index;
+  fs::path library;
+  int64_t context_window = 0;
+  int64_t prefill_chunk = 0;
+  int64_t page_size = 0;
+};
+
+// A manifest name is a plain relative path that stays inside the artifact.
+bool Inside(const ffi::Any& name) {
+  auto text = AsString(name);
+  if (!text || text->empty() || text->find('\\') != std::string::npos) return false;
+  fs::path path(*text);
+  if (path.is_absolute()) return false;
+  return std::none_of(path.begin(), path.end(), [](const fs::path& part) { return part == ".."; });
+}
+
+void CheckVersions(const Artifact& artifact) {
+  auto built_with = ObjectField(artifact.config, "versions").value_or(json::Object());
+  const std::pair<const char*, const char*> runtime_versions[] = {
+      {"mobilec", MOBILEC_VERSION}, {"apache-tvm", MOBILEC_TVM_VERSION}, {"apache-tvm-ffi", MOBILEC_TVM_FFI_VERSION}};
+  std::string mismatched;
+  for (const auto& [package, have] : runtime_versions) {
+    auto recorded = AsString(Field(built_with, package));
+    if (!*have || !recorded || *recorded == have) continue;
+    mismatched += (mismatched.empty() ? "" : ", ") + std::string(package) + " " + *recorded + " (this runtime has " +
+                  have + ")";
+  }
+  if (!mismatched.empty()) {
+    Fail(MOBILEC_ERROR_ARTIFACT, artifact.root.string() + " was built with " + mismatched +
+                                     "; recompile it with the mobilec this runtime belongs to");
+  }
+}
+
+// Every listed file is there with its size and sha256: a truncated library would kill the process (SIGBUS).
+void CheckFiles(const Artifact& artifact) {
+  const fs::path config_path = artifact.root / kConfigFile;
+  auto listed = ObjectField(artifact.config, "files");
+  bool valid = listed.has_value();
+  if (valid) {
+    for (const auto& [name, entry] : *listed) valid = valid && Inside(name) && entry.as<json::Object>().has_value();
+  }
+  if (!valid) {
+    Fail(MOBILEC_ERROR_ARTIFACT,
+         config_path.string() + " has no valid list of the artifact's files; recompile the artifact");
+  }
+  const std::string library = StringField(artifact.config, "library");
+  for (const std::string& name : {library, std::string(kParamsIndex)}) {
+    if (!listed->count(ffi::String(name))) {
+      Fail(MOBILEC_ERROR_ARTIFACT, config_path.string() + " does not list '" + name +
+                                       "' among the artifact's files; recompile the artifact");
+    }
+  }
+  for (const auto& [name_any, entry_any] : *listed) {
+    const std::string name = *AsString(name_any);
+    const json::Object entry = *entry_any.as<json::Object>();
+    const fs::path path = artifact.root / name;
+    const std::string what = name.rfind(std::string(kParamsDir) + "/shard_", 0) == 0 ? "weight shard"
+                             : name == library                                       ? "compiled library"
+                                                                                     : "file";
+    std::error_code error;
+    if (!fs::is_regular_file(path, error)) {
+      Fail(MOBILEC_ERROR_ARTIFACT, what + " " + path.string() + " is missing; recompile the artifact");
+    }
+    const auto size = static_cast<int64_t>(fs::file_size(path, error));
+    const ffi::Any listed_bytes = Field(entry, "bytes");
+    if (error || AsInt(listed_bytes) != size) {
+      Fail(MOBILEC_ERROR_ARTIFACT, what + " " + path.string() + " has " + std::to_string(size) +
+                                       " bytes, the artifact lists " + Repr(listed_bytes) +
+                                       " (truncated or modified); recompile the artifact");
+    }
+    if (Sha256OfFile(path) != StringField(entry, "sha256")) {
+      Fail(MOBILEC_ERROR_ARTIFACT, what + " " + path.string() +
+                                       " fails its sha256 check (corrupted or modified); recompile the artifact");
+    }
+  }
+}
+
+Artifact LoadArtifact(const std::string& directory) {
+  Artifact artifact;
+  artifact.root = fs::path(directory).lexically_normal();
+  if (artifact.root.has_filename() == false && artifact.root.has_parent_path()) {
+    artifact.root = artifact.root.parent_path();  // "smol/" reads as "smol" in messages, as Python's Path does
+  }
+  std::error_code error;
+  if (!fs::is_directory(artifact.root, error)) {
+    Fail(MOBILEC_ERROR_ARTIFACT, "artifact directory " + artifact.root.string() +
+                                     " does not exist; run `mobilec compile` to create it");
+  }
+  const fs::path config_path = artifact.root / kConfigFile;
+  artifact.config = ReadJsonObject(config_path, kConfigFile);
+  const ffi::Any format = Field(artifact.config, "format_version");
+  if (AsInt(format) != kFormatVersion) {
+    Fail(MOBILEC_ERROR_ARTIFACT, artifact.root.string() + " has artifact format " + Repr(format) +
+                                     ", this mobilec reads " + std::to_string(kFormatVersion) + "; recompile it");
+  }
+  CheckVersions(artifact);
+  if (!Inside(Field(artifact.config, "library"))) {
+    Fail(MOBILEC_ERROR_ARTIFACT, config_path.string() + " names no library inside the artifact; recompile the artifact");
+  }
+  artifact.library = artifact.root / StringField(artifact.config, "library");
+  CheckFiles(artifact);
+  for (const char* key : {"context_window", "prefill_chunk", "page_size"}) {
+    const ffi::Any value = Field(artifact.config, key);
+    auto number = AsInt(value);
+    if (!number || *number < 1) {
+      Fail(MOBILEC_ERROR_ARTIFACT, config_path.string() + ": '" + key + "' must be a positive whole number, got " +
+                                       Repr(value) + "; recompile the artifact");
+    }
+  }
+  artifact.context_window = *AsInt(Field(artifact.config, "context_window"));
+  artifact.prefill_chunk = *AsInt(Field(artifact.config, "prefill_chunk"));
+  artifact.page_size = *AsInt(Field(artifact.config, "page_size"));
+  artifact.index = ReadJsonObject(artifact.root / kParamsIndex, kParamsIndex);
+  auto files = *ObjectField(artifact.config, "files");
+  auto shards = Field(artifact.index, "shards").as<json::Array>().value_or(json::Array());
+  for (const ffi::Any& shard : shards) {
+    const std::string file = shard.as<json::Object>() ? StringField(*shard.as<json::Object>(), "file", "None") : "None";
+    if (!files.count(ffi::String(std::string(kParamsDir) + "/" + file))) {
+      Fail(MOBILEC_ERROR_ARTIFACT, "weight shard " + (artifact.root / kParamsDir / file).string() +
+                                       " is not among the artifact's files; recompile the artifact");
+    }
+  }
+  return artifact;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Whether this CPU runs the artifact's code (compiler/cpu_check.py check_cpu and runtime/remote.py check_runs_on):
+// the config's "cpu" names the architecture and the LLVM features the code uses; a missing one would be SIGILL.
+
+#if defined(__x86_64__)
+constexpr const char* kThisArch = "x86_64";
+
+struct CpuidBit {
+  uint32_t leaf, subleaf;
+  int register_index;  // 0 eax, 1 ebx, 2 ecx, 3 edx
+  int bit;
+};
+
+// compiler/isa.py X86_FEATURE_FLAGS's LLVM names, by their cpuid bit (Intel SDM vol. 2A, CPUID).
+const std::unordered_map<std::string, CpuidBit>& X86FeatureBits() {
+  static const std::unordered_map<std::string, CpuidBit> bits = {
+      {"sse3", {1, 0, 2, 0}},           {"pclmul", {1, 0, 2, 1}},         {"ssse3", {1, 0, 2, 9}},
+      {"fma", {1, 0, 2, 12}},           {"sse4.1", {1, 0, 2, 19}},        {"sse4.2", {1, 0, 2, 20}},
+      {"movbe", {1, 0, 2, 22}},         {"popcnt", {1, 0, 2, 23}},        {"aes", {1, 0, 2, 25}},
+      {"avx", {1, 0, 2, 28}},           {"f16c", {1, 0, 2, 29}},          {"bmi", {7, 0, 1, 3}},
+      {"avx2", {7, 0, 1, 5}},           {"bmi2", {7, 0, 1, 8}},           {"avx512f", {7, 0, 1, 16}},
+      {"avx512dq", {7, 0, 1, 17}},      {"adx", {7, 0, 1, 19}},           {"avx512ifma", {7, 0, 1, 21}},
+      {"avx512cd", {7, 0, 1, 28}},      {"sha", {7, 0, 1, 29}},           {"avx512bw", {7, 0, 1, 30}},
+      {"avx512vl", {7, 0, 1, 31}},      {"avx512vbmi", {7, 0, 2, 1}},     {"avx512vbmi2", {7, 0, 2, 6}},
+      {"gfni", {7, 0, 2, 8}},           {"vaes", {7, 0, 2, 9}},           {"vpclmulqdq", {7, 0, 2, 10}},
+      {"avx512vnni", {7, 0, 2, 11}},    {"avx512bitalg", {7, 0, 2, 12}},  {"avx512vpopcntdq", {7, 0, 2, 14}},
+      {"avx512fp16", {7, 0, 3, 23}},    {"avxvnni", {7, 1, 0, 4}},        {"avx512bf16", {7, 1, 0, 5}},
+      {"lzcnt", {0x80000001, 0, 2, 5}},
+  };
+  return bits;
+}
+
+bool CpuHasFeature(const std::string& feature) {
+  auto found = X86FeatureBits().find(feature);
+  if (found == X86FeatureBits().end()) return false;
+  const CpuidBit& want = found->second;
+  uint32_t registers[4];
+  if (!__get_cpuid_count(want.leaf, want.subleaf, &registers[0], &registers[1], &registers[2], &registers[3])) {
+    return false;
+  }
+  if (!((registers[want.register_index] >> want.bit) & 1)) return false;
+  // The OS must save the wide registers too (XCR0), as Linux's /proc/cpuinfo flags reflect.
+  const bool vector_256 = feature.rfind("avx", 0) == 0 || feature == "fma" || feature == "f16c" ||
+                          feature == "vaes" || feature == "vpclmulqdq";
+  if (!vector_256) return true;
+  uint32_t eax, ebx, ecx, edx;
+  __get_cpuid(1, &eax, &ebx, &ecx, &edx);
+  if (!((ecx >> 27) & 1)) return false;  // OSXSAVE
+  uint32_t xcr0_low, xcr0_high;
+  __asm__("xgetbv" : "=a"(xcr0_low), "=d"(xcr0_high) : "c"(0));
+  const uint32_t needed = feature.rfind("avx512", 0) == 0 ? 0xE6 : 0x6;  // SSE+AVX state, + opmask/ZMM state
+  return (xcr0_low & needed) == needed;
+}
+
+#elif defined(__aarch64__)
+constexpr const char* kThisArch = "aarch64";
+
+// compiler/isa.py AARCH64_FEATURE_FLAGS's LLVM names, by their Linux hwcap bit (asm/hwcap.h).
+bool CpuHasFeature(const std::string& feature) {
+  static const std::unordered_map<std::string, std::pair<unsigned long, int>> bits = {  // NOLINT(runtime/int)
+      {"neon", {AT_HWCAP, 1}},       {"aes", {AT_HWCAP, 3}},        {"sha2", {AT_HWCAP, 6}},
+      {"crc", {AT_HWCAP, 7}},        {"lse", {AT_HWCAP, 8}},        {"fullfp16", {AT_HWCAP, 10}},
+      {"rdm", {AT_HWCAP, 12}},       {"dotprod", {AT_HWCAP, 20}},   {"sve", {AT_HWCAP, 22}},
+      {"sve2", {AT_HWCAP2, 1}},      {"i8mm", {AT_HWCAP2, 13}},     {"bf16", {AT_HWCAP2, 14}},
+  };
+  auto found = bits.find(feature);
+  if (found == bits.end()) return false;
+  return (getauxval(found->second.first) >> found->second.second) & 1;
+}
+
+#else
+constexpr const char* kThisArch = "other";
+bool CpuHasFeature(const std::string&) { return false; }
+#endif
+
+std::string ArchOfTriple(const std::string& triple) {
+  if (triple.rfind("x86_64", 0) == 0 || triple.rfind("amd64", 0) == 0) return "x86_64";
+  if (triple.rfind("aarch64", 0) == 0 || triple.rfind("arm64", 0) == 0) return "aarch64";
+  return "other";
+}
+
+void CheckRunsHere(const Artifact& artifact) {
+  const json::Object target = ObjectField(artifact.config, "target").value_or(json::Object());
+  const json::Object tvm_target = ObjectField(target, "tvm_target").value_or(json::Object());
+  const std::string target_name = StringField(target, "name", "?");
+  const std::string kind = StringField(tvm_target, "kind", "?");
+  if (kind != "llvm") {
+    Fail(MOBILEC_ERROR_UNSUPPORTED_CPU, artifact.root.string() + " is built for " + target_name + " (" + kind +
+                                            "); the native runtime runs CPU (llvm) artifacts: compile one with "
+                                            "--target host or linux-arm64/android-arm64");
+  }
+  // An artifact written before the config's "cpu" entry records its architecture in the target triple only.
+  const auto cpu = ObjectField(artifact.config, "cpu");
+  const std::string need_arch = cpu ? StringField(*cpu, "arch") : ArchOfTriple(StringField(tvm_target, "mtriple"));
+  const std::string rebuild_hint = "recompile it for this CPU (--target host on it, or a --target file for it)";
+  if (!need_arch.empty() && need_arch != kThisArch) {
+    Fail(MOBILEC_ERROR_UNSUPPORTED_CPU, artifact.root.string() + " is built for " + need_arch + " (target " +
+                                            target_name + ") but this CPU is " + kThisArch + ": " + rebuild_hint);
+  }
+  if (!cpu) return;
+  std::vector<std::string> missing;
+  for (const ffi::Any& feature : Field(*cpu, "required_features").as<json::Array>().value_or(json::Array())) {
+    auto name = AsString(feature);
+    if (name && !CpuHasFeature(*name)) missing.push_back(*name);
+  }
+  std::sort(missing.begin(), missing.end());
+  if (!missing.empty()) {
+    std::string names;
+    for (const auto& name : missing) names += (names.empty() ? "" : ", ") + name;
+    Fail(MOBILEC_ERROR_UNSUPPORTED_CPU, artifact.root.string() + " is built for a CPU with " + names + " (target " +
+                                            target_name + "); this CPU lacks " +
+                                            (missing.size() == 1 ? "it" : "them") + ": " + rebuild_hint);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Text: UTF-8 completeness (streaming) and transformers' lossy decoding (U+FFFD for each invalid sequence).
+
+// How text[at...] reads as one UTF-8 character (RFC 3629): whole, or only its first valid_bytes are valid
+// (cut short by an invalid byte or by the end of the text; 0 when the first byte cannot start a character).
+struct Utf8Read {
+  size_t valid_bytes;
+  bool whole;
+};
+
+Utf8Read ReadUtf8Character(const std::string& text, size_t at) {
+  const auto lead = static_cast<unsigned char>(text[at]);
+  if (lead < 0x80) return {1, true};
+  size_t length;
+  unsigned char low = 0x80, high = 0xBF;  // the second byte's range
+  if (lead >= 0xC2 && lead <= 0xDF) {
+    length = 2;
+  } else if (lead >= 0xE0 && lead <= 0xEF) {
+    length = 3;
+    if (lead == 0xE0) low = 0xA0;  // no overlong forms
+    if (lead == 0xED) high = 0x9F;  // no surrogates
+  } else if (lead >= 0xF0 && lead <= 0xF4) {
+    length = 4;
+    if (lead == 0xF0) low = 0x90;
+    if (lead == 0xF4) high = 0x8F;  // nothing past U+10FFFF
+  } else {
+    return {0, false};
+  }
+  for (size_t i = 1; i < length; ++i) {
+    if (at + i >= text.size()) return {i, false};
+    const auto next = static_cast<unsigned char>(text[at + i]);
+    if (next < (i == 1 ? low : 0x80) || next > (i == 1 ? high : 0xBF)) return {i, false};
+  }
+  return {length, true};
+}
+
+// Whether the text ends inside a multi-byte character that more bytes may complete (streaming waits for them).
+bool EndsInsideCharacter(const std::string& text) {
+  for (size_t back = 1; back <= std::min<size_t>(4, text.size()); ++back) {
+    const size_t at = text.size() - back;
+    if ((static_cast<unsigned char>(text[at]) & 0xC0) == 0x80) continue;  // a continuation byte: find its lead
+    const Utf8Read read = ReadUtf8Character(text, at);
+    return !read.whole && read.valid_bytes == back;
+  }
+  return false;
+}
+
+// Invalid bytes replaced by U+FFFD, one per maximal invalid part, as Rust's from_utf8_lossy (tokenizers' decode).
+std::string LossyUtf8(const std::string& bytes) {
+  std::string text;
+  text.reserve(bytes.size());
+  for (size_t at = 0; at < bytes.size();) {
+    const Utf8Read read = ReadUtf8Character(bytes, at);
+    if (read.whole) {
+      text.append(bytes, at, read.valid_bytes);
+    } else {
+      text += "\xEF\xBF\xBD";
+    }
+    at += std::max<size_t>(read.valid_bytes, 1);
+  }
+  return text;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The tokenizer files: tokenizer.json (BpeTokenizer), the EOS of tokenizer_config.json, the BOS/EOS the
+// post-processor adds (transformers' encode with add_special_tokens), and the ChatML chat template.
+
+std::string TokenContent(const ffi::Any& token) {  // "eos_token": "<|im_end|>" or {"content": "<|im_end|>", ...}
+  if (auto text = AsString(token)) return *text;
+  if (auto object = token.as<json::Object>()) return StringField(*object, "content");
+  return "";
+}
+
+struct TemplatePiece {
+  bool is_text;                  // the prompt's own ids ("Sequence A"); else the special ids
+  std::vector<int32_t> special;  // the ids a "SpecialToken" entry adds
+};
+
+// The "single" template of a TemplateProcessing post-processor (also inside a "Sequence" of processors); an empty
+// list when the tokenizer adds nothing. Other post-processors change nothing for one sequence (ByteLevel) or are
+// not used by the models mobilec compiles: refused rather than ignored.
+std::vector<TemplatePiece> SingleTemplate(const fs::path& tokenizer_json) {
+  const json::Object tokenizer = ReadJsonObject(tokenizer_json, "tokenizer/tokenizer.json");
+  std::vector<json::Object> processors;
+  if (auto processor = ObjectField(tokenizer, "post_processor")) {
+    if (StringField(*processor, "type") == "Sequence") {
+      for (const ffi::Any& inner : Field(*processor, "processors").as<json::Array>().value_or(json::Array())) {
+        if (auto object = inner.as<json::Object>()) processors.push_back(*object);
+      }
+    } else {
+      processors.push_back(*processor);
+    }
+  }
+  std::vector<TemplatePiece> pieces;
+  for (const json::Object& processor : processors) {
+    const std::string type = StringField(processor, "type");
+    if (type == "ByteLevel") continue;
+    if (type != "TemplateProcessing") {
+      Fail(MOBILEC_ERROR_UNSUPPORTED, tokenizer_json.string() + ": post_processor " + type +
+                                          " is not supported by the native runtime");
+    }
+    const json::Object special_tokens = ObjectField(processor, "special_tokens").value_or(json::Object());
+    for (const ffi::Any& entry : Field(processor, "single").as<json::Array>().value_or(json::Array())) {
+      auto object = entry.as<json::Object>().value_or(json::Object());
+      if (object.count(ffi::String("Sequence"))) {
+        pieces.push_back({true, {}});
+        continue;
+      }
+      auto special = ObjectField(object, "SpecialToken").value_or(json::Object());
+      auto definition = ObjectField(special_tokens, StringField(special, "id").c_str()).value_or(json::Object());
+      TemplatePiece piece{false, {}};
+      for (const ffi::Any& id : Field(definition, "ids").as<json::Array>().value_or(json::Array())) {
+        piece.special.push_back(static_cast<int32_t>(AsInt(id).value_or(-1)));
+      }
+      pieces.push_back(piece);
+    }
+  }
+  return pieces;
+}
+
+std::string ReadChatTemplate(const fs::path& tokenizer_dir, const json::Object& tokenizer_config) {
+  std::error_code error;
+  if (fs::is_regular_file(tokenizer_dir / "chat_template.jinja", error)) {
+    return ReadFile(tokenizer_dir / "chat_template.jinja");
+  }
+  return StringField(tokenizer_config, "chat_template");
+}
+
+// A ChatML template's rendering of one user message, or nullopt for another family. ChatML: every message is
+// "<|im_start|>" + role + "\n" + content + "<|im_end|>\n", the generation prompt "<|im_start|>assistant\n"; some
+// templates (SmolLM2, Qwen2.5) put a default system message first when the conversation has none, written as a
+// literal "<|im_start|>system\n...<|im_end|>" in the template.
+std::optional<std::string> RenderChatML(std::string chat_template, const std::string& user_message) {
+  for (size_t at = 0; (at = chat_template.find("\\n", at)) != std::string::npos;) {
+    chat_template.replace(at, 2, "\n");  // Qwen writes '\n' escapes inside its string literals, SmolLM2 newlines
+  }
+  const bool chatml = chat_template.find("'<|im_start|>' + message") != std::string::npos &&
+                      chat_template.find("<|im_end|>") != std::string::npos &&
+                      chat_template.find("<|im_start|>assistant\n") != std::string::npos &&
+                      chat_template.find("add_generation_prompt") != std::string::npos;
+  if (!chatml) return std::nullopt;
+  std::string prompt;
+  static const std::regex default_system(R"(<\|im_start\|>system\n([^'"{}+]*)<\|im_end\|>)");
+  std::smatch match;
+  if (std::regex_search(chat_template, match, default_system)) {
+    prompt += "<|im_start|>system\n" + match[1].str() + "<|im_end|>\n";
+  }
+  prompt += "<|im_start|>user\n" + user_message + "<|im_end|>\n<|im_start|>assistant\n";
+  return prompt;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Sampling, as compiler/runtime/generate.py sample.
+
+// A double in [0, 1) from 53 random bits: the same on every standard library (their distributions differ).
+double UniformUnit(std::mt19937_64& generator) { return static_cast<double>(generator() >> 11) * 0x1.0p-53; }
+
+int32_t Sample(const float* logits, size_t vocab, double temperature, double top_p, std::mt19937_64& generator) {
+  if (temperature <= 0) {
+    return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);  // the first largest
+  }
+  const float largest = *std::max_element(logits, logits + vocab);
+  std::vector<double> probs(vocab);
+  double total = 0;
+  for (size_t i = 0; i < vocab; ++i) total += probs[i] = std::exp((logits[i] - largest) / temperature);
+  for (double& p : probs) p /= total;
+  std::vector<int32_t> order(vocab);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return probs[a] > probs[b]; });
+  // keep = order[: searchsorted(cumsum, top_p) + 1]: through the first token whose cumulative mass reaches top_p.
+  size_t keep = 0;
+  double cumulative = 0;
+  while (keep < vocab) {
+    cumulative += probs[order[keep++]];
+    if (cumulative >= top_p) break;
+  }
+  double kept_mass = 0;
+  for (size_t i = 0; i < keep; ++i) kept_mass += probs[order[i]];
+  double draw = UniformUnit(generator) * kept_mass;
+  for (size_t i = 0; i < keep; ++i) {
+    draw -= probs[order[i]];
+    if (draw < 0) return order[i];
+  }
+  return order[keep - 1];
+}
+
+void CheckSampling(double temperature, double top_p) {
+  if (!(temperature >= 0 && std::isfinite(temperature))) {
+    Fail(MOBILEC_ERROR_INVALID_ARGUMENT,
+         "--temperature must be 0 (greedy) or a positive number, got " + std::to_string(temperature));
+  }
+  if (!(top_p > 0 && top_p <= 1)) {
+    Fail(MOBILEC_ERROR_INVALID_ARGUMENT, "--top-p must be above 0 and at most 1, got " + std::to_string(top_p));
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------------
+// The handle: the Relax VM, its weights and the paged KV cache of one sequence (compiler/runtime/session.py).
+
+struct mobilec_model {
+  Artifact artifact;
+  std::unique_ptr<mobilec::BpeTokenizer> tokenizer;
+  std::vector<TemplatePiece> single_template;
+  std::string chat_template;
+  int32_t eos_token_id = -1;
+
+  std::optional<ffi::Module> vm;  // set by LoadModel
+  ffi::Any params;  // Array<Tensor> in the order the compiled functions take them (params/index.json's)
+  ffi::Function embed, prefill_function, decode_function, create_kv_cache;
+  ffi::Function add_sequence, begin_forward, end_forward;
+  ffi::Any kv_cache;
+  std::optional<ffi::Tensor> one_token;  // decode's input, rewritten in place
+  int64_t length = 0;              // tokens in the sequence
+  int32_t vocab_size = 0;
+  std::vector<float> logits;
+  std::mt19937_64 generator;
+
+  // What the last call handed back (owned here, valid until the next call).
+  std::vector<int32_t> ids_out;
+  std::string text_out;
+  std::vector<int32_t> generated;
+  std::string generated_text;
+
+  void LoadModel();
+  void Reset();
+  void CheckRoom(int64_t count) const;
+  ffi::Any Forward(const ffi::Function& function, const ffi::Tensor& tokens, int64_t count);
+  const float* ReadLogits(const ffi::Any& output);
+  const float* Prefill(const int32_t* ids, size_t count);
+  const float* Decode(int32_t token_id);
+};
+
+namespace {
+
+const DLDevice kCpu{kDLCPU, 0};
+
+ffi::Function VmFunction(const ffi::Module& vm, const char* name) {
+  auto function = vm->GetFunction(name, false);
+  if (!function) Fail(MOBILEC_ERROR_ARTIFACT, std::string("the compiled model has no function ") + name);
+  return *function;
+}
+
+// A tensor in this process's memory from TVM's allocator (aligned as the compiled kernels expect).
+ffi::Tensor EmptyTensor(ffi::Shape shape, DLDataType dtype) {
+  static const ffi::Function alloc = ffi::Function::GetGlobalRequired("runtime.TVMTensorAllocWithScope");
+  return alloc(shape, dtype, kCpu, nullptr).cast<ffi::Tensor>();
+}
+
+// The weight shards, each opened once, closed at the end.
+class ShardFiles {
+ public:
+  ~ShardFiles() {
+    for (const auto& [path, fd] : descriptors_) close(fd);
+  }
+  int Open(const fs::path& path) {
+    auto found = descriptors_.find(path.string());
+    if (found != descriptors_.end()) return found->second;
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) Fail(MOBILEC_ERROR_ARTIFACT, "cannot read weight shard " + path.string() + ": " + std::strerror(errno));
+    descriptors_.emplace(path.string(), fd);
+    return fd;
+  }
+
+ private:
+  std::unordered_map<std::string, int> descriptors_;
+};
+
+// The weights, in params/index.json's order (the order the compiled functions take them), each read from its
+// shard straight into its tensor. What Python's Device.load_params gets from vm.builtin.tensor_cache.load and
+// param_array_from_cache_by_name, without the tensor-cache.json those need written somewhere (an app may have no
+// writable temporary directory), the whole-shard read buffer they use, or the global cache they fill.
+ffi::Array<ffi::Tensor> LoadParams(const Artifact& artifact) {
+  const fs::path index_path = artifact.root / kParamsIndex;
+  ShardFiles shard_files;
+  ffi::Array<ffi::Tensor> params;
+  for (const ffi::Any& entry_any : Field(artifact.index, "tensors").as<json::Array>().value_or(json::Array())) {
+    const json::Object entry = entry_any.as<json::Object>().value_or(json::Object());
+    const std::string name = StringField(entry, "name");
+    const std::string shard = StringField(entry, "shard");
+    std::vector<int64_t> shape;
+    for (const ffi::Any& dim : Field(entry, "shape").as<json::Array>().value_or(json::Array())) {
+      shape.push_back(AsInt(dim).value_or(-1));
+    }
+    const int64_t offset = AsInt(Field(entry, "offset")).value_or(-1);
+    const int64_t nbytes = AsInt(Field(entry, "nbytes")).value_or(-1);
+    const DLDataType dtype = ffi::StringToDLDataType(StringField(entry, "dtype"));
+    const int64_t elements = std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<int64_t>());
+    const bool valid = !name.empty() && Inside(Field(entry, "shard")) && offset >= 0 &&
+                       std::all_of(shape.begin(), shape.end(), [](int64_t dim) { return dim >= 0; }) &&
+                       static_cast<int64_t>(ffi::GetDataSize(elements, dtype)) == nbytes;
+    if (!valid) {
+      Fail(MOBILEC_ERROR_ARTIFACT, index_path.string() + " has an invalid entry for tensor '" + name +
+                                       "'; recompile the artifact");
+    }
+    const fs::path shard_path = artifact.root / kParamsDir / shard;
+    const int fd = shard_files.Open(shard_path);
+    ffi::Tensor tensor = EmptyTensor(ffi::Shape(shape), dtype);
+    char* data = static_cast<char*>(tensor.data_ptr()) + tensor.byte_offset();
+    for (int64_t done = 0; done < nbytes;) {
+      const ssize_t got = pread(fd, data + done, nbytes - done, offset + done);
+      if (got <= 0) {
+        Fail(MOBILEC_ERROR_ARTIFACT, "weight shard " + shard_path.string() + " ends before tensor '" + name +
+                                         "' (params/index.json says bytes " + std::to_string(offset) + " to " +
+                                         std::to_string(offset + nbytes) + "); recompile the artifact");
+      }
+      done += got;
+    }
+    params.push_back(tensor);
+  }
+  return params;
+}
+
+}  // namespace
+
+void mobilec_model::LoadModel() {
+  std::optional<ffi::Module> library;
+  try {
+    library = ffi::Module::LoadFromFile(artifact.library.string());
+  } catch (const ffi::Error& error) {
+    Fail(MOBILEC_ERROR_ARTIFACT, "cannot load " + artifact.library.string() + ": " + FirstLine(error.message()) +
+                                     "; recompile the artifact");
+  }
+  // tvm.runtime.vm.VirtualMachine(lib, tvm.cpu()): the executable, then one device with the pooled allocator.
+  vm = VmFunction(*library, "vm_load_executable")().cast<ffi::Module>();
+  VmFunction(*vm, "vm_initialization")(static_cast<int>(kDLCPU), 0, kPooledAllocator);
+  params = LoadParams(artifact);
+  embed = VmFunction(*vm, "embed");
+  prefill_function = VmFunction(*vm, "prefill");
+  decode_function = VmFunction(*vm, "decode");
+  create_kv_cache = VmFunction(*vm, "create_tir_paged_kv_cache");
+  add_sequence = ffi::Function::GetGlobalRequired("vm.builtin.kv_state_add_sequence");
+  begin_forward = ffi::Function::GetGlobalRequired("vm.builtin.kv_state_begin_forward");
+  end_forward = ffi::Function::GetGlobalRequired("vm.builtin.kv_state_end_forward");
+  one_token = EmptyTensor(ffi::Shape({1}), DLDataType{kDLInt, 32, 1});
+  auto model_config = ObjectField(ObjectField(artifact.config, "model").value_or(json::Object()), "config");
+  vocab_size = static_cast<int32_t>(AsInt(Field(model_config.value_or(json::Object()), "vocab_size")).value_or(0));
+  Reset();
+}
+
+void mobilec_model::Reset() {
+  // Session's shapes: one sequence, the context window, the prefill chunk, the page size, no sliding window.
+  kv_cache = create_kv_cache(ffi::Shape({1}), ffi::Shape({artifact.context_window}),
+                             ffi::Shape({artifact.prefill_chunk}), ffi::Shape({artifact.page_size}), ffi::Shape({0}));
+  add_sequence(kv_cache, static_cast<int64_t>(0));
+  length = 0;
+}
+
+// Session.check_room: the whole count asked for must fit (a long prompt is fed in chunks; not checked per chunk).
+void mobilec_model::CheckRoom(int64_t count) const {
+  if (length + count > artifact.context_window) {
+    const std::string asked = length ? std::to_string(length) + " tokens in the sequence + " +
+                                           std::to_string(count) + " more"
+                                     : std::to_string(count) + " tokens";
+    Fail(MOBILEC_ERROR_CONTEXT_FULL, asked + " exceed the artifact's context window of " +
+                                         std::to_string(artifact.context_window) +
+                                         "; shorten the input or recompile with a larger --context-window");
+  }
+}
+
+ffi::Any mobilec_model::Forward(const ffi::Function& function, const ffi::Tensor& tokens, int64_t count) {
+  ffi::Any embedded = embed(tokens, params);
+  begin_forward(kv_cache, ffi::Shape({0}), ffi::Shape({count}));
+  ffi::Any output = function(embedded, kv_cache, params);
+  end_forward(kv_cache);
+  length += count;
+  return output;
+}
+
+// The logits after the last token: the first output of a model function, read on the host as float32.
+const float* mobilec_model::ReadLogits(const ffi::Any& output) {
+  ffi::Tensor tensor = output.cast<ffi::Array<ffi::Any>>()[0].cast<ffi::Tensor>();
+  const int64_t row = tensor.size(-1);
+  const int64_t elements = tensor.numel();
+  const char* base = static_cast<const char*>(tensor.data_ptr()) + tensor.byte_offset();
+  logits.resize(row);
+  vocab_size = static_cast<int32_t>(row);
+  const DLDataType dtype = tensor.dtype();
+  if (dtype.code == kDLFloat && dtype.bits == 32) {
+    std::memcpy(logits.data(), reinterpret_cast<const float*>(base) + (elements - row), row * sizeof(float));
+  } else if (dtype.code == kDLFloat && dtype.bits == 16) {
+    const auto* half = reinterpret_cast<const uint16_t*>(base) + (elements - row);
+    for (int64_t i = 0; i < row; ++i) {
+      // IEEE half to float: sign, exponent rebias, mantissa; subnormals scaled, inf/NaN kept.
+      const uint32_t sign = (half[i] & 0x8000u) << 16, exponent = (half[i] >> 10) & 0x1F, mantissa = half[i] & 0x3FF;
+      float value;
+      if (exponent == 0) {
+        value = std::ldexp(static_cast<float>(mantissa), -24);
+      } else if (exponent == 31) {
+        value = mantissa ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+      } else {
+        value = std::ldexp(static_cast<float>(mantissa | 0x400), static_cast<int>(exponent) - 25);
+      }
+      logits[i] = sign ? -value : value;
+    }
+  } else {
+    Fail(MOBILEC_ERROR_RUNTIME, "the model's logits have dtype code " + std::to_string(dtype.code) + " bits " +
+                                    std::to_string(dtype.bits) + "; the native runtime reads float32 and float16");
+  }
+  return logits.data();
+}
+
+const float* mobilec_model::Prefill(const int32_t* ids, size_t count) {
+  CheckRoom(static_cast<int64_t>(count));
+  ffi::Any output;
+  for (size_t start = 0; start < count; start += artifact.prefill_chunk) {
+    const int64_t chunk = std::min<int64_t>(artifact.prefill_chunk, static_cast<int64_t>(count - start));
+    auto tokens = EmptyTensor(ffi::Shape({chunk}), DLDataType{kDLInt, 32, 1});
+    std::memcpy(tokens.data_ptr(), ids + start, chunk * sizeof(int32_t));
+    output = Forward(prefill_function, tokens, chunk);
+  }
+  return ReadLogits(output);
+}
+
+const float* mobilec_model::Decode(int32_t token_id) {
+  CheckRoom(1);
+  *static_cast<int32_t*>(one_token->data_ptr()) = token_id;
+  return ReadLogits(Forward(decode_function, *one_token, 1));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The C API.
+
+namespace {
+
+void Require(bool condition, const char* message) {
+  if (!condition) Fail(MOBILEC_ERROR_INVALID_ARGUMENT, message);
+}
+
+void CheckToken(const mobilec_model* model, int32_t token_id) {
+  if (token_id < 0 || token_id >= model->vocab_size) {
+    Fail(MOBILEC_ERROR_INVALID_ARGUMENT, "token id " + std::to_string(token_id) + " is outside the vocabulary (0 to " +
+                                             std::to_string(model->vocab_size - 1) + ")");
+  }
+}
+
+// generate.py check_fits: the prompt and every token asked for fit the context window together (the last token
+// generated is not fed back, hence the - 1).
+void CheckFits(int64_t prompt_tokens, int64_t new_tokens, int64_t context_window) {
+  if (prompt_tokens == 0) Fail(MOBILEC_ERROR_INVALID_ARGUMENT, "the prompt is empty; pass a non-empty --prompt");
+  const std::string window = std::to_string(context_window);
+  if (prompt_tokens > context_window) {
+    Fail(MOBILEC_ERROR_CONTEXT_FULL, "the prompt has " + std::to_string(prompt_tokens) +
+                                         " tokens, more than the artifact's context window of " + window +
+                                         "; shorten it or recompile with a larger --context-window");
+  }
+  if (prompt_tokens + new_tokens - 1 > context_window) {
+    Fail(MOBILEC_ERROR_CONTEXT_FULL,
+         "the prompt's " + std::to_string(prompt_tokens) + " tokens + --max-new-tokens " +
+             std::to_string(new_tokens) + " exceed the artifact's context window of " + window +
+             "; pass --max-new-tokens " + std::to_string(context_window - prompt_tokens + 1) +
+             " or less, or recompile with a larger --context-window");
+  }
+}
+
+constexpr const char* kThreadsVariable = "TVM_NUM_THREADS";
+
+// TVM's parallel kernel launches ask how many threads to use every time; without TVM_NUM_THREADS (or
+// OMP_NUM_THREADS) the answer is std::thread::hardware_concurrency(), which glibc gets by reading
+// /sys/devices/system/cpu/online: ~185 file opens per SmolLM2 decode step, a fifth of its time. Setting the
+// variable to the thread count TVM chose keeps that count and drops the reads.
+void PinThreadCountVariable() {
+  if (std::getenv(kThreadsVariable) != nullptr || std::getenv("OMP_NUM_THREADS") != nullptr) return;
+  const int threads = ffi::Function::GetGlobalRequired("runtime.NumThreads")().cast<int>();
+  setenv(kThreadsVariable, std::to_string(threads).c_str(), 0);
+}
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* mobilec_last_error(void) { return last_error.c_str(); }
+
+const char* mobilec_runtime_versions(void) {
+  return "mobilec " MOBILEC_VERSION ", apache-tvm " MOBILEC_TVM_VERSION ", apache-tvm-ffi " MOBILEC_TVM_FFI_VERSION;
+}
+
+mobilec_status mobilec_open(const char* artifact_dir, mobilec_model** out_model) {
+  if (out_model != nullptr) *out_model = nullptr;
+  return Guarded([&] {
+    Require(artifact_dir != nullptr && out_model != nullptr, "mobilec_open: artifact_dir and out_model are required");
+    auto model = std::make_unique<mobilec_model>();
+    model->artifact = LoadArtifact(artifact_dir);
+    CheckRunsHere(model->artifact);  // before loading: code this CPU cannot run would kill the process
+    const fs::path tokenizer_dir = model->artifact.root / kTokenizerDir;
+    std::string error;
+    model->tokenizer = mobilec::BpeTokenizer::FromFile((tokenizer_dir / "tokenizer.json").string(), &error);
+    if (!model->tokenizer) {
+      Fail(MOBILEC_ERROR_ARTIFACT, "cannot load the tokenizer in " + tokenizer_dir.string() + ": " + error);
+    }
+    model->single_template = SingleTemplate(tokenizer_dir / "tokenizer.json");
+    std::error_code missing;
+    const json::Object tokenizer_config = fs::exists(tokenizer_dir / "tokenizer_config.json", missing)
+                                              ? ReadJsonObject(tokenizer_dir / "tokenizer_config.json",
+                                                               "tokenizer/tokenizer_config.json")
+                                              : json::Object();
+    const std::string eos = TokenContent(Field(tokenizer_config, "eos_token"));
+    model->eos_token_id = eos.empty() ? -1 : model->tokenizer->TokenId(eos);
+    model->chat_template = ReadChatTemplate(tokenizer_dir, tokenizer_config);
+    PinThreadCountVariable();
+    model->LoadModel();
+    *out_model = model.release();
+  });
+}
+
+void mobilec_close(mobilec_model* model) { delete model; }
+
+mobilec_status mobilec_set_threads(mobilec_model* model, int32_t threads) {
+  return Guarded([&] {
+    Require(model != nullptr, "mobilec_set_threads: no model");
+    if (threads < 1) {
+      Fail(MOBILEC_ERROR_INVALID_ARGUMENT, "--threads must be at least 1, got " + std::to_string(threads));
+    }
+    // As compiler/host.py set_threads: the variable too (see PinThreadCountVariable), mode 0 = no core pinning.
+    setenv(kThreadsVariable, std::to_string(threads).c_str(), 1);
+    ffi::Function::GetGlobalRequired("runtime.config_threadpool")(0, threads);
+  });
+}
+
+int32_t mobilec_context_window(const mobilec_model* model) {
+  return model ? static_cast<int32_t>(model->artifact.context_window) : 0;
+}
+
+int32_t mobilec_vocab_size(const mobilec_model* model) { return model ? model->vocab_size : 0; }
+
+int32_t mobilec_eos_token_id(const mobilec_model* model) { return model ? model->eos_token_id : -1; }
+
+int32_t mobilec_sequence_length(const mobilec_model* model) {
+  return model ? static_cast<int32_t>(model->length) : 0;
+}
+
+mobilec_status mobilec_tokenize(mobilec_model* model, const char* text, int add_special_tokens,
+                                const int32_t** out_ids, size_t* out_count) {
+  return Guarded([&] {
+    Require(model && text && out_ids && out_count, "mobilec_tokenize: model, text, out_ids and out_count are required");
+    std::vector<int32_t> text_ids = model->tokenizer->Encode(text);
+    model->ids_out.clear();
+    if (add_special_tokens && !model->single_template.empty()) {
+      for (const TemplatePiece& piece : model->single_template) {
+        const auto& ids = piece.is_text ? text_ids : piece.special;
+        model->ids_out.insert(model->ids_out.end(), ids.begin(), ids.end());
+      }
+    } else {
+      model->ids_out = std::move(text_ids);
+    }
+    *out_ids = model->ids_out.data();
+    *out_count = model->ids_out.size();
+  });
+}
+
+mobilec_status mobilec_detokenize(mobilec_model* model, const int32_t* ids, size_t count, int skip_special_tokens,
+                                  const char** out_text) {
+  return Guarded([&] {
+    Require(model && (ids || count == 0) && out_text, "mobilec_detokenize: model, ids and out_text are required");
+    model->text_out = LossyUtf8(model->tokenizer->Decode(std::vector<int32_t>(ids, ids + count),
+                                                         skip_special_tokens != 0));
+    *out_text = model->text_out.c_str();
+  });
+}
+
+mobilec_status mobilec_chat_prompt(mobilec_model* model, const char* user_message, const char** out_text) {
+  return Guarded([&] {
+    Require(model && user_message && out_text, "mobilec_chat_prompt: model, user_message and out_text are required");
+    if (model->chat_template.empty()) {
+      Fail(MOBILEC_ERROR_UNSUPPORTED, "this model's tokenizer has no chat template; drop --chat");
+    }
+    auto rendered = RenderChatML(model->chat_template, user_message);
+    if (!rendered) {
+      Fail(MOBILEC_ERROR_UNSUPPORTED,
+           "this model's chat template is not ChatML (<|im_start|>role ... <|im_end|>), the only family the native "
+           "runtime renders; render the prompt with its template yourself and pass it without --chat");
+    }
+    model->text_out = *rendered;
+    *out_text = model->text_out.c_str();
+  });
+}
+
+mobilec_status mobilec_reset(mobilec_model* model) {
+  return Guarded([&] {
+    Require(model != nullptr, "mobilec_reset: no model");
+    model->Reset();
+  });
+}
+
+mobilec_status mobilec_prefill(mobilec_model* model, const int32_t* ids, size_t count, const float** out_logits) {
+  return Guarded([&] {
+    Require(model && ids && count > 0 && out_logits, "mobilec_prefill: model, ids (at least one) and out_logits are "
+                                                     "required");
+    for (size_t i = 0; i < count; ++i) CheckToken(model, ids[i]);
+    *out_logits = model->Prefill(ids, count);
+  });
+}
+
+mobilec_status mobilec_decode(mobilec_model* model, int32_t token_id, const float** out_logits) {
+  return Guarded([&] {
+    Require(model && out_logits, "mobilec_decode: model and out_logits are required");
+    CheckToken(model, token_id);
+    *out_logits = model->Decode(token_id);
+  });
+}
+
+mobilec_status mobilec_seed(mobilec_model* model, uint64_t seed) {
+  return Guarded([&] {
+    Require(model != nullptr, "mobilec_seed: no model");
+    model->generator.seed(seed);
+  });
+}
+
+mobilec_status mobilec_sample(mobilec_model* model, const float* logits, double temperature, double top_p,
+                              int32_t* out_token) {
+  return Guarded([&] {
+    Require(model && logits && out_token, "mobilec_sample: model, logits and out_token are required");
+    CheckSampling(temperature, top_p);
+    *out_token = Sample(logits, model->vocab_size, temperature, top_p, model->generator);
+  });
+}
+
+void mobilec_generation_config_init(mobilec_generation_config* config) {
+  if (config == nullptr) return;
+  *config = mobilec_generation_config{};
+  config->max_new_tokens = 64;
+  config->temperature = 0.0;
+  config->top_p = 1.0;
+}
+
+mobilec_status mobilec_generate(mobilec_model* model, const int32_t* prompt_ids, size_t prompt_count,
+                                const mobilec_generation_config* config, mobilec_token_callback callback,
+                                void* user_data, mobilec_result* out_result) {
+  return Guarded([&] {
+    Require(model && (prompt_ids || prompt_count == 0) && config && out_result,
+            "mobilec_generate: model, prompt_ids, config and out_result are required");
+    if (config->max_new_tokens < 1) {
+      Fail(MOBILEC_ERROR_INVALID_ARGUMENT,
+           "--max-new-tokens must be at least 1, got " + std::to_string(config->max_new_tokens));
+    }
+    CheckSampling(config->temperature, config->top_p);
+    Require(config->stop_ids || config->num_stop_ids == 0, "mobilec_generate: stop_ids is NULL");
+    for (size_t i = 0; i < prompt_count; ++i) CheckToken(model, prompt_ids[i]);
+    CheckFits(static_cast<int64_t>(prompt_count), config->max_new_tokens, model->artifact.context_window);
+    std::unordered_set<int32_t> stop_ids;
+    if (!config->ignore_eos) {
+      if (model->eos_token_id >= 0) stop_ids.insert(model->eos_token_id);
+      stop_ids.insert(config->stop_ids, config->stop_ids + config->num_stop_ids);
+    }
+    model->generator.seed(config->seed);
+    model->Reset();
+    model->generated.clear();
+    std::string printed;  // the text the callback has been given
+    bool stop_asked = false;
+    // The text of every token so far, special tokens left out; the callback gets what is new once the last
+    // character is whole (as generate.py's stream waits while the text ends in U+FFFD).
+    const auto emit = [&](int32_t token) {
+      model->generated.push_back(token);
+      if (!callback) return;
+      std::string text = model->tokenizer->Decode(model->generated, true);
+      std::string piece;
+      if (!EndsInsideCharacter(text)) {
+        text = LossyUtf8(text);
+        piece = text.size() > printed.size() ? text.substr(printed.size()) : "";
+        printed = text;
+      }
+      stop_asked = callback(user_data, token, piece.c_str(), piece.size()) != 0;
+    };
+    const auto start = std::chrono::steady_clock::now();
+    const float* logits = model->Prefill(prompt_ids, prompt_count);
+    int32_t token = Sample(logits, model->vocab_size, config->temperature, config->top_p, model->generator);
+    const double ttft_s = SecondsSince(start);
+    const auto first_token_at = std::chrono::steady_clock::now();
+    emit(token);
+    while (!stop_asked && static_cast<int32_t>(model->generated.size()) < config->max_new_tokens &&
+           !stop_ids.count(token)) {
+      logits = model->Decode(token);
+      token = Sample(logits, model->vocab_size, config->temperature, config->top_p, model->generator);
+      emit(token);
+    }
+    const double decode_s = SecondsSince(first_token_at);
+    const size_t decode_steps = model->generated.size() - 1;
+    model->generated_text = LossyUtf8(model->tokenizer->Decode(model->generated, true));
+    *out_result = mobilec_result{};
+    out_result->token_ids = model->generated.data();
+    out_result->num_tokens = model->generated.size();
+    out_result->text = model->generated_text.c_str();
+    out_result->prompt_tokens = static_cast<int32_t>(prompt_count);
+    out_result->ttft_ms = ttft_s * 1e3;
+    out_result->prefill_tok_s = prompt_count / ttft_s;
+    out_result->decode_tok_s = decode_steps ? decode_steps / decode_s : std::nan("");
+  });
+}
+
+}  // extern "C"

@@ -316,6 +316,38 @@ def generate(as_json, **options):
 
 @main.command()
 @click.argument("artifact", type=click.Path())
+@click.option("--target", default=None,
+              help="The artifact's target, checked (default: the one it was compiled for): host, linux-arm64, "
+                   "android-arm64.")
+@click.option("--output", "-o", required=True, help="The package directory (a new path, an empty directory, or a "
+                                                     "package, replaced with --overwrite).")
+@click.option("--overwrite", is_flag=True, help="Replace a package already at --output (never other files).")
+@json_option("the summary")
+def package(as_json, artifact, target, output, overwrite):
+    """Lay out ARTIFACT with the native runner and C API for its target, to run without Python.
+
+    \b
+    --output gets the artifact, bin/mobilec-run, lib/ (libmobilec.so and TVM's runtime for the target's CPU),
+    include/mobilec.h. `OUTPUT/bin/mobilec-run OUTPUT --prompt TEXT` then runs with a bare environment.
+    host: built with this machine's g++; linux-arm64: with aarch64-linux-gnu-g++ against TVM's aarch64 runtime
+    (downloaded from PyPI once); android-arm64: the sources and a README on building them with the NDK (PyPI has
+    no Android build of TVM's runtime).
+    """
+    from .package import package as build_package  # pylint: disable=import-outside-toplevel
+
+    summary = build_package(artifact, output, target, overwrite)
+    if as_json:
+        click.echo(json.dumps(summary))
+        return
+    runner = f"{summary['package']}/{summary['runner']}" if summary["runner"] else None
+    click.echo(f"{summary['package']}: {summary['target']} ({summary['arch']}), {summary['bytes'] / 1e6:.1f} MB"
+               + (f"; run `{runner} {summary['package']} --prompt TEXT`" if runner else ""))
+    if summary["note"]:
+        click.echo(f"note: {summary['note']}")
+
+
+@main.command()
+@click.argument("artifact", type=click.Path())
 @click.option("--device", type=click.Choice(["local"]), default=None,
               help="Run in this process (the default without --rpc or --tracker).")
 @click.option("--rpc", default=None, metavar="HOST:PORT",

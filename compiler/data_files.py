@@ -1,4 +1,4 @@
-"""Where the project's data folders (targets/, tuning_logs/) are: beside the package in a checkout, and under
+"""Where the project's data folders (targets/, tuning_logs/, native/) are: beside the package in a checkout, and under
 <prefix>/share/mobilec/ in an installed wheel (pyproject.toml's data-files put them there)."""
 
 from __future__ import annotations

@@ -79,10 +79,12 @@ class ShardWriter:
         return index
 
 
-def check_output(final: Path, overwrite: bool, name: str = "--output") -> Path:
-    """The output rule: a path that does not exist, an empty directory, or a mobilec artifact with no files of the
-    user's in it, the last only with `overwrite`. Anything else is refused with one line."""
-    return validate.output_directory(final, name, foreign_files, "a mobilec artifact", overwrite)
+def check_output(final: Path, overwrite: bool, name: str = "--output", owned=foreign_files,
+                 what: str = "a mobilec artifact") -> Path:
+    """The output rule: a path that does not exist, an empty directory, or `what` (a mobilec artifact; `owned`
+    lists the entries that are not its) with no files of the user's in it, the last only with `overwrite`.
+    Anything else is refused with one line."""
+    return validate.output_directory(final, name, owned, what, overwrite)
 
 
 def _alive(pid: int) -> bool:
@@ -168,12 +170,13 @@ def _write_error(err: OSError, final: Path, name: str) -> MobilecError:
 
 
 @contextlib.contextmanager
-def atomic_directory(final: Path, overwrite: bool = False, name: str = "--output") -> Iterator[Path]:
+def atomic_directory(final: Path, overwrite: bool = False, name: str = "--output", owned=foreign_files,
+                     what: str = "a mobilec artifact") -> Iterator[Path]:
     """Yield a temporary sibling of `final` to write into; on success it becomes `final`, on any error or signal
     it is removed. `final` must pass the output rule (check_output) when this starts and again when it ends; stale
     temporary directories of earlier, killed runs for the same output are removed first."""
     final = Path(os.path.realpath(final))  # a link to an artifact: the artifact is replaced, the link stays
-    check_output(final, overwrite, name)
+    check_output(final, overwrite, name, owned, what)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_partials(final)
@@ -183,7 +186,7 @@ def atomic_directory(final: Path, overwrite: bool = False, name: str = "--output
     try:
         try:
             yield tmp
-            check_output(final, overwrite, name)  # the path may have changed while this ran
+            check_output(final, overwrite, name, owned, what)  # the path may have changed while this ran
             stop_signals.raise_if_received()  # a signal TVM's C++ swallowed still stops the command here
             (tmp / PARTIAL_MARKER).unlink()
             _install(tmp, final)

@@ -7,9 +7,10 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
   echo "mobilec needs Python 3.11 (apache-tvm 0.27 wheels); set PYTHON=/path/to/python3.11" >&2
   exit 2
 fi
-# linux-arm64 artifacts link with Debian's cross compiler; tests check OpenCL kernels with clang.
-if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v clang >/dev/null; then
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu clang >/dev/null
+# linux-arm64 artifacts link with Debian's cross compiler; tests check OpenCL kernels with clang; `mobilec package`
+# builds the native runner with g++ (and the cross compiler).
+if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v clang >/dev/null || ! command -v g++ >/dev/null; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ g++-aarch64-linux-gnu clang >/dev/null
 fi
 # OpenCL kernels and GPU artifacts run on the CPU with PoCL (Debian's, 3.1: fp32 only), through our OpenCL device
 # for TVM's runtime (native/opencl/, built below against the ICD loader and headers).

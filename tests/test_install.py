@@ -22,7 +22,7 @@ import pytest
 from compiler.data_files import CHECKOUT
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
-SOURCES = ("pyproject.toml", "README.md", "compiler", "targets", "tuning_logs")
+SOURCES = ("pyproject.toml", "README.md", "compiler", "targets", "tuning_logs", "native")
 TIMEOUT_S = 600
 
 pytestmark = pytest.mark.slow  # a wheel build, a compile and a generate: about a minute
@@ -105,3 +105,22 @@ def test_installed_copy_compiles_and_generates_a_tiny_model(installed):
     out = json.loads(_run([mobilec, "generate", "tiny", "--prompt", "the cat", "--max-new-tokens", "2", "--json"],
                           work, env).stdout)
     assert len(out["token_ids"]) == 2
+
+
+def test_installed_copy_packages_the_native_runner(installed):
+    """`mobilec package` compiles the native sources the wheel installed (share/mobilec/native/runtime); the runner
+    runs from the package and opens the artifact (the tiny model's word-level tokenizer is refused by name: the
+    native tokenizer does BPE only)."""
+    if shutil.which("g++") is None:
+        pytest.skip("no C++ compiler (g++)")
+    venv, work, env = installed
+    if not (work / "tiny").is_dir():
+        test_installed_copy_compiles_and_generates_a_tiny_model(installed)
+    shipped = sorted(p.name for p in (venv / "share" / "mobilec" / "native" / "runtime").iterdir())
+    assert shipped == sorted(p.name for p in (CHECKOUT / "native" / "runtime").iterdir() if p.suffix in (".h", ".cc"))
+    summary = json.loads(_run([str(venv / "bin" / "mobilec"), "package", "tiny", "-o", "tiny-app", "--json"], work,
+                              env).stdout)
+    runner = work / "tiny-app" / summary["runner"]
+    run = subprocess.run(["/usr/bin/env", "-i", str(runner), str(work / "tiny-app"), "--prompt", "the cat"],
+                         capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert run.returncode == 2 and "WordLevel" in run.stderr and len(run.stderr.strip().splitlines()) == 1

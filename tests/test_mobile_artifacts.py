@@ -13,6 +13,8 @@ import pytest
 
 from compiler.artifact import CONFIG_FILE, PARAMS_INDEX
 from compiler.compile_model import CompileOptions, compile_model
+from compiler.errors import MobilecError
+from compiler.package import ANDROID_README, package
 from compiler.targets import load_target
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
@@ -132,3 +134,41 @@ def test_opencl_source_compiles(mobile_artifacts, target, quant):
         pytest.skip("clang not installed (apt-get install clang)")
     result = subprocess.run(["clang", "-x", "cl", "-fsyntax-only", str(source)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_linux_arm64_package_is_aarch64_and_finds_its_libraries(mobile_artifacts, tmp_path):
+    """`mobilec package` cross-builds the runner and C API with Debian's aarch64 g++ against TVM's aarch64 runtime
+    (downloaded once), and ships that runtime; the runner finds its libraries in ../lib (run on the emulated device in
+    targets/test_smollm2_on_emulated_arm.py)."""
+    if shutil.which("aarch64-linux-gnu-g++") is None:
+        pytest.skip("aarch64-linux-gnu-g++ not found (apt-get install g++-aarch64-linux-gnu)")
+    out, _ = mobile_artifacts["linux-arm64", "q4f16_g32"]
+    summary = package(out, tmp_path / "arm")
+    root = tmp_path / "arm"
+    assert summary["arch"] == "aarch64" and summary["runner"] == "bin/mobilec-run"
+    binaries = [root / "bin" / "mobilec-run", *(root / "lib" / name for name in
+                                                 ("libmobilec.so", "libtvm_runtime.so", "libtvm_ffi.so", "model.so"))]
+    assert {_e_machine(path.read_bytes()[:64]) for path in binaries} == {EM_AARCH64}
+    dynamic = subprocess.run(["aarch64-linux-gnu-readelf", "-d", str(binaries[0])], capture_output=True, text=True,
+                             check=True).stdout
+    assert "$ORIGIN/../lib" in dynamic and "libmobilec.so" in dynamic
+
+
+def test_android_package_is_the_sources_and_how_to_build_them(mobile_artifacts, tmp_path):
+    out, _ = mobile_artifacts["android-arm64", "q4f16_g32"]
+    summary = package(out, tmp_path / "android")
+    root = tmp_path / "android"
+    assert summary["runner"] is None and ANDROID_README in summary["note"]
+    assert not (root / "bin").exists()
+    assert {"mobilec.h", "mobilec_api.cc", "bpe_tokenizer.cc", "runner.cc"} <= {p.name for p in (root / "src").iterdir()}
+    readme = (root / ANDROID_README).read_text()
+    assert "aarch64-linux-android28-clang++" in readme and "android.toolchain.cmake" in readme
+    assert (root / "include" / "mobilec.h").is_file() and (root / CONFIG_FILE).is_file()
+
+
+@pytest.mark.parametrize("target,quant", [("android-adreno", "q4f16_g32"), ("hexagon-npu", "q4f16_g32")])
+def test_package_refuses_gpu_and_npu_artifacts(mobile_artifacts, target, quant, tmp_path):
+    out, _ = mobile_artifacts[target, quant]
+    with pytest.raises(MobilecError, match=f"targets {target} .*CPU artifacts only"):
+        package(out, tmp_path / "pkg")
+    assert not (tmp_path / "pkg").exists()

@@ -356,6 +356,16 @@ class EmulatedArmDevice:
         return tvm.rpc.connect_tracker(self.tracker_host, self.tracker_port).request(
             self.key, session_timeout=session_timeout)
 
+    @property
+    def scratch(self) -> Path:
+        """The device's /tmp, seen from the host: files put there are the device's /tmp/NAME."""
+        return self.root.parent / "tmp"
+
+    def run(self, *command: str, timeout: float = 600.0) -> subprocess.CompletedProcess:
+        """A program run on the device (in its root, under qemu) with a bare environment; its output captured."""
+        return subprocess.run(["chroot", str(self.root), "/usr/bin/env", "-i", *command], capture_output=True,
+                              text=True, timeout=timeout)
+
     def stop(self) -> None:
         """Kill the server and the tracker, unmount and delete the root filesystem; safe to call twice."""
         for process in reversed(self.processes):

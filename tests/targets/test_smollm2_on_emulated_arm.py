@@ -1,7 +1,9 @@
 """SmolLM2 cross-compiled for linux-arm64 and benched through the RPC tracker on the emulated arm64 device: its
-greedy tokens must be the host build's. Timings under qemu mean nothing; the aarch64 code path's numerics do."""
+greedy tokens must be the host build's, and its packaged native runner (`mobilec package`) run on the device must give
+the device's tokens. Timings under qemu mean nothing; the aarch64 code path's numerics do."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -9,6 +11,7 @@ import pytest
 
 from compiler.artifact import load_artifact
 from compiler.compile_model import CompileOptions, compile_model
+from compiler.package import package
 from compiler.runtime.bench import prompt_ids
 from compiler.runtime.session import Session
 
@@ -69,6 +72,16 @@ def test_arm64_build_on_the_emulated_device_gives_the_x86_tokens(tmp_path, smoll
     device_tokens = result["tokens"]
     assert len(device_tokens) == ACTIVATION_TOKENS
     vocab = int(load_artifact(arm).config["model"]["config"]["vocab_size"])
+    if activations == "int8":
+        # `mobilec package`'s aarch64 runner, run natively on the device (no Python, bare environment), decodes
+        # what the Python runtime decoded there through RPC, token for token.
+        package(arm, tmp_path / "package")
+        shutil.copytree(tmp_path / "package", emulated_arm_device.scratch / "package")
+        ids = ",".join(map(str, prompt_ids(vocab, PROMPT_LEN, result["prompt_seed"])))
+        run = emulated_arm_device.run("/tmp/package/bin/mobilec-run", "/tmp/package", "--prompt-ids", ids,
+                                      "--max-new-tokens", str(ACTIVATION_TOKENS), "--ignore-eos", "--json")
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert json.loads(run.stdout)["token_ids"] == device_tokens
     session = Session(load_artifact(host))
 
     def fed(seed: int, tokens: list[int]) -> list[float]:

@@ -20,6 +20,7 @@ from tvm.target.codegen import llvm_get_cpu_features, llvm_get_system_cpu, llvm_
 from .errors import MobilecError
 from .isa import arch_of_triple, feature_flags
 from .user_cache import cache_path
+from .validate import USABLE_CORES
 
 TRIPLES = {"x86_64": "x86_64-unknown-linux-gnu", "aarch64": "aarch64-linux-gnu"}
 # When LLVM does not know the CPU's name: a baseline the features from /proc/cpuinfo are added to.
@@ -47,7 +48,10 @@ def cpu_model_name() -> str:
 
 
 def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """The cores this process may use, as they were when it started (validate.USABLE_CORES): TVM's thread pool
+    narrows the calling thread's affinity once sized, and a count read after it (1 instead of 2 here) gave
+    another target (num-cores) and another cached bandwidth than the same machine's earlier in the process."""
+    return USABLE_CORES
 
 
 def target_json_for(arch: str, cpu: str, flags: set[str], cores: int) -> dict[str, Any]:

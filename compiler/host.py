@@ -111,8 +111,13 @@ def set_threads(threads: int | None) -> None:
     if threads < 1:
         raise MobilecError(f"--threads must be at least 1, got {threads}")
     os.environ["TVM_NUM_THREADS"] = str(threads)
-    # mode 0 = no core pinning: pinning fights with other processes on a shared machine.
+    # mode 0 = no core pinning: pinning fights with other processes on a shared machine. TVM still pins the
+    # calling thread to `threads` cores (and never widens it again); undone, so that processes started from this
+    # one later (bench's RPC server, tests' subprocesses) get every core this one had.
+    mask = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     tvm.get_global_func("runtime.config_threadpool")(0, threads)
+    if mask is not None:
+        os.sched_setaffinity(0, mask)
 
 
 # Memory bandwidth

@@ -32,3 +32,13 @@ def test_a_count_the_user_set_is_kept(env, expected):
 
 def test_threads_option_sets_the_variable():
     assert _run(1)[0] == "1"
+
+
+def test_threads_option_leaves_the_process_on_every_core():
+    """TVM pins the thread that sizes its pool to that many cores; set_threads undoes it, so processes started
+    later (bench's server, a subprocess) get every core this one had."""
+    code = ("import os, compiler.host as host; before = len(os.sched_getaffinity(0)); host.set_threads(1); "
+            "print(before, len(os.sched_getaffinity(0)))")
+    before, after = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                   check=True).stdout.split()
+    assert after == before

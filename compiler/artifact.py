@@ -46,12 +46,13 @@ def _relative_files(root: Path) -> list[str]:
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() or p.is_symlink())
 
 
-def file_manifest(root: Path, known_sha256: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
-    """The config's "files": every file of the artifact but the config itself, with its size and sha256
-    (`known_sha256`: digests already computed while writing, e.g. the weight shards')."""
+def file_manifest(root: Path, known_sha256: dict[str, str] | None = None,
+                  names: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """The config's "files": every file of the artifact (or only `names`) but the config itself, with its size and
+    sha256 (`known_sha256`: digests already computed while writing, e.g. the weight shards')."""
     known = known_sha256 or {}
     manifest = {}
-    for name in _relative_files(root):
+    for name in _relative_files(root) if names is None else names:
         if name in (CONFIG_FILE, PARTIAL_MARKER):
             continue
         path = root / name

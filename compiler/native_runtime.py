@@ -12,13 +12,13 @@ compiler and that device's TVM libraries (`build_runtime(out, "aarch64-linux-gnu
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import importlib.util
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
+from .artifact import installed_versions
 from .data_files import data_dir
 from .errors import MobilecError
 
@@ -55,12 +55,13 @@ def _package_dir(name: str) -> Path:
 def host_tvm_libraries() -> TvmLibraries:
     """The TVM runtime of this venv (apache-tvm and apache-tvm-ffi's wheels)."""
     tvm_dir, ffi_dir = _package_dir("tvm"), _package_dir("tvm_ffi")
+    versions = installed_versions()
     return TvmLibraries(
         include_dirs=(tvm_dir / "include", ffi_dir / "include"),
         runtime_library=tvm_dir / "lib" / "libtvm_runtime.so",
         ffi_library=ffi_dir / "lib" / "libtvm_ffi.so",
-        tvm_version=importlib.metadata.version("apache-tvm"),
-        tvm_ffi_version=importlib.metadata.version("apache-tvm-ffi"),
+        tvm_version=versions["apache-tvm"],
+        tvm_ffi_version=versions["apache-tvm-ffi"],
     )
 
 
@@ -97,7 +98,7 @@ def build_runtime(out_dir: str | Path, compiler: str = "g++", tvm_libs: TvmLibra
     if out.exists() and not (out / "bin" / RUNNER_NAME).is_file():
         raise MobilecError(f"{out} exists and is not a native runtime build; pick a new path")
     out.parent.mkdir(parents=True, exist_ok=True)
-    versions = {"MOBILEC_VERSION": importlib.metadata.version("mobilec"), "MOBILEC_TVM_VERSION": tvm_libs.tvm_version,
+    versions = {"MOBILEC_VERSION": installed_versions()["mobilec"], "MOBILEC_TVM_VERSION": tvm_libs.tvm_version,
                 "MOBILEC_TVM_FFI_VERSION": tvm_libs.tvm_ffi_version}
     flags = [*CXX_FLAGS, *extra_flags, *(f"-I{d}" for d in tvm_libs.include_dirs),
              *(f'-D{name}="{value}"' for name, value in versions.items())]

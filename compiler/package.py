@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from . import native_runtime
-from .artifact import CONFIG_FILE, foreign_files, installed_versions, load_artifact, sha256_file
+from .artifact import CONFIG_FILE, file_manifest, foreign_files, installed_versions, load_artifact
 from .errors import MobilecError
 from .export import atomic_directory
 from .tvm_runtime_libraries import host_arch, tvm_libraries
@@ -56,14 +56,6 @@ def _copy_artifact(source: Path, files: list[str], dest: Path) -> None:
         target = dest / name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(source / name, target)
-
-
-def _manifest(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    return {name: {"bytes": (root / name).stat().st_size, "sha256": sha256_file(root / name)} for name in names}
-
-
-def _relative_files(root: Path, below: str) -> list[str]:
-    return sorted(p.relative_to(root).as_posix() for p in (root / below).rglob("*") if p.is_file())
 
 
 def _android_readme(spec) -> str:
@@ -159,6 +151,6 @@ def package(artifact_path: str | Path, output: str | Path, target: str | None = 
             "versions": installed_versions(),
             "note": note,
         }
-        (tmp / PACKAGE_FILE).write_text(json.dumps({**summary, "files": _manifest(tmp, package_files)}, indent=1))
+        (tmp / PACKAGE_FILE).write_text(json.dumps({**summary, "files": file_manifest(tmp, names=package_files)}, indent=1))
     summary["seconds"] = round(time.perf_counter() - started, 1)
     return summary

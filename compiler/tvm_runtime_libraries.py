@@ -5,7 +5,6 @@ the aarch64 apache-tvm wheel is ~100 MB, its runtime 3 MB)."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import platform
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from .artifact import installed_versions
 from .errors import MobilecError
 from .native_runtime import TvmLibraries, host_tvm_libraries
 from .user_cache import cache_path
@@ -28,10 +28,6 @@ def host_arch() -> str:
     return platform.machine()
 
 
-def versions() -> dict[str, str]:
-    return {name: importlib.metadata.version(name) for name, _ in LIBRARIES}
-
-
 def tvm_libraries(arch: str) -> TvmLibraries:
     """TVM's runtime for `arch` ("x86_64", "aarch64"): this venv's for this machine, else the wheels' for `arch`,
     downloaded once."""
@@ -40,7 +36,7 @@ def tvm_libraries(arch: str) -> TvmLibraries:
     if arch not in WHEEL_PLATFORMS:
         raise MobilecError(f"no TVM runtime wheels are known for the {arch} architecture (known: "
                            f"{', '.join([host_arch(), *WHEEL_PLATFORMS])})")
-    pins = versions()
+    pins = {name: installed_versions()[name] for name, _ in LIBRARIES}
     entry = cache_path("tvm-runtime", f"{arch}-" + "-".join(f"{n}{v}" for n, v in sorted(pins.items())))
     runtime, ffi = (entry / Path(path).name for _, path in LIBRARIES)
     if not (runtime.is_file() and ffi.is_file()):

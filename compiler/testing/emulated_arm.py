@@ -362,9 +362,9 @@ class EmulatedArmDevice:
         return self.root.parent / "tmp"
 
     def run(self, *command: str, timeout: float = 600.0) -> subprocess.CompletedProcess:
-        """A program run on the device (in its root, under qemu) with a bare environment; its output captured."""
-        return subprocess.run(["chroot", str(self.root), "/usr/bin/env", "-i", *command], capture_output=True,
-                              text=True, timeout=timeout)
+        """A program run on the device (in its root, under qemu) with the chroot's clean environment (CHROOT_ENV:
+        PATH, HOME, LANG, nothing of this host's); its output captured."""
+        return subprocess.run(_chroot_command(self.root, *command), capture_output=True, text=True, timeout=timeout)
 
     def stop(self) -> None:
         """Kill the server and the tracker, unmount and delete the root filesystem; safe to call twice."""

@@ -215,16 +215,21 @@ def test_encode_gives_the_ids_of_tokenizers(driver, tokenizer_files, name):
 
 @pytest.mark.parametrize("name", ["smollm2", "llama3", "qwen2"])
 def test_decode_gives_the_text_of_tokenizers(driver, tokenizer_files, name):
-    path = tokenizer_files[name]
+    # Invalid UTF-8 (the added token "café" is read as byte-level symbols, and "é" stands for the lone byte 0xE9)
+    # stays raw in the native Decode, where tokenizers puts U+FFFD.
+    assert_decode_equals_tokenizers(driver, tokenizer_files[name], PROMPTS, errors="replace")
+
+
+def assert_decode_equals_tokenizers(driver, path, prompts, errors):
+    """Native Decode of the reference ids of `prompts`, with and without special tokens, is tokenizers' decode
+    (the bytes read as UTF-8 with `errors`)."""
     tokenizer = Tokenizer.from_file(str(path))
-    id_lists = reference_ids(path, PROMPTS)
+    id_lists = reference_ids(path, prompts)
     for skip in (False, True):
         requests = [{"op": "decode", "ids": ids, "skip_special_tokens": skip} for ids in id_lists]
-        # Invalid UTF-8 (the added token "café" is read as byte-level symbols, and "é" stands for the lone byte
-        # 0xE9) stays raw in the native Decode, where tokenizers puts U+FFFD.
-        decoded = [bytes.fromhex(h).decode(errors="replace") for h in answers(driver, path, requests)]
+        decoded = [bytes.fromhex(h).decode(errors=errors) for h in answers(driver, path, requests)]
         want = [tokenizer.decode(ids, skip_special_tokens=skip) for ids in id_lists]
-        assert decoded == want, first_difference(PROMPTS, decoded, want)
+        assert decoded == want, first_difference(prompts, decoded, want)
 
 
 def test_token_texts_stream_the_original_bytes(driver, tokenizer_files):
@@ -568,14 +573,7 @@ def test_sentencepiece_encode_gives_the_ids_of_tokenizers(driver, sentencepiece_
 
 @pytest.mark.parametrize("name", SPM_NAMES)
 def test_sentencepiece_decode_gives_the_text_of_tokenizers(driver, sentencepiece_files, name):
-    path = sentencepiece_files[name]
-    tokenizer = Tokenizer.from_file(str(path))
-    id_lists = reference_ids(path, SPM_PROMPTS)
-    for skip in (False, True):
-        requests = [{"op": "decode", "ids": ids, "skip_special_tokens": skip} for ids in id_lists]
-        decoded = [bytes.fromhex(h).decode() for h in answers(driver, path, requests)]
-        want = [tokenizer.decode(ids, skip_special_tokens=skip) for ids in id_lists]
-        assert decoded == want, first_difference(SPM_PROMPTS, decoded, want)
+    assert_decode_equals_tokenizers(driver, sentencepiece_files[name], SPM_PROMPTS, errors="strict")
 
 
 @pytest.mark.parametrize("name", ["llama2", "phi3_gguf", "gemma"])

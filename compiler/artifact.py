@@ -15,7 +15,7 @@ import numpy as np
 from .errors import MobilecError
 
 # 2: the config lists every file of the artifact with its size and sha256 ("files"), the library included.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 CONFIG_FILE = "mobilec-config.json"
 LIBRARY_DIR = "lib"
 PARAMS_DIR = "params"

@@ -13,7 +13,7 @@ import numpy as np
 import tvm
 from tqdm import tqdm
 
-from . import hexagon, kv_cache_dtype, link, pipeline, validate
+from . import chat_prompt, hexagon, kv_cache_dtype, link, pipeline, validate
 from .artifact import (
     CONFIG_FILE,
     FORMAT_VERSION,
@@ -32,6 +32,7 @@ from .export import ShardWriter, atomic_directory, check_output
 from .importer import PAGE_SIZE, ImportedModel, import_model, resolve_model_path, target_and_scheme
 from .kernels import integer_dot_gemv
 from .loaders import Checkpoint, open_checkpoint
+from .loaders.tokenizer import load_tokenizer
 from .passes.apply_tuning_database import tuned_kernels
 from .quantization import awq
 from .targets import TargetSpec, with_overrides
@@ -192,6 +193,8 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
             **({"npu_coverage": npu} if npu else {}),
             # which parameters each VM call reads (call_sites.py): what `mobilec profile` labels kernels by
             **({"call_sites": call_sites} if call_sites else {}),
+            # one user message's prompt as the chat template renders it, split around the message (chat_prompt.py)
+            "chat_prompt": chat_prompt.split(load_tokenizer(tmp / TOKENIZER_DIR)),
             "context_window": cfg.context_window_size,
             "prefill_chunk": cfg.prefill_chunk_size,
             "page_size": PAGE_SIZE,

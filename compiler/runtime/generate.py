@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .. import validate
+from .. import chat_prompt, validate
 from ..artifact import load_artifact
 from ..cpu_check import check_cpu, this_cpu
 from ..errors import MobilecError
@@ -129,14 +129,12 @@ class GenerateOptions:
         validate.seed(self.seed)
 
 
-def prompt_token_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
+def prompt_token_ids(tokenizer, prompt: str, chat: bool, config: dict) -> list[int]:
+    """The prompt's ids; with `chat`, the prompt rendered from the artifact config's chat prompt entry
+    (chat_prompt.py) and tokenized as transformers tokenizes a rendered chat (no special tokens added)."""
     if not chat:
         return tokenizer.encode(prompt)
-    if not tokenizer.chat_template:
-        raise MobilecError("this model's tokenizer has no chat template; drop --chat")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                         tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(chat_prompt.render(config, prompt), add_special_tokens=False)
 
 
 def generate_text(options: GenerateOptions,
@@ -148,7 +146,7 @@ def generate_text(options: GenerateOptions,
     artifact = load_artifact(options.artifact)
     check_cpu(artifact.path, artifact.config, this_cpu())  # code this CPU cannot run: the first thing to say
     tokenizer = load_tokenizer(artifact.tokenizer_dir)
-    prompt_ids = prompt_token_ids(tokenizer, options.prompt, options.chat)
+    prompt_ids = prompt_token_ids(tokenizer, options.prompt, options.chat, artifact.config)
     check_fits(len(prompt_ids), options.max_new_tokens, int(artifact.config["context_window"]))
     set_threads(options.threads)
     session = Session(artifact)

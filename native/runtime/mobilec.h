@@ -24,10 +24,12 @@
  * Threads: a handle is not thread-safe; use one handle per thread, or lock around calls. Pointers a call hands
  * back (token ids, text, logits, results) belong to the handle and stay valid until the next call on it.
  *
- * Chat: mobilec_chat_prompt renders one user message with the model's chat template only for the ChatML family
- * (SmolLM2, Qwen: "<|im_start|>role\n...<|im_end|>\n" and the assistant generation prompt, with the template's
- * default system message when it has one). Any other template is refused with MOBILEC_ERROR_UNSUPPORTED: the
- * caller renders such prompts itself and tokenizes them with add_special_tokens = 0.
+ * Chat: mobilec_chat_prompt renders one user message as the model's chat template does, whatever its family
+ * (ChatML, Llama 3, Gemma, Phi-3, Mistral...): the compiler renders the template around a placeholder message and
+ * stores the text before and after it in the artifact (compiler/chat_prompt.py), with the dates the template asks
+ * for (Llama 3.2) written at call time. A template whose text around the message depends on the message is
+ * refused with MOBILEC_ERROR_UNSUPPORTED: the caller renders such prompts itself and tokenizes them with
+ * add_special_tokens = 0.
  */
 #ifndef MOBILEC_H_
 #define MOBILEC_H_
@@ -93,9 +95,9 @@ MOBILEC_API mobilec_status mobilec_tokenize(mobilec_model* model, const char* te
 MOBILEC_API mobilec_status mobilec_detokenize(mobilec_model* model, const int32_t* ids, size_t count,
                                               int skip_special_tokens, const char** out_text);
 
-/* `user_message` rendered with the model's ChatML chat template, ending with the assistant's generation prompt;
- * tokenize it with add_special_tokens = 0. MOBILEC_ERROR_UNSUPPORTED for a model without a chat template or with
- * another template family (see the top of this file). */
+/* `user_message` rendered with the model's chat template, ending with the assistant's generation prompt (the
+ * text `mobilec generate --chat` tokenizes); tokenize it with add_special_tokens = 0. MOBILEC_ERROR_UNSUPPORTED for
+ * a model without a chat template or with one the compiler could not split (see the top of this file). */
 MOBILEC_API mobilec_status mobilec_chat_prompt(mobilec_model* model, const char* user_message,
                                                const char** out_text);
 

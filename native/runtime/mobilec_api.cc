@@ -25,13 +25,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <memory>
 #include <numeric>
 #include <random>
-#include <regex>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -47,6 +47,7 @@
 #endif
 
 #include "bpe_tokenizer.h"
+#include "chat_prompt.h"
 
 // What this runtime checks an artifact's "versions" against (compiler/native_runtime.py passes the versions of
 // the packages whose TVM libraries it links; an empty one is not checked).
@@ -67,7 +68,7 @@ namespace ffi = tvm::ffi;
 namespace json = tvm::ffi::json;
 
 // compiler/artifact.py's layout.
-constexpr int64_t kFormatVersion = 2;
+constexpr int64_t kFormatVersion = 3;
 constexpr const char* kConfigFile = "mobilec-config.json";
 constexpr const char* kParamsDir = "params";
 constexpr const char* kParamsIndex = "params/index.json";
@@ -578,7 +579,7 @@ std::string LossyUtf8(const std::string& bytes) {
 
 // ---------------------------------------------------------------------------------------------------------------
 // The tokenizer files: tokenizer.json (BpeTokenizer), the EOS of tokenizer_config.json, the BOS/EOS the
-// post-processor adds (transformers' encode with add_special_tokens), and the ChatML chat template.
+// post-processor adds (transformers' encode with add_special_tokens).
 
 std::string TokenContent(const ffi::Any& token) {  // "eos_token": "<|im_end|>" or {"content": "<|im_end|>", ...}
   if (auto text = AsString(token)) return *text;
@@ -631,37 +632,6 @@ std::vector<TemplatePiece> SingleTemplate(const fs::path& tokenizer_json) {
     }
   }
   return pieces;
-}
-
-std::string ReadChatTemplate(const fs::path& tokenizer_dir, const json::Object& tokenizer_config) {
-  std::error_code error;
-  if (fs::is_regular_file(tokenizer_dir / "chat_template.jinja", error)) {
-    return ReadFile(tokenizer_dir / "chat_template.jinja");
-  }
-  return StringField(tokenizer_config, "chat_template");
-}
-
-// A ChatML template's rendering of one user message, or nullopt for another family. ChatML: every message is
-// "<|im_start|>" + role + "\n" + content + "<|im_end|>\n", the generation prompt "<|im_start|>assistant\n"; some
-// templates (SmolLM2, Qwen2.5) put a default system message first when the conversation has none, written as a
-// literal "<|im_start|>system\n...<|im_end|>" in the template.
-std::optional<std::string> RenderChatML(std::string chat_template, const std::string& user_message) {
-  for (size_t at = 0; (at = chat_template.find("\\n", at)) != std::string::npos;) {
-    chat_template.replace(at, 2, "\n");  // Qwen writes '\n' escapes inside its string literals, SmolLM2 newlines
-  }
-  const bool chatml = chat_template.find("'<|im_start|>' + message") != std::string::npos &&
-                      chat_template.find("<|im_end|>") != std::string::npos &&
-                      chat_template.find("<|im_start|>assistant\n") != std::string::npos &&
-                      chat_template.find("add_generation_prompt") != std::string::npos;
-  if (!chatml) return std::nullopt;
-  std::string prompt;
-  static const std::regex default_system(R"(<\|im_start\|>system\n([^'"{}+]*)<\|im_end\|>)");
-  std::smatch match;
-  if (std::regex_search(chat_template, match, default_system)) {
-    prompt += "<|im_start|>system\n" + match[1].str() + "<|im_end|>\n";
-  }
-  prompt += "<|im_start|>user\n" + user_message + "<|im_end|>\n<|im_start|>assistant\n";
-  return prompt;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -718,7 +688,7 @@ struct mobilec_model {
   Artifact artifact;
   std::unique_ptr<mobilec::BpeTokenizer> tokenizer;
   std::vector<TemplatePiece> single_template;
-  std::string chat_template;
+  mobilec::ChatPrompt chat_prompt;
   int32_t eos_token_id = -1;
 
   std::optional<ffi::Module> vm;  // set by LoadModel
@@ -1016,7 +986,7 @@ mobilec_status mobilec_open(const char* artifact_dir, mobilec_model** out_model)
                                               : json::Object();
     const std::string eos = TokenContent(Field(tokenizer_config, "eos_token"));
     model->eos_token_id = eos.empty() ? -1 : model->tokenizer->TokenId(eos);
-    model->chat_template = ReadChatTemplate(tokenizer_dir, tokenizer_config);
+    model->chat_prompt = mobilec::ChatPrompt::FromConfig(model->artifact.config);
     PinThreadCountVariable();
     model->LoadModel();
     *out_model = model.release();
@@ -1081,16 +1051,8 @@ mobilec_status mobilec_detokenize(mobilec_model* model, const int32_t* ids, size
 mobilec_status mobilec_chat_prompt(mobilec_model* model, const char* user_message, const char** out_text) {
   return Guarded([&] {
     Require(model && user_message && out_text, "mobilec_chat_prompt: model, user_message and out_text are required");
-    if (model->chat_template.empty()) {
-      Fail(MOBILEC_ERROR_UNSUPPORTED, "this model's tokenizer has no chat template; drop --chat");
-    }
-    auto rendered = RenderChatML(model->chat_template, user_message);
-    if (!rendered) {
-      Fail(MOBILEC_ERROR_UNSUPPORTED,
-           "this model's chat template is not ChatML (<|im_start|>role ... <|im_end|>), the only family the native "
-           "runtime renders; render the prompt with its template yourself and pass it without --chat");
-    }
-    model->text_out = *rendered;
+    if (!model->chat_prompt.Unavailable().empty()) Fail(MOBILEC_ERROR_UNSUPPORTED, model->chat_prompt.Unavailable());
+    model->text_out = model->chat_prompt.Render(user_message, std::time(nullptr));
     *out_text = model->text_out.c_str();
   });
 }

@@ -22,6 +22,7 @@ from compiler.cli import main
 from compiler.isa import feature_flags
 from compiler.loaders.tokenizer import load_tokenizer
 from compiler.native_runtime import build_runtime
+from tests.test_chat_prompt import TEMPLATES, _config
 
 COMPILER = os.environ.get("CXX", "g++")
 pytestmark = pytest.mark.skipif(shutil.which(COMPILER) is None,
@@ -116,6 +117,30 @@ def test_chat_prompt_and_eos_stop_equal_python(runner, smollm2_gguf_exact):
     assert native["prompt_tokens"] == python["prompt_tokens"]
     assert native["token_ids"] == python["token_ids"]
     assert native["text"] == python["text"]
+
+
+@pytest.mark.parametrize("template", ["meta-llama-Llama-3.2-3B-Instruct", "google-gemma-2-2b-it"])
+def test_other_chat_templates_equal_python(runner, smollm2_gguf_exact, template, tmp_path):
+    """Another family's template (Llama 3.2: a dated system message and a stripped message; Gemma 2): the prompt the
+    native runtime renders from the artifact's chat_prompt entry is the one `mobilec generate --chat` tokenizes."""
+    artifact = linked_copy(smollm2_gguf_exact, tmp_path / "art")
+    entry = _config((TEMPLATES / f"{template}.jinja").read_text())["chat_prompt"]
+    edit_config(artifact, lambda config: config.update(chat_prompt=entry))
+    args = ("--prompt", "  Name three colours.  ", "--chat", "--max-new-tokens", "8")
+    native, python = native_json(runner, artifact, *args), python_json(artifact, *args)
+    assert native["prompt_tokens"] == python["prompt_tokens"]
+    assert native["token_ids"] == python["token_ids"]
+    smollm2 = native_json(runner, smollm2_gguf_exact, *args)
+    assert native["prompt_tokens"] != smollm2["prompt_tokens"]  # negative control: the entry is what was rendered
+
+
+def test_unsplittable_chat_template_refused_as_python_refuses(runner, smollm2_gguf_exact, tmp_path):
+    artifact = linked_copy(smollm2_gguf_exact, tmp_path / "art")
+    edit_config(artifact, lambda config: config.update(chat_prompt={"unsupported": "a reason"}))
+    args = (artifact, "--prompt", "hi", "--chat")
+    native = native_error(run_native(runner, *args))
+    assert native == python_error(run_python(*args))
+    assert native.startswith("--chat cannot render this model's prompts: a reason; render the prompt")
 
 
 def test_streamed_text_is_the_json_text(runner, smollm2_gguf_exact):

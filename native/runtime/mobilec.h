@@ -66,8 +66,20 @@ MOBILEC_API const char* mobilec_last_error(void);
 MOBILEC_API const char* mobilec_runtime_versions(void);
 
 /* Open the artifact directory `artifact_dir` (check it, load its library, weights and tokenizer, create the KV
- * cache for one sequence). On failure *out_model is NULL. */
+ * cache for one sequence). On failure *out_model is NULL. Every file's size and sha256 are checked first, as
+ * `mobilec generate` checks them. */
 MOBILEC_API mobilec_status mobilec_open(const char* artifact_dir, mobilec_model** out_model);
+
+/* How mobilec_open_verified checks the artifact's files before loading them. */
+typedef enum mobilec_verify {
+  MOBILEC_VERIFY_SHA256 = 0, /* every file's size and sha256 (what mobilec_open does): a changed byte is refused */
+  MOBILEC_VERIFY_SIZES = 1   /* sizes only (a truncated file is still refused): for an app that checked the
+                              * sha256s once after copying the files, to start faster at every later launch */
+} mobilec_verify;
+
+/* mobilec_open with the file check `verify`. */
+MOBILEC_API mobilec_status mobilec_open_verified(const char* artifact_dir, mobilec_verify verify,
+                                                 mobilec_model** out_model);
 
 /* Free everything the handle holds; NULL is ignored. */
 MOBILEC_API void mobilec_close(mobilec_model* model);

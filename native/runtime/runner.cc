@@ -34,6 +34,8 @@ constexpr const char* kUsage =
     "  --chat                 wrap the prompt in the model's chat template, as `mobilec generate --chat` does\n"
     "  --ignore-eos           keep generating past end-of-sequence (for benchmarks)\n"
     "  --threads N            CPU threads [default: TVM_NUM_THREADS or one per core]\n"
+    "  --verify sha256|sizes  check every artifact file's sha256 before loading, or only its size (faster start\n"
+    "                         once the files were checked after copying them) [default: sha256]\n"
     "  --json                 print the text, tokens and timings as `mobilec generate --json` does (not streamed)\n"
     "  -h, --help             show this and exit\n"
     "\n"
@@ -133,6 +135,7 @@ struct Options {
   bool chat = false;
   bool ignore_eos = false;
   int64_t threads = 0;  // 0: TVM_NUM_THREADS or TVM's default
+  mobilec_verify verify = MOBILEC_VERIFY_SHA256;
   bool json = false;
   bool help = false;
 };
@@ -187,6 +190,10 @@ Options ParseOptions(int argc, char** argv) {
       options.top_p = Number(arg, take_value());
     } else if (arg == "--seed") {
       options.seed = WholeNumber(arg, take_value());
+    } else if (arg == "--verify") {
+      const std::string mode = take_value();
+      if (mode != "sha256" && mode != "sizes") Usage("--verify must be sha256 or sizes, got '" + mode + "'");
+      options.verify = mode == "sizes" ? MOBILEC_VERIFY_SIZES : MOBILEC_VERIFY_SHA256;
     } else if (arg == "--threads") {
       options.threads = WholeNumber(arg, take_value());
       if (options.threads < 1) Usage("--threads must be at least 1, got " + std::to_string(options.threads));
@@ -301,7 +308,7 @@ int Fail(mobilec_status status) {
 
 int Run(const Options& options) {
   mobilec_model* model = nullptr;
-  mobilec_status status = mobilec_open(options.artifact.c_str(), &model);
+  mobilec_status status = mobilec_open_verified(options.artifact.c_str(), options.verify, &model);
   if (status != MOBILEC_OK) return Fail(status);
   struct Closer {
     mobilec_model* model;

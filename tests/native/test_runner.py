@@ -143,6 +143,24 @@ def test_unsplittable_chat_template_refused_as_python_refuses(runner, smollm2_gg
     assert native.startswith("--chat cannot render this model's prompts: a reason; render the prompt")
 
 
+def test_verify_sizes_skips_the_sha256_not_the_sizes(runner, smollm2_gguf_exact, tmp_path):
+    """--verify sizes (mobilec_open_verified, MOBILEC_VERIFY_SIZES) opens an artifact whose recorded sha256 no longer
+    matches, which the default refuses; a wrong size is refused by both."""
+    artifact = linked_copy(smollm2_gguf_exact, tmp_path / "art")
+    name = "tokenizer/tokenizer.json"
+    edit_config(artifact, lambda config: config["files"][name].update(sha256="0" * 64))
+    message = native_error(run_native(runner, artifact, "--prompt", "hi"))
+    assert message == f"file {artifact / name} fails its sha256 check (corrupted or modified); recompile the artifact"
+    done = run_native(runner, artifact, "--prompt", "hi", "--max-new-tokens", "2", "--verify", "sizes", "--json")
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)["token_ids"]) == 2
+    edit_config(artifact, lambda config: config["files"][name].update(bytes=config["files"][name]["bytes"] + 1))
+    assert "(truncated or modified)" in native_error(run_native(runner, artifact, "--prompt", "hi", "--verify",
+                                                                "sizes"))
+    assert native_error(run_native(runner, artifact, "--prompt", "hi", "--verify", "md5")) == (
+        "--verify must be sha256 or sizes, got 'md5'")
+
+
 def test_streamed_text_is_the_json_text(runner, smollm2_gguf_exact):
     args = ("--prompt", PROMPTS[0], "--max-new-tokens", "16")
     streamed = run_native(runner, smollm2_gguf_exact, *args)
@@ -173,6 +191,9 @@ int main(int argc, char** argv) {
   mobilec_model* model = NULL;
   if (mobilec_open("/nonexistent/artifact", &model) != MOBILEC_ERROR_ARTIFACT || model != NULL) return 10;
   if (strstr(mobilec_last_error(), "does not exist") == NULL) return 11;
+  if (mobilec_open_verified(argv[1], (mobilec_verify)7, &model) != MOBILEC_ERROR_INVALID_ARGUMENT || model) return 21;
+  if (mobilec_open_verified(argv[1], MOBILEC_VERIFY_SIZES, &model) != MOBILEC_OK) return 22;
+  mobilec_close(model);
   if (mobilec_open(argv[1], &model) != MOBILEC_OK) { fprintf(stderr, "%s\n", mobilec_last_error()); return 12; }
   const int32_t* ids; size_t count;
   if (mobilec_tokenize(model, "The capital of France is", 1, &ids, &count) != MOBILEC_OK || count != 5) return 13;

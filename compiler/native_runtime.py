@@ -23,7 +23,7 @@ from .data_files import data_dir
 from .errors import MobilecError
 
 SOURCE_DIR = data_dir("native") / "runtime"  # the checkout's, or the installed copy (pyproject data-files)
-LIBRARY_SOURCES = ("mobilec_api.cc", "bpe_tokenizer.cc", "chat_prompt.cc")
+LIBRARY_SOURCES = ("mobilec_api.cc", "bpe_tokenizer.cc", "chat_prompt.cc", "sha256.cc")
 RUNNER_SOURCES = ("runner.cc",)
 PUBLIC_HEADER = "mobilec.h"
 LIBRARY_NAME = "libmobilec.so"

@@ -79,7 +79,8 @@ the tokenizer and the runner). Not checked on a phone by mobilec's tests: no NDK
 
        CXX=$ANDROID_NDK/toolchains/llvm/prebuilt/linux-x86_64/bin/aarch64-linux-android{api}-clang++
        $CXX -std=c++17 -O2 -fPIC -shared -Isrc -I<tvm>/include -I<tvm>/ffi/include -I<tvm>/ffi/3rdparty/dlpack/include \\
-            src/mobilec_api.cc src/bpe_tokenizer.cc src/chat_prompt.cc -L<libs> -ltvm_runtime -ltvm_ffi -o lib/libmobilec.so
+            src/mobilec_api.cc src/bpe_tokenizer.cc src/chat_prompt.cc src/sha256.cc \\
+            -L<libs> -ltvm_runtime -ltvm_ffi -o lib/libmobilec.so
        $CXX -std=c++17 -O2 -Isrc src/runner.cc -Llib -lmobilec -L<libs> -ltvm_runtime -ltvm_ffi \\
             -Wl,-rpath,'$ORIGIN/../lib' -o bin/mobilec-run
 

@@ -160,7 +160,7 @@ def test_android_package_is_the_sources_and_how_to_build_them(mobile_artifacts, 
     root = tmp_path / "android"
     assert summary["runner"] is None and ANDROID_README in summary["note"]
     assert not (root / "bin").exists()
-    assert {"mobilec.h", "mobilec_api.cc", "bpe_tokenizer.cc", "chat_prompt.cc", "runner.cc"} <= {p.name for p in (root / "src").iterdir()}
+    assert {"mobilec.h", "mobilec_api.cc", "bpe_tokenizer.cc", "chat_prompt.cc", "sha256.cc", "runner.cc"} <= {p.name for p in (root / "src").iterdir()}
     readme = (root / ANDROID_README).read_text()
     assert "aarch64-linux-android28-clang++" in readme and "android.toolchain.cmake" in readme
     assert (root / "include" / "mobilec.h").is_file() and (root / CONFIG_FILE).is_file()

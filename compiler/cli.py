@@ -322,20 +322,23 @@ def generate(as_json, **options):
 @click.option("--output", "-o", required=True, help="The package directory (a new path, an empty directory, or a "
                                                      "package, replaced with --overwrite).")
 @click.option("--overwrite", is_flag=True, help="Replace a package already at --output (never other files).")
+@click.option("--tvm-runtime", type=click.Path(), default=None,
+              help="android-arm64: a directory with TVM's runtime built for Android (libtvm_runtime.so, "
+                   "libtvm_ffi.so; PyPI has none); with the NDK (TVM_NDK_CC or ANDROID_NDK) the runner is built too.")
 @json_option("the summary")
-def package(as_json, artifact, target, output, overwrite):
+def package(as_json, artifact, target, output, overwrite, tvm_runtime):
     """Lay out ARTIFACT with the native runner and C API for its target, to run without Python.
 
     \b
     --output gets the artifact, bin/mobilec-run, lib/ (libmobilec.so and TVM's runtime for the target's CPU),
     include/mobilec.h. `OUTPUT/bin/mobilec-run OUTPUT --prompt TEXT` then runs with a bare environment.
     host: built with this machine's g++; linux-arm64: with aarch64-linux-gnu-g++ against TVM's aarch64 runtime
-    (downloaded from PyPI once); android-arm64: the sources and a README on building them with the NDK (PyPI has
-    no Android build of TVM's runtime).
+    (downloaded from PyPI once); android-arm64: with the NDK's clang++ against --tvm-runtime, or without it the
+    sources and a README on building them with the NDK (PyPI has no Android build of TVM's runtime).
     """
     from .package import package as build_package  # pylint: disable=import-outside-toplevel
 
-    summary = build_package(artifact, output, target, overwrite)
+    summary = build_package(artifact, output, target, overwrite, tvm_runtime)
     if as_json:
         click.echo(json.dumps(summary))
         return

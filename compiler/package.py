@@ -8,8 +8,10 @@
 
 `DIR/bin/mobilec-run DIR --prompt ...` then runs with a bare environment. The host is built with this machine's
 C++ compiler, linux-arm64 with Debian's cross compiler against TVM's aarch64 runtime (tvm_runtime_libraries.py).
-Android needs TVM's runtime built for Android (bionic): the PyPI wheels hold only glibc builds, so an Android
-package holds the artifact, the header, the native sources and a README saying how to build them with the NDK.
+Android needs TVM's runtime built for Android (bionic), which the PyPI wheels do not hold: given one
+(`tvm_runtime`, a directory with its two libraries) and the NDK (TVM_NDK_CC or ANDROID_NDK), the runner is built
+with the NDK's clang++ as for linux-arm64; otherwise an Android package holds the artifact, the header, the native
+sources and a README saying how to build them with the NDK.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import native_runtime
+from . import link, native_runtime
 from .artifact import CONFIG_FILE, file_manifest, foreign_files, installed_versions, load_artifact
 from .errors import MobilecError
 from .export import atomic_directory
-from .tvm_runtime_libraries import host_arch, tvm_libraries
+from .tvm_runtime_libraries import host_arch, libraries_in, tvm_libraries
 from .targets import load_target
 
 PACKAGE_FILE = "mobilec-package.json"
@@ -60,6 +62,9 @@ def _copy_artifact(source: Path, files: list[str], dest: Path) -> None:
 
 def _android_readme(spec) -> str:
     api = spec.link.get("ndk_api", 28)
+    versions = installed_versions()
+    defines = (f'-DMOBILEC_VERSION=\\"{versions["mobilec"]}\\" -DMOBILEC_TVM_VERSION=\\"{versions["apache-tvm"]}\\" '
+               f'-DMOBILEC_TVM_FFI_VERSION=\\"{versions["apache-tvm-ffi"]}\\"')
     return f"""# Building the runner for Android ({spec.name})
 
 PyPI has TVM's runtime only for glibc Linux, and Android's C library is bionic, so this package holds what the
@@ -75,10 +80,14 @@ the tokenizer and the runner). Not checked on a phone by mobilec's tests: no NDK
        cmake --build build-android --target tvm_runtime -j
 
    gives libtvm_runtime.so and libtvm_ffi.so (under build-android/lib or build-android/ffi).
-2. The C API and the runner, with the NDK's clang for API {api}:
+2. The C API and the runner, with the NDK's clang for API {api}. mobilec does it: with TVM_NDK_CC (or ANDROID_NDK)
+   set, `mobilec package ARTIFACT -o DIR --tvm-runtime <the directory of step 1's two libraries>` builds DIR/bin
+   and DIR/lib as for linux-arm64 (the artifact must hold lib/model.so: compile it with the NDK set too). By hand:
 
        CXX=$ANDROID_NDK/toolchains/llvm/prebuilt/linux-x86_64/bin/aarch64-linux-android{api}-clang++
-       $CXX -std=c++17 -O2 -fPIC -shared -Isrc -I<tvm>/include -I<tvm>/ffi/include -I<tvm>/ffi/3rdparty/dlpack/include \\
+       $CXX -std=c++17 -O2 -fPIC -fvisibility=hidden -shared -Isrc -I<tvm>/include -I<tvm>/ffi/include \\
+            -I<tvm>/ffi/3rdparty/dlpack/include \\
+            {defines} \\
             src/mobilec_api.cc src/bpe_tokenizer.cc src/chat_prompt.cc src/sha256.cc \\
             -L<libs> -ltvm_runtime -ltvm_ffi -o lib/libmobilec.so
        $CXX -std=c++17 -O2 -Isrc src/runner.cc -Llib -lmobilec -L<libs> -ltvm_runtime -ltvm_ffi \\
@@ -93,9 +102,31 @@ the tokenizer and the runner). Not checked on a phone by mobilec's tests: no NDK
 """
 
 
+def _build_plan(artifact, spec, method: str, arch: str, tvm_runtime) -> tuple[str, Any] | None:
+    """The C++ compiler and TVM runtime the runner is built with, or None for an Android package of sources (no
+    --tvm-runtime). Everything that would stop the build is refused here, before anything is written."""
+    if method in BUILDABLE:
+        compiler = "g++" if method == "native" else spec.link["compiler"]
+        if shutil.which(compiler) is None:
+            hint = spec.link.get("package", "g++") if spec is not None else "g++"
+            raise MobilecError(f"C++ compiler {compiler} not found; install it with `apt-get install {hint}`")
+        return compiler, tvm_libraries(arch)
+    if tvm_runtime is None:
+        return None
+    compiler = link.ndk_compiler(spec)
+    if compiler is None:
+        raise MobilecError("building the runner for Android needs the NDK's clang++: set TVM_NDK_CC to it, or "
+                           "ANDROID_NDK to the NDK (r23+)")
+    if artifact.config["library"] != "lib/model.so":
+        raise MobilecError(f"{artifact.path} holds {artifact.config['library']}, not linked for Android (compiled "
+                           f"without the NDK): compile it again with TVM_NDK_CC or ANDROID_NDK set, then package it")
+    return compiler, libraries_in(tvm_runtime, arch)
+
+
 def package(artifact_path: str | Path, output: str | Path, target: str | None = None,
-            overwrite: bool = False) -> dict[str, Any]:
-    """Build the package of `artifact_path` into `output`; returns what --json prints."""
+            overwrite: bool = False, tvm_runtime: str | Path | None = None) -> dict[str, Any]:
+    """Build the package of `artifact_path` into `output`; returns what --json prints. `tvm_runtime`: a directory
+    with TVM's runtime built for Android (android-arm64 only), which with the NDK builds the runner too."""
     started = time.perf_counter()
     artifact = load_artifact(artifact_path)
     config = artifact.config
@@ -117,16 +148,16 @@ def package(artifact_path: str | Path, output: str | Path, target: str | None = 
     if method not in (*BUILDABLE, "ndk"):
         raise MobilecError(f"the native runner cannot be built for target {built_for} (link method {method}); "
                            f"CPU targets only: host, linux-arm64, android-arm64")
+    if tvm_runtime is not None and method != "ndk":
+        raise MobilecError(f"--tvm-runtime is for Android targets, whose TVM runtime PyPI does not carry; {built_for} "
+                           f"uses the runtime of the pinned apache-tvm wheels: drop --tvm-runtime")
+    build = _build_plan(artifact, spec, method, arch, tvm_runtime)
     artifact_files = sorted(config["files"])
     with atomic_directory(Path(output), overwrite, name="--output", owned=owned_entries,
                           what="a mobilec package") as tmp:
         _copy_artifact(artifact.path, artifact_files, tmp)
-        if method in BUILDABLE:
-            compiler = "g++" if method == "native" else spec.link["compiler"]
-            if shutil.which(compiler) is None:
-                hint = spec.link.get("package", "g++") if spec is not None else "g++"
-                raise MobilecError(f"C++ compiler {compiler} not found; install it with `apt-get install {hint}`")
-            built = native_runtime.build_runtime(tmp / ".runtime", compiler, tvm_libraries(arch))
+        if build is not None:
+            built = native_runtime.build_runtime(tmp / ".runtime", *build)
             for sub in ("bin", "lib", "include"):  # beside the artifact's lib/model.so
                 (tmp / sub).mkdir(exist_ok=True)
                 for path in (built.root / sub).iterdir():
@@ -139,7 +170,8 @@ def package(artifact_path: str | Path, output: str | Path, target: str | None = 
             shutil.copytree(native_runtime.SOURCE_DIR, tmp / "src", ignore=shutil.ignore_patterns("*.py"))
             (tmp / ANDROID_README).write_text(_android_readme(spec))
             note = (f"no Android build of TVM's runtime exists on PyPI: {ANDROID_README} in the package says how to "
-                    f"build it and the runner with the NDK")
+                    f"build it and the runner with the NDK (or pass --tvm-runtime DIR with it, and the NDK, to "
+                    f"build the runner here)")
         package_files = sorted(set(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
                                - set(artifact_files) - {CONFIG_FILE})
         summary = {

@@ -73,3 +73,36 @@ def _download(arch: str, pins: dict[str, str], entry: Path) -> None:
         except OSError:  # another process kept them first
             if not entry.is_dir():
                 raise
+
+
+# ELF e_machine of the architectures a runtime directory may hold libraries for
+ELF_MACHINES = {"aarch64": 183, "x86_64": 62}
+
+
+def _elf_machine(path: Path) -> int | None:
+    """The e_machine of a little-endian 64-bit ELF file, or None for anything else."""
+    try:
+        with path.open("rb") as file:
+            header = file.read(20)
+    except OSError:
+        return None
+    if len(header) < 20 or header[:4] != b"\x7fELF" or header[4] != 2 or header[5] != 1:
+        return None
+    return int.from_bytes(header[18:20], "little")
+
+
+def libraries_in(directory: str | Path, arch: str) -> TvmLibraries:
+    """TVM's runtime built by the user for a platform PyPI has no wheel for (Android): libtvm_runtime.so and
+    libtvm_ffi.so in `directory`, for `arch`, of the installed apache-tvm version (the headers are this venv's)."""
+    root = Path(directory)
+    paths = [root / Path(path).name for _, path in LIBRARIES]
+    for path in paths:
+        if not path.is_file():
+            raise MobilecError(f"--tvm-runtime {root} has no {path.name}: point it at the directory holding "
+                               f"libtvm_runtime.so and libtvm_ffi.so built for the device")
+        if _elf_machine(path) != ELF_MACHINES[arch]:
+            raise MobilecError(f"{path} is not a 64-bit {arch} shared library: build TVM's runtime for the device "
+                               f"(README-android.md in a package made without --tvm-runtime says how)")
+    pins = installed_versions()
+    host = host_tvm_libraries()
+    return TvmLibraries(host.include_dirs, paths[0], paths[1], pins["apache-tvm"], pins["apache-tvm-ffi"])

@@ -3,6 +3,7 @@ artifact contents, the ARM dot-product GEMVs, NPU coverage, OpenCL source. SmolL
 targets in runtime/test_smollm2_gpu_artifacts.py and for linux-arm64 in targets/test_smollm2_on_emulated_arm.py."""
 
 import json
+import platform
 import re
 import shutil
 import struct
@@ -16,6 +17,7 @@ from compiler.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
 from compiler.package import ANDROID_README, package
 from compiler.targets import load_target
+from compiler.tvm_runtime_libraries import tvm_libraries
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 pytestmark = pytest.mark.slow  # six compiles
@@ -163,6 +165,9 @@ def test_android_package_is_the_sources_and_how_to_build_them(mobile_artifacts, 
     assert {"mobilec.h", "mobilec_api.cc", "bpe_tokenizer.cc", "chat_prompt.cc", "sha256.cc", "runner.cc"} <= {p.name for p in (root / "src").iterdir()}
     readme = (root / ANDROID_README).read_text()
     assert "aarch64-linux-android28-clang++" in readme and "android.toolchain.cmake" in readme
+    # mobilec_api.cc stops with #error without the versions it checks the artifact against
+    assert all(f"-D{name}=" in readme for name in ("MOBILEC_VERSION", "MOBILEC_TVM_VERSION", "MOBILEC_TVM_FFI_VERSION"))
+    assert "--tvm-runtime" in readme
     assert (root / "include" / "mobilec.h").is_file() and (root / CONFIG_FILE).is_file()
 
 
@@ -171,4 +176,76 @@ def test_package_refuses_gpu_and_npu_artifacts(mobile_artifacts, target, quant, 
     out, _ = mobile_artifacts[target, quant]
     with pytest.raises(MobilecError, match=f"targets {target} .*CPU artifacts only"):
         package(out, tmp_path / "pkg")
+    assert not (tmp_path / "pkg").exists()
+
+
+def _fake_ndk(root):
+    """An NDK layout whose API-28 clang++ is Debian's aarch64 g++: it compiles and links what the NDK's would, for
+    glibc instead of bionic (no NDK can be installed here), which is enough to check what is built and shipped."""
+    if shutil.which("aarch64-linux-gnu-g++") is None:
+        pytest.skip("aarch64-linux-gnu-g++ not found (apt-get install g++-aarch64-linux-gnu)")
+    bin_dir = root / "toolchains" / "llvm" / "prebuilt" / "linux-x86_64" / "bin"
+    bin_dir.mkdir(parents=True)
+    clang = bin_dir / "aarch64-linux-android28-clang++"
+    clang.write_text('#!/bin/sh\nexec aarch64-linux-gnu-g++ "$@"\n')
+    clang.chmod(0o755)
+    return root
+
+
+def _runtime_dir(libraries, root):
+    root.mkdir()
+    for path in (libraries.runtime_library, libraries.ffi_library):
+        shutil.copy2(path, root / path.name)
+    return root
+
+
+def test_android_package_with_a_tvm_runtime_builds_the_runner(tmp_path, monkeypatch):
+    """With the NDK and TVM's runtime built for Android (--tvm-runtime), `mobilec package` builds the runner and C
+    API for android-arm64 as it does for linux-arm64, and ships the given runtime."""
+    monkeypatch.setenv("ANDROID_NDK", str(_fake_ndk(tmp_path / "ndk")))
+    monkeypatch.delenv("TVM_NDK_CC", raising=False)
+    checkpoint = save_compilable_checkpoint(build_model(MODEL), tmp_path / "hf")
+    artifact = tmp_path / "artifact"
+    compile_model(CompileOptions(str(checkpoint), "android-arm64", "q4f16_g32", str(artifact), context_window=128,
+                                 progress=False))
+    runtime = _runtime_dir(tvm_libraries("aarch64"), tmp_path / "tvm-android")
+    summary = package(artifact, tmp_path / "pkg", tvm_runtime=runtime)
+    root = tmp_path / "pkg"
+    assert summary["arch"] == "aarch64" and summary["runner"] == "bin/mobilec-run"
+    assert not (root / ANDROID_README).exists() and not (root / "src").exists()
+    binaries = [root / "bin" / "mobilec-run", *(root / "lib" / name for name in
+                                                 ("libmobilec.so", "libtvm_runtime.so", "libtvm_ffi.so", "model.so"))]
+    assert {_e_machine(path.read_bytes()[:64]) for path in binaries} == {EM_AARCH64}
+    assert (root / "lib" / "libtvm_runtime.so").read_bytes() == (runtime / "libtvm_runtime.so").read_bytes()
+    dynamic = subprocess.run(["aarch64-linux-gnu-readelf", "-d", str(binaries[0])], capture_output=True, text=True,
+                             check=True).stdout
+    assert "$ORIGIN/../lib" in dynamic and "libmobilec.so" in dynamic
+
+    # the refusals, each before anything is written
+    for bad, message in [(_runtime_dir(tvm_libraries(platform.machine()), tmp_path / "x86"), "is not a 64-bit aarch64"),
+                         (tmp_path / "empty", "has no libtvm_runtime.so")]:
+        bad.mkdir(exist_ok=True)
+        with pytest.raises(MobilecError, match=message):
+            package(artifact, tmp_path / "refused", tvm_runtime=bad)
+        assert not (tmp_path / "refused").exists()
+    monkeypatch.delenv("ANDROID_NDK")
+    with pytest.raises(MobilecError, match="needs the NDK's clang.*TVM_NDK_CC"):
+        package(artifact, tmp_path / "refused", tvm_runtime=runtime)
+    assert not (tmp_path / "refused").exists()
+
+
+def test_tvm_runtime_refused_where_it_does_not_apply(mobile_artifacts, tmp_path, monkeypatch):
+    """--tvm-runtime with an Android artifact of unlinked objects (compiled without the NDK), and with a
+    linux-arm64 artifact (whose runtime comes from PyPI), is refused in one line."""
+    runtime = tmp_path / "tvm-android"
+    runtime.mkdir()
+    monkeypatch.setenv("ANDROID_NDK", str(_fake_ndk(tmp_path / "ndk")))
+    monkeypatch.delenv("TVM_NDK_CC", raising=False)
+    android, _ = mobile_artifacts["android-arm64", "q4f16_g32"]
+    if json.loads((android / CONFIG_FILE).read_text())["library"] == "lib/model.tar":
+        with pytest.raises(MobilecError, match="lib/model.tar, not linked for Android.*compile it again"):
+            package(android, tmp_path / "pkg", tvm_runtime=runtime)
+    linux, _ = mobile_artifacts["linux-arm64", "q4f16_g32"]
+    with pytest.raises(MobilecError, match="--tvm-runtime is for Android targets.*drop --tvm-runtime"):
+        package(linux, tmp_path / "pkg", tvm_runtime=runtime)
     assert not (tmp_path / "pkg").exists()

@@ -112,7 +112,8 @@ def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_win
         mod = mod.with_attr(key, value)
     # the CPU attention kernels that replace TVM's apply the same RoPE scaling (passes/replace_cpu_attention.py)
     mod = mod.with_attr(kv_cache_dtype.ROPE_ATTR, json.dumps({"rope_scale": cfg.rope_scale,
-                                                              "rope_scaling": cfg.tvm_rope_scaling}))
+                                                              "rope_scaling": cfg.tvm_rope_scaling,
+                                                              "rope_theta": cfg.rope_theta}))
     if cfg.kv_carrier is not None:  # the kernels that read the packed cells need the real geometry
         mod = mod.with_attr(kv_cache_dtype.KV_FORMAT_ATTR,
                             {**cfg.kv_carrier.module_attr(), "rope_theta": cfg.rope_theta})

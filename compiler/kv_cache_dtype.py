@@ -174,8 +174,9 @@ def carrier_for(dtype: str | None, heads: int, kv_heads: int, head_dim: int) -> 
 
 
 KV_FORMAT_ATTR = "mobilec.kv_format"  # IRModule attr: a quantized cache's real geometry (Carrier.module_attr)
-# IRModule attr: the RoPE the cache's kernels apply beyond its theta, as JSON {"rope_scale": TVM's rope_scale,
-# "rope_scaling": TVM's rope_scaling dict} (models/llama.py), for the kernels passes/replace_cpu_attention.py builds
+# IRModule attr: the RoPE the cache's kernels apply, as JSON {"rope_scale": TVM's rope_scale, "rope_scaling": TVM's
+# rope_scaling dict, "rope_theta"} (models/llama.py; always over the whole head: a partial RoPE is applied in the
+# model, RopeMode.NONE), for the kernels passes/replace_cpu_attention.py builds
 ROPE_ATTR = "mobilec.rope"
 
 

@@ -858,6 +858,73 @@ def quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale:
     return split_rotary_signature(shape, body)
 
 
+def float_split_rotary(num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: str, rope_theta: float,
+                       rope_scale: float = 1.0, rope_scaling: dict[str, Any] | None = None) -> tirx.PrimFunc:
+    """A float cache's `tir_split_rotary` (TVM's `fused_rope`: qkv, position_map, q, k, v, apply_rope): q, k and v
+    split from the fused projection output, RoPE applied to q and k as TVM's llama_rope_with_position_map does
+    (rotate-half, rope_angle, computed in float32, when apply_rope > 0). TVM's computes the angle, its cos and its
+    sin for every element (pow, cos and sin for each of the 15 x 64 values of a SmolLM2 token: 9 us of a decode
+    step per layer on Zen 3) and runs it in parallel even for one token; here each token's head_dim / 2 angles are
+    computed once for all its heads, and one token (decode) is not handed to the thread pool."""
+    H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
+    HALF = D // 2
+    angle = rope_angle(D, rope_theta, rope_scale, rope_scaling)
+
+    @T.macro
+    def token(qkv, position_map, q, k, v, apply_rope, s):
+        cos = T.alloc_buffer((HALF,), "float32")
+        sin = T.alloc_buffer((HALF,), "float32")
+        freq = T.alloc_buffer((3,), "float32")
+        if apply_rope > 0:
+            for i in range(HALF):
+                angle(freq, i, position_map[s])
+                cos[i] = T.cos(freq[0])
+                sin[i] = T.sin(freq[0])
+        for h in range(H_qo + H_kv):
+            for i in range(HALF):
+                if apply_rope > 0:  # TVM's expression: cos x[i] + sin (-x[i + half]), cos x[i + half] + sin x[i]
+                    if h < H_qo:
+                        q[s, h, i] = T.Cast(dtype, cos[i] * T.Cast("float32", qkv[s, h, i])
+                                            + sin[i] * -T.Cast("float32", qkv[s, h, i + HALF]))
+                        q[s, h, i + HALF] = T.Cast(dtype, cos[i] * T.Cast("float32", qkv[s, h, i + HALF])
+                                                   + sin[i] * T.Cast("float32", qkv[s, h, i]))
+                    else:
+                        k[s, h - H_qo, i] = T.Cast(dtype, cos[i] * T.Cast("float32", qkv[s, h, i])
+                                                   + sin[i] * -T.Cast("float32", qkv[s, h, i + HALF]))
+                        k[s, h - H_qo, i + HALF] = T.Cast(dtype, cos[i] * T.Cast("float32", qkv[s, h, i + HALF])
+                                                          + sin[i] * T.Cast("float32", qkv[s, h, i]))
+                elif h < H_qo:
+                    q[s, h, i] = qkv[s, h, i]
+                    q[s, h, i + HALF] = qkv[s, h, i + HALF]
+                else:
+                    k[s, h - H_qo, i] = qkv[s, h, i]
+                    k[s, h - H_qo, i + HALF] = qkv[s, h, i + HALF]
+        for h in range(H_kv):
+            for d in range(D):
+                v[s, h, d] = qkv[s, H_qo + H_kv + h, d]
+
+    # pylint: disable=too-many-locals
+    @T.prim_func(private=True, s_tir=True)
+    def fused_rope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, var_k: T.handle,
+                   var_v: T.handle, apply_rope: T.int64):
+        T.func_attr({"op_pattern": 8, "tirx.noalias": True, "tirx.is_scheduled": True})
+        seq_len = T.int32()
+        position_map_elem_offset = T.int32()
+        qkv = T.match_buffer(var_qkv, (seq_len, H_qo + 2 * H_kv, D), dtype)
+        q = T.match_buffer(var_q, (seq_len, H_qo, D), dtype)
+        k = T.match_buffer(var_k, (seq_len, H_kv, D), dtype)
+        v = T.match_buffer(var_v, (seq_len, H_kv, D), dtype)
+        position_map = T.match_buffer(var_position_map, (seq_len,), "int32", elem_offset=position_map_elem_offset)
+        with T.sblock("root"):
+            if seq_len == 1:
+                token(qkv, position_map, q, k, v, apply_rope, 0)
+            else:
+                for s in T.parallel(seq_len):
+                    token(qkv, position_map, q, k, v, apply_rope, s)
+
+    return fused_rope.with_attr("global_symbol", SPLIT_ROTARY_SYMBOL)
+
+
 def split_rotary_signature(shape: AttentionShape, body) -> tirx.PrimFunc:
     """TVM's `fused_rope` signature (qkv, position_map, q, k, v, apply_rope) on a quantized cache's carrier, around
     `body(qkv_rows, position_map, q_rows, k_codes, v_codes, k, v, apply_rope, seq_len)`: the fused projection

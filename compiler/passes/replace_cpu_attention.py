@@ -27,7 +27,9 @@ Our attention kernels read K stored after RoPE (RopeMode.NORMAL or NONE) and fai
 (cpu_attention.ROTARY_REFUSAL): a module whose cache is created with RopeMode.INLINE is refused here, at compile
 time (the create call's rope_mode argument). RoPE scaling (Llama 3's, or linear): the importer records the model's
 as the module attr ROPE_ATTR, and a quantized cache's split + RoPE, which applies RoPE to every q and k, gets it as
-TVM's split + RoPE got it from TIRPagedKVCache. A module without the attr (built by hand) has plain RoPE.
+TVM's split + RoPE got it from TIRPagedKVCache. A module without the attr (built by hand) has plain RoPE. A float
+cache's split + RoPE is ours too where the attr gives rope_theta and a scaling rope_angle computes (float_split_rotary:
+TVM's computes pow, cos and sin for every element, ~10% of a SmolLM2 decode step's attention).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from ..kernels.cpu_attention import (
     attention_prefill_paged,
     attention_prefill_ragged,
     carrier_merge_state,
+    float_split_rotary,
     quantized_split_rotary,
 )
 from ..kv_cache_dtype import CODE_FORMATS, KV_FORMAT_ATTR, ROPE_ATTR
@@ -67,6 +70,27 @@ def rope_of(mod: tvm.IRModule) -> tuple[float, dict[str, Any]]:
         return 1.0, {}
     rope = json.loads(str(attr))
     return float(rope["rope_scale"]), dict(rope["rope_scaling"])
+
+
+def float_split_rotary_for(mod: tvm.IRModule, func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    """Our split + RoPE in place of TVM's `fused_rope` of a float cache, for the geometry of TVM's kernel and the
+    RoPE the importer recorded (ROPE_ATTR, with rope_theta); None (TVM's stays) for a module without it, a RoPE
+    scaling rope_angle does not compute, or a kernel not of the layout expected."""
+    attr = mod.attrs.get(ROPE_ATTR) if mod.attrs is not None else None
+    rope = json.loads(str(attr)) if attr is not None else {}
+    kind = (rope.get("rope_scaling") or {}).get("rope_type")
+    if "rope_theta" not in rope or kind not in (None, "llama3"):
+        return None
+    qkv, q, k, v = (func.params[i] for i in (0, 2, 3, 4))
+    try:
+        (fused, d), (h_qo, d_q), (h_kv, d_k), (h_v, d_v) = ((int(x) for x in b.shape[1:]) for b in (qkv, q, k, v))
+    except (TypeError, ValueError, AttributeError):  # a symbolic dimension, or not the layout expected
+        return None
+    if (fused, h_v, d_q, d_k, d_v) != (h_qo + 2 * h_kv, h_kv, d, d, d) or d % 2 or len(
+            {str(b.dtype) for b in (qkv, q, k, v)}) != 1:
+        return None
+    return float_split_rotary(h_qo, h_kv, d, str(qkv.dtype), float(rope["rope_theta"]), float(rope["rope_scale"]),
+                              rope["rope_scaling"])
 
 
 def in_place_of(old: tirx.PrimFunc, new: tirx.PrimFunc) -> tirx.PrimFunc:
@@ -181,7 +205,7 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
         return with_functions(mod, self._quantized(mod, kv_format) if kv_format is not None else self._float(mod))
 
     def _float(self, mod: tvm.IRModule) -> dict:
-        """TVM's kernels that ours take; with a sliding window (LAYER_SLIDING_WINDOW_ATTR) the sliding variants too,
+        """TVM's kernels that ours take (and its split + RoPE: float_split_rotary_for); with a sliding window (LAYER_SLIDING_WINDOW_ATTR) the sliding variants too,
         and with a window on every layer (SLIDING_WINDOW_ATTR) or a logit cap (ATTN_LOGIT_CAP_ATTR) every kernel, or
         the build fails: TVM's have none of them."""
         attrs = mod.attrs if mod.attrs is not None else {}
@@ -191,6 +215,11 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
         replaced = {}
         for gv, func in mod.functions_items():
             symbol = global_symbol(func)
+            if symbol == SPLIT_ROTARY_SYMBOL:
+                ours = float_split_rotary_for(mod, func)
+                if ours is not None:
+                    replaced[gv] = in_place_of(func, ours)
+                continue
             if symbol not in kernels:
                 continue
             read_shape, build = kernels[symbol]

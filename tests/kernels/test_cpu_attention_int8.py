@@ -10,6 +10,7 @@ import functools
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from tvm.relax.frontend.nn.llm.position_embedding import llama_rope_with_position_map
 
 from compiler.errors import MobilecError
@@ -28,7 +29,7 @@ from compiler.kernels.cpu_attention import (
     vector_lanes,
 )
 from compiler.kv_cache_dtype import CODE_FORMATS, KV_FORMAT_ATTR, Carrier
-from compiler.passes.replace_cpu_attention import ReplaceCPUAttention
+from compiler.passes.replace_cpu_attention import ReplaceCPUAttention, float_split_rotary_for, in_place_of
 from tests.kernels.test_cpu_attention import (
     PAGE,
     ROPE_SCALE,
@@ -316,10 +317,14 @@ def test_pass_replaces_all_five_kernels_of_an_int8_cache(tiny_int8_module):
     # TVM's copy kernels move whole cells: they stay
     for symbol in ("tir_kv_cache_transpose_append", "copy_single_page_cpu", "compact_kv_copy_cpu"):
         assert swapped[symbol].same_as(mod[symbol])
-    # negative control: a float cache keeps TVM's split and merge
+    # negative control: a float cache keeps TVM's merge, and its split + RoPE is the float one, not the int8 one
     f32 = tiny_int8_module["f32"]
     swapped = ReplaceCPUAttention(8)(f32)
-    assert swapped[SPLIT_ROTARY_SYMBOL].same_as(f32[SPLIT_ROTARY_SYMBOL])
+    float_split = float_split_rotary_for(f32, f32[SPLIT_ROTARY_SYMBOL])
+    assert float_split is not None
+    tvm.ir.assert_structural_equal(swapped[SPLIT_ROTARY_SYMBOL], in_place_of(f32[SPLIT_ROTARY_SYMBOL], float_split))
+    assert not tvm_ffi.structural_equal(swapped[SPLIT_ROTARY_SYMBOL], in_place_of(
+        f32[SPLIT_ROTARY_SYMBOL], quantized_split_rotary(shape, theta)))
     assert swapped[MERGE_SYMBOL].same_as(f32[MERGE_SYMBOL])
     assert not swapped[DECODE_SYMBOL].same_as(f32[DECODE_SYMBOL])
 

@@ -204,13 +204,6 @@ def test_gemma2_config():
     assert "self_attn.q_norm" not in " ".join(name for names in cfg.param_sources().values() for name in names)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
-def test_gemma3_quantized_kv_cache_is_refused(kv_dtype):
-    cfg = dataclasses.replace(Gemma3TextConfig.from_hf(_hf_config(), context_window=64), kv_dtype=kv_dtype)
-    with pytest.raises(MobilecError, match=kv_dtype):
-        _ = cfg.kv_carrier
-
-
 @pytest.mark.parametrize("name, config_class", [("gemma3", Gemma3TextConfig), ("gemma2", Gemma2Config)])
 def test_checkpoint_tensors_are_all_read(name, config_class):
     """Every tensor of transformers' checkpoint has its place (q/k norms and the four layer norms included)."""

@@ -3,7 +3,6 @@ so its sliding window applies), windows shorter than the context included, negat
 feature ignored, and the config refusals."""
 
 import copy
-import dataclasses
 
 import numpy as np
 import pytest
@@ -269,11 +268,3 @@ def test_phi3_gguf_is_refused(tmp_path):
     path = write_gguf(_model("phi3_window_48"), tmp_path / "phi3.gguf")
     with pytest.raises(MobilecError, match="phi3 is compiled from its Hugging Face checkpoint only"):
         open_checkpoint(path)
-
-
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
-def test_quantized_cache_is_refused_for_phi3(kv_dtype):
-    """Its split kernel would rotate k again: RoPE is phi3's own (RopeMode.NONE)."""
-    cfg = dataclasses.replace(_config("phi3_window_48", 48), kv_dtype=kv_dtype)
-    with pytest.raises(MobilecError, match=f"--kv-dtype {kv_dtype} is not implemented for phi3"):
-        cfg.kv_carrier  # pylint: disable=pointless-statement

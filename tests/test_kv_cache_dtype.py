@@ -5,6 +5,7 @@ cache against transformers."""
 import dataclasses
 import functools
 import json
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -293,10 +294,18 @@ def test_float16_cache_decodes_like_transformers(tmp_path_factory):
 TO_FLOAT = {"int8": (6e-2, 7), "int4": (1.0, 3)}
 
 
-def _decode_against_transformers(model, root, name: str, target: str = "host", **options):
+class Decoded(NamedTuple):
+    logits: list[np.ndarray]  # the prefill's, each decode step's, the second prefill's
+    to_quantized: list[float]  # relative errors to transformers with K/V quantized the same way
+    to_float: list[float]  # to the float model
+    to_controls: list[list[float]]  # to each of the `controls` models, K/V quantized the same way
+    ref_tokens: list[int]  # the float model's greedy tokens
+
+
+def decode_against_transformers(model, root, name: str, target: str = "host", controls=(), **options) -> Decoded:
     """Compile `model` for `target` with a `name` cache; prefill + 8 decode steps + a second prefill on the cached
-    tokens (the paged prefill and merge kernels): (the logits, their relative errors to transformers with K/V
-    quantized the same way and to the float model, the float model's greedy tokens)."""
+    tokens (the paged prefill and merge kernels), compared with transformers on the same tokens (the float model's
+    greedy ones, which the quantized one may not pick)."""
     save_compilable_checkpoint(model, root / "hf")
     compile_model(CompileOptions(str(root / "hf"), target, "q0f32", str(root / name), context_window=64,
                                  progress=False, kv_dtype=name, **options))
@@ -307,16 +316,17 @@ def _decode_against_transformers(model, root, name: str, target: str = "host", *
     logits = [session.prefill_all_logits(PROMPT)] + [session.decode(token) for token in ref_tokens[:-1]]
     more = [11, 2, 30, 5, 7]
     logits.append(session.prefill_all_logits(more))
-    # the references on the same tokens (the float model's greedy ones, which the quantized one may not pick)
     sequence = PROMPT + ref_tokens[:-1] + more
     steps = [slice(0, len(PROMPT))] + [len(PROMPT) + i for i in range(len(ref_tokens) - 1)] + [
         slice(len(sequence) - len(more), len(sequence))]
-    with torch.inference_mode():
-        quant_all, float_all = (m(torch.tensor([sequence])).logits[0].numpy()
-                                for m in (kv_fake_quantized(model, name), model))
-    to_quantized = [_rel_err(got, quant_all[step]) for got, step in zip(logits, steps)]
-    to_float = [_rel_err(got, float_all[step]) for got, step in zip(logits, steps)]
-    return logits, to_quantized, to_float, ref_tokens
+
+    def errors(reference) -> list[float]:
+        with torch.inference_mode():
+            want = reference(torch.tensor([sequence])).logits[0].numpy()
+        return [_rel_err(got, want[step]) for got, step in zip(logits, steps)]
+
+    return Decoded(logits, errors(kv_fake_quantized(model, name)), errors(model),
+                   [errors(kv_fake_quantized(control, name)) for control in controls], ref_tokens)
 
 
 @pytest.mark.slow  # a compile of a tiny model and transformers: ~1 minute each
@@ -324,7 +334,7 @@ def _decode_against_transformers(model, root, name: str, target: str = "host", *
 def test_quantized_cache_decodes_like_transformers(tmp_path_factory, name):
     """A quantized cache: within 1e-5 of transformers with K/V quantized the same way (so every kernel computes
     what it should), within TO_FLOAT of the float model, some of whose greedy tokens it keeps."""
-    logits, to_quantized, to_float, ref_tokens = _decode_against_transformers(
+    logits, to_quantized, to_float, _, ref_tokens = decode_against_transformers(
         build_model("llama_gqa"), tmp_path_factory.mktemp(f"kv-{name}"), name)
     most, kept = TO_FLOAT[name]
     assert max(to_quantized) < 1e-5, to_quantized
@@ -347,7 +357,7 @@ def test_quantized_cache_on_a_gpu_target_decodes_like_transformers(tmp_path_fact
                  num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=256, rms_norm_eps=1e-5,
                  rope_theta=50000.0)
     model = random_model(transformers.LlamaForCausalLM, transformers.LlamaConfig(**shape))
-    _, to_quantized, to_float, _ = _decode_against_transformers(
+    _, to_quantized, to_float, _, _ = decode_against_transformers(
         model, tmp_path_factory.mktemp(f"kv-gpu-{name}"), name, "android-adreno", **ON_POCL)
     assert max(to_quantized) < 1e-4, to_quantized  # PoCL's float32 sums and cos/sin: 1.3e-5 seen
     assert min(to_float) > 1e-3, to_float

@@ -23,7 +23,6 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode
 
 from ..errors import MobilecError
 from ..kernels.cpu_attention import ATTN_LOGIT_CAP_ATTR, LAYER_SLIDING_WINDOW_ATTR
-from ..kv_cache_dtype import CODE_FORMATS
 from .llama import Embedding, LlamaAttention, LlamaConfig, LlamaForCausalLM, _positive, _whole
 from .rotary import RotaryEmbedding
 
@@ -45,13 +44,6 @@ class GemmaConfig(LlamaConfig):
     # The cache's sliding layers get every page and the kernels mask by position (GPU targets: the importer sets
     # it; kernels/gpu_attention.py says why), instead of the window's pages only (CPU targets)
     sliding_pages_all: bool = False
-
-    @property
-    def kv_carrier(self):
-        if self.kv_dtype in CODE_FORMATS:
-            raise MobilecError(f"--kv-dtype {self.kv_dtype} is not implemented for Gemma models (RoPE is applied in "
-                               f"the model graph, the quantized cache kernels are not tested with it); use f16")
-        return None
 
     def rope(self, layer_id: int) -> tuple[float, float]:
         """(base, linear scaling factor) of layer `layer_id`'s RoPE."""

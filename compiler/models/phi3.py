@@ -9,7 +9,6 @@ import math
 from typing import Any
 
 from ..errors import MobilecError
-from ..kv_cache_dtype import CODE_FORMATS
 from .llama import _whole
 from .mistral import MistralConfig, MistralForCausalLM
 from .rotary import RotaryEmbedding
@@ -53,13 +52,6 @@ def _factors(rope: dict[str, Any], key: str, count: int) -> tuple[float, ...]:
 class Phi3Config(MistralConfig):
     rotary_dim: int = 0  # the leading dims of each head that RoPE rotates
     longrope: LongRope | None = None
-
-    @property
-    def kv_carrier(self):
-        if self.kv_dtype in CODE_FORMATS:  # its split kernel would rotate k again (RoPE is the model's here)
-            raise MobilecError(f"--kv-dtype {self.kv_dtype} is not implemented for phi3 (RoPE is applied in the model "
-                               "graph); use f16")
-        return None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], context_window: int | None = None) -> "Phi3Config":

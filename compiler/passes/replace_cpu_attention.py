@@ -20,7 +20,9 @@ A quantized KV cache (int8, int4: kv_cache_dtype.Carrier) is declared to TVM as 
 geometry, whose cells TVM's kernels would read as floats: the importer records the real geometry and format as the
 module attr KV_FORMAT_ATTR, and then all five kernels that read or write the packed cells (split + RoPE, decode,
 ragged and paged prefill, merge of states) are replaced, by our variants built from that geometry, or the build
-fails.
+fails; with a window or a cap as above (the attention kernels take them for every KV layout), and with
+"mha_sliding" layers their two sliding variants too. A model that applies RoPE itself (Gemma, Phi-3) creates the
+cache with RopeMode.NONE: the runtime then calls the split kernel with apply_rope 0 and it only splits and quantizes.
 TVM's copy kernels (transpose_append, copy_single_page, compact_kv_copy, debug_get_kv) move whole cells and stay.
 
 Our attention kernels read K stored after RoPE (RopeMode.NORMAL or NONE) and fail on rotary_mode 1
@@ -34,6 +36,7 @@ TVM's computes pow, cos and sin for every element, ~10% of a SmolLM2 decode step
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -234,7 +237,12 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
         return replaced
 
     def _quantized(self, mod: tvm.IRModule, kv_format) -> dict:
-        """The five kernels of a quantized cache (quantized_replacements) at the target's lanes."""
+        """The five kernels of a quantized cache (quantized_replacements) at the target's lanes, with the module's
+        windows and logit cap as in _float; with "mha_sliding" layers their two sliding variants too."""
+        attrs = mod.attrs
+        layer_window, cap = attrs.get(LAYER_SLIDING_WINDOW_ATTR), float(attrs.get(ATTN_LOGIT_CAP_ATTR, 0.0))
+        window = int(attrs.get(SLIDING_WINDOW_ATTR, 0))
+        attention = {**KERNELS, **(SLIDING_KERNELS if layer_window is not None else {})}
 
         def kernels(shape: AttentionShape, rope_theta: float, rope_scale: float, rope_scaling: dict) -> dict:
             if not shape.supported(self.lanes):
@@ -242,9 +250,8 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
                                    f"KV heads of head_dim {shape.head_dim} are not taken by the {self.lanes}-lane "
                                    f"CPU kernels")
             return {
-                DECODE_SYMBOL: lambda: attention_decode(shape, self.lanes),
-                RAGGED_SYMBOL: lambda: attention_prefill_ragged(shape, self.lanes),
-                PAGED_PREFILL_SYMBOL: lambda: attention_prefill_paged(shape, self.lanes),
+                **{symbol: functools.partial(build, shape, self.lanes, layer_window and int(layer_window), window, cap)
+                   for symbol, (_, build) in attention.items()},
                 SPLIT_ROTARY_SYMBOL: lambda: quantized_split_rotary(shape, rope_theta, rope_scale, rope_scaling),
                 MERGE_SYMBOL: lambda: carrier_merge_state(shape),
             }
@@ -259,10 +266,6 @@ def quantized_replacements(mod: tvm.IRModule, kv_format, decode_symbol: str, ker
     decode kernel, whose pages give the page size."""
     funcs = {global_symbol(func): (gv, func) for gv, func in mod.functions_items()}
     name = str(kv_format["format"])
-    if any(mod.attrs.get(attr) is not None
-           for attr in (LAYER_SLIDING_WINDOW_ATTR, SLIDING_WINDOW_ATTR, ATTN_LOGIT_CAP_ATTR)):
-        raise MobilecError(f"--kv-dtype {name} with sliding-window attention layers or capped attention logits "
-                           f"is not implemented; use f16")
     if name not in CODE_FORMATS or decode_symbol not in funcs:
         raise MobilecError(f"{KV_FORMAT_ATTR} {dict(kv_format)}: not a quantized cache with TVM's kernels")
     page_size = int(funcs[decode_symbol][1].params[1].shape[3])

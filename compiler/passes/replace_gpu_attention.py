@@ -93,6 +93,10 @@ class ReplaceGPUAttention:  # pylint: disable=too-few-public-methods
             raise MobilecError("a paged KV cache with RopeMode.INLINE (RoPE inside attention) is not supported by "
                                "mobilec's GPU attention kernels; create it with RopeMode.NORMAL or NONE")
         if kv_format is not None:
+            if builders:
+                raise MobilecError(f"--kv-dtype {kv_format['format']} with sliding-window attention or capped "
+                                   f"attention logits is not implemented on GPU targets; use f32 there (CPU "
+                                   f"targets take it)")
             return with_functions(mod, quantized_replacements(mod, kv_format, GPU_DECODE_SYMBOL, _quantized_kernels))
         replaced = {}
         for gv, func in mod.functions_items():

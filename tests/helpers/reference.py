@@ -81,19 +81,27 @@ KV_ROUND_TRIPS = {"int8": lambda x, kv: _int8_round_trip(x), "int4": _int4_round
 def kv_fake_quantized(model, name: str):
     """A copy of `model` whose attention sees K (after RoPE) and V through quantize + dequantize per token and KV
     head, as the `name` (int8, int4) cache stores them (quantizing the whole cached K/V each step is the same: a
-    dequantized row quantizes to its own codes)."""
+    dequantized row quantizes to its own codes). The attention is the model's own: its module's eager one (Gemma 2's
+    capped scores, sliding windows) where the model runs eager attention, else SDPA."""
     import copy
+    import sys
 
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
     round_trip = KV_ROUND_TRIPS[name]
+    eager = model.config._attn_implementation == "eager"  # pylint: disable=protected-access
+    inner = sys.modules[type(model).__module__].eager_attention_forward if eager else sdpa_attention_forward
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        return sdpa_attention_forward(module, query, round_trip(key, 0), round_trip(value, 1), attention_mask,
-                                      **kwargs)
+        return inner(module, query, round_trip(key, 0), round_trip(value, 1), attention_mask, **kwargs)
 
-    AttentionInterface.register(f"mobilec_{name}_kv", attention)
+    impl = f"mobilec_{name}_kv_{type(model).__name__}_{'eager' if eager else 'sdpa'}"  # one per inner attention
+    AttentionInterface.register(impl, attention)
+    # its masks as for the inner attention: an attention unknown to the mask registry gets no mask at all (causal
+    # only through SDPA's is_causal, no sliding window)
+    AttentionMaskInterface.register(impl, eager_mask if eager else sdpa_mask)
     clone = copy.deepcopy(model)
-    clone.set_attn_implementation(f"mobilec_{name}_kv")
+    clone.set_attn_implementation(impl)
     return clone

@@ -118,11 +118,12 @@ GEMMA_SPECS: dict[str, tuple[type, type, dict[str, Any]]] = {
 HF_FORMATS = ("safetensors", "safetensors_sharded", "bin", "bin_sharded")
 
 
-def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A tiny random model from SPECS, ARCHITECTURE_SPECS or GEMMA_SPECS; the same (name, seed) always gives the
-    same weights."""
+def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **changes) -> PreTrainedModel:
+    """A tiny random model from SPECS, ARCHITECTURE_SPECS or GEMMA_SPECS, with config `changes` (a negative
+    control's twin, where they change no parameter's shape); the same (name, seed, changes) always gives the same
+    weights."""
     model_cls, config_cls, kwargs = {**SPECS, **ARCHITECTURE_SPECS, **GEMMA_SPECS}[name]
-    return random_model(model_cls, config_cls(**{**_COMMON, **kwargs}), seed, dtype)
+    return random_model(model_cls, config_cls(**{**_COMMON, **kwargs, **changes}), seed, dtype)
 
 
 def random_model(model_cls: type, config, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

@@ -15,10 +15,12 @@ from tvm.relax.frontend.nn.llm.position_embedding import llama_rope_with_positio
 
 from compiler.errors import MobilecError
 from compiler.kernels.cpu_attention import (
+    ATTN_LOGIT_CAP_ATTR,
     DECODE_SYMBOL,
     MERGE_SYMBOL,
     PAGED_PREFILL_SYMBOL,
     RAGGED_SYMBOL,
+    SLIDING_WINDOW_ATTR,
     SPLIT_ROTARY_SYMBOL,
     AttentionShape,
     attention_decode,
@@ -327,6 +329,20 @@ def test_pass_replaces_all_five_kernels_of_an_int8_cache(tiny_int8_module):
         f32[SPLIT_ROTARY_SYMBOL], quantized_split_rotary(shape, theta)))
     assert swapped[MERGE_SYMBOL].same_as(f32[MERGE_SYMBOL])
     assert not swapped[DECODE_SYMBOL].same_as(f32[DECODE_SYMBOL])
+
+
+def test_pass_gives_an_int8_caches_kernels_the_window_and_cap(tiny_int8_module):
+    """A window on every layer and capped scores (SLIDING_WINDOW_ATTR, ATTN_LOGIT_CAP_ATTR) reach the three attention
+    kernels of a quantized cache as they reach a float cache's; negative control: without them the kernels differ."""
+    mod = tiny_int8_module["int8"]
+    shape = AttentionShape(2, 4, 16, "int8", PAGE)
+    swapped = ReplaceCPUAttention(8)(mod.with_attr(SLIDING_WINDOW_ATTR, 24).with_attr(ATTN_LOGIT_CAP_ATTR, 30.0))
+    plain = ReplaceCPUAttention(8)(mod)
+    for symbol, build in ((DECODE_SYMBOL, attention_decode), (RAGGED_SYMBOL, attention_prefill_ragged),
+                          (PAGED_PREFILL_SYMBOL, attention_prefill_paged)):
+        tvm.ir.assert_structural_equal(swapped[symbol], in_place_of(mod[symbol], build(
+            shape, 8, window=24, logit_cap=30.0)))
+        assert not tvm_ffi.structural_equal(swapped[symbol], plain[symbol])
 
 
 def test_pass_gives_an_int8_cache_the_models_rope_scaling(tmp_path):

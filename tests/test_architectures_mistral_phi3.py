@@ -262,9 +262,60 @@ def test_phi3_checkpoint_fused_tensors_are_read_as_they_are():
     assert set(cfg.source_shapes()) == names
 
 
-def test_phi3_gguf_is_refused(tmp_path):
+# name -> config changes. llama.cpp pads its context to 256 tokens and takes LongRoPE's long factors for the whole
+# sequence past the original context, so the LongRoPE model gets one of 256 (of 1024) to stay on the short factors
+PHI3_GGUF = {
+    "phi3_window_48": {},
+    "phi3_partial_longrope": dict(rope_parameters={**_LONGROPE, "original_max_position_embeddings": 256,
+                                                   "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+                                  max_position_embeddings=1024, original_max_position_embeddings=256),
+    "phi3_window_12": {},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PHI3_GGUF))
+def test_phi3_gguf_is_read_as_llama_cpp_writes_it(tmp_path, name):
+    """A random Phi-3 written as llama.cpp's converter writes it (fused attn_qkv; gate and up in ffn_up; the rotated
+    dims, the window and the original context as metadata; LongRoPE's factors as two tensors): the config read from
+    it is the one its HF checkpoint gives, and compiled with `--quant gguf` its logits equal transformers' to 1e-4 over
+    the prompt and 32 greedy tokens (phi3_window_12's window binds). llama.cpp, where installed, computes the same
+    from the file where a window does not bind (it ignores Phi windows). Negative control: one position off."""
     from compiler.loaders import open_checkpoint
 
-    path = write_gguf(_model("phi3_window_48"), tmp_path / "phi3.gguf")
-    with pytest.raises(MobilecError, match="phi3 is compiled from its Hugging Face checkpoint only"):
+    model = _model(name, **PHI3_GGUF[name])
+    context = MODELS[name][2]
+    path = write_gguf(model, tmp_path / "phi3.gguf", tokenizer=True)
+    with open_checkpoint(path) as ckpt:
+        from_gguf = family_for(ckpt.hf_config).config_class.from_hf(ckpt.hf_config, context)
+    hf = model.config.to_dict()
+    from_hf = family_for(hf).config_class.from_hf(hf, context)
+    assert from_gguf.longrope is not None or name != "phi3_partial_longrope"
+    for field in ("rotary_dim", "longrope", "sliding_window", "head_dim", "num_key_value_heads", "rope_theta",
+                  "rms_norm_eps", "tie_word_embeddings", "context_window_size", "intermediate_size"):
+        assert getattr(from_gguf, field) == getattr(from_hf, field), field
+    compile_model(CompileOptions(str(path), "host", "gguf", str(tmp_path / "artifact"), context_window=context,
+                                 progress=False, kv_dtype="f32"))
+    session = Session(load_artifact(tmp_path / "artifact"))
+    ref_tokens, ref_prefill, ref_decode = reference_greedy(model, PROMPT, GREEDY)
+    prefill = _prefill(session)
+    assert _rel_err(prefill, ref_prefill) < TOLERANCE
+    assert _rel_err(prefill[1:], ref_prefill[:-1]) > DIFFERS
+    for step, token in enumerate(ref_tokens[:-1]):
+        assert _rel_err(session.decode(token), ref_decode[step]) < TOLERANCE, f"decode step {step}"
+    if name != "phi3_window_12":
+        from tests.helpers.reference import llama_cpp_logits
+
+        assert _rel_err(llama_cpp_logits(path, PROMPT), ref_prefill) < 1e-2  # F32 weights; its float16 KV cache
+
+
+def test_phi3_gguf_longrope_attention_factor_other_than_derived_is_refused(tmp_path, monkeypatch):
+    import gguf
+
+    from compiler.loaders import open_checkpoint
+
+    write = gguf.GGUFWriter.add_rope_scaling_attn_factors
+    monkeypatch.setattr(gguf.GGUFWriter, "add_rope_scaling_attn_factors", lambda w, value: write(w, value * 1.1))
+    path = write_gguf(_model("phi3_partial_longrope"), tmp_path / "phi3.gguf", tokenizer=True)
+    with pytest.raises(MobilecError, match="LongRoPE attention factor .* mobilec derives it"):
         open_checkpoint(path)

@@ -42,18 +42,23 @@ _BLOCK_NAMES = {
 # Gemma's four norms a layer: llama.cpp names the one before the MLP ffn_norm (Llama's post-attention norm)
 _GEMMA_BLOCK_NAMES = {**_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm",
                       "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# Phi-3's fused projections: q/k/v in one matrix, and ffn_up holding gate and up (transformers' gate_up_proj)
+_PHI3_BLOCK_NAMES = {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # GGUF architecture -> HF model_type, where they differ; and Gemma's (llama.cpp stores its norm weights as 1 + w)
 _MODEL_TYPES = {"gemma3": "gemma3_text"}
 _GEMMA_ARCHS = {"gemma2", "gemma3"}
+_ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES, "phi3": _PHI3_BLOCK_NAMES}
 # llama.cpp's scale of Gemma's attention scores: 1 / sqrt(head_dim), but 1 / sqrt(hidden / heads) for the 27B models,
 # which it recognises by their layer count (query_pre_attn_scalar is not in the file)
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp's convert script reorders q/k rows (see _unpermute_order) only for these architectures.
 _PERMUTED_ARCHS = {"llama"}
-# rope_freqs holds Llama 3 RoPE scaling factors; it is described by hf_config["rope_scaling"], not a weight.
+# rope_freqs holds Llama 3 RoPE scaling factors, rope_factors_* Phi-3's LongRoPE ones: described by
+# hf_config["rope_scaling"], not weights.
 _ROPE_FREQS = "rope_freqs.weight"
-_NOT_WEIGHTS = {_ROPE_FREQS}
+_LONGROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
+_NOT_WEIGHTS = {_ROPE_FREQS, *_LONGROPE_FACTORS.values()}
 
 
 def _hf_name(gguf_name: str, arch: str) -> str:
@@ -62,7 +67,7 @@ def _hf_name(gguf_name: str, arch: str) -> str:
     if stem in _TOP_LEVEL_NAMES:
         return f"{_TOP_LEVEL_NAMES[stem]}.{suffix}"
     m = _BLOCK_RE.fullmatch(gguf_name)
-    names = _GEMMA_BLOCK_NAMES if arch in _GEMMA_ARCHS else _BLOCK_NAMES
+    names = _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES)
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return gguf_name
@@ -160,9 +165,6 @@ class GGUFCheckpoint(Checkpoint):
         self._arch = self._field("general.architecture")
         if not isinstance(self._arch, str):
             raise MobilecError(f"GGUF file {str(path)!r} has no general.architecture; re-convert it with llama.cpp")
-        if self._arch == "phi3":  # llama.cpp keeps its LongRoPE factors as tensors and its window as metadata
-            raise MobilecError(f"GGUF file {str(path)!r}: phi3 is compiled from its Hugging Face checkpoint only; "
-                               "pass the checkpoint directory")
         self._tensors = {_hf_name(t.name, self._arch): t for t in self._reader.tensors if t.name not in _NOT_WEIGHTS}
         self.hf_config = self._config()
         self.description = f"GGUF {path.name} ({self._file_type()})"
@@ -205,6 +207,8 @@ class GGUFCheckpoint(Checkpoint):
         }
         if a in _GEMMA_ARCHS:
             cfg.update(self._gemma_fields(hidden, heads, head_dim, layers))
+        if a == "phi3":
+            cfg.update(self._phi3_fields(cfg["max_position_embeddings"]))
         experts = self._field(f"{a}.expert_count")
         if experts:  # llama.cpp stores Mixtral-style models under the llama architecture, with experts
             cfg["num_local_experts"] = int(experts)
@@ -232,6 +236,36 @@ class GGUFCheckpoint(Checkpoint):
         if a == "gemma2":
             fields["attn_logit_softcapping"] = _f32(self._field(f"{a}.attn_logit_softcapping", 50.0))
             fields["final_logit_softcapping"] = _f32(self._field(f"{a}.final_logit_softcapping", 30.0))
+        return fields
+
+    def _phi3_fields(self, max_positions: int) -> dict[str, Any]:
+        """Phi-3's window (0, Phi-4's, is none; llama.cpp ignores every Phi window, transformers applies it, and so
+        does mobilec) and LongRoPE, whose factors llama.cpp's converter stores as two tensors and whose attention
+        factor it writes as metadata: refused unless it is the one transformers (and mobilec) derive."""
+        window = int(self._field("phi3.attention.sliding_window", 0))
+        fields: dict[str, Any] = {"sliding_window": window or None}
+        original = self._field("phi3.rope.scaling.original_context_length")
+        if original is not None:
+            fields["original_max_position_embeddings"] = int(original)
+        names = {t.name: t for t in self._reader.tensors}
+        present = [key for key, name in _LONGROPE_FACTORS.items() if name in names]
+        if not present:
+            return fields
+        if len(present) != 2 or original is None:
+            raise MobilecError(f"GGUF file {str(self._path)!r}: LongRoPE needs rope_factors_short, rope_factors_long "
+                               f"and phi3.rope.scaling.original_context_length; re-convert it with llama.cpp")
+        scaling: dict[str, Any] = {"rope_type": "longrope", "original_max_position_embeddings": int(original)}
+        for key, name in _LONGROPE_FACTORS.items():
+            t = names[name]
+            scaling[key] = [_f32(v) for v in np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(-1)]
+        scale = max_positions / int(original)
+        derived = math.sqrt(1 + math.log(scale) / math.log(int(original))) if scale > 1 else 1.0
+        stored = self._field("phi3.rope.scaling.attn_factor")
+        if stored is not None and not math.isclose(float(stored), derived, rel_tol=1e-6):
+            raise MobilecError(f"GGUF file {str(self._path)!r}: LongRoPE attention factor {float(stored)} is not the "
+                               f"{derived:.6f} that phi3.context_length / original_context_length gives; mobilec "
+                               f"derives it and implements no other")
+        fields["rope_scaling"] = scaling
         return fields
 
     def _rope_scaling(self, gguf_names: set[str]) -> dict[str, Any] | None:

@@ -12,6 +12,7 @@ these weights agree on layout, names and permutations, not just on ones and zero
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -251,7 +252,14 @@ def write_gguf(model: PreTrainedModel, path: str | Path, tokenizer: bool = False
     w.add_rope_freq_base(rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
-    w.add_rope_dimension_count(head_dim)
+    if arch == "phi3":  # as the converter (Phi3MiniModel) writes it: the rotated dims, the window (0: none)
+        w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size)
+                                   // cfg.num_attention_heads)
+        w.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings",
+                                                 cfg.original_max_position_embeddings))
+        w.add_sliding_window(cfg.sliding_window or 0)
+    else:
+        w.add_rope_dimension_count(head_dim)
     if gemma or head_dim != cfg.hidden_size // cfg.num_attention_heads:  # (the converter: from config.head_dim)
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -268,6 +276,13 @@ def write_gguf(model: PreTrainedModel, path: str | Path, tokenizer: bool = False
         w.add_rope_scaling_factor(rope["factor"])
     elif rope.get("rope_type") == "llama3":  # ...and Llama 3's as a tensor of per-pair factors
         w.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", llama3_rope_freqs(rope, head_dim))
+    elif rope.get("rope_type") == "longrope":  # ...and Phi-3's LongRoPE as two tensors and its attention factor
+        original = rope["original_max_position_embeddings"]
+        scale = cfg.max_position_embeddings / original
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        for key, tensor in (("long_factor", gguf.MODEL_TENSOR.ROPE_FACTORS_LONG),
+                            ("short_factor", gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT)):
+            w.add_tensor(gguf.TENSOR_NAMES[tensor] + ".weight", np.asarray(rope[key], np.float32))
 
     name_map = gguf.get_tensor_name_map(gguf_arch, cfg.num_hidden_layers)
     for hf_name, t in state_dict(model).items():

@@ -239,7 +239,6 @@ def test_phi3_rotary_frequencies_and_scale_are_transformers_own():
 def test_phi3_refusals_name_the_field():
     name = "phi3_partial_longrope"
     rope = _hf(name)["rope_parameters"]
-    _refused(_hf(name, sliding_window=None), 65, "--context-window 65", "original_max_position_embeddings 64")
     _refused(_hf(name, rope_parameters={**rope, "attention_factor": 1.2}), 64, "attention_factor")
     _refused(_hf(name, rope_parameters={**rope, "short_factor": [1.0] * 5}), 64, "short_factor", "6 positive")
     _refused(_hf(name, rope_parameters={**rope, "rope_type": "dynamic"}), 64, "'dynamic'")
@@ -307,6 +306,31 @@ def test_phi3_gguf_is_read_as_llama_cpp_writes_it(tmp_path, name):
         from tests.helpers.reference import llama_cpp_logits
 
         assert _rel_err(llama_cpp_logits(path, PROMPT), ref_prefill) < 1e-2  # F32 weights; its float16 KV cache
+
+
+@pytest.mark.slow
+def test_longrope_past_the_original_context_takes_the_long_factors(tmp_path):
+    """--context-window 128 > original_max_position_embeddings 64: every position gets the long factors, as in
+    llama.cpp (its context, padded to 256, is past 64). A prompt of 80 tokens, which transformers too computes with the
+    long factors, matches it to 1e-4 with 8 decode steps; a prompt of 11, which transformers computes with the short
+    ones, does not (negative control), and llama.cpp from the same weights as a GGUF gives our logits there."""
+    from tests.helpers.reference import llama_cpp_logits
+
+    model = _model("phi3_partial_longrope", sliding_window=None)
+    save_compilable_checkpoint(model, tmp_path / "hf")
+    compile_model(CompileOptions(str(tmp_path / "hf"), "host", "q0f32", str(tmp_path / "artifact"),
+                                 context_window=128, progress=False))
+    session = Session(load_artifact(tmp_path / "artifact"))
+    long_prompt = [(5 * i + 2) % 150 + 3 for i in range(80)]
+    ref_tokens, ref_prefill, ref_decode = reference_greedy(model, long_prompt, 9)
+    assert _rel_err(_prefill(session, long_prompt), ref_prefill) < TOLERANCE
+    for step, token in enumerate(ref_tokens[:-1]):
+        assert _rel_err(session.decode(token), ref_decode[step]) < TOLERANCE, f"decode step {step}"
+    short = _prefill(session)
+    _, short_factors, _ = reference_greedy(model, PROMPT, 1)
+    assert _rel_err(short, short_factors) > DIFFERS
+    path = write_gguf(model, tmp_path / "phi3.gguf", tokenizer=True)
+    assert _rel_err(llama_cpp_logits(path, PROMPT), short) < 1e-2  # F32 weights; its float16 KV cache
 
 
 def test_phi3_gguf_longrope_attention_factor_other_than_derived_is_refused(tmp_path, monkeypatch):

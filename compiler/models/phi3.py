@@ -73,23 +73,22 @@ class Phi3Config(MistralConfig):
         longrope = None
         if kind in ("longrope", "su"):
             longrope = _longrope(hf, rope, rotary_dim, cfg.max_position_embeddings)
-            if cfg.context_window_size > longrope.original_max_position_embeddings:
-                # past it transformers switches to the long factors for the whole sequence
-                raise MobilecError(
-                    f"--context-window {cfg.context_window_size} exceeds original_max_position_embeddings "
-                    f"{longrope.original_max_position_embeddings}: LongRoPE's long factors are not implemented; use "
-                    f"--context-window {longrope.original_max_position_embeddings} or less")
         return dataclasses.replace(cfg, rotary_dim=rotary_dim, longrope=longrope)
 
     def rotary_in_model(self) -> RotaryEmbedding:
-        """RoPE over rotary_dim dims; with LongRoPE, the short factors (the context window is within
-        original_max_position_embeddings) and the attention factor. TVM's cache takes a rotary_dim, but its LongRoPE
-        kernel does not build in TVM 0.27 (and would pick the factors by chunk length): the model applies it all."""
+        """RoPE over rotary_dim dims; with LongRoPE, its attention factor and one set of factors for every position,
+        chosen by the context window as llama.cpp chooses them by its context: the short ones within
+        original_max_position_embeddings, the long ones past it. (transformers picks them by the length of the
+        sequence at each forward call, so a sequence that grows past the original context has its first keys
+        rotated with the short factors and the rest with the long ones: no fixed RoPE reproduces that; one
+        processed whole, longer than the original context, gets the long factors as here.) TVM's cache takes a
+        rotary_dim, but its LongRoPE kernel does not build in TVM 0.27: the model applies it all."""
         if self.longrope is None:
             return RotaryEmbedding.of_base(self.rope_theta, self.rotary_dim)
         factor, original = self.longrope.factor, self.longrope.original_max_position_embeddings
         scale = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
-        return RotaryEmbedding.of_base(self.rope_theta, self.rotary_dim, self.longrope.short_factor, scale)
+        factors = self.longrope.long_factor if self.context_window_size > original else self.longrope.short_factor
+        return RotaryEmbedding.of_base(self.rope_theta, self.rotary_dim, factors, scale)
 
     def source_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = super().source_shapes()  # Llama's unfused q/k/v and gate/up are not among the sources: left out

@@ -4,14 +4,13 @@ the model (Gemma, Phi-3: the cache is RopeMode.NONE and our split kernel only sp
 model is compiled for the host and run over a prompt longer than its window, 8 decode steps and a second prefill on
 the cached tokens (tests/test_kv_cache_dtype.py's decode_against_transformers): within 1e-4 of transformers (eager
 attention) with K/V quantized the same way. Negative controls: the quantization shows against the float model, and
-the same model without its window (and Gemma 2 without its cap) is far off, so the kernels apply them."""
+the same model without its window (and Gemma 2 without its cap) is far off, so the kernels apply them. The same on
+a GPU target (android-adreno on PoCL)."""
 
 import pytest
 
-from compiler.compile_model import CompileOptions, compile_model
-from compiler.errors import MobilecError
-from tests.helpers.pocl_device import ON_POCL
-from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
+from tests.helpers.pocl_device import NEEDS_OPENCL, ON_POCL
+from tests.helpers.tiny_models import build_model
 from tests.test_architectures_mistral_phi3 import _model as mistral_phi3_model
 from tests.test_kv_cache_dtype import decode_against_transformers
 
@@ -46,11 +45,20 @@ def test_quantized_cache_with_windows_and_caps_matches_transformers(tmp_path, na
         assert max(control) > DIFFERS, control
 
 
-def test_gpu_targets_refuse_a_quantized_cache_with_a_window(tmp_path):
-    """GPU targets have no quantized-cache kernels with windows or caps: one line, nothing written (heads of 32
-    channels: TVM's GPU prefill kernels do not build for the carrier of 16)."""
-    save_compilable_checkpoint(build_model("gemma3", head_dim=32), tmp_path / "hf")
-    with pytest.raises(MobilecError, match="--kv-dtype int8 with sliding-window attention .* not implemented on GPU"):
-        compile_model(CompileOptions(str(tmp_path / "hf"), "android-adreno", "q0f32", str(tmp_path / "out"),
-                                     context_window=64, progress=False, kv_dtype="int8", **ON_POCL))
-    assert not (tmp_path / "out").exists()
+@pytest.mark.slow  # a compile for a GPU target and PoCL: ~1 minute each
+@NEEDS_OPENCL
+@pytest.mark.parametrize("name", ["gemma2", "mistral_window_8"])
+def test_quantized_cache_with_windows_on_a_gpu_target(tmp_path, name):
+    """android-adreno on PoCL (float32 compute): the GPU kernels of an int8 cache apply Gemma 2's sliding layers (every
+    page, masked by position) and cap, and Mistral's window; heads of 32 channels (TVM 0.27 does not build its GPU
+    prefill kernels for the carrier of 16)."""
+    if name.startswith("gemma"):
+        model, controls = build_model(name, head_dim=32), [build_model(name, head_dim=32, sliding_window=NO_WINDOW)]
+    else:
+        model, controls = (mistral_phi3_model(name, head_dim=32),
+                           [mistral_phi3_model(name, head_dim=32, sliding_window=None)])
+    decoded = decode_against_transformers(model, tmp_path, "int8", "android-adreno", controls=controls, **ON_POCL)
+    assert max(decoded.to_quantized) < 1e-4, decoded.to_quantized  # PoCL's float32 sums
+    assert 1e-4 < max(decoded.to_float) < TO_FLOAT["int8"], decoded.to_float
+    for control in decoded.to_controls:
+        assert max(control) > DIFFERS, control

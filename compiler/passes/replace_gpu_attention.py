@@ -3,7 +3,7 @@ the merge of attention states always (TVM's races: gpu_merge_state), and the att
 attention TVM's kernels do not implement: a window on every layer (SLIDING_WINDOW_ATTR: Mistral, Phi-3), the
 "mha_sliding" layers' window (LAYER_SLIDING_WINDOW_ATTR: Gemma) or capped scores (ATTN_LOGIT_CAP_ATTR: Gemma 2).
 A quantized KV cache (KV_FORMAT_ATTR: int8, int4 on the float32 carrier) gets all five kernels that read or write
-its packed cells, as on the CPU (replace_cpu_attention.quantized_replacements).
+its packed cells, as on the CPU (replace_cpu_attention.quantized_replacements), with the windows and cap above.
 
 As in passes/replace_cpu_attention.py: the runtime calls the kernels by position, so each PrimFunc bound to the
 GlobalVar of TVM's kernel (found by its global symbol) is replaced by ours of the same signature and symbol, its
@@ -13,6 +13,8 @@ with the attrs is refused.
 """
 
 from __future__ import annotations
+
+import functools
 
 import tvm
 from tvm.relax.frontend.nn.llm.kv_cache import RopeMode
@@ -67,14 +69,18 @@ def _builders(layer_window: int, window: int, cap: float) -> dict:
     return kernels
 
 
-def _quantized_kernels(shape, rope_theta: float, rope_scale: float, rope_scaling: dict) -> dict:
-    return {
-        GPU_DECODE_SYMBOL: lambda: gpu_attention_decode(shape),
-        GPU_RAGGED_SYMBOL: lambda: gpu_attention_prefill_ragged(shape),
-        GPU_PAGED_PREFILL_SYMBOL: lambda: gpu_attention_prefill_paged(shape),
-        SPLIT_ROTARY_SYMBOL: lambda: gpu_quantized_split_rotary(shape, rope_theta, rope_scale, rope_scaling),
-        GPU_MERGE_SYMBOL: lambda: gpu_carrier_merge_state(shape),
-    }
+def _quantized_kernels(builders: dict):
+    """quantized_replacements' kernels(): the attention kernels of `builders` (_builders: with the module's windows
+    and cap) for the quantized cache's geometry, its split + RoPE + quantize and its carrier's merge."""
+
+    def kernels(shape, rope_theta: float, rope_scale: float, rope_scaling: dict) -> dict:
+        return {
+            **{symbol: functools.partial(build, shape) for symbol, (_, build) in builders.items()},
+            SPLIT_ROTARY_SYMBOL: lambda: gpu_quantized_split_rotary(shape, rope_theta, rope_scale, rope_scaling),
+            GPU_MERGE_SYMBOL: lambda: gpu_carrier_merge_state(shape),
+        }
+
+    return kernels
 
 
 @tvm.transform.module_pass(opt_level=0, name="ReplaceGPUAttention")
@@ -93,11 +99,8 @@ class ReplaceGPUAttention:  # pylint: disable=too-few-public-methods
             raise MobilecError("a paged KV cache with RopeMode.INLINE (RoPE inside attention) is not supported by "
                                "mobilec's GPU attention kernels; create it with RopeMode.NORMAL or NONE")
         if kv_format is not None:
-            if builders:
-                raise MobilecError(f"--kv-dtype {kv_format['format']} with sliding-window attention or capped "
-                                   f"attention logits is not implemented on GPU targets; use f32 there (CPU "
-                                   f"targets take it)")
-            return with_functions(mod, quantized_replacements(mod, kv_format, GPU_DECODE_SYMBOL, _quantized_kernels))
+            return with_functions(mod, quantized_replacements(mod, kv_format, GPU_DECODE_SYMBOL, _quantized_kernels(
+                _builders(layer_window, window, cap))))
         replaced = {}
         for gv, func in mod.functions_items():
             symbol = global_symbol(func)

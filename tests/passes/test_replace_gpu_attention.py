@@ -6,6 +6,7 @@ the pipeline runs the step on GPU targets only."""
 
 import pytest
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
 
@@ -107,7 +108,7 @@ def test_pipeline_runs_it_on_gpu_targets_only():
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_a_quantized_cache_gets_all_five_kernels(name):
     """KV_FORMAT_ATTR (SmolLM2's geometry on its float32 carrier): split + RoPE + quantize, decode, ragged and paged
-    prefill and the carrier's merge are ours; with a logit cap it is refused (not implemented on GPUs)."""
+    prefill and the carrier's merge are ours; with a logit cap and a window, built with them."""
     shape = AttentionShape(3, 9, 64, name, 16)
     mod = _cache_module(dtype="float32", geometry=shape.declared).with_attr(KV_FORMAT_ATTR, {
         **carrier_for(name, 9, 3, 64).module_attr(), "rope_theta": 10000.0})
@@ -116,5 +117,9 @@ def test_a_quantized_cache_gets_all_five_kernels(name):
                            (PAGED, gpu_attention_prefill_paged), (MERGE, gpu_carrier_merge_state),
                            ("tir_split_rotary", lambda s: gpu_quantized_split_rotary(s, 10000.0, 1.0, {}))):
         tvm.ir.assert_structural_equal(swapped[gv_name], _ours(build(shape), mod[gv_name]))
-    with pytest.raises(MobilecError, match=f"--kv-dtype {name} with sliding-window attention or capped .* on GPU"):
-        ReplaceGPUAttention()(mod.with_attr(ATTN_LOGIT_CAP_ATTR, 50.0))
+    # with a cap (and a window), the three attention kernels take them, as a float cache's do
+    capped = ReplaceGPUAttention()(mod.with_attr(ATTN_LOGIT_CAP_ATTR, 50.0).with_attr(SLIDING_WINDOW_ATTR, 24))
+    for gv_name, build in ((DECODE, gpu_attention_decode), (RAGGED, gpu_attention_prefill_ragged),
+                           (PAGED, gpu_attention_prefill_paged)):
+        tvm.ir.assert_structural_equal(capped[gv_name], _ours(build(shape, window=24, logit_cap=50.0), mod[gv_name]))
+        assert not tvm_ffi.structural_equal(capped[gv_name], swapped[gv_name])

@@ -22,28 +22,30 @@ from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode
 
 from ..errors import MobilecError
-from ..kernels.cpu_attention import ATTN_LOGIT_CAP_ATTR, LAYER_SLIDING_WINDOW_ATTR
+from ..kernels.cpu_attention import ATTN_LOGIT_CAP_ATTR
 from .llama import Embedding, LlamaAttention, LlamaConfig, LlamaForCausalLM, _positive, _whole
 from .rotary import RotaryEmbedding
+from .sliding_layers import (
+    FULL,
+    SLIDING,
+    SlidingLayers,
+    chunk_within_window,
+    sliding_attention_attrs,
+    sliding_kv_cache_attention,
+)
 
-SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types
 GELU_TANH = "gelu_pytorch_tanh"
 
 
 @dataclasses.dataclass
-class GemmaConfig(LlamaConfig):
-    """LlamaConfig's fields (rope_theta: the global layers' base) and Gemma's own."""
+class GemmaConfig(SlidingLayers, LlamaConfig):
+    """LlamaConfig's fields (rope_theta: the global layers' base), the sliding layers' and Gemma's own."""
 
     query_pre_attn_scalar: float = 256.0
-    sliding_window: int = 0  # tokens the SLIDING layers see (the last ones, the query's own included); 0: none
-    layer_types: tuple[str, ...] = ()  # SLIDING or FULL per layer
     rope_local_theta: float = 10000.0  # RoPE base of the sliding layers
     rope_global_factor: float = 1.0  # linear RoPE scaling of the global layers (positions / factor)
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
-    # The cache's sliding layers get every page and the kernels mask by position (GPU targets: the importer sets
-    # it; kernels/gpu_attention.py says why), instead of the window's pages only (CPU targets)
-    sliding_pages_all: bool = False
 
     def rope(self, layer_id: int) -> tuple[float, float]:
         """(base, linear scaling factor) of layer `layer_id`'s RoPE."""
@@ -69,9 +71,7 @@ class GemmaConfig(LlamaConfig):
         llama_view = {k: v for k, v in hf.items() if k not in (
             "hidden_activation", "hidden_act", "rope_scaling", "rope_parameters", "rope_theta")}
         base = LlamaConfig.from_hf({**llama_view, "rope_theta": global_theta}, context_window)
-        # TVM's cache computes the new tokens among themselves without the window (one ragged kernel for all
-        # layers): chunks of at most the window keep every such pair inside it
-        fields = {**dataclasses.asdict(base), "prefill_chunk_size": min(base.prefill_chunk_size, window or math.inf),
+        fields = {**dataclasses.asdict(base), "prefill_chunk_size": chunk_within_window(base.prefill_chunk_size, window),
                   "qk_norm": qk_norm}
         return cls(
             **fields,
@@ -247,26 +247,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else op.tanh(logits / cap) * cap
 
-    def _window_binds(self) -> bool:
-        cfg = self.cfg
-        return SLIDING in cfg.layer_types and cfg.context_window_size > cfg.sliding_window
-
     def attention_attrs(self) -> dict[str, Any]:
         """The sliding layers' window when it binds, the attention scores' cap when there is one."""
-        attrs: dict[str, Any] = {}
-        if self._window_binds():
-            attrs[LAYER_SLIDING_WINDOW_ATTR] = self.cfg.sliding_window
+        attrs = sliding_attention_attrs(self.cfg)
         if self.cfg.attn_logit_softcapping is not None:
             attrs[ATTN_LOGIT_CAP_ATTR] = self.cfg.attn_logit_softcapping
         return attrs
 
     def kv_cache_attention(self) -> dict[str, Any]:
-        """No RoPE in the cache (applied here); the sliding layers as "mha_sliding" when the context window exceeds
-        their window (the cache then gives their kernels the window's pages, or every page with sliding_pages_all;
-        TVM's runtime keeps every page), else full attention everywhere, the same thing there."""
-        cfg = self.cfg
-        if not self._window_binds():
-            return {"attn_kind": "mha", "rope_mode": RopeMode.NONE}
-        return {"attn_kind": ["mha_sliding" if kind == SLIDING else "mha" for kind in cfg.layer_types],
-                "rope_mode": RopeMode.NONE,
-                "layer_sliding_window_size": cfg.context_window_size if cfg.sliding_pages_all else cfg.sliding_window}
+        """No RoPE in the cache (applied here); the sliding layers as sliding_layers.py says."""
+        return sliding_kv_cache_attention(self.cfg, RopeMode.NONE)

@@ -1,36 +1,69 @@
-"""Qwen2 decoder: the Llama structure with biases on the q/k/v projections."""
+"""Qwen2 decoder: the Llama structure with biases on the q/k/v projections. Its config may ask for sliding-window
+attention on the layers from max_window_layers on (use_sliding_window, off in released checkpoints; transformers 5
+says it per layer in layer_types): sliding_layers.py. Where every layer slides, the window is the plain kernels'
+(SLIDING_WINDOW_ATTR, as Mistral's: TVM's runtime fails with every layer "mha_sliding")."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..errors import MobilecError
-from .llama import LlamaConfig, LlamaForCausalLM
+from ..kernels.cpu_attention import SLIDING_WINDOW_ATTR
+from .llama import LlamaConfig, LlamaForCausalLM, _whole
+from .sliding_layers import (
+    FULL,
+    SLIDING,
+    SlidingLayers,
+    chunk_within_window,
+    sliding_attention_attrs,
+    sliding_kv_cache_attention,
+)
 
 
-def refuse_sliding_window(hf: dict[str, Any]) -> None:
-    """Qwen2 and Qwen3 configs can ask for sliding-window attention on some layers (use_sliding_window, or
-    transformers 5's layer_types); released checkpoints set it off, and mobilec implements full attention only."""
-    if hf.get("use_sliding_window"):
-        raise MobilecError("config.json: use_sliding_window=true (Qwen sliding-window attention) is not "
-                           "implemented yet; set use_sliding_window=false")
-    layer_types = hf.get("layer_types") or []
-    if not isinstance(layer_types, list):
-        raise MobilecError(f"config.json: layer_types must be a list of attention kinds, got {layer_types!r}")
-    sliding = sorted({str(kind) for kind in layer_types if kind != "full_attention"})
-    if sliding:  # transformers 5 says per layer
-        raise MobilecError(f"config.json: layer_types has {sliding[0]!r} layers, which mobilec does not "
-                           "implement (full attention only)")
+def qwen_sliding_layers(hf: dict[str, Any], base: LlamaConfig) -> dict[str, Any]:
+    """SlidingLayers' fields of a Qwen2 / Qwen3 config, as transformers reads it: layer_types when given, else
+    sliding from layer max_window_layers on where use_sliding_window; the prefill chunk within the window."""
+    layers = base.num_hidden_layers
+    types = hf.get("layer_types")
+    if types is None:
+        use = hf.get("use_sliding_window", False)
+        if not isinstance(use, bool):
+            raise MobilecError(f"config.json: use_sliding_window must be true or false, got {use!r}")
+        first = hf.get("max_window_layers", 28)
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise MobilecError(f"config.json: max_window_layers must be a whole number, at least 0, got {first!r}")
+        types = [SLIDING if use and hf.get("sliding_window") is not None and i >= first else FULL
+                 for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or any(t not in (SLIDING, FULL) for t in types):
+        raise MobilecError(f"config.json: layer_types must list {SLIDING!r} or {FULL!r} for each of the {layers} "
+                           f"layers, got {types!r}")
+    window = _whole(hf, "sliding_window") if SLIDING in types else 0
+    return {"layer_types": tuple(types), "sliding_window": window,
+            "prefill_chunk_size": chunk_within_window(base.prefill_chunk_size, window)}
 
 
-class Qwen2Config(LlamaConfig):
+@dataclasses.dataclass
+class Qwen2Config(SlidingLayers, LlamaConfig):
     """Qwen2 configs carry no `attention_bias` flag: q/k/v always have biases, o_proj never."""
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], context_window: int | None = None) -> "Qwen2Config":
-        refuse_sliding_window(hf)
-        return super().from_hf({**hf, "attention_bias": True, "attention_out_bias": False}, context_window)
+        base = super().from_hf({**hf, "attention_bias": True, "attention_out_bias": False}, context_window)
+        return dataclasses.replace(base, **qwen_sliding_layers(hf, base))
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Same functions and KV cache as Llama; only the config differs."""
+    """Llama's functions and KV cache, with the sliding layers of use_sliding_window."""
+
+    def attention_attrs(self) -> dict[str, Any]:
+        cfg = self.cfg
+        if cfg.window_binds() and FULL not in cfg.layer_types:
+            return {SLIDING_WINDOW_ATTR: cfg.sliding_window}
+        return sliding_attention_attrs(cfg)
+
+    def kv_cache_attention(self) -> dict[str, Any]:
+        full = super().kv_cache_attention()
+        if FULL not in self.cfg.layer_types:  # every layer slides: full attention to the cache, the window ours
+            return full
+        return sliding_kv_cache_attention(self.cfg, full["rope_mode"])

@@ -1,0 +1,54 @@
+"""Layers of two attention kinds, sliding-window and global (transformers' layer_types): Gemma 2 and 3, and Qwen2 /
+Qwen3 configs with use_sliding_window. Where the window binds (the context window exceeds it) the sliding layers are
+TVM's "mha_sliding" kind: mobilec's CPU kernels read the window's pages only, the GPU ones every page
+(sliding_pages_all; kernels/gpu_attention.py says why) and mask by position; the module attr LAYER_SLIDING_WINDOW_ATTR
+carries the window to passes/replace_cpu_attention.py and replace_gpu_attention.py. TVM's cache computes the new
+tokens among themselves with one ragged kernel for all layers, without the window: prompts go in chunks of at most
+the window (chunk_within_window), which keeps every such pair inside it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from tvm.relax.frontend.nn.llm.kv_cache import RopeMode
+
+from ..kernels.cpu_attention import LAYER_SLIDING_WINDOW_ATTR
+
+SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types
+
+
+@dataclasses.dataclass
+class SlidingLayers:
+    """Config fields, mixed in after LlamaConfig's."""
+
+    sliding_window: int = 0  # tokens the SLIDING layers see (the last ones, the query's own included); 0: none
+    layer_types: tuple[str, ...] = ()  # SLIDING or FULL per layer
+    # The cache's sliding layers get every page and the kernels mask by position (GPU targets: the importer sets
+    # it), instead of the window's pages only (CPU targets)
+    sliding_pages_all: bool = False
+
+    def window_binds(self) -> bool:
+        return SLIDING in self.layer_types and self.context_window_size > self.sliding_window
+
+
+def chunk_within_window(prefill_chunk_size: int, window: int) -> int:
+    """The prefill chunk: at most the sliding layers' window (0: none)."""
+    return min(prefill_chunk_size, window or math.inf)
+
+
+def sliding_attention_attrs(cfg: SlidingLayers) -> dict[str, Any]:
+    """The sliding layers' window for mobilec's attention kernels, when it binds."""
+    return {LAYER_SLIDING_WINDOW_ATTR: cfg.sliding_window} if cfg.window_binds() else {}
+
+
+def sliding_kv_cache_attention(cfg: SlidingLayers, rope_mode: RopeMode) -> dict[str, Any]:
+    """The cache's attention kinds: the sliding layers "mha_sliding" when the window binds (their window, or every
+    page with sliding_pages_all; TVM's runtime keeps every page), else full attention everywhere, the same thing
+    there."""
+    if not cfg.window_binds():
+        return {"attn_kind": "mha", "rope_mode": rope_mode}
+    return {"attn_kind": ["mha_sliding" if kind == SLIDING else "mha" for kind in cfg.layer_types],
+            "rope_mode": rope_mode,
+            "layer_sliding_window_size": cfg.context_window_size if cfg.sliding_pages_all else cfg.sliding_window}

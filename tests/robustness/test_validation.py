@@ -228,15 +228,25 @@ def test_unimplemented_or_malformed_config_fields_are_named(change, needle):
     assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
-def test_qwen2_sliding_window_layers_are_refused():
+def test_qwen2_sliding_window_layers_are_read_or_refused():
+    """As transformers reads them: layer_types when given, else sliding from max_window_layers on where
+    use_sliding_window (and sliding_window) say so; what is malformed is one line naming the field."""
     from compiler.models.qwen2 import Qwen2Config
 
     base = {**_hf_config(), "model_type": "qwen2"}
-    Qwen2Config.from_hf({**base, "layer_types": ["full_attention", "full_attention"]})  # negative control
-    with pytest.raises(MobilecError, match="use_sliding_window"):
-        Qwen2Config.from_hf({**base, "use_sliding_window": True, "sliding_window": 16})
-    with pytest.raises(MobilecError, match="'sliding_attention' layers"):
-        Qwen2Config.from_hf({**base, "layer_types": ["full_attention", "sliding_attention"]})
+    assert Qwen2Config.from_hf(base).layer_types == ("full_attention", "full_attention")
+    cfg = Qwen2Config.from_hf({**base, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1})
+    assert (cfg.layer_types, cfg.sliding_window) == (("full_attention", "sliding_attention"), 16)
+    assert Qwen2Config.from_hf({**base, "use_sliding_window": True, "sliding_window": None}).sliding_window == 0
+    assert Qwen2Config.from_hf({**base, "layer_types": ["sliding_attention"] * 2, "sliding_window": 4}).layer_types == (
+        "sliding_attention", "sliding_attention")
+    for change, field in (({"layer_types": ["full_attention", "chunked_attention"]}, "layer_types"),
+                          ({"use_sliding_window": "yes"}, "use_sliding_window"),
+                          ({"use_sliding_window": True, "sliding_window": 16, "max_window_layers": -1},
+                           "max_window_layers"),
+                          ({"layer_types": ["sliding_attention"] * 2, "sliding_window": 0}, "sliding_window")):
+        with pytest.raises(MobilecError, match=field):
+            Qwen2Config.from_hf({**base, **change})
 
 
 def test_plain_configs_are_accepted():
@@ -266,7 +276,7 @@ def test_linear_rope_scaling_is_read():
 
 def test_qwen3_config():
     """Qwen3: q/k norms on, head_dim as stated (not hidden / heads), no biases unless attention_bias says so, and
-    Qwen2's sliding-window refusal."""
+    Qwen2's sliding layers."""
     from compiler.models.qwen3 import Qwen3Config
 
     base = {**_hf_config(), "model_type": "qwen3", "head_dim": 32, "attention_bias": False,
@@ -277,8 +287,8 @@ def test_qwen3_config():
     assert sources["model.layers.1.self_attn.q_norm.weight"] == ["model.layers.1.self_attn.q_norm.weight"]
     assert cfg.source_shapes()["model.layers.0.self_attn.k_norm.weight"] == (32,)
     assert "model.layers.0.self_attn.q_norm.weight" not in LlamaConfig.from_hf(base).param_sources()
-    with pytest.raises(MobilecError, match="use_sliding_window"):
-        Qwen3Config.from_hf({**base, "use_sliding_window": True})
+    sliding = Qwen3Config.from_hf({**base, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1})
+    assert sliding.layer_types == ("full_attention", "sliding_attention") and sliding.qk_norm
 
 
 def test_yarn_checkpoint_is_refused_by_compile_before_building(tmp_path):

@@ -21,14 +21,22 @@ DIFFERS = 1e-2
 TO_FLOAT = {"int8": 0.15, "int4": 1.0}
 
 
-def _models(name: str):
-    """(the model, its twins without each feature the kernels must apply: negative controls)."""
+def _models(name: str, **changes):
+    """(the model, its twins without each feature the kernels must apply: negative controls), with config
+    `changes` for all of them."""
     if name.startswith("gemma"):
-        controls = [build_model(name, sliding_window=NO_WINDOW)]
+        controls = [build_model(name, **changes, sliding_window=NO_WINDOW)]
         if name == "gemma2":
-            controls.append(build_model(name, attn_logit_softcapping=None))
-        return build_model(name), controls
-    return mistral_phi3_model(name), [mistral_phi3_model(name, sliding_window=None)]
+            controls.append(build_model(name, **changes, attn_logit_softcapping=None))
+        return build_model(name, **changes), controls
+    return mistral_phi3_model(name, **changes), [mistral_phi3_model(name, **changes, sliding_window=None)]
+
+
+def _assert_kernels_apply_it_all(decoded, kv_dtype: str) -> None:
+    assert max(decoded.to_quantized) < 1e-4, decoded.to_quantized  # (PoCL's float32 sums too)
+    assert 1e-4 < max(decoded.to_float) < TO_FLOAT[kv_dtype], decoded.to_float
+    for control in decoded.to_controls:
+        assert max(control) > DIFFERS, control
 
 
 @pytest.mark.slow  # a compile of a tiny model and transformers: ~30 s each
@@ -38,11 +46,7 @@ def _models(name: str):
 ])
 def test_quantized_cache_with_windows_and_caps_matches_transformers(tmp_path, name, kv_dtype):
     model, controls = _models(name)
-    decoded = decode_against_transformers(model, tmp_path, kv_dtype, controls=controls)
-    assert max(decoded.to_quantized) < 1e-4, decoded.to_quantized
-    assert 1e-4 < max(decoded.to_float) < TO_FLOAT[kv_dtype], decoded.to_float
-    for control in decoded.to_controls:
-        assert max(control) > DIFFERS, control
+    _assert_kernels_apply_it_all(decode_against_transformers(model, tmp_path, kv_dtype, controls=controls), kv_dtype)
 
 
 @pytest.mark.slow  # a compile for a GPU target and PoCL: ~1 minute each
@@ -52,13 +56,6 @@ def test_quantized_cache_with_windows_on_a_gpu_target(tmp_path, name):
     """android-adreno on PoCL (float32 compute): the GPU kernels of an int8 cache apply Gemma 2's sliding layers (every
     page, masked by position) and cap, and Mistral's window; heads of 32 channels (TVM 0.27 does not build its GPU
     prefill kernels for the carrier of 16)."""
-    if name.startswith("gemma"):
-        model, controls = build_model(name, head_dim=32), [build_model(name, head_dim=32, sliding_window=NO_WINDOW)]
-    else:
-        model, controls = (mistral_phi3_model(name, head_dim=32),
-                           [mistral_phi3_model(name, head_dim=32, sliding_window=None)])
-    decoded = decode_against_transformers(model, tmp_path, "int8", "android-adreno", controls=controls, **ON_POCL)
-    assert max(decoded.to_quantized) < 1e-4, decoded.to_quantized  # PoCL's float32 sums
-    assert 1e-4 < max(decoded.to_float) < TO_FLOAT["int8"], decoded.to_float
-    for control in decoded.to_controls:
-        assert max(control) > DIFFERS, control
+    model, controls = _models(name, head_dim=32)
+    _assert_kernels_apply_it_all(decode_against_transformers(model, tmp_path, "int8", "android-adreno",
+                                                             controls=controls, **ON_POCL), "int8")

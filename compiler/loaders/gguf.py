@@ -17,6 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from gguf.quants import dequantize
 
 from ..errors import MobilecError
+from ..models.longrope import longrope_attention_factor
 from .checkpoint import Checkpoint, one_line
 from .gguf_file import GGUFFile, GGUFFormatError, GGUFTensor
 from .tokenizer import save_auto_tokenizer
@@ -258,8 +259,7 @@ class GGUFCheckpoint(Checkpoint):
         for key, name in _LONGROPE_FACTORS.items():
             t = names[name]
             scaling[key] = [_f32(v) for v in np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(-1)]
-        scale = max_positions / int(original)
-        derived = math.sqrt(1 + math.log(scale) / math.log(int(original))) if scale > 1 else 1.0
+        derived = longrope_attention_factor(max_positions / int(original), int(original))
         stored = self._field("phi3.rope.scaling.attn_factor")
         if stored is not None and not math.isclose(float(stored), derived, rel_tol=1e-6):
             raise MobilecError(f"GGUF file {str(self._path)!r}: LongRoPE attention factor {float(stored)} is not the "

@@ -30,6 +30,7 @@ from .sliding_layers import (
     SLIDING,
     SlidingLayers,
     chunk_within_window,
+    read_layer_types,
     sliding_attention_attrs,
     sliding_kv_cache_attention,
 )
@@ -63,8 +64,8 @@ class GemmaConfig(SlidingLayers, LlamaConfig):
         if hf.get("use_bidirectional_attention"):
             raise MobilecError("config.json: use_bidirectional_attention=true (non-causal attention) is not "
                                "implemented; mobilec compiles causal decoders")
-        layer_types = _layer_types(hf, _whole(hf, "num_hidden_layers"))
-        window = _whole(hf, "sliding_window") if SLIDING in layer_types else 0
+        layers = _whole(hf, "num_hidden_layers")
+        layer_types, window = read_layer_types(hf, layers, lambda: _pattern_layer_types(hf, layers))
         caps = {key: None if hf.get(key) is None else _positive(hf, key, None)
                 for key in ("final_logit_softcapping", "attn_logit_softcapping")}
         # Llama's fields from a view of the config without what is Gemma's (checked here): activation and RoPE
@@ -77,7 +78,7 @@ class GemmaConfig(SlidingLayers, LlamaConfig):
             **fields,
             query_pre_attn_scalar=_positive(hf, "query_pre_attn_scalar", float(base.head_dim)),
             sliding_window=window,
-            layer_types=tuple(layer_types),
+            layer_types=layer_types,
             rope_local_theta=local_theta,
             rope_global_factor=global_factor,
             **caps,
@@ -144,19 +145,13 @@ def _rope_kind(params: dict[str, Any]) -> str:
     return str(params.get("rope_type", params.get("type")) or "default")
 
 
-def _layer_types(hf: dict[str, Any], layers: int) -> list[str]:
-    """The attention kind of each layer: layer_types, else every sliding_window_pattern-th layer global (transformers'
-    default 6 for Gemma 3, 2 for Gemma 2)."""
-    types = hf.get("layer_types")
-    if types is None:
-        pattern = hf.get("sliding_window_pattern", 6 if hf.get("model_type") == "gemma3_text" else 2)
-        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
-            raise MobilecError(f"config.json: sliding_window_pattern must be a positive whole number, got {pattern!r}")
-        return [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
-    if not isinstance(types, list) or len(types) != layers or any(t not in (SLIDING, FULL) for t in types):
-        raise MobilecError(f"config.json: layer_types must list {SLIDING!r} or {FULL!r} for each of the "
-                           f"{layers} layers, got {types!r}")
-    return list(types)
+def _pattern_layer_types(hf: dict[str, Any], layers: int) -> list[str]:
+    """The attention kind of each layer where the config does not list them: every sliding_window_pattern-th layer
+    global (transformers' default 6 for Gemma 3, 2 for Gemma 2)."""
+    pattern = hf.get("sliding_window_pattern", 6 if hf.get("model_type") == "gemma3_text" else 2)
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise MobilecError(f"config.json: sliding_window_pattern must be a positive whole number, got {pattern!r}")
+    return [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
 
 
 class GemmaRMSNorm(nn.Module):

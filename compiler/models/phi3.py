@@ -10,20 +10,9 @@ from typing import Any
 
 from ..errors import MobilecError
 from .llama import _whole
+from .longrope import LongRope, longrope_attention_factor
 from .mistral import MistralConfig, MistralForCausalLM
 from .rotary import RotaryEmbedding
-
-
-@dataclasses.dataclass(frozen=True)
-class LongRope:
-    """LongRoPE (rope type "longrope", "su" in older configs): per-frequency divisors of the RoPE frequencies, one
-    set for sequences within original_max_position_embeddings (short) and one beyond (long), and cos/sin scaled by
-    sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) throughout."""
-
-    short_factor: tuple[float, ...]
-    long_factor: tuple[float, ...]
-    original_max_position_embeddings: int
-    factor: float  # the extension: max_position_embeddings / original_max_position_embeddings unless given
 
 
 def _rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
@@ -85,8 +74,8 @@ class Phi3Config(MistralConfig):
         rotary_dim, but its LongRoPE kernel does not build in TVM 0.27: the model applies it all."""
         if self.longrope is None:
             return RotaryEmbedding.of_base(self.rope_theta, self.rotary_dim)
-        factor, original = self.longrope.factor, self.longrope.original_max_position_embeddings
-        scale = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        original = self.longrope.original_max_position_embeddings
+        scale = longrope_attention_factor(self.longrope.factor, original)
         factors = self.longrope.long_factor if self.context_window_size > original else self.longrope.short_factor
         return RotaryEmbedding.of_base(self.rope_theta, self.rotary_dim, factors, scale)
 

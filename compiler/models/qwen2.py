@@ -10,12 +10,13 @@ from typing import Any
 
 from ..errors import MobilecError
 from ..kernels.cpu_attention import SLIDING_WINDOW_ATTR
-from .llama import LlamaConfig, LlamaForCausalLM, _whole
+from .llama import LlamaConfig, LlamaForCausalLM
 from .sliding_layers import (
     FULL,
     SLIDING,
     SlidingLayers,
     chunk_within_window,
+    read_layer_types,
     sliding_attention_attrs,
     sliding_kv_cache_attention,
 )
@@ -25,21 +26,19 @@ def qwen_sliding_layers(hf: dict[str, Any], base: LlamaConfig) -> dict[str, Any]
     """SlidingLayers' fields of a Qwen2 / Qwen3 config, as transformers reads it: layer_types when given, else
     sliding from layer max_window_layers on where use_sliding_window; the prefill chunk within the window."""
     layers = base.num_hidden_layers
-    types = hf.get("layer_types")
-    if types is None:
+
+    def derive() -> list[str]:
         use = hf.get("use_sliding_window", False)
         if not isinstance(use, bool):
             raise MobilecError(f"config.json: use_sliding_window must be true or false, got {use!r}")
         first = hf.get("max_window_layers", 28)
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:
             raise MobilecError(f"config.json: max_window_layers must be a whole number, at least 0, got {first!r}")
-        types = [SLIDING if use and hf.get("sliding_window") is not None and i >= first else FULL
-                 for i in range(layers)]
-    if not isinstance(types, list) or len(types) != layers or any(t not in (SLIDING, FULL) for t in types):
-        raise MobilecError(f"config.json: layer_types must list {SLIDING!r} or {FULL!r} for each of the {layers} "
-                           f"layers, got {types!r}")
-    window = _whole(hf, "sliding_window") if SLIDING in types else 0
-    return {"layer_types": tuple(types), "sliding_window": window,
+        return [SLIDING if use and hf.get("sliding_window") is not None and i >= first else FULL
+                for i in range(layers)]
+
+    types, window = read_layer_types(hf, layers, derive)
+    return {"layer_types": types, "sliding_window": window,
             "prefill_chunk_size": chunk_within_window(base.prefill_chunk_size, window)}
 
 

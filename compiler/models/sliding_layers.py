@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 from tvm.relax.frontend.nn.llm.kv_cache import RopeMode
 
+from ..errors import MobilecError
 from ..kernels.cpu_attention import LAYER_SLIDING_WINDOW_ATTR
+from .llama import _whole
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types
 
@@ -31,6 +33,18 @@ class SlidingLayers:
 
     def window_binds(self) -> bool:
         return SLIDING in self.layer_types and self.context_window_size > self.sliding_window
+
+
+def read_layer_types(hf: dict[str, Any], layers: int, derive: Callable[[], list[str]]) -> tuple[tuple[str, ...], int]:
+    """(the attention kind of each layer, the sliding layers' window: 0 without any): the config's layer_types
+    (transformers 5 writes them), else `derive()` from the family's older fields; checked."""
+    types = hf.get("layer_types")
+    if types is None:
+        types = derive()
+    if not isinstance(types, list) or len(types) != layers or any(t not in (SLIDING, FULL) for t in types):
+        raise MobilecError(f"config.json: layer_types must list {SLIDING!r} or {FULL!r} for each of the "
+                           f"{layers} layers, got {types!r}")
+    return tuple(types), (_whole(hf, "sliding_window") if SLIDING in types else 0)
 
 
 def chunk_within_window(prefill_chunk_size: int, window: int) -> int:

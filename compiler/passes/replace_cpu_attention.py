@@ -169,6 +169,14 @@ def ragged_shape(func: tirx.PrimFunc) -> AttentionShape | None:
     return AttentionShape(num_kv_heads=h_kv, num_qo_heads=h_qo, head_dim=d, dtype=str(q.dtype), page_size=16)
 
 
+def attention_settings(mod: tvm.IRModule) -> tuple[int, int, float]:
+    """(the "mha_sliding" layers' window, every layer's window, the logit cap) the model recorded on `mod`
+    (LAYER_SLIDING_WINDOW_ATTR, SLIDING_WINDOW_ATTR, ATTN_LOGIT_CAP_ATTR); 0 for each it did not."""
+    attrs = mod.attrs if mod.attrs is not None else {}
+    return (int(attrs.get(LAYER_SLIDING_WINDOW_ATTR, 0)), int(attrs.get(SLIDING_WINDOW_ATTR, 0)),
+            float(attrs.get(ATTN_LOGIT_CAP_ATTR, 0.0)))
+
+
 # global symbol -> (its shape from TVM's PrimFunc, our kernel for that shape, lanes, the "mha_sliding" layers'
 # window, every layer's window and the logit cap)
 KERNELS = {
@@ -211,10 +219,8 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
         """TVM's kernels that ours take (and its split + RoPE: float_split_rotary_for); with a sliding window (LAYER_SLIDING_WINDOW_ATTR) the sliding variants too,
         and with a window on every layer (SLIDING_WINDOW_ATTR) or a logit cap (ATTN_LOGIT_CAP_ATTR) every kernel, or
         the build fails: TVM's have none of them."""
-        attrs = mod.attrs if mod.attrs is not None else {}
-        layer_window, cap = attrs.get(LAYER_SLIDING_WINDOW_ATTR), float(attrs.get(ATTN_LOGIT_CAP_ATTR, 0.0))
-        window = int(attrs.get(SLIDING_WINDOW_ATTR, 0))
-        kernels = {**KERNELS, **(SLIDING_KERNELS if layer_window is not None else {})}
+        _, window, cap = attention_settings(mod)
+        kernels = self._attention_kernels(mod)
         replaced = {}
         for gv, func in mod.functions_items():
             symbol = global_symbol(func)
@@ -233,16 +239,21 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
                     raise MobilecError(f"{symbol}: {needs} needs mobilec's CPU attention kernels, which do not take "
                                        f"{shape} at {self.lanes} lanes (TVM's kernels would be wrong)")
                 continue
-            replaced[gv] = in_place_of(func, build(shape, self.lanes, layer_window and int(layer_window), window, cap))
+            replaced[gv] = in_place_of(func, build(shape))
         return replaced
+
+    def _attention_kernels(self, mod: tvm.IRModule) -> dict:
+        """global symbol -> (its shape from TVM's PrimFunc, shape -> our kernel at the target's lanes with the
+        module's windows and cap): KERNELS, and SLIDING_KERNELS with "mha_sliding" layers."""
+        layer_window, window, cap = attention_settings(mod)
+        kernels = {**KERNELS, **(SLIDING_KERNELS if layer_window else {})}
+        return {symbol: (read_shape, lambda shape, build=build: build(shape, self.lanes, layer_window, window, cap))
+                for symbol, (read_shape, build) in kernels.items()}
 
     def _quantized(self, mod: tvm.IRModule, kv_format) -> dict:
         """The five kernels of a quantized cache (quantized_replacements) at the target's lanes, with the module's
         windows and logit cap as in _float; with "mha_sliding" layers their two sliding variants too."""
-        attrs = mod.attrs
-        layer_window, cap = attrs.get(LAYER_SLIDING_WINDOW_ATTR), float(attrs.get(ATTN_LOGIT_CAP_ATTR, 0.0))
-        window = int(attrs.get(SLIDING_WINDOW_ATTR, 0))
-        attention = {**KERNELS, **(SLIDING_KERNELS if layer_window is not None else {})}
+        attention = self._attention_kernels(mod)
 
         def kernels(shape: AttentionShape, rope_theta: float, rope_scale: float, rope_scaling: dict) -> dict:
             if not shape.supported(self.lanes):
@@ -250,8 +261,7 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
                                    f"KV heads of head_dim {shape.head_dim} are not taken by the {self.lanes}-lane "
                                    f"CPU kernels")
             return {
-                **{symbol: functools.partial(build, shape, self.lanes, layer_window and int(layer_window), window, cap)
-                   for symbol, (_, build) in attention.items()},
+                **{symbol: functools.partial(build, shape) for symbol, (_, build) in attention.items()},
                 SPLIT_ROTARY_SYMBOL: lambda: quantized_split_rotary(shape, rope_theta, rope_scale, rope_scaling),
                 MERGE_SYMBOL: lambda: carrier_merge_state(shape),
             }

@@ -20,13 +20,7 @@ import tvm
 from tvm.relax.frontend.nn.llm.kv_cache import RopeMode
 
 from ..errors import MobilecError
-from ..kernels.cpu_attention import (
-    ATTN_LOGIT_CAP_ATTR,
-    LAYER_SLIDING_WINDOW_ATTR,
-    SLIDING_SUFFIX,
-    SLIDING_WINDOW_ATTR,
-    SPLIT_ROTARY_SYMBOL,
-)
+from ..kernels.cpu_attention import SLIDING_SUFFIX, SPLIT_ROTARY_SYMBOL
 from ..kernels.gpu_attention import (
     GPU_DECODE_SYMBOL,
     GPU_MERGE_SYMBOL,
@@ -41,6 +35,7 @@ from ..kernels.gpu_attention import (
 )
 from ..kv_cache_dtype import KV_FORMAT_ATTR
 from .replace_cpu_attention import (
+    attention_settings,
     cache_rope_modes,
     decode_shape,
     global_symbol,
@@ -90,10 +85,8 @@ class ReplaceGPUAttention:  # pylint: disable=too-few-public-methods
     scheduled, so dlight leaves it)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        attrs = mod.attrs if mod.attrs is not None else {}
-        kv_format = attrs.get(KV_FORMAT_ATTR)
-        layer_window = int(attrs.get(LAYER_SLIDING_WINDOW_ATTR, 0))
-        window, cap = int(attrs.get(SLIDING_WINDOW_ATTR, 0)), float(attrs.get(ATTN_LOGIT_CAP_ATTR, 0.0))
+        kv_format = mod.attrs.get(KV_FORMAT_ATTR) if mod.attrs is not None else None
+        layer_window, window, cap = attention_settings(mod)
         builders = _builders(layer_window, window, cap) if layer_window or window or cap else {}
         if (kv_format is not None or builders) and RopeMode.INLINE in cache_rope_modes(mod):
             raise MobilecError("a paged KV cache with RopeMode.INLINE (RoPE inside attention) is not supported by "

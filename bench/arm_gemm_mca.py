@@ -75,7 +75,8 @@ def _tile_cycles(found: tuple[Loop, int], cpu: str) -> tuple[float, float]:
 def _ours(fmt: str, dot_family: str, cpu: str) -> tuple[Loop, int]:
     bits, symmetric = FORMATS[fmt]
     target = tvm.target.Target({**load_target(TARGETS[dot_family]).tvm_target_json, "mcpu": cpu})
-    shape = GemmShape(576, 576, bits, 32, symmetric, "float16", dot_family)
+    order = "neon" if bits == 8 else "plain"  # as ARM targets store the codes (quantization/group.py)
+    shape = GemmShape(576, 576, bits, 32, symmetric, "float16", dot_family, code_order=order)
     funcs = _asm_functions(tvm.tirx.build(tvm.IRModule({"gemm": gemm(shape).with_attr("global_symbol", "gemm")}),
                                           target=target).inspect_source("asm"))
     return next(found for ops in funcs.values() if (found := _gemm_loop(ops)))

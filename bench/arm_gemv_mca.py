@@ -44,7 +44,7 @@ from compiler.targets import load_target
 MCA, OBJDUMP, CLANG = "llvm-mca-15", "llvm-objdump-15", "clang-15"
 CORE_MODELS = {"neoverse-n2": "big", "cortex-a510": "little"}  # llvm-mca -mcpu -> the target file's core kind
 ITERATIONS = 200
-KERNEL = re.compile(r"integer_dot_gemv_int(\d+)_g(\d+)_(sym|asym)_(float\d+)_a(\d+)_([a-z0-9]+)_n(\d+)_k(\d+)")
+KERNEL = re.compile(r"integer_dot_gemv_int(\d+)_g(\d+)_(sym|asym)_(float\d+)_a(\d+)_([a-z0-9]+?)(_neon)?_n(\d+)_k(\d+)")
 DOTS = ("sdot", "udot", "usdot")
 BRANCH = re.compile(r"^(b|b\.\w+|cbz|cbnz|tbz|tbnz)$")
 # llama.cpp's dot product per block format (its activations: Q8_0 blocks, or Q8_1 with the block sum for Q4_1),
@@ -277,9 +277,10 @@ def report(artifact: Path, ggml: Path, work: Path) -> None:
     print(header)
     print("-" * len(header))
     for name in kernels:
-        bits, group, kind, scale, act, family, n, k = KERNEL.fullmatch(name).groups()
+        bits, group, kind, scale, act, family, neon, n, k = KERNEL.fullmatch(name).groups()
         bits, group, act, n, k = int(bits), int(group), int(act), int(n), int(k)
-        shape = GemvShape(n, k, bits, group, kind == "sym", scale, act, family)
+        shape = GemvShape(n, k, bits, group, kind == "sym", scale, act, family,
+                          code_order="neon" if neon else "plain")
         fmt = _format(bits, shape.symmetric, group)
         llama_fmt = fmt if fmt in LLAMA_KERNELS else ("Q8_0" if bits == 8 else "Q4_0" if shape.symmetric else "Q4_1")
         calls = 1 if n == int(model.get("vocab_size", -1)) else int(model.get("num_hidden_layers", 1))

@@ -176,7 +176,9 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
                 "config": dataclasses.asdict(cfg),
             },
             "quantization": {**scheme.to_json(), "skip": list(quant_skip), "quantized_layers": sorted(imported.plan),
-                             "calibration": calibration.summary if calibration else None},
+                             "calibration": calibration.summary if calibration else None,
+                             # how the shards order the codes (quantization/group.CODE_ORDERS): the target's kernels'
+                             "code_order": integer_dot_gemv.stored_code_order(spec.tvm_target())},
             "compute_dtype": imported.dtype,
             "kv_dtype": cfg.kv_dtype,
             "decode_activations": decode_activations if integer_dot_gemv.available(spec.tvm_target()) else None,

@@ -12,6 +12,7 @@ import tvm
 from . import kv_cache_dtype, validate
 from .errors import MobilecError
 from .kernels.cpu_attention import ATTN_LOGIT_CAP_ATTR, LAYER_SLIDING_WINDOW_ATTR, SLIDING_WINDOW_ATTR, vector_lanes
+from .kernels.integer_dot_gemv import stored_code_order
 from .loaders import Checkpoint, open_checkpoint
 from .loaders.default_model import default_model_path
 from .models.llama import LlamaConfig
@@ -94,7 +95,8 @@ def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_win
     dtype = scheme.float_dtype or spec.device["compute_dtype"]
     model.to(dtype)
     sources = cfg.param_sources()
-    plan = quantize_model(model, scheme, ckpt, sources, list(quant_skip), dtype, calibration) if quantize else {}
+    plan = quantize_model(model, scheme, ckpt, sources, list(quant_skip), dtype, calibration,
+                          stored_code_order(spec.tvm_target())) if quantize else {}
     if not export:  # named_parameters() lists them as export_tvm does
         return ImportedModel(family, cfg, None, list(model.named_parameters()), sources, plan, dtype, calibration)
     kernel_attrs = model.attention_attrs()

@@ -43,7 +43,7 @@ class _Rewriter(PyExprMutator):
             return None
         shape = GemmShape(n=int(y_dims[2]), k=int(x_dims[2]), bits=int(layout["bits"]), group=int(layout["group"]),
                           symmetric=bool(layout["symmetric"]), scale_dtype=str(stored[1].ty.dtype),
-                          family=self.dot_family)
+                          family=self.dot_family, code_order=str(layout["code_order"]))
         return (x, stored, shape, x_dims[1]) if shape.supported() else None
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:

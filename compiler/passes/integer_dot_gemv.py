@@ -66,7 +66,8 @@ class _Rewriter(PyExprMutator):
             return None
         shape = GemvShape(n=y_shape[-1], k=x_shape[-1], bits=int(layout["bits"]), group=int(layout["group"]),
                           symmetric=bool(layout["symmetric"]), scale_dtype=str(stored[1].ty.dtype),
-                          act_bits=self.act_bits, family=self.dot_family, zero_code=int(layout["offset"]))
+                          act_bits=self.act_bits, family=self.dot_family, zero_code=int(layout["offset"]),
+                          code_order=str(layout["code_order"]))
         if not shape.supported():
             return None
         return x, stored, shape, x_shape, y_shape

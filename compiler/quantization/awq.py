@@ -22,7 +22,7 @@ import numpy as np
 from .. import validate
 from ..errors import MobilecError
 from ..loaders import Checkpoint
-from .group import GroupLayout, pack_codes, plain_grid, quantize, scale_candidates, stored_codes
+from .group import GroupLayout, order_codes, pack_codes, plain_grid, quantize, scale_candidates, stored_codes
 
 METHODS = ("awq",)
 CALIB_WINDOWS, CALIB_WINDOW = 8, 512  # windows spread over the text: GPTQ overfits fewer tokens (K is 576-1536)
@@ -155,7 +155,7 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, layout: GroupLayout) -> di
             errors[:, j] = err
         weights[:, b1:] -= errors @ u[b0:b1, b1:]
     return {"q_scale": scales.numpy().astype(layout.scale_dtype),
-            "q_weight": pack_codes(stored_codes(codes.numpy(), layout.stored_k(k)), layout.bits)}
+            "q_weight": order_codes(pack_codes(stored_codes(codes.numpy(), layout.stored_k(k)), layout.bits), layout)}
 
 
 # ---------------------------------------------------------------- the calibration result

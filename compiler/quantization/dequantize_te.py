@@ -5,15 +5,26 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
-from .group import NIBBLE_BLOCK, GroupLayout
+from .group import CHUNK, NIBBLE_BLOCK, GroupLayout
+
+
+def _byte_index(col, layout: GroupLayout, blocks: int):
+    """Where code `col` is among a row's stored bytes (of `blocks` whole 32-code blocks), in the layout's order."""
+    block_bytes = NIBBLE_BLOCK * layout.bits // 8
+    block, in_block = col // NIBBLE_BLOCK, col % block_bytes  # 4-bit: byte j holds codes j and j + 16
+    plain = block * block_bytes + in_block
+    if layout.code_order == "plain":
+        return plain
+    paired = block // 2 * 2 * block_bytes + in_block // CHUNK * 2 * CHUNK + block % 2 * CHUNK + in_block % CHUNK
+    return paired if blocks % 2 == 0 and layout.bits == 4 else tirx.Select(block < blocks // 2 * 2, paired, plain)
 
 
 def _code(q: te.Tensor, row, col, layout: GroupLayout):
+    blocks = int(q.shape[1]) * 8 // layout.bits // NIBBLE_BLOCK
+    byte = q[row, _byte_index(col, layout, blocks)].astype("int32")
     if layout.bits == 8:
-        return q[row, col].astype("int32")
-    half = NIBBLE_BLOCK // 2
-    byte = q[row, col // NIBBLE_BLOCK * half + col % half].astype("int32")
-    return (byte >> (col % NIBBLE_BLOCK // half * 4)) & 0xF
+        return byte ^ 0x80 if layout.signed_codes else byte
+    return (byte >> (col % NIBBLE_BLOCK // (NIBBLE_BLOCK // 2) * 4)) & 0xF
 
 
 def _value(code, scale, minv, layout: GroupLayout, dtype: str):

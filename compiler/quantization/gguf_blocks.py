@@ -10,11 +10,13 @@ price is bytes: 6 / 10 / 10 bits per weight instead of the file's 4.5 / 5.5 / 6.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import MobilecError
-from .group import GroupLayout, pack_codes, unpack_codes
+from .group import GroupLayout, order_codes, pack_codes, unpack_codes
 
 # ggml type -> our layout
 LAYOUTS: dict[str, GroupLayout] = {
@@ -67,13 +69,16 @@ def _widen(arrays: dict[str, np.ndarray], layout: GroupLayout, wide: GroupLayout
 
 
 def convert_blocks(ggml_type: str, raw: np.ndarray, layout: GroupLayout) -> dict[str, np.ndarray]:
-    """Raw blocks [rows, bytes] -> {q_weight, q_scale[, q_min]} in `layout` (`layout_for` of the joined types)."""
+    """Raw blocks [rows, bytes] -> {q_weight, q_scale[, q_min]} in `layout` (`layout_for` of the joined types, in
+    the target's code order)."""
     rows = raw.shape[0]
     block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]][1]
     blocks = np.ascontiguousarray(raw).reshape(rows, -1, block_bytes)
     own = LAYOUTS[ggml_type]
     arrays = _legacy(ggml_type, blocks) if ggml_type in ("Q4_0", "Q4_1", "Q8_0") else _k_quant(ggml_type, blocks)
-    return arrays if own == layout else _widen(arrays, own, layout)
+    plain = dataclasses.replace(layout, code_order="plain")
+    arrays = arrays if own == plain else _widen(arrays, own, plain)
+    return {**arrays, "q_weight": order_codes(arrays["q_weight"], layout)}
 
 
 def _fp16(blocks: np.ndarray, start: int) -> np.ndarray:

@@ -11,6 +11,17 @@ import numpy as np
 # code j+16 in the high nibble. A CPU vector of 16 consecutive codes is then one 16-byte load and one constant
 # shift (packing consecutive codes into a word limits a vector to the codes of one word).
 NIBBLE_BLOCK = 32
+# How a row's code bytes are ordered. "plain": along K (4-bit: as above). "neon": for the ARM integer-dot kernels
+# (kernels/integer_dot_gemv/arm.py, kernels/integer_dot_gemm/arm.py), chosen per target at compile time for 8-bit
+# codes in groups of whole blocks: each pair of 32-code blocks has its bytes interleaved by 8 (block 2p's bytes 0-7,
+# block 2p+1's bytes 0-7, then bytes 8-15 of each, ...), so that one 16-byte load gives an `sdot` whose lanes 0-1
+# sum one block and 2-3 the other (no sum per block); a last odd block and the codes past the last whole block stay
+# in place. Codes about 128 are stored signed, c ^ 0x80 (GGUF Q8_0's own bytes), which `sdot` and `smmla` take as
+# they are. 4-bit codes keep the plain order: the pairs' 8-byte pieces cost the prefill GEMM's `smmla` operands
+# more (llvm-mca Neoverse-N2, Q4_0 tile 1282 -> 1489-1588 cycles) than they saved the decode GEMV (its `ld4`
+# reads 4 blocks at once; Q4_1 3.77 -> 3.66 cycles per 32 weights).
+CODE_ORDERS = ("plain", "neon")
+CHUNK = 8  # bytes of one block next to the same bytes of the other block of its pair
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,10 +39,25 @@ class GroupLayout:
     symmetric: bool
     scale_dtype: str
     zero_code: int | None = None  # symmetric codes' zero other than 2^(bits-1): GGUF Q6_K's 6-bit codes centre on 32
+    code_order: str = "plain"  # CODE_ORDERS
 
     @property
     def offset(self) -> int:
         return 1 << (self.bits - 1) if self.zero_code is None else self.zero_code
+
+    @property
+    def signed_codes(self) -> bool:
+        """8-bit codes about 128 stored as c - 128 (the "neon" order)."""
+        return self.code_order == "neon" and self.bits == 8 and self.symmetric and self.offset == 128
+
+    def with_code_order(self, order: str) -> GroupLayout:
+        """This layout with its codes in `order`, where it takes it (neon: 8-bit codes in groups of whole blocks),
+        else as it is."""
+        if order not in CODE_ORDERS:
+            raise ValueError(f"code order must be one of {CODE_ORDERS}, got {order!r}")
+        if order != "plain" and (self.bits != 8 or self.group % NIBBLE_BLOCK):
+            return self
+        return dataclasses.replace(self, code_order=order)
 
     def padded_k(self, k: int) -> int:
         """K rounded up to whole groups: the zero-padded width used while computing scales."""
@@ -53,7 +79,8 @@ class GroupLayout:
         kind = "asymmetric (scale + min)"
         if self.symmetric:
             kind = "symmetric" if self.zero_code is None else f"symmetric about code {self.zero_code}"
-        return f"int{self.bits} {kind}, group {self.group}, {self.scale_dtype} scales"
+        order = ", codes in ARM dot-product order" if self.code_order == "neon" else ""
+        return f"int{self.bits} {kind}, group {self.group}, {self.scale_dtype} scales{order}"
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -71,6 +98,36 @@ def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
     n = packed.shape[0]
     b = packed.reshape(n, -1, NIBBLE_BLOCK // 2)
     return np.concatenate([b & 0x0F, b >> 4], axis=2).reshape(n, -1)
+
+
+def _paired(packed: np.ndarray, layout: GroupLayout) -> tuple[int, int]:
+    """(bytes per block, bytes of the row prefix made of whole pairs of blocks)."""
+    block_bytes = NIBBLE_BLOCK * layout.bits // 8
+    return block_bytes, packed.shape[1] // (2 * block_bytes) * 2 * block_bytes
+
+
+def order_codes(packed: np.ndarray, layout: GroupLayout) -> np.ndarray:
+    """Plain code bytes [n, bytes] -> the layout's code order (CODE_ORDERS)."""
+    if layout.code_order == "plain":
+        return packed
+    n = packed.shape[0]
+    block_bytes, paired = _paired(packed, layout)
+    out = packed.copy()
+    pairs = packed[:, :paired].reshape(n, -1, 2, block_bytes // CHUNK, CHUNK)
+    out[:, :paired] = pairs.transpose(0, 1, 3, 2, 4).reshape(n, paired)
+    return out ^ np.uint8(0x80) if layout.signed_codes else out
+
+
+def plain_codes(stored: np.ndarray, layout: GroupLayout) -> np.ndarray:
+    """The inverse of order_codes."""
+    if layout.code_order == "plain":
+        return stored
+    n = stored.shape[0]
+    block_bytes, paired = _paired(stored, layout)
+    out = stored ^ np.uint8(0x80) if layout.signed_codes else stored.copy()
+    pairs = out[:, :paired].reshape(n, -1, block_bytes // CHUNK, 2, CHUNK)
+    out[:, :paired] = pairs.transpose(0, 1, 3, 2, 4).reshape(n, paired)
+    return out
 
 
 def scale_candidates(layout: GroupLayout) -> np.ndarray:
@@ -141,7 +198,8 @@ def quantize(w: np.ndarray, layout: GroupLayout) -> dict[str, np.ndarray]:
         s = scale.astype(np.float32)[:, :, None]
         codes = np.clip(np.round(np.divide(g - minv.astype(np.float32)[:, :, None], s, out=np.zeros_like(g), where=s != 0)), 0, qmax)
         out = {"q_scale": scale, "q_min": minv}
-    out["q_weight"] = pack_codes(stored_codes(codes.reshape(n, kp), layout.stored_k(k)), layout.bits)
+    packed = pack_codes(stored_codes(codes.reshape(n, kp), layout.stored_k(k)), layout.bits)
+    out["q_weight"] = order_codes(packed, layout)
     return out
 
 
@@ -155,7 +213,7 @@ def stored_codes(codes: np.ndarray, stored_k: int) -> np.ndarray:
 
 def dequantize(arrays: dict[str, np.ndarray], layout: GroupLayout, k: int) -> np.ndarray:
     """The stored arrays -> float32 [n, k]: the numpy reference of `dequantize_te`."""
-    codes = unpack_codes(arrays["q_weight"], layout.bits).astype(np.float32)[:, :k]
+    codes = unpack_codes(plain_codes(arrays["q_weight"], layout), layout.bits).astype(np.float32)[:, :k]
     scale = np.repeat(arrays["q_scale"].astype(np.float32), layout.group, axis=1)[:, :k]
     if layout.symmetric:
         minv = scale * np.float32(-layout.offset)  # as the kernels compute it (dequantize_te._value)

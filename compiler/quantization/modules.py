@@ -29,7 +29,7 @@ class _QuantizedWeight(nn.Module):
 
     def dequantized_weight(self) -> Tensor:
         layout = {"bits": self.layout.bits, "group": self.layout.group, "symmetric": self.layout.symmetric,
-                  "offset": self.layout.offset}
+                  "offset": self.layout.offset, "code_order": self.layout.code_order}
         return op.tensor_expr_op(dequantize_te(self.layout, self.in_features, self.dtype), "dequantize", self._stored(),
                                  attrs={LAYOUT_ATTR: layout})
 

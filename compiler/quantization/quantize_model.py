@@ -56,10 +56,11 @@ def _concat(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 def quantize_model(
     model: nn.Module, scheme: Scheme, ckpt: Checkpoint, sources: dict[str, list[str]], skip: list[str], dtype: str,
-    calibration: Calibration | None = None,
+    calibration: Calibration | None = None, code_order: str = "plain",
 ) -> WeightPlan:
     """Replace layers in place per `scheme` (except those matching `skip`); return how to make their arrays.
-    With a `calibration`, group-quantized layers are scaled and rounded by it (--calibrate awq)."""
+    With a `calibration`, group-quantized layers are scaled and rounded by it (--calibrate awq). `code_order`: the
+    order the target's kernels read codes in (group.CODE_ORDERS), for the layouts that can take it."""
     plan: WeightPlan = {}
     if scheme.kind == "float":
         if skip:
@@ -81,10 +82,12 @@ def quantize_model(
             layout = layout_for({src: ckpt.get_gguf_blocks(src)[0] for src in weight_sources}, path)
             if layout is None:
                 continue
+            layout = layout.with_code_order(code_order)
             plan[path] = lambda s=weight_sources, lay=layout: _concat(
                 [convert_blocks(*ckpt.get_gguf_blocks(x)[:2], lay) for x in s])
         else:
             layout = output_layer_layout(scheme.layout) if _is_output_layer(path, layer) else scheme.layout
+            layout = layout.with_code_order(code_order)
             quantizer = calibration.quantize if calibration else lambda _path, w, lay: quantize(w, lay)
             plan[path] = lambda p=path, s=weight_sources, lay=layout, q=quantizer: q(
                 p, np.concatenate([ckpt.get(x) for x in s], axis=0), lay

@@ -19,14 +19,16 @@ FAMILY_TARGETS = {
     "i8mm": tvm.target.Target({**ARM, "mcpu": "cortex-x3", "mattr": ["+neon", "+dotprod", "+i8mm", "+fullfp16"]}),
 }
 FAMILIES = list(FAMILY_TARGETS)
-# (bits, group, symmetric, scale dtype, K, N)
+# (bits, group, symmetric, scale dtype, K, N, code order): as ARM targets store them (8-bit codes in the "neon"
+# order, 4-bit ones plain), and 8-bit codes plain
 LAYOUTS = [
-    (4, 32, True, "float16", 576, 40),  # GGUF Q4_0 / q4f16_g32 at SmolLM2's hidden size; 40: one task of 40 rows
-    (4, 32, False, "float16", 576, 96),  # GGUF Q4_1 / q4f16_g32_asym
-    (8, 32, True, "float16", 192, 64),  # GGUF Q8_0
-    (4, 128, True, "float16", 576, 24),  # q4f16_g128: a short last group
-    (8, 128, True, "float16", 256, 36),  # q8f16_g128
-    (4, 32, True, "float32", 128, 8),  # q4f32_g32
+    (4, 32, True, "float16", 576, 40, "plain"),  # GGUF Q4_0 / q4f16_g32 at SmolLM2's hidden size; one task of 40 rows
+    (4, 32, False, "float16", 576, 96, "plain"),  # GGUF Q4_1 / q4f16_g32_asym
+    (8, 32, True, "float16", 192, 64, "neon"),  # GGUF Q8_0: signed codes, pairs of blocks
+    (4, 128, True, "float16", 576, 24, "plain"),  # q4f16_g128: a short last group
+    (8, 128, True, "float16", 256, 36, "neon"),  # q8f16_g128
+    (4, 32, True, "float32", 128, 8, "plain"),  # q4f32_g32
+    (8, 32, True, "float16", 192, 64, "plain"),  # unsigned 8-bit codes in K order, centred in registers
 ]
 ROWS = [1, 3, 17, 128]
 
@@ -40,13 +42,13 @@ def _module(shapes: dict[str, GemmShape]) -> tvm.IRModule:
 
 
 def _shape(layout: int, dot_family: str) -> GemmShape:
-    bits, grp, symmetric, scale_dtype, k, n = LAYOUTS[layout]
-    return GemmShape(n, k, bits, grp, symmetric, scale_dtype, dot_family)
+    bits, grp, symmetric, scale_dtype, k, n, order = LAYOUTS[layout]
+    return GemmShape(n, k, bits, grp, symmetric, scale_dtype, dot_family, code_order=order)
 
 
 def _case(layout: int, rows: int, seed: int = 0):
-    bits, grp, symmetric, scale_dtype, k, n = LAYOUTS[layout]
-    glayout = group.GroupLayout(bits, grp, symmetric, scale_dtype)
+    bits, grp, symmetric, scale_dtype, k, n, order = LAYOUTS[layout]
+    glayout = group.GroupLayout(bits, grp, symmetric, scale_dtype, code_order=order)
     rng = np.random.default_rng(seed)
     arrays = group.quantize(rng.standard_normal((n, k)).astype("float32"), glayout)
     # activations with an outlier per row, as LLM hidden states have: per-32 scales must absorb it
@@ -91,12 +93,21 @@ def test_refuses_shapes_it_cannot_tile(bits, grp, k, n, symmetric, dot_family):
     assert not GemmShape(n, k, bits, grp, symmetric, "float16", dot_family).supported()
 
 
-# family, bits -> instructions its GEMM must contain, and must not (symmetric codes: centred with eor)
+def test_neon_order_takes_whole_pairs_of_blocks():
+    """An odd block count (its last block unpaired in the neon order) is left to the dequantize path."""
+    assert GemmShape(8, 96, 8, 32, True, "float16", "i8mm").supported()
+    assert not GemmShape(8, 96, 8, 32, True, "float16", "i8mm", code_order="neon").supported()
+    assert GemmShape(8, 128, 8, 32, True, "float16", "i8mm", code_order="neon").supported()
+    assert not GemmShape(8, 128, 4, 32, True, "float16", "i8mm", code_order="neon").supported()  # 4-bit: plain
+
+
+# family, bits -> instructions its GEMM must contain, and must not (symmetric 4-bit codes: centred with eor; 8-bit
+# ones are stored signed in the neon order)
 INSTRUCTIONS = {
     ("i8mm", 4): (["smmla", "eor"], ["usmmla", "sdot"]),
-    ("i8mm", 8): (["smmla", "eor"], ["usmmla", "sdot"]),
+    ("i8mm", 8): (["smmla"], ["eor", "usmmla", "sdot"]),
     ("dotprod", 4): (["sdot", "eor"], ["smmla", "usmmla"]),
-    ("dotprod", 8): (["sdot", "eor"], ["smmla", "usmmla"]),
+    ("dotprod", 8): (["sdot"], ["eor", "smmla", "usmmla"]),
 }
 
 
@@ -106,7 +117,7 @@ def test_each_family_emits_its_instructions(dot_family, bits):
     """Compiled for aarch64 (never run here): a block of an 8 x 4 tile is 32 smmla or 64 sdot by element, the float
     work one convert per 4 int32 lanes per block; with i8mm no vector register is spilled (dotprod's tile spills
     one or two per block)."""
-    shape = GemmShape(64, 576, bits, 32, True, "float16", dot_family)
+    shape = GemmShape(64, 576, bits, 32, True, "float16", dot_family, code_order="neon" if bits == 8 else "plain")
     lib = tvm.tirx.build(tvm.IRModule({"gemm": gemm(shape).with_attr("global_symbol", "gemm")}),
                          target=FAMILY_TARGETS[dot_family])
     asm = assembly(lib)

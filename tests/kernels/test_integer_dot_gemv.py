@@ -50,9 +50,13 @@ def _run(lib, shape: GemvShape, x: np.ndarray, arrays: dict, permute_activations
     return y.numpy().reshape(-1)
 
 
-def _case(bits, grp, symmetric, scale_dtype, k, seed=0, act_bits=16, dot_family="avx2", n=N):
-    layout = group.GroupLayout(bits, grp, symmetric, scale_dtype)
-    shape = GemvShape(n, k, bits, grp, symmetric, scale_dtype, act_bits, dot_family)
+def _layout(bits, grp, symmetric, scale_dtype, code_order="plain"):
+    return group.GroupLayout(bits, grp, symmetric, scale_dtype).with_code_order(code_order)
+
+
+def _case(bits, grp, symmetric, scale_dtype, k, seed=0, act_bits=16, dot_family="avx2", n=N, code_order="plain"):
+    layout = _layout(bits, grp, symmetric, scale_dtype, code_order)
+    shape = GemvShape(n, k, bits, grp, symmetric, scale_dtype, act_bits, dot_family, code_order=layout.code_order)
     rng = np.random.default_rng(seed)
     arrays = group.quantize(rng.standard_normal((n, k)).astype("float32"), layout)
     # activations with an outlier per row, as LLM hidden states have: per-32 scales must absorb it
@@ -163,23 +167,27 @@ ARM_FAMILY_TARGETS = {
     "i8mm": tvm.target.Target({**ARM, "mcpu": "cortex-x3", "mattr": ["+neon", "+dotprod", "+i8mm", "+fullfp16"]}),
 }
 ARM_FAMILIES = list(ARM_FAMILY_TARGETS)
-ARM_LAYOUTS = LAYOUTS + [
-    (4, 32, False, "float16", 576),  # GGUF Q4_1 at SmolLM2's hidden size: 4 steps and a 2-block last step
-    (8, 32, True, "float16", 576),  # GGUF Q8_0 lm_head
-    (4, 128, True, "float16", 576),  # q4f16_g128: a short last group inside the last step
-    (8, 32, False, "float32", 576),  # GGUF Q5_K re-laid: 8-bit codes, a float32 scale and min per 32 (dotprod:
-    # centred, the 128 joining each step's mins)
-    (8, 16, True, "float32", 576),  # a scale per 16 values (as GGUF Q6_K): a block per step, a half in 2 lanes
-    (8, 16, False, "float32", 576),  # and a min per 16 (Q4_K q/k joined with a Q6_K v)
+# (bits, group, symmetric, scale dtype, K, code order): the "neon" order ARM targets store codes in, where the
+# layout takes it (8-bit codes in groups of whole blocks; the others stay plain), and the plain order
+ARM_LAYOUTS = [(*layout, "neon") for layout in LAYOUTS] + [
+    (4, 32, False, "float16", 576, "neon"),  # GGUF Q4_1 at SmolLM2's hidden size: 4 steps and a 2-block last step
+    (8, 32, True, "float16", 576, "neon"),  # GGUF Q8_0 lm_head: signed codes
+    (4, 128, True, "float16", 576, "neon"),  # q4f16_g128: a short last group inside the last step
+    (8, 32, False, "float32", 576, "neon"),  # GGUF Q5_K re-laid: 8-bit codes, a float32 scale and min per 32
+    # (dotprod: centred, the 128 joining each step's mins)
+    (8, 16, True, "float32", 576, "neon"),  # a scale per 16 values (as GGUF Q6_K): a block per step, a half in 2 lanes
+    (8, 16, False, "float32", 576, "neon"),  # and a min per 16 (Q4_K q/k joined with a Q6_K v)
+    (8, 32, True, "float16", 608, "neon"),  # 19 blocks: a last step of a pair and the unpaired block
+    (8, 32, True, "float16", 96, "plain"),  # unsigned 8-bit codes: usdot with i8mm, centred (eor) sdot without
 ]
 # rows: 48 steps 4 rows together (asymmetric 4-bit codes: 2); 6 (tasks of 2 rows) 2; 5 one
 ARM_ROWS = {index: N for index in range(len(ARM_LAYOUTS))} | {1: 6, 7: 5, 8: 6}
-# family -> (instructions its GEMVs must contain, must not); 8-bit codes: usdot with i8mm, centred sdot without
+# family -> (instructions its GEMVs must contain, must not); 8-bit codes about 128 stored signed: sdot, no eor
 ARM_INSTRUCTIONS = {
     ("dotprod", 4): (["sdot", "addp", "scvtf"], ["usdot", "ucvtf", "smmla"]),
-    ("dotprod", 8): (["sdot", "eor"], ["usdot", "ucvtf", "smmla"]),
+    ("dotprod", 8): (["sdot", "addp"], ["eor", "usdot", "ucvtf", "smmla"]),
     ("i8mm", 4): (["sdot", "addp"], ["ucvtf", "smmla"]),
-    ("i8mm", 8): (["usdot"], ["eor", "ucvtf", "smmla"]),
+    ("i8mm", 8): (["sdot", "addp"], ["eor", "usdot", "ucvtf", "smmla"]),
 }
 
 
@@ -187,13 +195,15 @@ ARM_INSTRUCTIONS = {
 @pytest.mark.parametrize("bits,act_bits", [(4, 8), (4, 16), (8, 8), (8, 16)])
 def test_each_aarch64_family_emits_its_instructions(dot_family, bits, act_bits):
     """Compiled for aarch64 (never run here): the step is NEON dot products, the float work one convert per 4 blocks."""
-    shape = GemvShape(N, 576, bits, 32, True, "float16", act_bits, dot_family)
+    shape = GemvShape(N, 576, bits, 32, True, "float16", act_bits, dot_family,
+                      code_order="neon" if bits == 8 else "plain")  # as ARM targets store them
     lib = tvm.tirx.build(tvm.IRModule({"gemv": gemv(shape, (1, 1, N)).with_attr("global_symbol", "gemv")}),
                          target=ARM_FAMILY_TARGETS[dot_family])
     # the vector instructions of the module (it holds only the GEMV)
     asm = assembly(lib)
     words = re.findall(r"^\s+([a-z][a-z0-9.]*)\s+v\d+\.", asm, flags=re.MULTILINE)
-    # whole 4-bit steps: their 4 blocks de-interleaved by 4 bytes in one ld4 (arm.py); 8-bit steps read blocks
+    # whole 4-bit steps: their 4 blocks de-interleaved by 4 bytes in one ld4 (arm.py); the neon order's pairs of
+    # 8-bit blocks are plain 16-byte loads
     assert bool(re.search(r"^\s+ld4\s+\{", asm, flags=re.MULTILINE)) == (bits == 4)
     must, must_not = ARM_INSTRUCTIONS[dot_family, bits]
     for instruction in must:
@@ -214,9 +224,10 @@ def arm_libraries(emulated_arm_device, tmp_path_factory):
     libs = {}
     for dot_family, target in ARM_FAMILY_TARGETS.items():
         funcs = {}
-        for index, (bits, grp, symmetric, scale_dtype, k) in enumerate(ARM_LAYOUTS):
+        for index, (bits, grp, symmetric, scale_dtype, k, order) in enumerate(ARM_LAYOUTS):
             for act_bits in (16, 8):
-                shape = GemvShape(ARM_ROWS[index], k, bits, grp, symmetric, scale_dtype, act_bits, dot_family)
+                shape = GemvShape(ARM_ROWS[index], k, bits, grp, symmetric, scale_dtype, act_bits, dot_family,
+                                  code_order=_layout(bits, grp, symmetric, scale_dtype, order).code_order)
                 assert shape.supported(), shape
                 name = f"{index}_a{act_bits}"
                 funcs[f"quantize_{name}"] = quantize_activation(shape, (1, 1, k)).with_attr("global_symbol",
@@ -238,9 +249,9 @@ def test_aarch64_kernels_match_numpy_on_the_emulated_device(arm_libraries, dot_f
     """int16: the float result to ~1/32639 of a block's largest activation; int8: exactly what int8-rounded
     activations give. Then negative controls on the device: activations out of order, one changed code byte."""
     remote, libs = arm_libraries
-    bits, grp, symmetric, scale_dtype, k = ARM_LAYOUTS[layout]
+    bits, grp, symmetric, scale_dtype, k, order = ARM_LAYOUTS[layout]
     shape, arrays, x, ref = _case(bits, grp, symmetric, scale_dtype, k, act_bits=act_bits, dot_family=dot_family,
-                                  n=ARM_ROWS[layout])
+                                  n=ARM_ROWS[layout], code_order=order)
     assert shape.rows_together == {48: 2 if bits == 4 and not symmetric else 4, 6: 2, 5: 1}[shape.n]
     names = (f"quantize_{layout}_a{act_bits}", f"gemv_{layout}_a{act_bits}")
     got = _run(libs[dot_family], shape, x, arrays, dev=remote.cpu(), names=names)
@@ -248,7 +259,7 @@ def test_aarch64_kernels_match_numpy_on_the_emulated_device(arm_libraries, dot_f
     if act_bits == 16:
         np.testing.assert_allclose(got, ref, rtol=2e-4, atol=tol)
     else:
-        _assert_int8_rounding(got, ref, x, arrays, group.GroupLayout(bits, grp, symmetric, scale_dtype), k)
+        _assert_int8_rounding(got, ref, x, arrays, _layout(bits, grp, symmetric, scale_dtype, order), k)
     rolled = _run(libs[dot_family], shape, x, arrays, permute_activations=lambda q: np.roll(q, 16),
                   dev=remote.cpu(), names=names)
     assert np.abs(rolled - ref).max() > 100 * tol

@@ -34,7 +34,7 @@ SSE4 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu",
 def _module(tagged=True):
     """decode(x[1, 1, K]) and prefill(x[1, seq, K]): x @ dequantize(q).T + residual, as QuantizedLinear emits it."""
     bb = relax.BlockBuilder()
-    attrs = {LAYOUT_ATTR: {"bits": 4, "group": 32, "symmetric": True, "offset": 8}} if tagged else {}
+    attrs = {LAYOUT_ATTR: {"bits": 4, "group": 32, "symmetric": True, "offset": 8, "code_order": "plain"}} if tagged else {}
     for name, rows in (("decode", 1), ("prefill", tirx.Var("seq_len", "int64"))):
         x = relax.Var("x", relax.TensorType([1, rows, K], "float32"))
         residual = relax.Var("residual", relax.TensorType([1, rows, N], "float32"))
@@ -86,6 +86,18 @@ def test_arm_targets_get_their_family(target, family):
     names = [gv.name_hint for gv in mod.get_global_vars() if gv.name_hint.startswith("integer_dot_gemv")]
     assert len(names) == 1 and f"_{family}_" in names[0]
     assert any(c.startswith("NT_matmul") for c in _callees(mod["prefill"]))
+
+
+def test_code_order_follows_the_target():
+    """The shards hold the codes in the order the target's GEMV reads (quantization/group.CODE_ORDERS): the ARM
+    dot-product order on ARM CPUs with one, K order elsewhere; a kernel is never built for the other order."""
+    names = ("host", "x86-64-v3", "linux-arm64", "android-arm64", "android-adreno", "hexagon-npu")
+    orders = {name: integer_dot_gemv.stored_code_order(load_target(name).tvm_target()) for name in names}
+    assert orders == dict.fromkeys(names, "plain") | {"linux-arm64": "neon", "android-arm64": "neon"}
+    assert integer_dot_gemv.stored_code_order(ARM) == "plain"  # NEON without dotprod: the float GEMV
+    assert not integer_dot_gemv.GemvShape(N, K, 8, 32, True, "float16", 8, "avx2", code_order="neon").supported()
+    assert integer_dot_gemv.GemvShape(N, K, 8, 32, True, "float16", 8, "dotprod", code_order="neon").supported()
+    assert not integer_dot_gemv.GemvShape(N, K, 4, 32, True, "float16", 8, "dotprod", code_order="neon").supported()
 
 
 def test_left_alone_without_the_layout_tag():

@@ -85,6 +85,43 @@ def test_te_dequantize_matches_numpy(layout):
     np.testing.assert_array_equal(result.numpy(), G.dequantize(stored, layout, k))
 
 
+NEON_LAYOUTS = [G.GroupLayout(8, 32, True, "float16"), G.GroupLayout(8, 128, True, "float16"),
+                G.GroupLayout(8, 32, False, "float32")]
+
+
+@pytest.mark.parametrize("layout", NEON_LAYOUTS, ids=lambda l: l.describe())
+@pytest.mark.parametrize("k", [576, 96, 100])  # 96: 3 blocks, the last one unpaired; 100: codes past it
+def test_neon_code_order_pairs_blocks_by_8_bytes(layout, k):
+    """The ARM kernels' order of 8-bit codes: each pair of 32-code blocks interleaved by 8 bytes, an odd last block
+    in place, codes about 128 signed; numpy and the TE dequantize read it back to the plain order's values. Negative
+    control: the stored bytes read as the plain order are other values. 4-bit codes and 16-value groups keep the
+    plain order."""
+    neon = layout.with_code_order("neon")
+    assert neon.code_order == "neon"
+    for other in (G.GroupLayout(8, 16, True, "float32"), G.GroupLayout(4, 32, True, "float16")):
+        assert other.with_code_order("neon").code_order == "plain"
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((8, k)).astype(np.float32)
+    plain, ordered = G.quantize(w, layout), G.quantize(w, neon)
+    assert np.array_equal(G.plain_codes(ordered["q_weight"], neon), plain["q_weight"])
+    np.testing.assert_array_equal(G.dequantize(ordered, neon, k), G.dequantize(plain, layout, k))
+    block = 32  # bytes per 32 codes
+    row, stored = plain["q_weight"][3], ordered["q_weight"][3] ^ (0x80 if neon.signed_codes else 0)
+    assert neon.signed_codes == layout.symmetric
+    assert np.array_equal(stored[:8], row[:8]) and np.array_equal(stored[8:16], row[block:block + 8])
+    assert np.array_equal(stored[16:24], row[8:16])
+    pairs = layout.stored_k(k) // 64 * 2 * block
+    assert np.array_equal(stored[pairs:], row[pairs:])  # the unpaired block (and 8-bit codes past the blocks)
+    assert np.abs(G.dequantize(ordered, layout, k) - G.dequantize(plain, layout, k)).max() > 0.1
+    names = ["q_weight", "q_scale"] + ([] if layout.symmetric else ["q_min"])
+    placeholders = [te.placeholder(ordered[x].shape, str(ordered[x].dtype), x) for x in names]
+    out = D.dequantize_te(neon, k, "float32")(*placeholders)
+    lib = tvm.compile(te.create_prim_func([*placeholders, out]), target="llvm")
+    result = tvm.runtime.tensor(np.zeros((8, k), np.float32))
+    lib(*[tvm.runtime.tensor(ordered[x]) for x in names], result)
+    np.testing.assert_array_equal(result.numpy(), G.dequantize(plain, layout, k))
+
+
 def test_take_dequantize_gathers_rows():
     layout = SCHEMES["q4f16_g32"].layout
     rng = np.random.default_rng(3)
@@ -107,9 +144,15 @@ def test_gguf_blocks_keep_exact_values(ggml_type):
     w = rng.standard_normal((6, 96)).astype(np.float32)
     raw = gguf.quants.quantize(w, qtype)
     want = gguf.quants.dequantize(raw, qtype).reshape(6, 96)
-    layout = LAYOUTS[ggml_type]
-    got = G.dequantize(convert_blocks(ggml_type, raw.reshape(6, -1), layout), layout, 96)
-    np.testing.assert_array_equal(got, want)
+    for layout in (LAYOUTS[ggml_type], LAYOUTS[ggml_type].with_code_order("neon")):  # as ARM targets store them
+        assert (layout.code_order == "neon") == (ggml_type == "Q8_0" and layout is not LAYOUTS[ggml_type])
+        got = G.dequantize(convert_blocks(ggml_type, raw.reshape(6, -1), layout), layout, 96)
+        np.testing.assert_array_equal(got, want)
+    if ggml_type == "Q8_0":  # the neon order's signed codes are the file's own bytes
+        layout = LAYOUTS[ggml_type].with_code_order("neon")
+        stored = convert_blocks(ggml_type, raw.reshape(6, -1), layout)["q_weight"]
+        unpaired = G.plain_codes(stored, layout) ^ np.uint8(0x80)  # plain_codes also undoes the sign
+        np.testing.assert_array_equal(unpaired.reshape(6, -1, 32), raw.reshape(6, -1, 34)[..., 2:])
 
 
 def test_q4f16_g32_is_gguf_q4_0_bit_for_bit():

@@ -4,13 +4,15 @@
 - i8mm: `smmla` multiplies two rows of 8 int8 by two rows of 8 int8 into a 2x2 int32 tile; 4 of them cover a block
   for 2 X rows (first operand) x 2 W rows (second), lanes [m0 n0, m0 n1, m1 n0, m1 n1]. X is stored in pairs of
   rows, 8 values of each per 16 bytes (the activation kernel writes that order), one load per operand. A W pair is
-  two 8-byte halves joined (W stays in its stored row-major layout, which the decode GEMV reads too); for 4-bit
-  codes the halves are joined before the nibbles are split, so a block of 2 rows is 2 joins and 3 operations per
+  two 8-byte pieces joined (W stays in its stored layout, which the decode GEMV reads too: in the "neon" code order,
+  quantization/group.py, a block's 8-byte pieces alternate with those of the other block of its pair); for 4-bit
+  codes the pieces are joined before the nibbles are split, so a block of 2 rows is 2 joins and 3 operations per
   16 bytes (llama.cpp's repacked Q4_0 has the rows interleaved and the codes pre-flipped at load time: 1).
 - dotprod: `sdot` by element: the first operand holds 4 X rows x 4 values, the second one 32-bit lane of a W row
   (4 values) repeated; lane i sums row i's 4 products. 8 per block give a column of 4 outputs without horizontal
   sums.
-- Symmetric codes go in centred, c - offset, so that no activation-sum term is left: 8-bit codes as c ^ 0x80;
+- Symmetric codes go in centred, c - offset, so that no activation-sum term is left: 8-bit codes as stored in the
+  "neon" order (signed), else as c ^ 0x80;
   4-bit codes as 16 (c - 8), the nibbles of b ^ 0x88 shifted into (b << 4) or masked in place (b & 0xF0) as signed
   bytes, and the 16 taken out by the int-to-float convert (fixed point, 4 fraction bits). Asymmetric codes go in
   as they are (4-bit only: 0..15 are valid int8) and the min's term is added per block from the activation sums.
@@ -53,7 +55,8 @@ def fraction_bits(shape) -> int:
 def _operand(shape, packed, part):
     """Codes from 16 bytes of W: 4-bit part 0 the low nibbles, 1 the high ones; 8-bit the bytes."""
     if shape.bits == 8:
-        return T.bitwise_xor(packed, T.broadcast(T.uint8(128), 16)) if centered(shape) else packed
+        flip = centered(shape) and not shape.signed_codes
+        return T.bitwise_xor(packed, T.broadcast(T.uint8(128), 16)) if flip else packed
     if centered(shape):
         flipped = T.bitwise_xor(packed, T.broadcast(T.uint8(0x88), 16))
         return (T.shift_left(flipped, T.broadcast(T.uint8(4), 16)) if part == 0
@@ -62,21 +65,31 @@ def _operand(shape, packed, part):
             else T.shift_right(packed, T.broadcast(T.uint8(4), 16)))
 
 
+def _piece(shape, w, n, block, piece, count=1):
+    """`count` consecutive 8-byte pieces of block `block`'s code bytes in W row n, from piece `piece`, wherever the
+    code order puts them (neon: 16 bytes apart, the pair's other block's piece between)."""
+    block_bytes = shape.bits * 4
+    if shape.code_order == "plain":
+        return w[n, T.ramp(block * block_bytes + piece * 8, 1, 8 * count)]
+    pieces = [w[n, T.ramp(block // 2 * 2 * block_bytes + (piece + i) * 16 + block % 2 * 8, 1, 8)]
+              for i in range(count)]
+    return pieces[0] if count == 1 else T.Shuffle(pieces, list(range(8 * count)))
+
+
 def _codes(shape, w, n, block, half):
     """16 codes of W row n for block `block` (half 0: values 0-15, 1: 16-31)."""
     if shape.bits == 4:
-        return _operand(shape, w[n, T.ramp(block * 16, 1, 16)], half)
-    return _operand(shape, w[n, T.ramp(block * 32 + half * 16, 1, 16)], 0)
+        return _operand(shape, _piece(shape, w, n, block, 0, 2), half)
+    return _operand(shape, _piece(shape, w, n, block, half * 2, 2), 0)
 
 
 def _pair_operand(shape, w, n, block, chunk):
     """W rows n, n + 1, values 8 chunk .. 8 chunk + 7 of the block, row n in bytes 0-7: smmla's second operand."""
     if shape.bits == 4:
-        # join 8-byte halves of the packed bytes, then split nibbles: chunks 0, 1 low nibbles, 2, 3 high
-        packed = [w[n + r, T.ramp(block * 16 + chunk % 2 * 8, 1, 8)] for r in (0, 1)]
+        # join 8-byte pieces of the packed bytes, then split nibbles: chunks 0, 1 low nibbles, 2, 3 high
+        packed = [_piece(shape, w, n + r, block, chunk % 2) for r in (0, 1)]
         return _operand(shape, T.Shuffle(packed, list(range(16))), chunk // 2)
-    return _operand(shape, T.Shuffle([w[n + r, T.ramp(block * 32 + chunk * 8, 1, 8)] for r in (0, 1)],
-                                     list(range(16))), 0)
+    return _operand(shape, T.Shuffle([_piece(shape, w, n + r, block, chunk) for r in (0, 1)], list(range(16))), 0)
 
 
 def _lane(codes, index: int):

@@ -64,6 +64,12 @@ def available(target: Target) -> bool:
     return family(target) is not None
 
 
+def stored_code_order(target: Target) -> str:
+    """The code order (quantization/group.CODE_ORDERS) the weights are stored in for `target`: its variant's."""
+    name = family(target)
+    return "plain" if name is None else _variant(name).CODE_ORDER
+
+
 def _variant(name: str):
     return next(module for module in VARIANTS.values() if name in module.FAMILIES)
 
@@ -82,10 +88,16 @@ class GemvShape:
     act_bits: int = 16
     family: str = "avx512bw"
     zero_code: int | None = None  # symmetric codes' zero (GroupLayout.zero_code); None: 2^(bits-1)
+    code_order: str = "plain"  # GroupLayout.code_order
 
     @property
     def offset(self) -> int:
         return 1 << (self.bits - 1) if self.zero_code is None else self.zero_code
+
+    @property
+    def signed_codes(self) -> bool:
+        """8-bit codes about 128 stored as c - 128 (GroupLayout.signed_codes)."""
+        return self.code_order == "neon" and self.bits == 8 and self.symmetric and self.offset == 128
 
     @property
     def act_dtype(self) -> str:
@@ -173,6 +185,8 @@ class GemvShape:
         # about 128), and asymmetric ones take the centring into each step's mins (mins_per_step).
         return (self.bits in (4, 8) and self.act_bits in ACTIVATION_BITS and any(
                     self.family in module.FAMILIES for module in VARIANTS.values())
+                and (self.code_order == "plain" or (self.code_order == _variant(self.family).CODE_ORDER
+                                                    and self.bits == 8))  # GroupLayout.with_code_order
                 and self.k % BLOCK == 0 and (self.group % BLOCK == 0 or self.half_block_groups)
                 and (self.tail_blocks == 0 or _variant(self.family).TAIL_STEPS)
                 and (self.group <= BLOCK or self.group % (BLOCK * self.blocks_per_step) == 0)
@@ -183,11 +197,14 @@ class GemvShape:
         (per 16 values for 16-value groups) and the int width."""
         kind = "asym" if not self.symmetric else "sym" if self.offset == 1 << (self.bits - 1) else f"sym{self.offset}"
         halves = "_g16" if self.half_block_groups else ""
-        return f"int{self.bits}_{kind}{halves}_k{self.k}_a{self.act_bits}_l{self.lanes}"
+        order = "_neon" if self.code_order == "neon" else ""
+        return f"int{self.bits}_{kind}{halves}_k{self.k}_a{self.act_bits}_l{self.lanes}{order}"
 
     def name(self) -> str:
         kind = "sym" if self.symmetric else "asym"
-        return f"int{self.bits}_g{self.group}_{kind}_{self.scale_dtype}_a{self.act_bits}_{self.family}_n{self.n}_k{self.k}"
+        order = "_neon" if self.code_order == "neon" else ""
+        return (f"int{self.bits}_g{self.group}_{kind}_{self.scale_dtype}_a{self.act_bits}_{self.family}{order}"
+                f"_n{self.n}_k{self.k}")
 
 
 # Once per process, as cpu_attention's kernels (TVMScript parsing is the cost).

@@ -7,12 +7,17 @@ order the activation kernel stores activations, and how many rows step together.
   holds 4 code bytes of every block, block i in lane i, so after AND 0x0F (low nibbles) and a shift by 4 (high
   nibbles) every `sdot` (16 int8 products summed by fours into 4 int32 lanes) adds 4 products of each block to its
   own lane: the step's 8 `sdot`s go into one accumulator, a lane per block. The activation kernel stores the
-  activations in that order. The weights stay in the GGUF block layout (the prefill GEMM and the dequantize read
-  the same shards); `ld4` de-interleaves at load time, where re-laying them was the alternative.
-- Other steps (8-bit codes, a shorter last step): a block's two 16-code vectors (a 16-byte load split into nibbles,
-  or two loads) and two `sdot`s give its sum in 4 lanes; `addp` of `addp`s folds 4 blocks' lanes into one int32x4.
-  8-bit codes with a scale per 16 values (GGUF Q6_K, 6-bit codes about 32) step one block at a time: one `addp` of
-  its halves' `sdot`s puts each half's sum in 2 lanes, which take that half's scale.
+  activations in that order. The 4-bit weights stay in the GGUF block layout (quantization/group.py says why).
+- 8-bit codes are stored in the "neon" code order (quantization/group.py CODE_ORDERS), chosen at compile time for
+  these targets: the bytes of each pair of blocks interleaved by 8, so one 16-byte load holds 8 bytes of each block
+  and an `sdot` adds block 2p's products to lanes 0-1 and block 2p+1's to lanes 2-3. A pair's 4 loads go into one
+  accumulator, and one `addp` of a step's two pairs gives its 4 block sums in lane order (before: a sum per block
+  and 3 `addp`s; SmolLM2's Q8_0 lm_head 3.63 -> 2.13 cycles per 32 weights, llvm-mca Neoverse-N2, with its codes
+  stored signed, below).
+- Other steps (a shorter last step, 8-bit codes with a scale per 16 values): a block's two 16-code vectors (a 16-byte load split into nibbles, or two loads) and two `sdot`s give its
+  sum in 4 lanes; `addp` of `addp`s folds them into one int32x4. 8-bit codes with a scale per 16 values (GGUF Q6_K,
+  6-bit codes about 32; kept in the plain order) step one block at a time: one `addp` of its halves' `sdot`s puts
+  each half's sum in 2 lanes, which take that half's scale.
 - The float work of a step (convert, scale by activation and weight scales, accumulate; for asymmetric codes also
   the 4 mins times the blocks' activation sums) is 4-6 instructions per 128 codes, and a step's 4 weight scales are
   one 8-byte load and `fcvtl`, in lane order. A K that is not a multiple of 128 ends in a shorter step (SmolLM2's
@@ -20,18 +25,17 @@ order the activation kernel stores activations, and how many rows step together.
   share the step's activation loads; their sums are `faddp`s.
 - 4-bit codes 0..15 are valid int8: `sdot` takes them unsigned, and the -8 offset of symmetric codes is the
   activation sum term (as on x86), so no per-code subtraction as in llama.cpp's Q4_0 kernel.
-- 8-bit codes 0..255: with i8mm, `usdot` (unsigned codes x signed activations) takes them as they are; with dotprod
-  alone they go in as c - 128 (one EOR per 16 codes, GemvShape.centered): the offset term of symmetric codes drops
-  out, and asymmetric ones (GGUF Q5_K) take 128 scales into each step's mins (c d + m = (c - 128) d + 128 d + m).
+- 8-bit codes about 128 (GGUF Q8_0, our q8 schemes) are stored signed (c - 128), which `sdot` takes as they are:
+  the offset term drops out. Other 8-bit codes (GGUF Q5_K's asymmetric ones): with i8mm, `usdot` (unsigned codes x
+  signed activations) takes them as they are; with dotprod alone they go in as c - 128 (one EOR per 16 codes,
+  GemvShape.centered) and take 128 scales into each step's mins (c d + m = (c - 128) d + 128 d + m).
 - int16 activations (the float-accurate default): q = 256 h + l with l and h int8 (|q| <= 32639 so that h fits),
   stored as two byte planes; each block is `sdot`ed with h, shifted left by 8 and `sdot`ed with l: 4 dot products
   per 32 codes instead of 2, no widening (llvm-mca Neoverse-N2: ~1.5x the int8 cycles).
 
 Modelled by bench/arm_gemv_mca.py (llvm-mca-15, SmolLM2 shapes, steady-state loop, both built for the same -mcpu).
-Q4_1 (asymmetric 4-bit, int8 activations, Neoverse-N2 model), cycles per 32 weights: 4.38 with a 16-byte load and
-`addp`s per block and 4 rows, 3.77 with the interleaved step and 2 rows. Not done: `smmla`/`usmmla` (i8mm) multiply
-a 2x8 by an 8x2 block: with one activation row (decode) half of each product is wasted, and both models issue them
-at `sdot`'s rate, so i8mm targets use `sdot`/`usdot` here too.
+Not done: `smmla`/`usmmla` (i8mm) multiply a 2x8 by an 8x2 block: with one activation row (decode) half of each
+product is wasted, and both models issue them at `sdot`'s rate, so i8mm targets use `sdot` here too.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ TAIL_STEPS = True  # a K of whole blocks that are not a multiple of a step ends 
 LANES = 4
 MINS_PER_STEP = True  # asymmetric codes: the step's 4 mins times the 4 blocks' activation sums, one FMA
 HALF_BLOCK_GROUPS = True  # 8-bit codes in groups of 16 (GGUF Q6_K): a block per step, 2 lanes per half
+CODE_ORDER = "neon"  # pairs of blocks interleaved by 8 bytes, 8-bit codes about 128 signed (group.CODE_ORDERS)
+PAIR_VECTORS = 4  # 16-value activation vectors per pair of blocks
 
 
 # int_dot family -> whether it has an unsigned x signed int8 dot product (usdot)
@@ -55,8 +61,8 @@ def rows_together(shape) -> int:
     """Rows that step together, sharing the step's activation loads (128 bytes). 4, except asymmetric 4-bit codes:
     their interleaved step (8 code vectors) and its mins' term leave too few registers for 4 rows (llvm-mca
     Neoverse-N2, SmolLM2 Q4_1 gate_up: 4.41 cycles per 32 weights with 4, 3.77 with 2; Q4_0 4.04 with 4, 4.42 with
-    2, where LLVM unrolls the 4.5 steps and keeps all their activations live). One row: the same unrolling and
-    spills (4.9 instead of 4.1 cycles per 32 codes)."""
+    2, where LLVM unrolls the 4.5 steps and keeps all their activations live; the Q8_0 lm_head's pairs 2.95 with
+    1, 2.56 with 2, 2.13 with 4)."""
     return 2 if shape.bits == 4 and not shape.symmetric else 4
 
 
@@ -77,8 +83,8 @@ def qmax(shape) -> int:
 
 
 def centered(shape) -> bool:
-    """8-bit codes go into `sdot` as c - 128 where there is no usdot (dotprod without i8mm)."""
-    return shape.bits == 8 and not FAMILIES[shape.family]
+    """8-bit codes go into `sdot` as c - 128: stored so (signed_codes), or flipped where there is no usdot."""
+    return shape.bits == 8 and (shape.signed_codes or not FAMILIES[shape.family])
 
 
 def split_int16(shape) -> bool:
@@ -86,17 +92,28 @@ def split_int16(shape) -> bool:
     return shape.act_bits == 16
 
 
+def _paired_blocks(shape) -> int:
+    """Blocks stored in pairs: all whole pairs in the "neon" order (8-bit codes), none in the plain one."""
+    return shape.k // 64 * 2 if shape.code_order == "neon" and shape.bits == 8 else 0
+
+
 def activation_index(shape, b, j, plane: int = 0):
     """Where the activation of code j (0..31) of block b goes. A whole 4-bit step (_step_codes): per 16-value vector
-    v = 2 (j % 16 // 4) + j // 16, 4 values of each of its 4 blocks in block order. Otherwise natural order (a
-    block's 16-byte halves meet its low and high nibbles, or its two 16-code vectors). int8 stores the values; for
-    int16, the index in the byte view of xq of the low byte (plane 0) or high byte (plane 1): per 16 values, 16 low
-    bytes then 16 high bytes."""
+    v = 2 (j % 16 // 4) + j // 16, 4 values of each of its 4 blocks in block order. Blocks of a pair (_pair_dot,
+    8-bit codes in the neon order): per 16-value vector v = j // 8 of the pair, 8 values of block 2p then 8 of block
+    2p + 1. Otherwise natural order (a block's 16-byte halves meet its low and high nibbles, or its two 16-code
+    vectors). int8 stores the values; for int16, the index in the byte view of xq of the low byte (plane 0) or high
+    byte (plane 1): per 16 values, 16 low bytes then 16 high bytes."""
     position = b * 32 + j
-    if shape.bits == 4:  # b: the activation kernel's loop variable, so the choice of order is a select
+    # b: the activation kernel's loop variable, so the choice of order is a select
+    if shape.bits == 4:
         interleaved = (b // BLOCKS_PER_STEP * 128 + (j % 16 // 4 * 2 + j // 16) * 16 + b % BLOCKS_PER_STEP * 4
                        + j % 4)
         position = T.Select(b < shape.steps * BLOCKS_PER_STEP, interleaved, position)
+    elif _paired_blocks(shape):
+        paired = b // 2 * 64 + j // 8 * 16 + b % 2 * 8 + j % 8
+        position = paired if _paired_blocks(shape) * 32 == shape.k else T.Select(b < _paired_blocks(shape), paired,
+                                                                                   position)
     if shape.act_bits == 8:
         return position
     return position // 16 * 32 + plane * 16 + position % 16
@@ -104,21 +121,31 @@ def activation_index(shape, b, j, plane: int = 0):
 
 def _dot(shape, acc, codes, act):
     """acc + per int32 lane the sum of 4 products of 16 code bytes (uint8) and 16 int8 activations."""
-    if FAMILIES[shape.family] and shape.bits == 8:
+    if shape.bits == 8 and not shape.centered:
         return T.call_llvm_pure_intrin("int32x4", "llvm.aarch64.neon.usdot.v4i32.v16i8", acc, codes, act)
     return T.call_llvm_pure_intrin("int32x4", "llvm.aarch64.neon.sdot.v4i32.v16i8", acc,
                                    T.reinterpret("int8x16", codes), act)
 
 
+def _code_vectors(shape, w, n, start, count):
+    """The code vectors of `count` 16-byte loads from byte `start` of row n: 4-bit, each load's low then high
+    nibbles; 8-bit, the loads (flipped to c - 128 where centred but stored unsigned)."""
+    parts = []
+    for i in range(count):
+        codes = w[n, T.ramp(start + i * 16, 1, 16)]
+        if shape.bits == 4:
+            parts += [T.bitwise_and(codes, T.broadcast(T.uint8(15), 16)),
+                      T.shift_right(codes, T.broadcast(T.uint8(4), 16))]
+        elif shape.centered and not shape.signed_codes:
+            parts.append(T.bitwise_xor(codes, T.broadcast(T.uint8(128), 16)))
+        else:
+            parts.append(codes)
+    return parts
+
+
 def _block_codes(shape, w, n, block):
-    """The two 16-code vectors of a block, each matched by 16 consecutive activations."""
-    if shape.bits == 4:
-        codes = w[n, T.ramp(block * 16, 1, 16)]
-        return [T.bitwise_and(codes, T.broadcast(T.uint8(15), 16)), T.shift_right(codes, T.broadcast(T.uint8(4), 16))]
-    halves = [w[n, T.ramp(block * 32 + h * 16, 1, 16)] for h in (0, 1)]
-    if shape.centered:
-        halves = [T.bitwise_xor(v, T.broadcast(T.uint8(128), 16)) for v in halves]
-    return halves
+    """The two 16-code vectors of a block (plain order), each matched by 16 consecutive activations."""
+    return _code_vectors(shape, w, n, block * shape.bits * 4, 1 if shape.bits == 4 else 2)
 
 
 def _dot_vectors(shape, parts, xq, first):
@@ -140,7 +167,7 @@ def _dot_vectors(shape, parts, xq, first):
 
 
 def _block_dot(shape, w, xq, n, block):
-    """int32x4 whose lanes add up to the block's sum of codes times activations."""
+    """int32x4 whose lanes add up to the block's sum of codes times activations (a block stored in plain order)."""
     return _dot_vectors(shape, _block_codes(shape, w, n, block), xq, block * 2)
 
 
@@ -160,25 +187,33 @@ def _step_codes(w, n, step):
     return parts
 
 
-def _interleaved_step_dot(shape, w, xq, n, step):
-    """Lane i: block step * 4 + i's sum, each `sdot` adding 4 products of every block: one accumulator, no zeroing
-    per block and no `addp`."""
-    return _dot_vectors(shape, _step_codes(w, n, step), xq, step * 8)
+def _pair_dot(shape, w, xq, n, pair):
+    """Lanes 0-1: block 2 pair's sum in parts, 2-3: block 2 pair + 1's (the "neon" order's 16-byte loads)."""
+    return _dot_vectors(shape, _code_vectors(shape, w, n, pair * shape.bits * 8, shape.bits // 2), xq,
+                        pair * PAIR_VECTORS)
 
 
 def step_dot(shape, w, xq, n, step, blocks: int = BLOCKS_PER_STEP):
     """Lane i: the sum of codes times activations of block step * 4 + i (zero past `blocks`, a shorter last step).
     For int16 activations xq is the byte view of the activation planes."""
+    zero = T.broadcast(T.int32(0), LANES)
     if shape.half_block_groups:  # lanes 0-1: the block's first 16 codes, 2-3: its last 16
         halves = [_dot_vectors(shape, [codes], xq, step * 2 + h) for h, codes in enumerate(_block_codes(shape, w, n,
                                                                                                           step))]
         return _addp(halves[0], halves[1])
-    if blocks == BLOCKS_PER_STEP and shape.bits == 4:
-        return _interleaved_step_dot(shape, w, xq, n, step)
-    sums = [_block_dot(shape, w, xq, n, step * BLOCKS_PER_STEP + i) for i in range(blocks)]
-    pairs = [_addp(sums[i], sums[i + 1] if i + 1 < blocks else T.broadcast(T.int32(0), LANES))
-             if i < blocks else None for i in (0, 2)]
-    return _addp(pairs[0], pairs[1] if pairs[1] is not None else T.broadcast(T.int32(0), LANES))
+    if blocks == BLOCKS_PER_STEP and shape.bits == 4:  # lane i: block step * 4 + i, each sdot adding to every lane
+        return _dot_vectors(shape, _step_codes(w, n, step), xq, step * 8)
+    first = step * BLOCKS_PER_STEP
+    # two blocks per vector, lanes 0-1 one block's, 2-3 the next one's: the pairs, then the blocks no pair holds
+    # (4-bit codes, the plain order, or an odd last block), two blocks' 4-lane sums folded by one addp
+    if blocks == BLOCKS_PER_STEP:  # a whole step (`step` may be the loop's variable): all its blocks paired, or none
+        pairs = BLOCKS_PER_STEP // 2 if _paired_blocks(shape) else 0
+    else:  # the shorter last step, after `step` whole ones
+        pairs = max(0, min(blocks, _paired_blocks(shape) - first)) // 2
+    two = [_pair_dot(shape, w, xq, n, first // 2 + i) for i in range(pairs)]
+    singles = [_block_dot(shape, w, xq, n, first + i) for i in range(2 * len(two), blocks)]
+    two += [_addp(singles[i], singles[i + 1] if i + 1 < len(singles) else zero) for i in range(0, len(singles), 2)]
+    return _addp(two[0], two[1] if len(two) > 1 else zero)
 
 
 def _faddp(a, b):

@@ -24,6 +24,7 @@ MINS_PER_STEP = False  # asymmetric codes: the mins' term once per row, a dot wi
 # 8-bit codes: lanes 0 .. lanes/2 - 1 of a step sum its codes 0-15 (vpmaddwd after word or in-order widening,
 # vpdpbusd), so 16-value groups (GGUF Q6_K) take a scale per half of the lanes
 HALF_BLOCK_GROUPS = True
+CODE_ORDER = "plain"  # the weights stay in K order (quantization/group.CODE_ORDERS)
 reduce_rows = None  # each row's lanes summed on their own
 # int_dot family -> whether its int8 steps have vpdpbusd
 FAMILIES = {"avx512vnni": True, "avx512bw": False, "avxvnni": True, "avx2": False}

@@ -282,6 +282,9 @@ def _lane_scale(shape: GemvShape, buf, n, step, blocks: int | None = None):
         scales = T.Cast(f"float32x{count}", buf[n, T.ramp(step * bps, 1, count)])
         if count == lanes:
             return scales  # a lane per block, in order
+        if per_block == 1 and count > 1:  # the missing blocks' lanes repeat the others (their dot is zero)
+            loaded = buf[n, T.ramp(step * bps, 1, count)]
+            return T.Cast(f"float32x{lanes}", T.Shuffle([loaded] * -(-lanes // count), [i % count for i in range(lanes)]))
         return T.Shuffle([scales] * -(-lanes // count), [min(i // per_block, count - 1) for i in range(lanes)])
     return T.broadcast(T.Cast("float32", buf[n, step * bps * BLOCK // shape.group]), lanes)
 

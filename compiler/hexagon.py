@@ -28,7 +28,7 @@ _LINK_HOOK = "tvm.contrib.hexagon.link_shared"
 # LLVM's Hexagon backend in this TVM has no lowering for these float math intrinsics ("Cannot find intrinsic
 # declaration: llvm.sqrt"); kernels that use them run on the CPU.
 _NO_NPU_MATH = {"tirx.exp", "tirx.exp2", "tirx.sqrt", "tirx.rsqrt", "tirx.pow", "tirx.log", "tirx.tanh",
-                "tirx.erf", "tirx.sigmoid"}
+                "tirx.sin", "tirx.cos", "tirx.erf", "tirx.sigmoid"}
 
 
 def sdk_linker() -> Path | None:

@@ -100,7 +100,7 @@ def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_win
     if not export:  # named_parameters() lists them as export_tvm does
         return ImportedModel(family, cfg, None, list(model.named_parameters()), sources, plan, dtype, calibration)
     kernel_attrs = model.attention_attrs()
-    if kernel_attrs and vector_lanes(spec.tvm_target()) is None and spec.schedule["rules"] != "gpu":
+    if kernel_attrs and vector_lanes(spec.model_target()) is None and spec.schedule["rules"] != "gpu":
         window = kernel_attrs.get(LAYER_SLIDING_WINDOW_ATTR) or kernel_attrs.get(SLIDING_WINDOW_ATTR)
         needs = ("a sliding window binding within the context" if window else "") + (
             " and " if window and ATTN_LOGIT_CAP_ATTR in kernel_attrs else "") + (

@@ -49,7 +49,8 @@ def steps(spec: TargetSpec, tuning: bool = False, decode_activations: str = "int
     # Prefill in integers only where decode already rounds activations to int8 as llama.cpp does: the float
     # prefill stays the default (int16 decode activations keep the float model's results).
     gemm_family = integer_dot_gemm.family(target) if decode_activations == "int8" else None
-    cpu_lanes = vector_lanes(target)
+    # the KV cache's attention kernels run on the CPU the model is exported for (Hexagon: its ARM host)
+    cpu_lanes = vector_lanes(spec.model_target())
     schedule_rules = gpu_schedules.rules(spec.schedule) if gpu else cpu_schedules.rules()
     every_target = True
     candidates = [
@@ -61,7 +62,8 @@ def steps(spec: TargetSpec, tuning: bool = False, decode_activations: str = "int
         # aarch64 with i8mm (smmla) or dotprod (sdot), int8 decode activations: prefill matmuls of quantized weights
         # quantize X rows to int8 per 32 values and multiply them by the codes in integers.
         ("integer-dot-gemm", IntegerDotGEMM(gemm_family), gemm_family is not None),
-        # LLVM CPU targets: the paged KV cache's attention kernels (decode, prefill) become vectorized ones.
+        # LLVM CPU targets and Hexagon's host: the paged KV cache's attention kernels (decode, prefill) become
+        # vectorized ones.
         ("cpu-attention", ReplaceCPUAttention(cpu_lanes), cpu_lanes is not None),
         # GPU targets, models with a sliding window or capped scores (else TVM's GPU kernels stay): ours.
         ("gpu-attention", ReplaceGPUAttention(), gpu),

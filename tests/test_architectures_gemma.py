@@ -10,15 +10,21 @@ import numpy as np
 import pytest
 import torch
 import transformers
+import tvm
 from tvm.relax.frontend.nn.llm.kv_cache import RopeMode
 
 from compiler.artifact import load_artifact
 from compiler.compile_model import CompileOptions, compile_model
+from compiler import pipeline
 from compiler.errors import MobilecError
+from compiler.importer import import_model
 from compiler.loaders import open_checkpoint
 from compiler.models.gemma import Gemma2Config, Gemma3TextConfig, GemmaForCausalLM
 from compiler.models.registry import family_for
+from compiler.passes.replace_cpu_attention import global_symbol
+from compiler.quantization.schemes import get_scheme
 from compiler.runtime.session import Session
+from compiler.targets import load_target
 from tests.helpers.pocl_device import NEEDS_OPENCL, ON_POCL
 from tests.helpers.reference import llama_cpp_logits, reference_greedy
 from tests.helpers.tiny_models import build_model, random_model, save_compilable_checkpoint, write_gguf
@@ -179,17 +185,42 @@ def test_gemma3_cache_layers_are_sliding_only_where_the_window_binds():
     assert GemmaForCausalLM(gpu).kv_cache_attention()["layer_sliding_window_size"] == 64
 
 
-@pytest.mark.parametrize("name, context, message", [
-    ("gemma3", 64, "sliding window.*--context-window 8 or less"),
-    ("gemma2", 8, r"\(capped attention scores \(attn_logit_softcapping\)\)"),
-])
-def test_what_only_our_kernels_do_is_refused_on_other_targets(tmp_path, name, context, message):
-    """The NPU target runs TVM's attention kernels (neither our CPU nor our GPU ones)."""
+@pytest.mark.parametrize("name, context", [("gemma3", 64), ("gemma2", 8)])
+def test_hexagon_npu_takes_them_with_our_kernels_on_its_arm_host(tmp_path, name, context):
+    """The NPU target's paged KV cache and its attention run on its ARM host: a binding window (Gemma 3) and capped
+    scores (Gemma 2) are mobilec's NEON kernels there, each the one linux-arm64 gets (their numerics at 4 lanes:
+    tests/kernels/test_cpu_attention.py), none TVM's (negative control). Then the NPU build goes through."""
     save_compilable_checkpoint(build_model(name), tmp_path / "hf")
-    with pytest.raises(MobilecError, match=message):
-        compile_model(CompileOptions(str(tmp_path / "hf"), "hexagon-npu", "q0f32", str(tmp_path / "out"),
-                                     context_window=context, progress=False))
-    assert not (tmp_path / "out").exists()
+    kernels = {}
+    for target in ("hexagon-npu", "linux-arm64"):
+        spec = load_target(target)
+        with open_checkpoint(tmp_path / "hf") as ckpt:
+            imported = import_model(ckpt, get_scheme("q0f32"), spec, context).mod
+        seen = {}
+        pipeline.run_steps(imported, spec, lambda _i, step, mod: seen.__setitem__(step, mod))
+        before = {global_symbol(f): f for f in imported.functions.values() if _is_attention(f)}
+        kernels[target] = {global_symbol(f): f for f in seen["cpu-attention"].functions.values() if _is_attention(f)}
+        assert before.keys() == kernels[target].keys() and len(before) >= 3
+        replaced = [k for k in before if not _same(before[k], kernels[target][k])]
+        assert any("sliding" in k for k in replaced) if name == "gemma3" else len(replaced) >= 3, replaced
+    assert all(_same(f, kernels["linux-arm64"][k]) for k, f in kernels["hexagon-npu"].items())
+    out = tmp_path / "out"
+    compile_model(CompileOptions(str(tmp_path / "hf"), "hexagon-npu", "q0f32", str(out), context_window=context,
+                                 progress=False))
+    assert (out / "lib" / "hexagon" / "kernels.o").is_file()
+
+
+def _same(a, b) -> bool:
+    try:
+        tvm.ir.assert_structural_equal(a, b)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_attention(func) -> bool:
+    symbol = global_symbol(func) or ""
+    return "paged_kv" in symbol or "ragged_kv" in symbol
 
 
 def test_gemma2_config():

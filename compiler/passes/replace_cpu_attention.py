@@ -5,7 +5,8 @@ TVMPagedKVCache (relax/frontend/nn/llm/kv_cache.py) adds its kernels to the modu
 their GlobalVars to `vm.builtin.paged_attention_kv_cache_create`; the runtime calls them by position. So the swap
 is a plain replacement of the PrimFunc bound to that GlobalVar by one with the same signature and global symbol.
 The kernel is recognised by its global symbol, and its shape (heads, head_dim, page size, dtype) is read from
-its parameters. The pipeline runs it for LLVM CPU targets only (GPU targets keep TVM's GPU kernels); it leaves
+its parameters. The pipeline runs it for LLVM CPU targets only, Hexagon's ARM host included, where the KV cache
+runs them (GPU targets keep TVM's GPU kernels); it leaves
 any shape the vectorized kernel does not take.
 
 The cache also holds `_sliding_window` variants of the decode and paged prefill kernels, called for the layers of

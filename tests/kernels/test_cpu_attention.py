@@ -635,10 +635,10 @@ def test_pass_refuses_a_cache_with_inline_rope():
 
 
 def test_pipeline_swaps_attention_on_llvm_cpu_targets_only():
-    """The step's condition is in the pipeline's list: CPU targets have it, GPU targets (TVM's GPU kernels) and
-    Hexagon (its attention runs on the host, with TVM's kernels) do not."""
+    """The step's condition is in the pipeline's list: CPU targets have it, and Hexagon (its attention runs on the
+    ARM host: ours at NEON's lanes); GPU targets (TVM's GPU kernels, ours only for windows and caps) do not."""
     for name, has_step in (("host", True), ("linux-arm64", True), ("android-arm64", True),
-                           ("android-adreno", False), ("android-mali", False), ("hexagon-npu", False)):
+                           ("android-adreno", False), ("android-mali", False), ("hexagon-npu", True)):
         names = [step for step, _ in pipeline.steps(load_target(name))]
         assert ("cpu-attention" in names) == has_step, name
 

@@ -8,20 +8,22 @@ from tvm import te, tirx
 from .group import CHUNK, NIBBLE_BLOCK, GroupLayout
 
 
-def _byte_index(col, layout: GroupLayout, blocks: int):
-    """Where code `col` is among a row's stored bytes (of `blocks` whole 32-code blocks), in the layout's order."""
+def _byte_index(col, layout: GroupLayout, row_bytes: int):
+    """Where code `col` is among a row's `row_bytes` stored bytes, in the layout's order."""
     block_bytes = NIBBLE_BLOCK * layout.bits // 8
+    pairs = row_bytes // (2 * block_bytes)
     block, in_block = col // NIBBLE_BLOCK, col % block_bytes  # 4-bit: byte j holds codes j and j + 16
     plain = block * block_bytes + in_block
     if layout.code_order == "plain":
         return plain
     paired = block // 2 * 2 * block_bytes + in_block // CHUNK * 2 * CHUNK + block % 2 * CHUNK + in_block % CHUNK
-    return paired if blocks % 2 == 0 and layout.bits == 4 else tirx.Select(block < blocks // 2 * 2, paired, plain)
+    if pairs * 2 * block_bytes == row_bytes:  # every byte in a pair
+        return paired
+    return tirx.Select(block < pairs * 2, paired, plain)
 
 
 def _code(q: te.Tensor, row, col, layout: GroupLayout):
-    blocks = int(q.shape[1]) * 8 // layout.bits // NIBBLE_BLOCK
-    byte = q[row, _byte_index(col, layout, blocks)].astype("int32")
+    byte = q[row, _byte_index(col, layout, int(q.shape[1]))].astype("int32")
     if layout.bits == 8:
         return byte ^ 0x80 if layout.signed_codes else byte
     return (byte >> (col % NIBBLE_BLOCK // (NIBBLE_BLOCK // 2) * 4)) & 0xF

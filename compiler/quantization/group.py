@@ -24,6 +24,17 @@ CODE_ORDERS = ("plain", "neon")
 CHUNK = 8  # bytes of one block next to the same bytes of the other block of its pair
 
 
+def takes_code_order(order: str, bits: int, group: int) -> bool:
+    """Whether codes of `bits` in groups of `group` are stored in `order` (neon: 8-bit codes, whole blocks a group);
+    the kernels that read an order ask this too."""
+    return order == "plain" or (order == "neon" and bits == 8 and group % NIBBLE_BLOCK == 0)
+
+
+def signed_codes(order: str, bits: int, symmetric: bool, offset: int) -> bool:
+    """Whether the codes are stored as c - 128: 8-bit codes about 128 in the neon order."""
+    return order == "neon" and bits == 8 and symmetric and offset == 128
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupLayout:
     """`bits`-bit codes (4 or 8) stored as uint8 along K; one scale (and min) per `group` values.
@@ -48,14 +59,14 @@ class GroupLayout:
     @property
     def signed_codes(self) -> bool:
         """8-bit codes about 128 stored as c - 128 (the "neon" order)."""
-        return self.code_order == "neon" and self.bits == 8 and self.symmetric and self.offset == 128
+        return signed_codes(self.code_order, self.bits, self.symmetric, self.offset)
 
     def with_code_order(self, order: str) -> GroupLayout:
         """This layout with its codes in `order`, where it takes it (neon: 8-bit codes in groups of whole blocks),
         else as it is."""
         if order not in CODE_ORDERS:
             raise ValueError(f"code order must be one of {CODE_ORDERS}, got {order!r}")
-        if order != "plain" and (self.bits != 8 or self.group % NIBBLE_BLOCK):
+        if not takes_code_order(order, self.bits, self.group):
             return self
         return dataclasses.replace(self, code_order=order)
 

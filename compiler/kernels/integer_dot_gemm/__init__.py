@@ -20,8 +20,8 @@ operands fit NEON's 32 registers. Each parallel task takes TASK_N rows of W and 
 
 llvm-mca (bench/arm_gemm_mca.py), cycles per 32 x 32 output tile over one 32-value block, Neoverse-N2 / Cortex-A510
 (A55) models: smmla Q4_0 1282 / 4384 against llama.cpp's repacked i8mm GEMM's 1313 / 4176 (its weights interleaved
-and pre-flipped at load time; ours stay in the layout the decode GEMV reads), Q4_1 1619 / 5152 and Q8_0 1284 / 4016 (signed, neon order)
-against its two-row smmla dot products' 5210 / 13573 and 3869 / 10757; sdot Q4_0 1892 / 4833 against its repacked
+and pre-flipped at load time; ours stay in the layout the decode GEMV reads), Q4_1 1619 / 5152 and Q8_0 1284 / 4016
+(signed, neon order) against its two-row smmla dot products' 5210 / 13573 and 3869 / 10757; sdot Q4_0 1892 / 4833 against its repacked
 dotprod GEMM's 1697 / 4336. Built for the A510 itself, LLVM unrolls the block loop twice and spills a few
 registers. Larger tiles (12 or 16 X rows) spilled and modelled slower.
 """
@@ -36,6 +36,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 
 from ...isa import cpu_isa
+from ...quantization.group import signed_codes, takes_code_order
 from . import arm
 
 BLOCK = 32  # activation values per scale, and the values of one block product
@@ -74,7 +75,7 @@ class GemmShape:
     @property
     def signed_codes(self) -> bool:
         """8-bit symmetric codes stored as c - 128 (GroupLayout.signed_codes; the GEMM takes those about 128 only)."""
-        return self.code_order == "neon" and self.bits == 8 and self.symmetric
+        return signed_codes(self.code_order, self.bits, self.symmetric, 1 << (self.bits - 1))
 
     @property
     def rows_per_vector(self) -> int:
@@ -111,8 +112,8 @@ class GemmShape:
         # the "neon" order with an odd number of blocks (its last one in place) is left to the dequantize path
         return (self.family in arm.FAMILIES and self.bits in (4, 8) and self.k % BLOCK == 0
                 and self.group % BLOCK == 0 and self.n % TILE_N == 0 and arm.takes(self)
-                and (self.code_order == "plain"
-                     or (self.code_order == "neon" and self.bits == 8 and self.blocks % 2 == 0)))
+                and takes_code_order(self.code_order, self.bits, self.group)
+                and (self.code_order == "plain" or self.blocks % 2 == 0))
 
     def activation_name(self) -> str:
         return f"k{self.k}_{'sym' if self.symmetric else 'asym'}{self.bits}_{self.family}"

@@ -39,6 +39,7 @@ from tvm.target import Target
 
 from ...choices import DECODE_ACTIVATIONS
 from ...isa import cpu_isa
+from ...quantization.group import signed_codes, takes_code_order
 from . import arm, x86
 
 BLOCK = 32  # activation values per scale, and codes per int32 block sum
@@ -97,7 +98,7 @@ class GemvShape:
     @property
     def signed_codes(self) -> bool:
         """8-bit codes about 128 stored as c - 128 (GroupLayout.signed_codes)."""
-        return self.code_order == "neon" and self.bits == 8 and self.symmetric and self.offset == 128
+        return signed_codes(self.code_order, self.bits, self.symmetric, self.offset)
 
     @property
     def act_dtype(self) -> str:
@@ -185,8 +186,8 @@ class GemvShape:
         # about 128), and asymmetric ones take the centring into each step's mins (mins_per_step).
         return (self.bits in (4, 8) and self.act_bits in ACTIVATION_BITS and any(
                     self.family in module.FAMILIES for module in VARIANTS.values())
-                and (self.code_order == "plain" or (self.code_order == _variant(self.family).CODE_ORDER
-                                                    and self.bits == 8))  # GroupLayout.with_code_order
+                and self.code_order in ("plain", _variant(self.family).CODE_ORDER)
+                and takes_code_order(self.code_order, self.bits, self.group)
                 and self.k % BLOCK == 0 and (self.group % BLOCK == 0 or self.half_block_groups)
                 and (self.tail_blocks == 0 or _variant(self.family).TAIL_STEPS)
                 and (self.group <= BLOCK or self.group % (BLOCK * self.blocks_per_step) == 0)
@@ -284,7 +285,8 @@ def _lane_scale(shape: GemvShape, buf, n, step, blocks: int | None = None):
             return scales  # a lane per block, in order
         if per_block == 1 and count > 1:  # the missing blocks' lanes repeat the others (their dot is zero)
             loaded = buf[n, T.ramp(step * bps, 1, count)]
-            return T.Cast(f"float32x{lanes}", T.Shuffle([loaded] * -(-lanes // count), [i % count for i in range(lanes)]))
+            repeated = T.Shuffle([loaded] * -(-lanes // count), [i % count for i in range(lanes)])
+            return T.Cast(f"float32x{lanes}", repeated)
         return T.Shuffle([scales] * -(-lanes // count), [min(i // per_block, count - 1) for i in range(lanes)])
     return T.broadcast(T.Cast("float32", buf[n, step * bps * BLOCK // shape.group]), lanes)
 

@@ -14,8 +14,9 @@ order the activation kernel stores activations, and how many rows step together.
   accumulator, and one `addp` of a step's two pairs gives its 4 block sums in lane order (before: a sum per block
   and 3 `addp`s; SmolLM2's Q8_0 lm_head 3.63 -> 2.13 cycles per 32 weights, llvm-mca Neoverse-N2, with its codes
   stored signed, below).
-- Other steps (a shorter last step, 8-bit codes with a scale per 16 values): a block's two 16-code vectors (a 16-byte load split into nibbles, or two loads) and two `sdot`s give its
-  sum in 4 lanes; `addp` of `addp`s folds them into one int32x4. 8-bit codes with a scale per 16 values (GGUF Q6_K,
+- Other steps (a shorter last step, 8-bit codes with a scale per 16 values): a block's two 16-code vectors (a
+  16-byte load split into nibbles, or two loads) and two `sdot`s give its sum in 4 lanes; `addp` of `addp`s folds
+  them into one int32x4. 8-bit codes with a scale per 16 values (GGUF Q6_K,
   6-bit codes about 32; kept in the plain order) step one block at a time: one `addp` of its halves' `sdot`s puts
   each half's sum in 2 lanes, which take that half's scale.
 - The float work of a step (convert, scale by activation and weight scales, accumulate; for asymmetric codes also
@@ -93,8 +94,9 @@ def split_int16(shape) -> bool:
 
 
 def _paired_blocks(shape) -> int:
-    """Blocks stored in pairs: all whole pairs in the "neon" order (8-bit codes), none in the plain one."""
-    return shape.k // 64 * 2 if shape.code_order == "neon" and shape.bits == 8 else 0
+    """Blocks stored in pairs: all whole pairs in the "neon" order (8-bit codes only: GemvShape.supported), none in
+    the plain one."""
+    return shape.k // 64 * 2 if shape.code_order == "neon" else 0
 
 
 def activation_index(shape, b, j, plane: int = 0):

@@ -38,6 +38,8 @@ from compiler.targets import load_target
 
 CLANGXX = "clang++-15"
 TILE_MACS = 32 * 32 * 32
+K = 576  # SmolLM2's hidden size
+PANEL_ROWS = 8  # X rows of an activation panel (kernels/integer_dot_gemm TILE_M)
 MACS = {"smmla": 32, "usmmla": 32, "sdot": 16}  # multiply-adds per instruction
 FORMATS = {"Q4_0": (4, True), "Q4_1": (4, False), "Q8_0": (8, True)}  # GGUF block -> bits, symmetric
 TARGETS = {"i8mm": "android-arm64", "dotprod": "linux-arm64"}
@@ -72,14 +74,23 @@ def _tile_cycles(found: tuple[Loop, int], cpu: str) -> tuple[float, float]:
     return loop.mca(cpu) * TILE_MACS / macs, (len(loop.body) - 1) * TILE_MACS / macs
 
 
-def _ours(fmt: str, dot_family: str, cpu: str) -> tuple[Loop, int]:
+def _relay_loop(ops) -> Loop | None:
+    """The loop that re-lays one W row of 4-bit codes to the plain order (GemmShape.relays): the one with `st4`."""
+    loops = [lp for lp in _loops(ops) if any(t and _mnemonic(t) == "st4" for _, t in ops[lp[0]:lp[1] + 1])]
+    return Loop(_clean(ops, *min(loops, key=lambda lp: lp[1] - lp[0])), 0) if loops else None
+
+
+def _ours(fmt: str, dot_family: str, cpu: str) -> tuple[tuple[Loop, int], Loop | None]:
+    """Our GEMM's block-product loop (with its multiply-adds) and, for 4-bit codes, its per-row re-lay loop."""
     bits, symmetric = FORMATS[fmt]
     target = tvm.target.Target({**load_target(TARGETS[dot_family]).tvm_target_json, "mcpu": cpu})
-    order = "neon" if bits == 8 else "plain"  # as ARM targets store the codes (quantization/group.py)
-    shape = GemmShape(576, 576, bits, 32, symmetric, "float16", dot_family, code_order=order)
+    # as ARM targets store the codes (quantization/group.py): 4-bit ones re-laid per task
+    shape = GemmShape(K, K, bits, 32, symmetric, "float16", dot_family, code_order="neon")
     funcs = _asm_functions(tvm.tirx.build(tvm.IRModule({"gemm": gemm(shape).with_attr("global_symbol", "gemm")}),
                                           target=target).inspect_source("asm"))
-    return next(found for ops in funcs.values() if (found := _gemm_loop(ops)))
+    found = next(found for ops in funcs.values() if (found := _gemm_loop(ops)))
+    relay = next((loop for ops in funcs.values() if (loop := _relay_loop(ops))), None) if shape.relays else None
+    return found, relay
 
 
 def _llama(ggml: Path, source: str, dot_family: str, cpu: str, work: Path) -> dict[str, list]:
@@ -120,14 +131,18 @@ def report(ggml: Path, work: Path) -> None:
     header = f"{'kernel':<44} {'format':<6} " + " ".join(f"{cpu:>18}" for cpu in CORE_MODELS)
     print(header)
     print("-" * len(header))
-    figures = {}
+    figures, relays = {}, []
     for fmt in FORMATS:
         for dot_family in TARGETS:
             cells = []
             for cpu in CORE_MODELS:
-                cycles, instructions = _tile_cycles(_ours(fmt, dot_family, cpu), cpu)
+                found, relay = _ours(fmt, dot_family, cpu)
+                cycles, instructions = _tile_cycles(found, cpu)
                 figures["mobilec", dot_family, fmt, cpu] = cycles
                 cells.append(f"{cycles:>9.0f} ({instructions:>5.0f})")
+                if relay is not None:  # one W row re-laid, against its block products for one panel of X rows
+                    panel = cycles / 32 * (K // 32) * PANEL_ROWS / 32
+                    relays.append((fmt, dot_family, cpu, relay.mca(cpu), panel))
             label = f"mobilec integer_dot_gemm ({'smmla' if dot_family == 'i8mm' else 'sdot'}, {dot_family})"
             print(f"{label:<44} {fmt:<6} " + " ".join(f"{c:>18}" for c in cells))
         for label, source, function, dot_family, formats in LLAMA_KERNELS:
@@ -141,6 +156,11 @@ def report(ggml: Path, work: Path) -> None:
                 figures[label, dot_family, fmt, cpu] = cycles
                 cells.append(f"{cycles:>9.0f} ({instructions:>5.0f})")
             print(f"{'llama.cpp ' + label:<44} {fmt:<6} " + " ".join(f"{c:>18}" for c in cells))
+    print(f"4-bit codes re-laid from the neon order per task (K = {K}), cycles per W row against one {PANEL_ROWS}-row "
+          f"panel's block products for it (paid once per task, for all its panels):")
+    for fmt, dot_family, cpu, cycles, panel in relays:
+        print(f"  {fmt} {dot_family:<8} {cpu:<12} {cycles:6.1f} = {cycles / panel:.1%} of one panel, "
+              f"{cycles / panel / 16:.2%} of a 128-token prompt's 16")
     for cpu in CORE_MODELS:
         for dot_family in TARGETS:
             theirs = {key: value for key, value in figures.items()

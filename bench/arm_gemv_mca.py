@@ -18,7 +18,11 @@ Printed per format and core model: cycles and instructions per 32 weights of the
 whole row: its shorter last step and the row's epilogue included), bytes per weight, the ratio to llama.cpp; then
 one SmolLM2 decode token's modelled GEMV compute time (every call of every GEMV, at the clock the target file
 gives for that core, on its big-core count) against the bandwidth floor (weight bytes / memory_bandwidth_gbs).
-Activation quantization (ours and llama.cpp's quantize_row_q8_*) and attention are left out of both.
+Activation quantization (ours and llama.cpp's quantize_row_q8_*) and attention are left out of both. Last, the
+same token's bound: only the instructions no int8-dot GEMV can do without (per 32 weights: the dot products, 2 for
+int8 activations, 4 for int16 ones as two planes, and for 4-bit codes the nibble split, an AND and a shift per 16
+bytes), modelled by llvm-mca as one loop (`_essential_loop`) on the same cores; what a kernel spends above it goes
+to scales, conversions and loads.
 """
 
 from __future__ import annotations
@@ -125,6 +129,28 @@ def _hot_loops(ops) -> tuple[Loop, Loop | None] | None:
     rest = ops[parent[0]:hot[0]] + ops[hot[1] + 1:parent[1] + 1]
     rest_loop = Loop(_clean(rest, 0, len(rest) - 1), sum(1 for _, t in rest if t and _mnemonic(t) in DOTS))
     return hot_loop, rest_loop
+
+
+def _essential_loop(bits: int, act_bits: int) -> Loop:
+    """4 blocks of 32 weights with only what every int8-dot GEMV must issue: the code loads (load pipes), the 4-bit
+    nibble split and the dot products, into 8 accumulators so that no dependency chain sets the pace."""
+    body = [".Lloop:"]
+    dots = 0
+    for block in range(4):
+        vectors = []
+        if bits == 4:
+            body += [f"ldr q{block}, [x0, #{block * 16}]", f"and v{4 + 2 * block}.16b, v{block}.16b, v31.16b",
+                     f"ushr v{5 + 2 * block}.16b, v{block}.16b, #4"]
+            vectors = [4 + 2 * block, 5 + 2 * block]
+        else:
+            body += [f"ldp q{2 * block}, q{2 * block + 1}, [x0, #{block * 32}]"]
+            vectors = [2 * block, 2 * block + 1]
+        for plane in range(act_bits // 8):
+            for i, v in enumerate(vectors):
+                body.append(f"sdot v{16 + (2 * block + i) % 8}.4s, v{v}.16b, v{24 + plane}.16b")
+                dots += 1
+    body += [f"add x0, x0, #{4 * bits * 4}", "subs x1, x1, #1", "b.ne .Lloop"]
+    return Loop(body, dots)
 
 
 def _asm_functions(asm: str) -> dict[str, list[tuple[str | None, str]]]:
@@ -267,7 +293,7 @@ def report(artifact: Path, ggml: Path, work: Path) -> None:
     llama = {cpu: _llama_loops(ggml, cpu, work) for cpu in {target_cpu, *CORE_MODELS}}
     llama_figures = {(built, fmt): _figures(loops, 16, None) for built, table in llama.items()
                      for fmt, loops in table.items()}
-    rows, token = [], {cpu: {"ours": 0.0, "llama": 0.0} for cpu in CORE_MODELS}
+    rows, token = [], {cpu: {"ours": 0.0, "llama": 0.0, "bound": 0.0} for cpu in CORE_MODELS}
     weight_bytes = 0.0
     llama_cpu = CLANG_CPU.get(target_cpu, target_cpu)
     header = (f"{'GEMV (calls/token)':<50} {'format':<6} {'B/w':>6} {'core model':<11} | {'mobilec':>7} {'(row)':>6} "
@@ -276,6 +302,7 @@ def report(artifact: Path, ggml: Path, work: Path) -> None:
           f"own loop; llama.cpp: -mcpu={llama_cpu}), right: both built for the modelled core")
     print(header)
     print("-" * len(header))
+    bounds = {}  # (bits, activation bits) -> core model -> cycles per 32 weights of the essential loop
     for name in kernels:
         bits, group, kind, scale, act, family, neon, n, k = KERNEL.fullmatch(name).groups()
         bits, group, act, n, k = int(bits), int(group), int(act), int(n), int(k)
@@ -286,6 +313,9 @@ def report(artifact: Path, ggml: Path, work: Path) -> None:
         calls = 1 if n == int(model.get("vocab_size", -1)) else int(model.get("num_hidden_layers", 1))
         bpw = _bytes_per_weight(bits, shape.symmetric, group, 2 if scale == "float16" else 4)
         weight_bytes += calls * n * k * bpw
+        if (bits, act) not in bounds:
+            essential = _essential_loop(bits, act)
+            bounds[bits, act] = {cpu: essential.mca(cpu) / 4 for cpu in CORE_MODELS}
         per_dot = 16 if act == 8 else 8  # int16 activations: two int8 planes, two dot products per 16 codes
         row_weights = k * shape.rows_together
         library = next(loops for sym, ops in funcs.items() if name in sym and "compute" in sym
@@ -306,16 +336,18 @@ def report(artifact: Path, ggml: Path, work: Path) -> None:
             rows.append((fmt, model_cpu, f"-mcpu={model_cpu}", own.cycles / own_llama.cycles))
             token[model_cpu]["ours"] += calls * n * k / 32 * row
             token[model_cpu]["llama"] += calls * n * k / 32 * lib_llama.cycles
+            token[model_cpu]["bound"] += calls * n * k / 32 * bounds[bits, act][model_cpu]
     floor_ms = weight_bytes / (spec.device["memory_bandwidth_gbs"] * 1e9) * 1e3
     print(f"\none decode token: {weight_bytes / 1e6:.1f} MB of GEMV weights, bandwidth floor {floor_ms:.2f} ms "
           f"at {spec.device['memory_bandwidth_gbs']} GB/s")
     for model_cpu, kind in CORE_MODELS.items():
         ghz, count = float(cores.get(f"{kind}_ghz", 2.0)), int(cores.get(f"{kind}_count", 1))
-        for who in ("ours", "llama"):
+        for who in ("ours", "llama", "bound"):
             ms = token[model_cpu][who] / (ghz * 1e9) * 1e3
-            label = "mobilec" if who == "ours" else "llama.cpp"
+            label = {"ours": "mobilec", "llama": "llama.cpp", "bound": "bound"}[who]
             print(f"  {label:<9} GEMV compute on {model_cpu} ({cores.get(kind, kind)} at {ghz} GHz): {ms:.2f} ms "
                   f"on 1 core, {ms / count:.2f} ms on {count} = {ms / count / floor_ms:.0%} of the floor")
+    print("  (bound: the code loads, 4-bit nibble splits and dot products alone: no scales, conversions or sums)")
     worst = max(rows, key=lambda r: r[3])
     print(f"worst ratio to llama.cpp (steady-state loop): {worst[3]:.2f} ({worst[0]} on the {worst[1]} model, "
           f"both built with {worst[2]})")

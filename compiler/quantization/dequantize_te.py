@@ -5,21 +5,23 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
-from .group import CHUNK, NIBBLE_BLOCK, GroupLayout
+from .group import INTERLEAVE, NIBBLE_BLOCK, GroupLayout, interleaved_bytes
 
 
 def _byte_index(col, layout: GroupLayout, row_bytes: int):
     """Where code `col` is among a row's `row_bytes` stored bytes, in the layout's order."""
     block_bytes = NIBBLE_BLOCK * layout.bits // 8
-    pairs = row_bytes // (2 * block_bytes)
     block, in_block = col // NIBBLE_BLOCK, col % block_bytes  # 4-bit: byte j holds codes j and j + 16
     plain = block * block_bytes + in_block
     if layout.code_order == "plain":
         return plain
-    paired = block // 2 * 2 * block_bytes + in_block // CHUNK * 2 * CHUNK + block % 2 * CHUNK + in_block % CHUNK
-    if pairs * 2 * block_bytes == row_bytes:  # every byte in a pair
-        return paired
-    return tirx.Select(block < pairs * 2, paired, plain)
+    blocks, chunk = INTERLEAVE[layout.bits]  # chunk c of block i of a set: the set's c-th chunks, i-th of them
+    interleaved = (block // blocks * blocks * block_bytes + in_block // chunk * blocks * chunk + block % blocks * chunk
+                   + in_block % chunk)
+    prefix = interleaved_bytes(row_bytes, layout.bits)
+    if prefix == row_bytes:  # every byte in a set
+        return interleaved
+    return tirx.Select(block < prefix // block_bytes, interleaved, plain)
 
 
 def _code(q: te.Tensor, row, col, layout: GroupLayout):

@@ -12,22 +12,24 @@ import numpy as np
 # shift (packing consecutive codes into a word limits a vector to the codes of one word).
 NIBBLE_BLOCK = 32
 # How a row's code bytes are ordered. "plain": along K (4-bit: as above). "neon": for the ARM integer-dot kernels
-# (kernels/integer_dot_gemv/arm.py, kernels/integer_dot_gemm/arm.py), chosen per target at compile time for 8-bit
-# codes in groups of whole blocks: each pair of 32-code blocks has its bytes interleaved by 8 (block 2p's bytes 0-7,
-# block 2p+1's bytes 0-7, then bytes 8-15 of each, ...), so that one 16-byte load gives an `sdot` whose lanes 0-1
-# sum one block and 2-3 the other (no sum per block); a last odd block and the codes past the last whole block stay
-# in place. Codes about 128 are stored signed, c ^ 0x80 (GGUF Q8_0's own bytes), which `sdot` and `smmla` take as
-# they are. 4-bit codes keep the plain order: the pairs' 8-byte pieces cost the prefill GEMM's `smmla` operands
-# more (llvm-mca Neoverse-N2, Q4_0 tile 1282 -> 1489-1588 cycles) than they saved the decode GEMV (its `ld4`
-# reads 4 blocks at once; Q4_1 3.77 -> 3.66 cycles per 32 weights).
+# (kernels/integer_dot_gemv/arm.py, kernels/integer_dot_gemm/arm.py), chosen per target at compile time for codes
+# in groups of whole blocks: the blocks of each set (INTERLEAVE: 2 blocks of 8-bit codes, 4 of 4-bit ones) have
+# their bytes interleaved by chunks (8 bytes for 8-bit, 4 for 4-bit): chunk 0 of each block of the set, then chunk
+# 1 of each, ... A 16-byte load then gives an `sdot` whose lanes sum the set's blocks apart: 8-bit, lanes 0-1 one
+# block and 2-3 the other (no sum per block); 4-bit, lane i block i of the step, as the `ld4` that de-interleaved
+# plain bytes did, without its vector-pipe cost (llvm-mca Neoverse-N2, SmolLM2 Q4_1: 3.76 -> 3.26 cycles per 32
+# weights). Blocks past the last whole set stay in place. Codes about 128 are stored signed, c ^ 0x80 (GGUF Q8_0's
+# own bytes), which `sdot` and `smmla` take as they are. The prefill GEMM reads 8-bit pairs as stored and re-lays a
+# task's 4-bit rows to the plain order first (kernels/integer_dot_gemm): its `smmla` operands are 8-byte runs of
+# one block, which a set of 4 interleaved by 4 bytes splits.
 CODE_ORDERS = ("plain", "neon")
-CHUNK = 8  # bytes of one block next to the same bytes of the other block of its pair
+INTERLEAVE = {8: (2, 8), 4: (4, 4)}  # bits -> (blocks per set, bytes per chunk) of the "neon" order
 
 
 def takes_code_order(order: str, bits: int, group: int) -> bool:
-    """Whether codes of `bits` in groups of `group` are stored in `order` (neon: 8-bit codes, whole blocks a group);
-    the kernels that read an order ask this too."""
-    return order == "plain" or (order == "neon" and bits == 8 and group % NIBBLE_BLOCK == 0)
+    """Whether codes of `bits` in groups of `group` are stored in `order` (neon: whole blocks a group); the kernels
+    that read an order ask this too."""
+    return order == "plain" or (order == "neon" and bits in INTERLEAVE and group % NIBBLE_BLOCK == 0)
 
 
 def signed_codes(order: str, bits: int, symmetric: bool, offset: int) -> bool:
@@ -62,8 +64,8 @@ class GroupLayout:
         return signed_codes(self.code_order, self.bits, self.symmetric, self.offset)
 
     def with_code_order(self, order: str) -> GroupLayout:
-        """This layout with its codes in `order`, where it takes it (neon: 8-bit codes in groups of whole blocks),
-        else as it is."""
+        """This layout with its codes in `order`, where it takes it (neon: codes in groups of whole blocks), else as
+        it is."""
         if order not in CODE_ORDERS:
             raise ValueError(f"code order must be one of {CODE_ORDERS}, got {order!r}")
         if not takes_code_order(order, self.bits, self.group):
@@ -111,21 +113,29 @@ def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
     return np.concatenate([b & 0x0F, b >> 4], axis=2).reshape(n, -1)
 
 
-def _paired(packed: np.ndarray, layout: GroupLayout) -> tuple[int, int]:
-    """(bytes per block, bytes of the row prefix made of whole pairs of blocks)."""
-    block_bytes = NIBBLE_BLOCK * layout.bits // 8
-    return block_bytes, packed.shape[1] // (2 * block_bytes) * 2 * block_bytes
+def interleaved_bytes(row_bytes: int, bits: int) -> int:
+    """Bytes of a row's prefix made of whole sets of blocks (the "neon" order interleaves those, INTERLEAVE)."""
+    set_bytes = INTERLEAVE[bits][0] * NIBBLE_BLOCK * bits // 8
+    return row_bytes // set_bytes * set_bytes
+
+
+def _sets(codes: np.ndarray, layout: GroupLayout, interleaved: bool) -> np.ndarray:
+    """The interleaved prefix of a row's bytes as [n, sets, blocks, chunks, chunk] (plain) or [n, sets, chunks,
+    blocks, chunk] (interleaved): a transpose of the two middle axes turns one into the other."""
+    blocks, chunk = INTERLEAVE[layout.bits]
+    chunks = NIBBLE_BLOCK * layout.bits // 8 // chunk
+    prefix = codes[:, :interleaved_bytes(codes.shape[1], layout.bits)]
+    inner = (chunks, blocks) if interleaved else (blocks, chunks)
+    return prefix.reshape(codes.shape[0], -1, *inner, chunk)
 
 
 def order_codes(packed: np.ndarray, layout: GroupLayout) -> np.ndarray:
     """Plain code bytes [n, bytes] -> the layout's code order (CODE_ORDERS)."""
     if layout.code_order == "plain":
         return packed
-    n = packed.shape[0]
-    block_bytes, paired = _paired(packed, layout)
     out = packed.copy()
-    pairs = packed[:, :paired].reshape(n, -1, 2, block_bytes // CHUNK, CHUNK)
-    out[:, :paired] = pairs.transpose(0, 1, 3, 2, 4).reshape(n, paired)
+    prefix = interleaved_bytes(packed.shape[1], layout.bits)
+    out[:, :prefix] = _sets(packed, layout, False).transpose(0, 1, 3, 2, 4).reshape(packed.shape[0], prefix)
     return out ^ np.uint8(0x80) if layout.signed_codes else out
 
 
@@ -133,11 +143,9 @@ def plain_codes(stored: np.ndarray, layout: GroupLayout) -> np.ndarray:
     """The inverse of order_codes."""
     if layout.code_order == "plain":
         return stored
-    n = stored.shape[0]
-    block_bytes, paired = _paired(stored, layout)
     out = stored ^ np.uint8(0x80) if layout.signed_codes else stored.copy()
-    pairs = out[:, :paired].reshape(n, -1, block_bytes // CHUNK, 2, CHUNK)
-    out[:, :paired] = pairs.transpose(0, 1, 3, 2, 4).reshape(n, paired)
+    prefix = interleaved_bytes(stored.shape[1], layout.bits)
+    out[:, :prefix] = _sets(out, layout, True).transpose(0, 1, 3, 2, 4).reshape(stored.shape[0], prefix)
     return out
 
 

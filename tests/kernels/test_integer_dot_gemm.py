@@ -19,16 +19,17 @@ FAMILY_TARGETS = {
     "i8mm": tvm.target.Target({**ARM, "mcpu": "cortex-x3", "mattr": ["+neon", "+dotprod", "+i8mm", "+fullfp16"]}),
 }
 FAMILIES = list(FAMILY_TARGETS)
-# (bits, group, symmetric, scale dtype, K, N, code order): as ARM targets store them (8-bit codes in the "neon"
-# order, 4-bit ones plain), and 8-bit codes plain
+# (bits, group, symmetric, scale dtype, K, N, code order): as ARM targets store them (the "neon" order: 8-bit
+# codes in pairs of blocks read as they are, 4-bit ones in sets of 4 blocks re-laid per task), and plain codes
 LAYOUTS = [
-    (4, 32, True, "float16", 576, 40, "plain"),  # GGUF Q4_0 / q4f16_g32 at SmolLM2's hidden size; one task of 40 rows
-    (4, 32, False, "float16", 576, 96, "plain"),  # GGUF Q4_1 / q4f16_g32_asym
+    (4, 32, True, "float16", 576, 40, "neon"),  # GGUF Q4_0 / q4f16_g32 at SmolLM2's hidden size; one task of 40 rows
+    (4, 32, False, "float16", 576, 96, "neon"),  # GGUF Q4_1 / q4f16_g32_asym: 4 sets and 2 blocks in place
     (8, 32, True, "float16", 192, 64, "neon"),  # GGUF Q8_0: signed codes, pairs of blocks
-    (4, 128, True, "float16", 576, 24, "plain"),  # q4f16_g128: a short last group
+    (4, 128, True, "float16", 576, 24, "neon"),  # q4f16_g128: a short last group
     (8, 128, True, "float16", 256, 36, "neon"),  # q8f16_g128
-    (4, 32, True, "float32", 128, 8, "plain"),  # q4f32_g32
+    (4, 32, True, "float32", 128, 8, "neon"),  # q4f32_g32: one set of 4 blocks, none in place
     (8, 32, True, "float16", 192, 64, "plain"),  # unsigned 8-bit codes in K order, centred in registers
+    (4, 32, False, "float16", 576, 96, "plain"),  # GGUF's own 4-bit block layout, read as it is
 ]
 ROWS = [1, 3, 17, 128]
 
@@ -93,12 +94,17 @@ def test_refuses_shapes_it_cannot_tile(bits, grp, k, n, symmetric, dot_family):
     assert not GemmShape(n, k, bits, grp, symmetric, "float16", dot_family).supported()
 
 
-def test_neon_order_takes_whole_pairs_of_blocks():
-    """An odd block count (its last block unpaired in the neon order) is left to the dequantize path."""
+def test_neon_order_takes_whole_pairs_of_8_bit_blocks():
+    """8-bit codes: an odd block count (its last block unpaired in the neon order) is left to the dequantize path.
+    4-bit codes are re-laid per task, whatever their block count."""
     assert GemmShape(8, 96, 8, 32, True, "float16", "i8mm").supported()
     assert not GemmShape(8, 96, 8, 32, True, "float16", "i8mm", code_order="neon").supported()
     assert GemmShape(8, 128, 8, 32, True, "float16", "i8mm", code_order="neon").supported()
-    assert not GemmShape(8, 128, 4, 32, True, "float16", "i8mm", code_order="neon").supported()  # 4-bit: plain
+    for k in (96, 128, 576):
+        shape = GemmShape(8, k, 4, 32, True, "float16", "i8mm", code_order="neon")
+        assert shape.supported() and shape.relays
+    assert not GemmShape(8, 128, 4, 32, True, "float16", "i8mm").relays and not GemmShape(
+        8, 128, 8, 32, True, "float16", "i8mm", code_order="neon").relays
 
 
 # family, bits -> instructions its GEMM must contain, and must not (symmetric 4-bit codes: centred with eor; 8-bit
@@ -117,7 +123,7 @@ def test_each_family_emits_its_instructions(dot_family, bits):
     """Compiled for aarch64 (never run here): a block of an 8 x 4 tile is 32 smmla or 64 sdot by element, the float
     work one convert per 4 int32 lanes per block; with i8mm no vector register is spilled (dotprod's tile spills
     one or two per block)."""
-    shape = GemmShape(64, 576, bits, 32, True, "float16", dot_family, code_order="neon" if bits == 8 else "plain")
+    shape = GemmShape(64, 576, bits, 32, True, "float16", dot_family, code_order="neon")  # as ARM targets store W
     lib = tvm.tirx.build(tvm.IRModule({"gemm": gemm(shape).with_attr("global_symbol", "gemm")}),
                          target=FAMILY_TARGETS[dot_family])
     asm = assembly(lib)

@@ -168,7 +168,7 @@ ARM_FAMILY_TARGETS = {
 }
 ARM_FAMILIES = list(ARM_FAMILY_TARGETS)
 # (bits, group, symmetric, scale dtype, K, code order): the "neon" order ARM targets store codes in, where the
-# layout takes it (8-bit codes in groups of whole blocks; the others stay plain), and the plain order
+# layout takes it (codes in groups of whole blocks; the others stay plain), and the plain order
 ARM_LAYOUTS = [(*layout, "neon") for layout in LAYOUTS] + [
     (4, 32, False, "float16", 576, "neon"),  # GGUF Q4_1 at SmolLM2's hidden size: 4 steps and a 2-block last step
     (8, 32, True, "float16", 576, "neon"),  # GGUF Q8_0 lm_head: signed codes
@@ -179,6 +179,7 @@ ARM_LAYOUTS = [(*layout, "neon") for layout in LAYOUTS] + [
     (8, 16, False, "float32", 576, "neon"),  # and a min per 16 (Q4_K q/k joined with a Q6_K v)
     (8, 32, True, "float16", 608, "neon"),  # 19 blocks: a last step of a pair and the unpaired block
     (8, 32, True, "float16", 96, "plain"),  # unsigned 8-bit codes: usdot with i8mm, centred (eor) sdot without
+    (4, 32, False, "float16", 576, "plain"),  # GGUF's own 4-bit block layout: whole steps de-interleaved by ld4
 ]
 # rows: 48 steps 4 rows together (asymmetric 4-bit codes: 2); 6 (tasks of 2 rows) 2; 5 one
 ARM_ROWS = {index: N for index in range(len(ARM_LAYOUTS))} | {1: 6, 7: 5, 8: 6}
@@ -195,16 +196,21 @@ ARM_INSTRUCTIONS = {
 @pytest.mark.parametrize("bits,act_bits", [(4, 8), (4, 16), (8, 8), (8, 16)])
 def test_each_aarch64_family_emits_its_instructions(dot_family, bits, act_bits):
     """Compiled for aarch64 (never run here): the step is NEON dot products, the float work one convert per 4 blocks."""
-    shape = GemvShape(N, 576, bits, 32, True, "float16", act_bits, dot_family,
-                      code_order="neon" if bits == 8 else "plain")  # as ARM targets store them
-    lib = tvm.tirx.build(tvm.IRModule({"gemv": gemv(shape, (1, 1, N)).with_attr("global_symbol", "gemv")}),
-                         target=ARM_FAMILY_TARGETS[dot_family])
+    def build(order):
+        shape = GemvShape(N, 576, bits, 32, True, "float16", act_bits, dot_family, code_order=order)
+        return assembly(tvm.tirx.build(tvm.IRModule({"gemv": gemv(shape, (1, 1, N)).with_attr(
+            "global_symbol", "gemv")}), target=ARM_FAMILY_TARGETS[dot_family]))
+
+    def has_ld4(text):
+        return bool(re.search(r"^\s+ld4\s+\{", text, flags=re.MULTILINE))
+
+    asm = build("neon")  # as ARM targets store the codes
     # the vector instructions of the module (it holds only the GEMV)
-    asm = assembly(lib)
     words = re.findall(r"^\s+([a-z][a-z0-9.]*)\s+v\d+\.", asm, flags=re.MULTILINE)
-    # whole 4-bit steps: their 4 blocks de-interleaved by 4 bytes in one ld4 (arm.py); the neon order's pairs of
-    # 8-bit blocks are plain 16-byte loads
-    assert bool(re.search(r"^\s+ld4\s+\{", asm, flags=re.MULTILINE)) == (bits == 4)
+    # the neon order's whole 4-bit steps and pairs of 8-bit blocks are plain 16-byte loads; control: GGUF's
+    # plain 4-bit blocks are de-interleaved by 4 bytes in one ld4 per step (arm.py)
+    assert not has_ld4(asm)
+    assert has_ld4(build("plain")) == (bits == 4)
     must, must_not = ARM_INSTRUCTIONS[dot_family, bits]
     for instruction in must:
         assert instruction in words, f"{dot_family} int{bits} a{act_bits}: no {instruction}"

@@ -97,7 +97,8 @@ def test_code_order_follows_the_target():
     assert integer_dot_gemv.stored_code_order(ARM) == "plain"  # NEON without dotprod: the float GEMV
     assert not integer_dot_gemv.GemvShape(N, K, 8, 32, True, "float16", 8, "avx2", code_order="neon").supported()
     assert integer_dot_gemv.GemvShape(N, K, 8, 32, True, "float16", 8, "dotprod", code_order="neon").supported()
-    assert not integer_dot_gemv.GemvShape(N, K, 4, 32, True, "float16", 8, "dotprod", code_order="neon").supported()
+    assert integer_dot_gemv.GemvShape(N, K, 4, 32, True, "float16", 8, "dotprod", code_order="neon").supported()
+    assert not integer_dot_gemv.GemvShape(N, K, 4, 32, True, "float16", 8, "avx2", code_order="neon").supported()
 
 
 def test_left_alone_without_the_layout_tag():

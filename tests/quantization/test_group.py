@@ -94,11 +94,10 @@ NEON_LAYOUTS = [G.GroupLayout(8, 32, True, "float16"), G.GroupLayout(8, 128, Tru
 def test_neon_code_order_pairs_blocks_by_8_bytes(layout, k):
     """The ARM kernels' order of 8-bit codes: each pair of 32-code blocks interleaved by 8 bytes, an odd last block
     in place, codes about 128 signed; numpy and the TE dequantize read it back to the plain order's values. Negative
-    control: the stored bytes read as the plain order are other values. 4-bit codes and 16-value groups keep the
-    plain order."""
+    control: the stored bytes read as the plain order are other values. 16-value groups keep the plain order."""
     neon = layout.with_code_order("neon")
     assert neon.code_order == "neon"
-    for other in (G.GroupLayout(8, 16, True, "float32"), G.GroupLayout(4, 32, True, "float16")):
+    for other in (G.GroupLayout(8, 16, True, "float32"), G.GroupLayout(4, 16, True, "float32")):
         assert other.with_code_order("neon").code_order == "plain"
     rng = np.random.default_rng(5)
     w = rng.standard_normal((8, k)).astype(np.float32)
@@ -113,6 +112,38 @@ def test_neon_code_order_pairs_blocks_by_8_bytes(layout, k):
     pairs = layout.stored_k(k) // 64 * 2 * block
     assert np.array_equal(stored[pairs:], row[pairs:])  # the unpaired block (and 8-bit codes past the blocks)
     assert np.abs(G.dequantize(ordered, layout, k) - G.dequantize(plain, layout, k)).max() > 0.1
+    names = ["q_weight", "q_scale"] + ([] if layout.symmetric else ["q_min"])
+    placeholders = [te.placeholder(ordered[x].shape, str(ordered[x].dtype), x) for x in names]
+    out = D.dequantize_te(neon, k, "float32")(*placeholders)
+    lib = tvm.compile(te.create_prim_func([*placeholders, out]), target="llvm")
+    result = tvm.runtime.tensor(np.zeros((8, k), np.float32))
+    lib(*[tvm.runtime.tensor(ordered[x]) for x in names], result)
+    np.testing.assert_array_equal(result.numpy(), G.dequantize(plain, layout, k))
+
+
+@pytest.mark.parametrize("layout", [G.GroupLayout(4, 32, True, "float16"), G.GroupLayout(4, 32, False, "float16"),
+                                    G.GroupLayout(4, 128, True, "float16")], ids=lambda l: l.describe())
+@pytest.mark.parametrize("k", [576, 128, 96, 100])  # 576: 4 sets and 2 blocks in place; 96: no whole set
+def test_neon_code_order_interleaves_4_bit_steps_by_words(layout, k):
+    """The ARM kernels' order of 4-bit codes: each set of 4 blocks (64 bytes) interleaved by 4 bytes, word c of
+    block i at word 4 c + i, so that 16 bytes hold word c of the 4 blocks (what an `ld4` gives from plain bytes);
+    the blocks past the last set in place, codes unsigned. numpy and the TE dequantize read it back to the plain
+    order's values. Negative control: the stored bytes read as the plain order are other values."""
+    neon = layout.with_code_order("neon")
+    assert neon.code_order == "neon" and not neon.signed_codes
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((8, k)).astype(np.float32)
+    plain, ordered = G.quantize(w, layout), G.quantize(w, neon)
+    assert np.array_equal(G.plain_codes(ordered["q_weight"], neon), plain["q_weight"])
+    np.testing.assert_array_equal(G.dequantize(ordered, neon, k), G.dequantize(plain, layout, k))
+    row, stored = plain["q_weight"][3], ordered["q_weight"][3]
+    sets = layout.stored_k(k) // 128 * 64  # bytes in whole sets of 4 blocks of 16 bytes
+    for byte in range(sets):
+        s, c, i, t = byte // 64, byte % 64 // 16, byte % 16 // 4, byte % 4
+        assert stored[byte] == row[s * 64 + i * 16 + c * 4 + t]
+    assert np.array_equal(stored[sets:], row[sets:])  # the blocks past the last set
+    if sets:
+        assert np.abs(G.dequantize(ordered, layout, k) - G.dequantize(plain, layout, k)).max() > 0.1
     names = ["q_weight", "q_scale"] + ([] if layout.symmetric else ["q_min"])
     placeholders = [te.placeholder(ordered[x].shape, str(ordered[x].dtype), x) for x in names]
     out = D.dequantize_te(neon, k, "float32")(*placeholders)
@@ -141,12 +172,12 @@ def test_gguf_blocks_keep_exact_values(ggml_type):
     """Our re-layout of Q4_0/Q4_1/Q8_0 dequantizes to exactly what ggml's reference dequantizer gives."""
     qtype = gguf.GGMLQuantizationType[ggml_type]
     rng = np.random.default_rng(4)
-    w = rng.standard_normal((6, 96)).astype(np.float32)
+    w = rng.standard_normal((6, 192)).astype(np.float32)  # 6 blocks: a 4-bit set of 4 and 2 in place
     raw = gguf.quants.quantize(w, qtype)
-    want = gguf.quants.dequantize(raw, qtype).reshape(6, 96)
+    want = gguf.quants.dequantize(raw, qtype).reshape(6, 192)
     for layout in (LAYOUTS[ggml_type], LAYOUTS[ggml_type].with_code_order("neon")):  # as ARM targets store them
-        assert (layout.code_order == "neon") == (ggml_type == "Q8_0" and layout is not LAYOUTS[ggml_type])
-        got = G.dequantize(convert_blocks(ggml_type, raw.reshape(6, -1), layout), layout, 96)
+        assert (layout.code_order == "neon") == (layout is not LAYOUTS[ggml_type])
+        got = G.dequantize(convert_blocks(ggml_type, raw.reshape(6, -1), layout), layout, 192)
         np.testing.assert_array_equal(got, want)
     if ggml_type == "Q8_0":  # the neon order's signed codes are the file's own bytes
         layout = LAYOUTS[ggml_type].with_code_order("neon")

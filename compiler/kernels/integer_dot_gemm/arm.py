@@ -4,9 +4,10 @@
 - i8mm: `smmla` multiplies two rows of 8 int8 by two rows of 8 int8 into a 2x2 int32 tile; 4 of them cover a block
   for 2 X rows (first operand) x 2 W rows (second), lanes [m0 n0, m0 n1, m1 n0, m1 n1]. X is stored in pairs of
   rows, 8 values of each per 16 bytes (the activation kernel writes that order), one load per operand. A W pair is
-  two 8-byte pieces joined (W stays in its stored layout, which the decode GEMV reads too: in the "neon" code order,
-  quantization/group.py, a block's 8-byte pieces alternate with those of the other block of its pair); for 4-bit
-  codes the pieces are joined before the nibbles are split, so a block of 2 rows is 2 joins and 3 operations per
+  two 8-byte pieces joined (8-bit W is read in its stored layout, which the decode GEMV reads too: in the "neon"
+  code order, quantization/group.py, a block's 8-byte pieces alternate with those of the other block of its pair;
+  4-bit W in that order is first re-laid to the plain one per task, GemmShape.relays); for 4-bit codes the pieces
+  are joined before the nibbles are split, so a block of 2 rows is 2 joins and 3 operations per
   16 bytes (llama.cpp's repacked Q4_0 has the rows interleaved and the codes pre-flipped at load time: 1).
 - dotprod: `sdot` by element: the first operand holds 4 X rows x 4 values, the second one 32-bit lane of a W row
   (4 values) repeated; lane i sums row i's 4 products. 8 per block give a column of 4 outputs without horizontal

@@ -3,11 +3,14 @@ lanes, one per block, with NEON's int8 dot products (compiler/isa.py families "d
 around it (compiler/kernels/integer_dot_gemv) is the one x86 uses; this file says how a step is computed, in which
 order the activation kernel stores activations, and how many rows step together.
 
-- A whole 4-bit step (4 blocks, 64 bytes of codes) is read by one `ld4` of 32-bit words: each of its 4 vectors
-  holds 4 code bytes of every block, block i in lane i, so after AND 0x0F (low nibbles) and a shift by 4 (high
-  nibbles) every `sdot` (16 int8 products summed by fours into 4 int32 lanes) adds 4 products of each block to its
-  own lane: the step's 8 `sdot`s go into one accumulator, a lane per block. The activation kernel stores the
-  activations in that order. The 4-bit weights stay in the GGUF block layout (quantization/group.py says why).
+- A whole 4-bit step (4 blocks, 64 bytes of codes) is 4 vectors each holding 4 code bytes of every block, block i
+  in lane i, so after AND 0x0F (low nibbles) and a shift by 4 (high nibbles) every `sdot` (16 int8 products summed
+  by fours into 4 int32 lanes) adds 4 products of each block to its own lane: the step's 8 `sdot`s go into one
+  accumulator, a lane per block. The activation kernel stores the activations in that order. ARM targets store
+  4-bit codes in the "neon" order (quantization/group.py), whose steps are those 4 vectors as they are: 4 plain
+  loads. Plain 4-bit codes (the GGUF block layout) are read by one `ld4` of 32-bit words that de-interleaves them,
+  whose 4 vector-pipe cycles per step and row made it the costliest instruction of the loop (llvm-mca Neoverse-N2,
+  SmolLM2 Q4_1 gate_up: 3.76 cycles per 32 weights with `ld4`, 3.26 with the neon order's loads).
 - 8-bit codes are stored in the "neon" code order (quantization/group.py CODE_ORDERS), chosen at compile time for
   these targets: the bytes of each pair of blocks interleaved by 8, so one 16-byte load holds 8 bytes of each block
   and an `sdot` adds block 2p's products to lanes 0-1 and block 2p+1's to lanes 2-3. A pair's 4 loads go into one
@@ -94,9 +97,9 @@ def split_int16(shape) -> bool:
 
 
 def _paired_blocks(shape) -> int:
-    """Blocks stored in pairs: all whole pairs in the "neon" order (8-bit codes only: GemvShape.supported), none in
-    the plain one."""
-    return shape.k // 64 * 2 if shape.code_order == "neon" else 0
+    """Blocks stored in pairs: all whole pairs of 8-bit codes in the "neon" order, none in the plain one (4-bit
+    codes in the neon order are interleaved by steps of 4 blocks: _step_codes)."""
+    return shape.k // 64 * 2 if shape.code_order == "neon" and shape.bits == 8 else 0
 
 
 def activation_index(shape, b, j, plane: int = 0):
@@ -178,13 +181,17 @@ def _addp(a, b):
     return T.call_llvm_pure_intrin("int32x4", "llvm.aarch64.neon.addp.v4i32", a, b)
 
 
-def _step_codes(w, n, step):
-    """The 4 blocks of a whole 4-bit step as 8 vectors of 16 codes, 4 of each block in block order: the step's 64
-    bytes read as 16 words and de-interleaved by 4 (one `ld4`), each then split into low and high nibbles."""
-    words = T.reinterpret("uint32x16", w[n, T.ramp(step * 64, 1, 64)])
+def _step_codes(shape, w, n, step):
+    """The 4 blocks of a whole 4-bit step as 8 vectors of 16 codes, 4 of each block in block order, each split into
+    low and high nibbles: the neon order's 4 loads, or the plain step's 64 bytes read as 16 words and de-interleaved
+    by 4 (one `ld4`)."""
+    if shape.code_order == "neon":
+        vectors = [w[n, T.ramp(step * 64 + c * 16, 1, 16)] for c in range(4)]
+    else:
+        words = T.reinterpret("uint32x16", w[n, T.ramp(step * 64, 1, 64)])
+        vectors = [T.reinterpret("uint8x16", T.Shuffle([words], [c, c + 4, c + 8, c + 12])) for c in range(4)]
     parts = []
-    for c in range(4):
-        codes = T.reinterpret("uint8x16", T.Shuffle([words], [c, c + 4, c + 8, c + 12]))
+    for codes in vectors:
         parts += [T.bitwise_and(codes, T.broadcast(T.uint8(15), 16)), T.shift_right(codes, T.broadcast(T.uint8(4), 16))]
     return parts
 
@@ -204,7 +211,7 @@ def step_dot(shape, w, xq, n, step, blocks: int = BLOCKS_PER_STEP):
                                                                                                           step))]
         return _addp(halves[0], halves[1])
     if blocks == BLOCKS_PER_STEP and shape.bits == 4:  # lane i: block step * 4 + i, each sdot adding to every lane
-        return _dot_vectors(shape, _step_codes(w, n, step), xq, step * 8)
+        return _dot_vectors(shape, _step_codes(shape, w, n, step), xq, step * 8)
     first = step * BLOCKS_PER_STEP
     # two blocks per vector, lanes 0-1 one block's, 2-3 the next one's: the pairs, then the blocks no pair holds
     # (4-bit codes, the plain order, or an odd last block), two blocks' 4-lane sums folded by one addp

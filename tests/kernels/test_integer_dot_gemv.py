@@ -222,6 +222,24 @@ def test_each_aarch64_family_emits_its_instructions(dot_family, bits, act_bits):
     assert words.count("scvtf") * 4 <= dots, "more than one int-to-float convert per 4 dot products"
 
 
+@pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, True)])
+def test_aarch64_rows_pair_their_shorter_last_steps(monkeypatch, bits, symmetric):
+    """K = 576 (4 steps and 2 blocks): two rows' last 2 blocks share one vector, so the rows stepping together
+    convert their shorter last steps once per pair. Control: the same kernel with a last step per row. Their
+    numerics: the emulated device's test below (layouts at K = 576 and 192)."""
+    shape = GemvShape(N, 576, bits, 32, symmetric, "float16", 8, "dotprod", code_order="neon")
+    assert shape.paired_tails
+
+    def converts():
+        module = tvm.IRModule({"gemv": gemv.__wrapped__(shape, (1, 1, N)).with_attr("global_symbol", "gemv")})
+        asm = assembly(tvm.tirx.build(module, target=ARM_FAMILY_TARGETS["dotprod"]))
+        return re.findall(r"^\s+([a-z][a-z0-9.]*)\s+v\d+\.", asm, flags=re.MULTILINE).count("scvtf")
+
+    paired = converts()
+    monkeypatch.setattr(GemvShape, "paired_tails", property(lambda self: False))
+    assert paired == converts() - shape.rows_together // 2
+
+
 @pytest.fixture(scope="module")
 def arm_libraries(emulated_arm_device, tmp_path_factory):
     """Every aarch64 kernel of ARM_LAYOUTS x activation widths, one library per family, on the emulated device."""

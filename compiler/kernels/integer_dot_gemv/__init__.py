@@ -15,10 +15,11 @@ variant turns them into int32 lanes, each a sum of products of one block, and sa
 kernel stores the activations so that every instruction reads them contiguously; the activation kernel also writes
 its per-block terms already repeated per lane, so the only shuffle left widens the two weight scales of a 4-bit
 step to [d0 ..., d1 ...]. A variant may also step through 4 blocks with a lane each and a shorter last step,
-several rows at a time, the mins' term per step (arm.py). 8-bit codes may also have a scale (and min) per 16 values
-(GGUF Q6_K) where the variant sums each half of a block in its own half of the lanes (x86.py, arm.py). Every
-variant file defines the same names: FAMILIES, TAIL_STEPS, MINS_PER_STEP, HALF_BLOCK_GROUPS, reduce_rows,
-rows_together, chains, blocks_per_step, qmax, centered, split_int16, int32_lanes, activation_index and step_dot.
+several rows at a time, the mins' term per step, a shorter last step of 2 blocks taken by pairs of rows in one
+vector (arm.py). 8-bit codes may also have a scale (and min) per 16 values (GGUF Q6_K) where the variant sums each
+half of a block in its own half of the lanes (x86.py, arm.py). Every variant file defines the same names:
+FAMILIES, TAIL_STEPS, MINS_PER_STEP, HALF_BLOCK_GROUPS, FMA_CHAINS, reduce_rows, paired_tail_dot, rows_together,
+chains, blocks_per_step, qmax, centered, split_int16, int32_lanes, activation_index and step_dot.
 
 SmolLM2 decode GEMVs, one Zen 3 core (AVX2), weights in cache, int16 activations: 4-bit gate_up 0.128 ms with
 vpmovzxbw widening, 0.093 ms widened in-lane (x86.py); int8 activations 0.062 ms. AVX2 code on one Zen 4 core,
@@ -150,6 +151,16 @@ class GemvShape:
         """Length of the per-lane activation terms (scale, sum): lanes_per_block per 32 values, zero-padded to
         whole steps (a shorter last step reads a whole step's terms)."""
         return (self.steps + (self.tail_blocks > 0)) * self.lanes
+
+    @property
+    def paired_tails(self) -> bool:
+        """The shorter last step's 2 blocks of two rows stepping together fill one vector (the variant's
+        paired_tail_dot): one float step per pair of rows instead of one per row with half its lanes zero, added to
+        the pair's partial sums in reduce_rows."""
+        variant = _variant(self.family)
+        return (variant.paired_tail_dot is not None and self.tail_blocks == 2 and self.lanes == 4
+                and self.blocks_per_step == 4 and self.group == BLOCK and self.rows_together % 2 == 0
+                and (self.symmetric or self.mins_per_step))
 
     @property
     def centered(self) -> bool:
@@ -291,26 +302,57 @@ def _lane_scale(shape: GemvShape, buf, n, step, blocks: int | None = None):
     return T.broadcast(T.Cast("float32", buf[n, step * bps * BLOCK // shape.group]), lanes)
 
 
+def _fma(shape: GemvShape, a, b, c):
+    """a * b + c: one llvm.fma where the variant asks for it (FMA_CHAINS), so that LLVM keeps each row's sum one chain
+    of FMAs instead of reassociating it."""
+    if _variant(shape.family).FMA_CHAINS:
+        return T.call_llvm_pure_intrin(f"float32x{shape.lanes}", "llvm.fma", a, b, c)
+    return c + a * b
+
+
+def _float_step(shape: GemvShape, acc, ints, xs_terms, xo_terms, scale, mins):
+    """`acc` plus the float value of a step's int32 lanes `ints`, given each lane's activation terms (xs, xo) and
+    weight scale (and min), each product added to the running sum so that it is one FMA."""
+    dot = T.Cast(f"float32x{shape.lanes}", ints)
+    if shape.centered and shape.symmetric and shape.offset == 128:  # the dot already holds sum (c - 128) q
+        return _fma(shape, dot * xs_terms, scale, acc)
+    if shape.symmetric:
+        # xo holds -offset * xs * sum q: one FMA gives the block's sum of (c - offset) x
+        return _fma(shape, _fma(shape, dot, xs_terms, xo_terms), scale, acc)
+    if shape.mins_per_step:  # xo holds xs * sum q per lane
+        if shape.centered:  # the dot holds sum (c - 128) q: the 128 codes join the min, c * d + m = (c - 128) d + m'
+            mins = mins + scale * T.broadcast(T.float32(128), shape.lanes)
+        return _fma(shape, dot * xs_terms, scale, _fma(shape, xo_terms, mins, acc))
+    return _fma(shape, dot * xs_terms, scale, acc)  # the mins' term comes once per row (gemv)
+
+
 def _step_sum(shape: GemvShape, acc, xq, xs, xo, w, d, m, n, step, blocks: int | None = None):
-    """`acc` plus one step's contribution to the row's float32 partial sums (`blocks`: a shorter last step), each
-    product added to the running sum so that it is one FMA. Built as one expression: a vector bound to a name inside
-    the kernel would become a Let that the Relax build spills to a stack buffer (8x slower)."""
+    """`acc` plus one step's contribution to the row's float32 partial sums (`blocks`: a shorter last step). Built as
+    one expression: a vector bound to a name inside the kernel would become a Let that the Relax build spills to a
+    stack buffer (8x slower)."""
     terms = T.ramp(step * shape.lanes, 1, shape.lanes)
     step_dot = _variant(shape.family).step_dot
     ints = step_dot(shape, w, xq, n, step) if blocks is None else step_dot(shape, w, xq, n, step, blocks)
-    dot = T.Cast(f"float32x{shape.lanes}", ints)
-    scale = _lane_scale(shape, d, n, step, blocks)
-    if shape.centered and shape.symmetric and shape.offset == 128:  # the dot already holds sum (c - 128) q
-        return acc + dot * xs[terms] * scale
-    if shape.symmetric:
-        # xo holds -offset * xs * sum q: one FMA gives the block's sum of (c - offset) x
-        return acc + (dot * xs[terms] + xo[terms]) * scale
-    if shape.mins_per_step:  # xo holds xs * sum q per lane
-        mins = _lane_scale(shape, m, n, step, blocks)
-        if shape.centered:  # the dot holds sum (c - 128) q: the 128 codes join the min, c * d + m = (c - 128) d + m'
-            mins = mins + scale * T.broadcast(T.float32(128), shape.lanes)
-        return acc + xo[terms] * mins + dot * xs[terms] * scale
-    return acc + dot * xs[terms] * scale  # the mins' term comes once per row (gemv)
+    mins = _lane_scale(shape, m, n, step, blocks) if shape.mins_per_step else None
+    return _float_step(shape, acc, ints, xs[terms], xo[terms], _lane_scale(shape, d, n, step, blocks), mins)
+
+
+def _paired_tail(shape: GemvShape, xq, xs, xo, w, d, m, n):
+    """acc -> acc plus the shorter last step of rows n and n + 1 (paired_tails), lane 2 i + b being block b of row
+    n + i, for `acc` holding the two rows' partial sums in the same lanes (reduce_rows' pairwise adds)."""
+    first = shape.steps * shape.blocks_per_step
+
+    def per_lane(buf):  # each row's 2 scales (or mins), row n's then row n + 1's
+        return T.Cast("float32x4", T.Shuffle([buf[n, T.ramp(first, 1, 2)], buf[n + 1, T.ramp(first, 1, 2)]],
+                                             [0, 1, 2, 3]))
+
+    def twice(terms):  # the 2 blocks' activation terms, for each row
+        pair = terms[T.ramp(shape.steps * shape.lanes, 1, 2)]
+        return T.Shuffle([pair, pair], [0, 1, 0, 1])
+
+    ints = _variant(shape.family).paired_tail_dot(shape, w, xq, n, shape.steps)
+    mins = per_lane(m) if shape.mins_per_step else None
+    return lambda acc: _float_step(shape, acc, ints, twice(xs), twice(xo), per_lane(d), mins)
 
 
 def _mins_tail(m, xo, n, start: int, stop: int):
@@ -321,10 +363,14 @@ def _mins_tail(m, xo, n, start: int, stop: int):
     return total
 
 
-def _rows_sums(shape: GemvShape, acc, together: int):
-    """[sum of row i's lanes for i < together]: the variant's reduce_rows over the rows' accumulators."""
+def _rows_sums(shape: GemvShape, acc, together: int, row0, xq, xs, xo, w, d, m):
+    """[sum of row i's lanes for i < together]: the variant's reduce_rows over the rows' accumulators, with each pair
+    of rows' shorter last step where the rows take it by pairs (paired_tails)."""
     lanes = shape.lanes
-    return _variant(shape.family).reduce_rows(shape, [acc[T.ramp(i * lanes, 1, lanes)] for i in range(together)])
+    tails = ([_paired_tail(shape, xq, xs, xo, w, d, m, row0 + i) for i in range(0, together, 2)]
+             if shape.paired_tails else [])
+    return _variant(shape.family).reduce_rows(shape, [acc[T.ramp(i * lanes, 1, lanes)] for i in range(together)],
+                                              tails)
 
 
 def _hsum(acc, lanes: int, start=0):
@@ -385,14 +431,15 @@ def gemv(shape: GemvShape, y_shape: tuple[int, ...]) -> tirx.PrimFunc:
                     for i in T.unroll(together):
                         acc[T.ramp(i * lanes, 1, lanes)] = (acc[T.ramp(i * lanes, 1, lanes)]
                                                             + acc[T.ramp((c * together + i) * lanes, 1, lanes)])
-                if shape.tail_blocks > 0:
+                if shape.tail_blocks > 0 and not shape.paired_tails:
                     for i in T.unroll(together):
                         acc[T.ramp(i * lanes, 1, lanes)] = _step_sum(
                             shape, acc[T.ramp(i * lanes, 1, lanes)], xb if split else xq, xs, xo, w, d, m,
                             task * rows + r * together + i, shape.steps, shape.tail_blocks)
                 if reduce_rows is not None:
                     # the rows' sums in one vector (arm.py: pairwise adds across the rows' accumulators)
-                    yf[T.ramp(task * rows + r * together, 1, together)] = _rows_sums(shape, acc, together)
+                    yf[T.ramp(task * rows + r * together, 1, together)] = _rows_sums(
+                        shape, acc, together, task * rows + r * together, xb if split else xq, xs, xo, w, d, m)
                 else:
                     for i in T.unroll(together):
                         if shape.symmetric or shape.mins_per_step:

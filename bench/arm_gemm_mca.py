@@ -75,7 +75,8 @@ def _tile_cycles(found: tuple[Loop, int], cpu: str) -> tuple[float, float]:
 
 
 def _relay_loop(ops) -> Loop | None:
-    """The loop that re-lays one W row of 4-bit codes to the plain order (GemmShape.relays): the one with `st4`."""
+    """The loop that re-lays 4-bit codes into the block products' order (GemmShape.relays), a tile's columns of W
+    rows per iteration: the one with `st4`."""
     loops = [lp for lp in _loops(ops) if any(t and _mnemonic(t) == "st4" for _, t in ops[lp[0]:lp[1] + 1])]
     return Loop(_clean(ops, *min(loops, key=lambda lp: lp[1] - lp[0])), 0) if loops else None
 
@@ -142,7 +143,8 @@ def report(ggml: Path, work: Path) -> None:
                 cells.append(f"{cycles:>9.0f} ({instructions:>5.0f})")
                 if relay is not None:  # one W row re-laid, against its block products for one panel of X rows
                     panel = cycles / 32 * (K // 32) * PANEL_ROWS / 32
-                    relays.append((fmt, dot_family, cpu, relay.mca(cpu), panel))
+                    rows = GemmShape(K, K, 4, 32, True, "float16", dot_family).columns_per_tile
+                    relays.append((fmt, dot_family, cpu, relay.mca(cpu) / rows, panel))
             label = f"mobilec integer_dot_gemm ({'smmla' if dot_family == 'i8mm' else 'sdot'}, {dot_family})"
             print(f"{label:<44} {fmt:<6} " + " ".join(f"{c:>18}" for c in cells))
         for label, source, function, dot_family, formats in LLAMA_KERNELS:

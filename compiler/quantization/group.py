@@ -20,7 +20,7 @@ NIBBLE_BLOCK = 32
 # plain bytes did, without its vector-pipe cost (llvm-mca Neoverse-N2, SmolLM2 Q4_1: 3.76 -> 3.26 cycles per 32
 # weights). Blocks past the last whole set stay in place. Codes about 128 are stored signed, c ^ 0x80 (GGUF Q8_0's
 # own bytes), which `sdot` and `smmla` take as they are. The prefill GEMM reads 8-bit pairs as stored and re-lays a
-# task's 4-bit rows to the plain order first (kernels/integer_dot_gemm): its `smmla` operands are 8-byte runs of
+# task's 4-bit rows into its own order first (kernels/integer_dot_gemm): its `smmla` operands are 8-byte runs of
 # one block, which a set of 4 interleaved by 4 bytes splits.
 CODE_ORDERS = ("plain", "neon")
 INTERLEAVE = {8: (2, 8), 4: (4, 4)}  # bits -> (blocks per set, bytes per chunk) of the "neon" order

@@ -20,7 +20,7 @@ FAMILY_TARGETS = {
 }
 FAMILIES = list(FAMILY_TARGETS)
 # (bits, group, symmetric, scale dtype, K, N, code order): as ARM targets store them (the "neon" order: 8-bit
-# codes in pairs of blocks read as they are, 4-bit ones in sets of 4 blocks re-laid per task), and plain codes
+# codes in pairs of blocks read as they are, 4-bit ones in sets of 4 blocks re-laid per task), and plain 8-bit codes
 LAYOUTS = [
     (4, 32, True, "float16", 576, 40, "neon"),  # GGUF Q4_0 / q4f16_g32 at SmolLM2's hidden size; one task of 40 rows
     (4, 32, False, "float16", 576, 96, "neon"),  # GGUF Q4_1 / q4f16_g32_asym: 4 sets and 2 blocks in place
@@ -29,7 +29,7 @@ LAYOUTS = [
     (8, 128, True, "float16", 256, 36, "neon"),  # q8f16_g128
     (4, 32, True, "float32", 128, 8, "neon"),  # q4f32_g32: one set of 4 blocks, none in place
     (8, 32, True, "float16", 192, 64, "plain"),  # unsigned 8-bit codes in K order, centred in registers
-    (4, 32, False, "float16", 576, 96, "plain"),  # GGUF's own 4-bit block layout, read as it is
+    (4, 32, True, "float16", 608, 40, "neon"),  # 4 sets and 3 blocks in place: a shorter last set re-laid
 ]
 ROWS = [1, 3, 17, 128]
 
@@ -96,24 +96,25 @@ def test_refuses_shapes_it_cannot_tile(bits, grp, k, n, symmetric, dot_family):
 
 def test_neon_order_takes_whole_pairs_of_8_bit_blocks():
     """8-bit codes: an odd block count (its last block unpaired in the neon order) is left to the dequantize path.
-    4-bit codes are re-laid per task, whatever their block count."""
+    4-bit codes are re-laid per task from the neon order, whatever their block count; plain ones (which ARM targets
+    do not store) are left to the dequantize path."""
     assert GemmShape(8, 96, 8, 32, True, "float16", "i8mm").supported()
     assert not GemmShape(8, 96, 8, 32, True, "float16", "i8mm", code_order="neon").supported()
     assert GemmShape(8, 128, 8, 32, True, "float16", "i8mm", code_order="neon").supported()
     for k in (96, 128, 576):
         shape = GemmShape(8, k, 4, 32, True, "float16", "i8mm", code_order="neon")
         assert shape.supported() and shape.relays
-    assert not GemmShape(8, 128, 4, 32, True, "float16", "i8mm").relays and not GemmShape(
-        8, 128, 8, 32, True, "float16", "i8mm", code_order="neon").relays
+    assert not GemmShape(8, 128, 4, 32, True, "float16", "i8mm").supported()
+    assert not GemmShape(8, 128, 8, 32, True, "float16", "i8mm", code_order="neon").relays
 
 
-# family, bits -> instructions its GEMM must contain, and must not (symmetric 4-bit codes: centred with eor; 8-bit
-# ones are stored signed in the neon order)
+# family, bits -> instructions its GEMM must contain, and must not (4-bit codes: re-laid per task with st4, the
+# symmetric ones flipped with eor; 8-bit ones are stored signed in the neon order and read as they are)
 INSTRUCTIONS = {
-    ("i8mm", 4): (["smmla", "eor"], ["usmmla", "sdot"]),
-    ("i8mm", 8): (["smmla"], ["eor", "usmmla", "sdot"]),
-    ("dotprod", 4): (["sdot", "eor"], ["smmla", "usmmla"]),
-    ("dotprod", 8): (["sdot"], ["eor", "smmla", "usmmla"]),
+    ("i8mm", 4): (["smmla", "eor", "st4"], ["usmmla", "sdot"]),
+    ("i8mm", 8): (["smmla"], ["eor", "st4", "usmmla", "sdot"]),
+    ("dotprod", 4): (["sdot", "eor", "st4"], ["smmla", "usmmla"]),
+    ("dotprod", 8): (["sdot"], ["eor", "st4", "smmla", "usmmla"]),
 }
 
 
@@ -127,7 +128,7 @@ def test_each_family_emits_its_instructions(dot_family, bits):
     lib = tvm.tirx.build(tvm.IRModule({"gemm": gemm(shape).with_attr("global_symbol", "gemm")}),
                          target=FAMILY_TARGETS[dot_family])
     asm = assembly(lib)
-    words = re.findall(r"^\s+([a-z][a-z0-9.]*)\s+v\d+\.", asm, flags=re.MULTILINE)
+    words = re.findall(r"^\s+([a-z][a-z0-9.]*)\s+\{?\s*v\d+\.", asm, flags=re.MULTILINE)
     must, must_not = INSTRUCTIONS[dot_family, bits]
     for instruction in must + must_not:
         assert (instruction in words) == (instruction in must), f"{dot_family} int{bits}: {instruction}"
@@ -145,7 +146,7 @@ def test_each_family_emits_its_instructions(dot_family, bits):
 def test_asymmetric_codes_are_centred_only_when_symmetric():
     """Asymmetric 4-bit codes (Q4_1) go in as they are, 0..15, with the mins' term; asymmetric 8-bit codes are
     refused (0..255 are not int8)."""
-    shape = GemmShape(64, 576, 4, 32, False, "float16", "i8mm")
+    shape = GemmShape(64, 576, 4, 32, False, "float16", "i8mm", code_order="neon")
     words = re.findall(r"^\s+([a-z][a-z0-9.]*)\s+v\d+\.", assembly(tvm.tirx.build(
         tvm.IRModule({"gemm": gemm(shape).with_attr("global_symbol", "gemm")}), target=FAMILY_TARGETS["i8mm"])),
         flags=re.MULTILINE)

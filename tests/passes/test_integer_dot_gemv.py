@@ -31,17 +31,20 @@ ARM = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu":
 SSE4 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v2"})  # no AVX2
 
 
-def _module(tagged=True):
-    """decode(x[1, 1, K]) and prefill(x[1, seq, K]): x @ dequantize(q).T + residual, as QuantizedLinear emits it."""
+def _module(tagged=True, code_order="plain"):
+    """decode(x[1, 1, K]) and prefill(x[1, seq, K]): x @ dequantize(q).T + residual, as QuantizedLinear emits it, the
+    codes in `code_order` (ARM targets store the "neon" one)."""
     bb = relax.BlockBuilder()
-    attrs = {LAYOUT_ATTR: {"bits": 4, "group": 32, "symmetric": True, "offset": 8, "code_order": "plain"}} if tagged else {}
+    layout = LAYOUT.with_code_order(code_order)
+    attrs = ({LAYOUT_ATTR: {"bits": 4, "group": 32, "symmetric": True, "offset": 8, "code_order": layout.code_order}}
+             if tagged else {})
     for name, rows in (("decode", 1), ("prefill", tirx.Var("seq_len", "int64"))):
         x = relax.Var("x", relax.TensorType([1, rows, K], "float32"))
         residual = relax.Var("residual", relax.TensorType([1, rows, N], "float32"))
-        stored = [relax.Var(s, relax.TensorType(shape, dtype)) for s, (shape, dtype) in LAYOUT.shapes(N, K).items()]
+        stored = [relax.Var(s, relax.TensorType(shape, dtype)) for s, (shape, dtype) in layout.shapes(N, K).items()]
         with bb.function(name, [x, residual, *stored]):
             with bb.dataflow():
-                w = bb.emit(bb.call_te(dequantize_te(LAYOUT, K, "float32"), *stored, primfunc_name_hint="dequantize",
+                w = bb.emit(bb.call_te(dequantize_te(layout, K, "float32"), *stored, primfunc_name_hint="dequantize",
                                        primfunc_attrs=attrs))
                 y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w)))
                 out = bb.emit_output(relax.op.add(y, residual))

@@ -19,12 +19,12 @@ operands fit NEON's 32 registers. Each parallel task takes TASK_N rows of W and 
 (the task's W codes stay in cache).
 
 llvm-mca (bench/arm_gemm_mca.py), cycles per 32 x 32 output tile over one 32-value block, Neoverse-N2 / Cortex-A510
-(A55) models: smmla Q4_0 1282 / 4560 against llama.cpp's repacked i8mm GEMM's 1313 / 4176 (its weights interleaved
-and pre-flipped at load time; ours are the decode GEMV's, 4-bit ones re-laid per task: GemmShape.relays), Q4_1
-1619 / 5008 and Q8_0 1284 / 4016 (signed, neon order) against its two-row smmla dot products' 5210 / 13573 and
-3869 / 10757; sdot Q4_0 1828 / 4833 against its repacked dotprod GEMM's 1697 / 4336. Built for the A510 itself,
-LLVM unrolls the block loop twice and spills a few registers. Larger tiles (12 or 16 X rows) spilled and modelled
-slower.
+(A55) models: smmla Q4_0 1154 / 4288 against llama.cpp's repacked i8mm GEMM's 1313 / 4176 (its weights interleaved
+and pre-flipped at load time; ours are the decode GEMV's, 4-bit ones re-laid per task the same way:
+GemmShape.relays), Q4_1 1587 / 4912 and Q8_0 1284 / 4016 (signed, neon order) against its two-row smmla dot
+products' 5210 / 13573 and 3869 / 10757; sdot Q4_0 1732 / 4673 against its repacked dotprod GEMM's 1697 / 4336.
+Built for the A510 itself, LLVM unrolls the block loop twice and spills a few registers. Larger tiles (12 or 16 X
+rows) spilled and modelled slower.
 """
 
 from __future__ import annotations
@@ -102,9 +102,10 @@ class GemmShape:
 
     @property
     def relays(self) -> bool:
-        """4-bit codes in the "neon" order (sets of 4 blocks interleaved by 4 bytes, for the decode GEMV) are re-laid
-        to the plain order per task before its panels: `smmla` and the `sdot` by element read 8- and 4-byte runs of
-        one block, and a copy per task, read by every panel of X, costs less than gathering them in every panel."""
+        """4-bit codes, in the neon order (as ARM targets store them), are re-laid per task before its panels into
+        the block products' own order (arm.relaid_set: 8-byte pieces of a pair of rows side by side for `smmla`,
+        symmetric codes pre-flipped): one copy per task, read by every panel of X, instead of joining and flipping
+        the pieces in every panel."""
         return self.bits == 4 and self.code_order == "neon"
 
     @property
@@ -118,11 +119,11 @@ class GemmShape:
 
     def supported(self) -> bool:
         # 8-bit codes in the "neon" order with an odd number of blocks (the last one in place) are left to the
-        # dequantize path; 4-bit ones are re-laid (relays)
+        # dequantize path; 4-bit ones must be in the neon order, which the re-lay reads (relays)
         return (self.family in arm.FAMILIES and self.bits in (4, 8) and self.k % BLOCK == 0
                 and self.group % BLOCK == 0 and self.n % TILE_N == 0 and arm.takes(self)
                 and takes_code_order(self.code_order, self.bits, self.group)
-                and (self.code_order == "plain" or self.relays or self.blocks % 2 == 0))
+                and (self.relays if self.bits == 4 else self.code_order == "plain" or self.blocks % 2 == 0))
 
     def activation_name(self) -> str:
         return f"k{self.k}_{'sym' if self.symmetric else 'asym'}{self.bits}_{self.family}"
@@ -229,8 +230,8 @@ def gemm(shape: GemmShape) -> tirx.PrimFunc:
     tiles = vectors * units
     blocks, sums = shape.blocks, shape.activation_sums
     relays = shape.relays
-    read = dataclasses.replace(shape, code_order="plain") if relays else shape  # how the block products read W
     steps = code_bytes // 64  # 4-bit: sets of 4 blocks (64 bytes), interleaved by 4 bytes in the neon order
+    relaid = arm.relaid_bytes(k) if relays else 0  # per W row of the re-laid copy
     # The order of a block's tiles decides LLVM's register allocation: by W rows first (the X vectors stay live
     # across units), or by X vector first for 8-bit codes, whose W operands are twice 4-bit's: the other order
     # spilled vector registers (llvm-mca, bench/arm_gemm_mca.py, cortex-x3 / cortex-a715 builds).
@@ -245,20 +246,25 @@ def gemm(shape: GemmShape) -> tirx.PrimFunc:
     @T.macro
     def block_step(xq, xs, xo, w, lane_scales, lane_mins, acc, p, row0, nb, b, u, v):
         acc[T.ramp((u * vectors + v) * 4, 1, 4)] = acc[T.ramp((u * vectors + v) * 4, 1, 4)] + (
-            _block_term(read, xq, xs, xo, w, lane_scales, lane_mins, p, row0 + nb * TILE_N + u * columns,
+            _block_term(shape, xq, xs, xo, w, lane_scales, lane_mins, p, row0 + nb * TILE_N + u * columns,
                         lane_term(nb, b, u), b, v))
 
     @T.macro
     def relay_codes(w, codes, t):
-        # the task's rows in the plain order: per set of 4 blocks, stored word 4 c + i (word c of block i) goes to
-        # plain word 4 i + c; the blocks past the last set are in place
-        for r in range(task_n):
+        # the task's 4-bit rows in the block products' order (arm.relaid_set), columns rows at a time: per set of
+        # 4 blocks, its pieces; then the blocks past the last set (in place in the neon order), piece by piece
+        for u in range(task_n // columns):
             for s in T.unroll(steps):
-                codes[r, T.ramp(s * 64, 1, 64)] = T.reinterpret("uint8x64", T.Shuffle(
-                    [T.reinterpret("uint32x16", w[t * task_n + r, T.ramp(s * 64, 1, 64)])],
-                    [j % 4 * 4 + j // 4 for j in range(16)]))
+                for h in T.unroll(columns):
+                    codes[T.ramp((u * columns * relaid + s * 64 * columns + h * 64), 1, 64)] = arm.relaid_set(
+                        shape, [w[t * task_n + u * columns + r, T.ramp(s * 64 + h * (64 // columns), 1, 64 // columns)]
+                                for r in range(columns)])
             for j in T.unroll((code_bytes - steps * 64) // 16):
-                codes[r, T.ramp(steps * 64 + j * 16, 1, 16)] = w[t * task_n + r, T.ramp(steps * 64 + j * 16, 1, 16)]
+                for h in T.unroll(columns):
+                    codes[T.ramp(u * columns * relaid + steps * 64 * columns + h * 64 + j * 16, 1, 16)] = (
+                        arm.relaid_block(shape, [w[t * task_n + u * columns + r,
+                                                   T.ramp(steps * 64 + j * 16 + h * (16 // columns), 1, 16 // columns)]
+                                                 for r in range(columns)]))
 
     @T.macro
     def panels(m, xq, xs, xo, w, lane_scales, lane_mins, y, t, row0):
@@ -297,7 +303,7 @@ def gemm(shape: GemmShape) -> tirx.PrimFunc:
                 if sums:
                     lane_mins[lane_term(nb, b, u) + lane] = T.Cast("float32", mins[n, b * BLOCK // shape.group])
             if relays:
-                codes = T.alloc_buffer((task_n, code_bytes), "uint8")  # a workspace per task, as lane_scales
+                codes = T.alloc_buffer((task_n * relaid,), "uint8")  # a workspace per task, as lane_scales
                 relay_codes(w, codes, t)
                 panels(m, xq, xs, xo, codes, lane_scales, lane_mins, y, t, 0)
             else:

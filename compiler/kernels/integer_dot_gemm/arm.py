@@ -3,19 +3,20 @@
 
 - i8mm: `smmla` multiplies two rows of 8 int8 by two rows of 8 int8 into a 2x2 int32 tile; 4 of them cover a block
   for 2 X rows (first operand) x 2 W rows (second), lanes [m0 n0, m0 n1, m1 n0, m1 n1]. X is stored in pairs of
-  rows, 8 values of each per 16 bytes (the activation kernel writes that order), one load per operand. A W pair is
-  two 8-byte pieces joined (8-bit W is read in its stored layout, which the decode GEMV reads too: in the "neon"
-  code order, quantization/group.py, a block's 8-byte pieces alternate with those of the other block of its pair;
-  4-bit W in that order is first re-laid to the plain one per task, GemmShape.relays); for 4-bit codes the pieces
-  are joined before the nibbles are split, so a block of 2 rows is 2 joins and 3 operations per
-  16 bytes (llama.cpp's repacked Q4_0 has the rows interleaved and the codes pre-flipped at load time: 1).
+  rows, 8 values of each per 16 bytes (the activation kernel writes that order), one load per operand. 8-bit W is
+  read in its stored layout, which the decode GEMV reads too (in the "neon" code order, quantization/group.py, a
+  block's 8-byte pieces alternate with those of the other block of its pair): a W pair is two 8-byte pieces joined.
+  4-bit W is first re-laid per task (GemmShape.relays, `relaid`) into the block products' own order: per pair of
+  rows and block, 16 bytes of 8 code bytes of each row, symmetric codes pre-flipped (b ^ 0x88), so that an operand
+  is one load and one nibble operation, as in llama.cpp's Q4_0 repacked at load time (joined in every panel
+  instead, a block of 2 rows took 2 joins and 3 operations per 16 bytes).
 - dotprod: `sdot` by element: the first operand holds 4 X rows x 4 values, the second one 32-bit lane of a W row
   (4 values) repeated; lane i sums row i's 4 products. 8 per block give a column of 4 outputs without horizontal
-  sums.
+  sums. 4-bit W re-laid per task is each row's blocks in the plain order, symmetric codes pre-flipped.
 - Symmetric codes go in centred, c - offset, so that no activation-sum term is left: 8-bit codes as stored in the
   "neon" order (signed), else as c ^ 0x80;
-  4-bit codes as 16 (c - 8), the nibbles of b ^ 0x88 shifted into (b << 4) or masked in place (b & 0xF0) as signed
-  bytes, and the 16 taken out by the int-to-float convert (fixed point, 4 fraction bits). Asymmetric codes go in
+  4-bit codes as 16 (c - 8), the nibbles of b ^ 0x88 (flipped by the re-lay) shifted into (b << 4) or masked in
+  place (b & 0xF0) as signed bytes, and the 16 taken out by the int-to-float convert (fixed point, 4 fraction bits). Asymmetric codes go in
   as they are (4-bit only: 0..15 are valid int8) and the min's term is added per block from the activation sums.
 """
 
@@ -54,21 +55,21 @@ def fraction_bits(shape) -> int:
 
 
 def _operand(shape, packed, part):
-    """Codes from 16 bytes of W: 4-bit part 0 the low nibbles, 1 the high ones; 8-bit the bytes."""
+    """Codes from 16 bytes of W: 4-bit (re-laid, symmetric ones pre-flipped) part 0 the low nibbles, 1 the high ones;
+    8-bit the bytes."""
     if shape.bits == 8:
         flip = centered(shape) and not shape.signed_codes
         return T.bitwise_xor(packed, T.broadcast(T.uint8(128), 16)) if flip else packed
     if centered(shape):
-        flipped = T.bitwise_xor(packed, T.broadcast(T.uint8(0x88), 16))
-        return (T.shift_left(flipped, T.broadcast(T.uint8(4), 16)) if part == 0
-                else T.bitwise_and(flipped, T.broadcast(T.uint8(0xF0), 16)))
+        return (T.shift_left(packed, T.broadcast(T.uint8(4), 16)) if part == 0
+                else T.bitwise_and(packed, T.broadcast(T.uint8(0xF0), 16)))
     return (T.bitwise_and(packed, T.broadcast(T.uint8(15), 16)) if part == 0
             else T.shift_right(packed, T.broadcast(T.uint8(4), 16)))
 
 
 def _piece(shape, w, n, block, piece, count=1):
-    """`count` consecutive 8-byte pieces of block `block`'s code bytes in W row n, from piece `piece`, wherever the
-    code order puts them (neon: 16 bytes apart, the pair's other block's piece between)."""
+    """`count` consecutive 8-byte pieces of 8-bit block `block`'s code bytes in W row n, from piece `piece`, wherever
+    the code order puts them (neon: 16 bytes apart, the pair's other block's piece between)."""
     block_bytes = shape.bits * 4
     if shape.code_order == "plain":
         return w[n, T.ramp(block * block_bytes + piece * 8, 1, 8 * count)]
@@ -77,19 +78,55 @@ def _piece(shape, w, n, block, piece, count=1):
     return pieces[0] if count == 1 else T.Shuffle(pieces, list(range(8 * count)))
 
 
+def relaid_bytes(k: int) -> int:
+    """Bytes per W row of the re-laid 4-bit codes: whole sets of 4 blocks (a shorter last set padded)."""
+    return -(-k // 128) * 64
+
+
+def relaid_set(shape, sources):
+    """64 re-laid bytes (piece h of each block of a set of 4, 16 bytes a block, block order; the rows' bytes
+    8 h .. 8 h + 7 side by side for i8mm, all 16 for dotprod), symmetric codes flipped (b ^ 0x88), from the neon
+    order's words 4 c + i (word c of block i) with c in the piece (`sources`: per row, its 64 / columns bytes of the
+    set from byte 64 h / columns). Output word 4 i + j is a lane of the j-th of 4 loaded vectors: one `st4`."""
+    per_row = 4 // len(sources)  # words of a block per row and piece
+    # flipped before the shuffle: a store of the shuffle itself is what LLVM makes an st4 of
+    words = [T.reinterpret(f"uint32x{4 * per_row}", _flipped(shape, source, 16 * per_row)) for source in sources]
+    order = [j // per_row * 4 * per_row + 4 * (j % per_row) + i for i in range(4) for j in range(4)]
+    return T.reinterpret("uint8x64", T.Shuffle(words, order))
+
+
+def relaid_block(shape, sources):
+    """16 re-laid bytes of a block past the last whole set (in place, plain, in the neon order): `sources`, per row
+    its 16 / columns bytes of piece h, side by side."""
+    joined = sources[0] if len(sources) == 1 else T.Shuffle(sources, list(range(16)))
+    return _flipped(shape, joined, 16)
+
+
+def _flipped(shape, codes, lanes: int):
+    """Symmetric 4-bit codes flipped, b ^ 0x88, so that their nibbles shift or mask into 16 (c - 8) (_operand)."""
+    return T.bitwise_xor(codes, T.broadcast(T.uint8(0x88), lanes)) if centered(shape) else codes
+
+
+def _relaid_operand(shape, w, n, block, piece):
+    """Piece `piece` of block `block` of the re-laid 4-bit codes (relaid_set) of the W rows from n (a whole tile's
+    columns: the task's re-laid codes are per columns rows, sets of 4 blocks, pieces, blocks); w flat."""
+    rows = columns_per_tile(shape.family)
+    # (block // 4 * rows + piece) * 64 + block % 4 * 16, written so that a block costs one shift and add
+    start = n * relaid_bytes(shape.k) + block * 16 + (block // 4) * (64 * (rows - 1)) + piece * 64
+    return w[T.ramp(start, 1, 16)]
+
+
 def _codes(shape, w, n, block, half):
     """16 codes of W row n for block `block` (half 0: values 0-15, 1: 16-31)."""
     if shape.bits == 4:
-        return _operand(shape, _piece(shape, w, n, block, 0, 2), half)
+        return _operand(shape, _relaid_operand(shape, w, n, block, 0), half)
     return _operand(shape, _piece(shape, w, n, block, half * 2, 2), 0)
 
 
 def _pair_operand(shape, w, n, block, chunk):
     """W rows n, n + 1, values 8 chunk .. 8 chunk + 7 of the block, row n in bytes 0-7: smmla's second operand."""
-    if shape.bits == 4:
-        # join 8-byte pieces of the packed bytes, then split nibbles: chunks 0, 1 low nibbles, 2, 3 high
-        packed = [_piece(shape, w, n + r, block, chunk % 2) for r in (0, 1)]
-        return _operand(shape, T.Shuffle(packed, list(range(16))), chunk // 2)
+    if shape.bits == 4:  # chunks 0, 1: the low nibbles of the re-laid pieces 0, 1; 2, 3 their high ones
+        return _operand(shape, _relaid_operand(shape, w, n, block, chunk % 2), chunk // 2)
     return _operand(shape, T.Shuffle([_piece(shape, w, n + r, block, chunk) for r in (0, 1)], list(range(16))), 0)
 
 

@@ -75,8 +75,8 @@ def _tile_cycles(found: tuple[Loop, int], cpu: str) -> tuple[float, float]:
 
 
 def _relay_loop(ops) -> Loop | None:
-    """The loop that re-lays 4-bit codes into the block products' order (GemmShape.relays), a tile's columns of W
-    rows per iteration: the one with `st4`."""
+    """The loop that re-lays neon-order codes into the block products' order (GemmShape.relays), a tile's columns
+    of W rows per iteration: the one with `st4`."""
     loops = [lp for lp in _loops(ops) if any(t and _mnemonic(t) == "st4" for _, t in ops[lp[0]:lp[1] + 1])]
     return Loop(_clean(ops, *min(loops, key=lambda lp: lp[1] - lp[0])), 0) if loops else None
 
@@ -143,7 +143,7 @@ def report(ggml: Path, work: Path) -> None:
                 cells.append(f"{cycles:>9.0f} ({instructions:>5.0f})")
                 if relay is not None:  # one W row re-laid, against its block products for one panel of X rows
                     panel = cycles / 32 * (K // 32) * PANEL_ROWS / 32
-                    rows = GemmShape(K, K, 4, 32, True, "float16", dot_family).columns_per_tile
+                    rows = GemmShape(K, K, FORMATS[fmt][0], 32, True, "float16", dot_family).columns_per_tile
                     relays.append((fmt, dot_family, cpu, relay.mca(cpu) / rows, panel))
             label = f"mobilec integer_dot_gemm ({'smmla' if dot_family == 'i8mm' else 'sdot'}, {dot_family})"
             print(f"{label:<44} {fmt:<6} " + " ".join(f"{c:>18}" for c in cells))
@@ -158,7 +158,7 @@ def report(ggml: Path, work: Path) -> None:
                 figures[label, dot_family, fmt, cpu] = cycles
                 cells.append(f"{cycles:>9.0f} ({instructions:>5.0f})")
             print(f"{'llama.cpp ' + label:<44} {fmt:<6} " + " ".join(f"{c:>18}" for c in cells))
-    print(f"4-bit codes re-laid from the neon order per task (K = {K}), cycles per W row against one {PANEL_ROWS}-row "
+    print(f"codes re-laid from the neon order per task (K = {K}), cycles per W row against one {PANEL_ROWS}-row "
           f"panel's block products for it (paid once per task, for all its panels):")
     for fmt, dot_family, cpu, cycles, panel in relays:
         print(f"  {fmt} {dot_family:<8} {cpu:<12} {cycles:6.1f} = {cycles / panel:.1%} of one panel, "

@@ -13,17 +13,16 @@ import numpy as np
 NIBBLE_BLOCK = 32
 # How a row's code bytes are ordered. "plain": along K (4-bit: as above). "neon": for the ARM integer-dot kernels
 # (kernels/integer_dot_gemv/arm.py, kernels/integer_dot_gemm/arm.py), chosen per target at compile time for codes
-# in groups of whole blocks: the blocks of each set (INTERLEAVE: 2 blocks of 8-bit codes, 4 of 4-bit ones) have
-# their bytes interleaved by chunks (8 bytes for 8-bit, 4 for 4-bit): chunk 0 of each block of the set, then chunk
-# 1 of each, ... A 16-byte load then gives an `sdot` whose lanes sum the set's blocks apart: 8-bit, lanes 0-1 one
-# block and 2-3 the other (no sum per block); 4-bit, lane i block i of the step, as the `ld4` that de-interleaved
-# plain bytes did, without its vector-pipe cost (llvm-mca Neoverse-N2, SmolLM2 Q4_1: 3.76 -> 3.26 cycles per 32
-# weights). Blocks past the last whole set stay in place. Codes about 128 are stored signed, c ^ 0x80 (GGUF Q8_0's
-# own bytes), which `sdot` and `smmla` take as they are. The prefill GEMM reads 8-bit pairs as stored and re-lays a
-# task's 4-bit rows into its own order first (kernels/integer_dot_gemm): its `smmla` operands are 8-byte runs of
-# one block, which a set of 4 interleaved by 4 bytes splits.
+# in groups of whole blocks: each set of 4 blocks (INTERLEAVE) has its bytes interleaved by 4-byte words: word c of
+# block i at word 4 c + i. A 16-byte load then holds word c of the 4 blocks, and an `sdot` adds each block's
+# products to its own lane: one accumulator per step of 4 blocks (4-bit: as the `ld4` that de-interleaved plain
+# bytes did, without its vector-pipe cost, llvm-mca Neoverse-N2, SmolLM2 Q4_1: 3.76 -> 3.26 cycles per 32 weights;
+# 8-bit: no `addp` of pairs of blocks, the Q8_0 lm_head 2.13 -> 1.88). Blocks past the last whole set stay in place.
+# Codes about 128 are stored signed, c ^ 0x80 (GGUF Q8_0's own bytes), which `sdot` and `smmla` take as they are.
+# The prefill GEMM re-lays a task's rows into its own order first (kernels/integer_dot_gemm): its `smmla` operands
+# are 8-byte runs of one block, which a set interleaved by 4 bytes splits.
 CODE_ORDERS = ("plain", "neon")
-INTERLEAVE = {8: (2, 8), 4: (4, 4)}  # bits -> (blocks per set, bytes per chunk) of the "neon" order
+INTERLEAVE = {8: (4, 4), 4: (4, 4)}  # bits -> (blocks per set, bytes per chunk) of the "neon" order
 
 
 def takes_code_order(order: str, bits: int, group: int) -> bool:

@@ -19,12 +19,12 @@ FAMILY_TARGETS = {
     "i8mm": tvm.target.Target({**ARM, "mcpu": "cortex-x3", "mattr": ["+neon", "+dotprod", "+i8mm", "+fullfp16"]}),
 }
 FAMILIES = list(FAMILY_TARGETS)
-# (bits, group, symmetric, scale dtype, K, N, code order): as ARM targets store them (the "neon" order: 8-bit
-# codes in pairs of blocks read as they are, 4-bit ones in sets of 4 blocks re-laid per task), and plain 8-bit codes
+# (bits, group, symmetric, scale dtype, K, N, code order): as ARM targets store them (the "neon" order: sets of 4
+# blocks interleaved by 4 bytes, re-laid per task), and plain 8-bit codes (read as they are)
 LAYOUTS = [
     (4, 32, True, "float16", 576, 40, "neon"),  # GGUF Q4_0 / q4f16_g32 at SmolLM2's hidden size; one task of 40 rows
     (4, 32, False, "float16", 576, 96, "neon"),  # GGUF Q4_1 / q4f16_g32_asym: 4 sets and 2 blocks in place
-    (8, 32, True, "float16", 192, 64, "neon"),  # GGUF Q8_0: signed codes, pairs of blocks
+    (8, 32, True, "float16", 192, 64, "neon"),  # GGUF Q8_0: signed codes, a set and 2 blocks in place
     (4, 128, True, "float16", 576, 24, "neon"),  # q4f16_g128: a short last group
     (8, 128, True, "float16", 256, 36, "neon"),  # q8f16_g128
     (4, 32, True, "float32", 128, 8, "neon"),  # q4f32_g32: one set of 4 blocks, none in place
@@ -94,27 +94,26 @@ def test_refuses_shapes_it_cannot_tile(bits, grp, k, n, symmetric, dot_family):
     assert not GemmShape(n, k, bits, grp, symmetric, "float16", dot_family).supported()
 
 
-def test_neon_order_takes_whole_pairs_of_8_bit_blocks():
-    """8-bit codes: an odd block count (its last block unpaired in the neon order) is left to the dequantize path.
-    4-bit codes are re-laid per task from the neon order, whatever their block count; plain ones (which ARM targets
-    do not store) are left to the dequantize path."""
-    assert GemmShape(8, 96, 8, 32, True, "float16", "i8mm").supported()
-    assert not GemmShape(8, 96, 8, 32, True, "float16", "i8mm", code_order="neon").supported()
-    assert GemmShape(8, 128, 8, 32, True, "float16", "i8mm", code_order="neon").supported()
-    for k in (96, 128, 576):
-        shape = GemmShape(8, k, 4, 32, True, "float16", "i8mm", code_order="neon")
-        assert shape.supported() and shape.relays
+def test_neon_order_is_re_laid_whatever_the_block_count():
+    """Codes in the neon order are re-laid per task, whatever their block count (a shorter last set in place); plain
+    8-bit codes are read as they are, plain 4-bit ones (which ARM targets do not store) left to the dequantize
+    path."""
+    for bits in (4, 8):
+        for k in (96, 128, 576):
+            shape = GemmShape(8, k, bits, 32, True, "float16", "i8mm", code_order="neon")
+            assert shape.supported() and shape.relays
+    plain = GemmShape(8, 96, 8, 32, True, "float16", "i8mm")
+    assert plain.supported() and not plain.relays
     assert not GemmShape(8, 128, 4, 32, True, "float16", "i8mm").supported()
-    assert not GemmShape(8, 128, 8, 32, True, "float16", "i8mm", code_order="neon").relays
 
 
-# family, bits -> instructions its GEMM must contain, and must not (4-bit codes: re-laid per task with st4, the
-# symmetric ones flipped with eor; 8-bit ones are stored signed in the neon order and read as they are)
+# family, bits -> instructions its GEMM must contain, and must not (codes in the neon order: re-laid per task with
+# st4, symmetric 4-bit ones flipped with eor; 8-bit ones are stored signed)
 INSTRUCTIONS = {
     ("i8mm", 4): (["smmla", "eor", "st4"], ["usmmla", "sdot"]),
-    ("i8mm", 8): (["smmla"], ["eor", "st4", "usmmla", "sdot"]),
+    ("i8mm", 8): (["smmla", "st4"], ["eor", "usmmla", "sdot"]),
     ("dotprod", 4): (["sdot", "eor", "st4"], ["smmla", "usmmla"]),
-    ("dotprod", 8): (["sdot"], ["eor", "st4", "smmla", "usmmla"]),
+    ("dotprod", 8): (["sdot", "st4"], ["eor", "smmla", "usmmla"]),
 }
 
 

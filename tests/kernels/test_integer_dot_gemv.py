@@ -177,7 +177,7 @@ ARM_LAYOUTS = [(*layout, "neon") for layout in LAYOUTS] + [
     # (dotprod: centred, the 128 joining each step's mins)
     (8, 16, True, "float32", 576, "neon"),  # a scale per 16 values (as GGUF Q6_K): a block per step, a half in 2 lanes
     (8, 16, False, "float32", 576, "neon"),  # and a min per 16 (Q4_K q/k joined with a Q6_K v)
-    (8, 32, True, "float16", 608, "neon"),  # 19 blocks: a last step of a pair and the unpaired block
+    (8, 32, True, "float16", 608, "neon"),  # 19 blocks: 4 sets and a last step of 3 blocks in place
     (8, 32, True, "float16", 96, "plain"),  # unsigned 8-bit codes: usdot with i8mm, centred (eor) sdot without
     (4, 32, False, "float16", 576, "plain"),  # GGUF's own 4-bit block layout: whole steps de-interleaved by ld4
 ]
@@ -207,7 +207,7 @@ def test_each_aarch64_family_emits_its_instructions(dot_family, bits, act_bits):
     asm = build("neon")  # as ARM targets store the codes
     # the vector instructions of the module (it holds only the GEMV)
     words = re.findall(r"^\s+([a-z][a-z0-9.]*)\s+v\d+\.", asm, flags=re.MULTILINE)
-    # the neon order's whole 4-bit steps and pairs of 8-bit blocks are plain 16-byte loads; control: GGUF's
+    # the neon order's whole steps (sets of 4 blocks) are plain 16-byte loads; control: GGUF's
     # plain 4-bit blocks are de-interleaved by 4 bytes in one ld4 per step (arm.py)
     assert not has_ld4(asm)
     assert has_ld4(build("plain")) == (bits == 4)
@@ -220,6 +220,22 @@ def test_each_aarch64_family_emits_its_instructions(dot_family, bits, act_bits):
     # 576 codes per row: 36 dot products with int8 activations, 72 with int16 (two planes)
     assert dots >= 576 // 16 * (2 if act_bits == 16 else 1)
     assert words.count("scvtf") * 4 <= dots, "more than one int-to-float convert per 4 dot products"
+
+
+@pytest.mark.parametrize("dot_family", ARM_FAMILIES)
+def test_aarch64_8_bit_sets_sum_each_block_in_its_own_lane(dot_family):
+    """8-bit codes in the neon order (sets of 4 blocks interleaved by 4 bytes): every `sdot` of a step adds to one
+    accumulator, a lane per block, so whole steps need no `addp`. Control: plain 8-bit codes fold their blocks'
+    4-lane sums with addp."""
+    def words(order):
+        shape = GemvShape(N, 512, 8, 32, True, "float16", 8, dot_family, code_order=order)
+        asm = assembly(tvm.tirx.build(tvm.IRModule({"gemv": gemv(shape, (1, 1, N)).with_attr(
+            "global_symbol", "gemv")}), target=ARM_FAMILY_TARGETS[dot_family]))
+        return re.findall(r"^\s+([a-z][a-z0-9.]*)\s+v\d+\.", asm, flags=re.MULTILINE)
+
+    neon = words("neon")
+    assert "sdot" in neon and "addp" not in neon
+    assert "addp" in words("plain")
 
 
 @pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, True)])

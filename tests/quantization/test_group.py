@@ -90,11 +90,12 @@ NEON_LAYOUTS = [G.GroupLayout(8, 32, True, "float16"), G.GroupLayout(8, 128, Tru
 
 
 @pytest.mark.parametrize("layout", NEON_LAYOUTS, ids=lambda l: l.describe())
-@pytest.mark.parametrize("k", [576, 96, 100])  # 96: 3 blocks, the last one unpaired; 100: codes past it
-def test_neon_code_order_pairs_blocks_by_8_bytes(layout, k):
-    """The ARM kernels' order of 8-bit codes: each pair of 32-code blocks interleaved by 8 bytes, an odd last block
-    in place, codes about 128 signed; numpy and the TE dequantize read it back to the plain order's values. Negative
-    control: the stored bytes read as the plain order are other values. 16-value groups keep the plain order."""
+@pytest.mark.parametrize("k", [576, 160, 100])  # 576: 4 sets and 2 blocks in place; 160: 1 and 1; 100: codes past
+def test_neon_code_order_interleaves_8_bit_steps_by_words(layout, k):
+    """The ARM kernels' order of 8-bit codes: each set of 4 blocks (128 bytes) interleaved by 4 bytes, word c of
+    block i at word 4 c + i, so that 16 bytes hold word c of the 4 blocks; the blocks past the last set in place,
+    codes about 128 signed; numpy and the TE dequantize read it back to the plain order's values. Negative control:
+    the stored bytes read as the plain order are other values. 16-value groups keep the plain order."""
     neon = layout.with_code_order("neon")
     assert neon.code_order == "neon"
     for other in (G.GroupLayout(8, 16, True, "float32"), G.GroupLayout(4, 16, True, "float32")):
@@ -104,14 +105,15 @@ def test_neon_code_order_pairs_blocks_by_8_bytes(layout, k):
     plain, ordered = G.quantize(w, layout), G.quantize(w, neon)
     assert np.array_equal(G.plain_codes(ordered["q_weight"], neon), plain["q_weight"])
     np.testing.assert_array_equal(G.dequantize(ordered, neon, k), G.dequantize(plain, layout, k))
-    block = 32  # bytes per 32 codes
     row, stored = plain["q_weight"][3], ordered["q_weight"][3] ^ (0x80 if neon.signed_codes else 0)
     assert neon.signed_codes == layout.symmetric
-    assert np.array_equal(stored[:8], row[:8]) and np.array_equal(stored[8:16], row[block:block + 8])
-    assert np.array_equal(stored[16:24], row[8:16])
-    pairs = layout.stored_k(k) // 64 * 2 * block
-    assert np.array_equal(stored[pairs:], row[pairs:])  # the unpaired block (and 8-bit codes past the blocks)
-    assert np.abs(G.dequantize(ordered, layout, k) - G.dequantize(plain, layout, k)).max() > 0.1
+    sets = layout.stored_k(k) // 128 * 128  # bytes in whole sets of 4 blocks of 32 bytes
+    for byte in range(sets):
+        s, c, i, t = byte // 128, byte % 128 // 16, byte % 16 // 4, byte % 4
+        assert stored[byte] == row[s * 128 + i * 32 + c * 4 + t]
+    assert np.array_equal(stored[sets:], row[sets:])  # the blocks past the last set (and codes past the blocks)
+    if sets or neon.signed_codes:
+        assert np.abs(G.dequantize(ordered, layout, k) - G.dequantize(plain, layout, k)).max() > 0.1
     names = ["q_weight", "q_scale"] + ([] if layout.symmetric else ["q_min"])
     placeholders = [te.placeholder(ordered[x].shape, str(ordered[x].dtype), x) for x in names]
     out = D.dequantize_te(neon, k, "float32")(*placeholders)

@@ -20,9 +20,9 @@ operands fit NEON's 32 registers. Each parallel task takes TASK_N rows of W and 
 
 llvm-mca (bench/arm_gemm_mca.py), cycles per 32 x 32 output tile over one 32-value block, Neoverse-N2 / Cortex-A510
 (A55) models: smmla Q4_0 1154 / 4288 against llama.cpp's repacked i8mm GEMM's 1313 / 4176 (its weights interleaved
-and pre-flipped at load time; ours are the decode GEMV's, 4-bit ones re-laid per task the same way:
-GemmShape.relays), Q4_1 1587 / 4912 and Q8_0 1284 / 4016 (signed, neon order) against its two-row smmla dot
-products' 5210 / 13573 and 3869 / 10757; sdot Q4_0 1732 / 4673 against its repacked dotprod GEMM's 1697 / 4336.
+and pre-flipped at load time; ours are the decode GEMV's, re-laid per task the same way: GemmShape.relays), Q4_1
+1587 / 4912 and Q8_0 1155 / 3638 (signed) against its two-row smmla dot products' 5210 / 13573 and 3869 / 10757;
+sdot Q4_0 1732 / 4673 against its repacked dotprod GEMM's 1697 / 4336.
 Built for the A510 itself, LLVM unrolls the block loop twice and spills a few registers. Larger tiles (12 or 16 X
 rows) spilled and modelled slower.
 """
@@ -102,11 +102,11 @@ class GemmShape:
 
     @property
     def relays(self) -> bool:
-        """4-bit codes, in the neon order (as ARM targets store them), are re-laid per task before its panels into
-        the block products' own order (arm.relaid_set: 8-byte pieces of a pair of rows side by side for `smmla`,
-        symmetric codes pre-flipped): one copy per task, read by every panel of X, instead of joining and flipping
-        the pieces in every panel."""
-        return self.bits == 4 and self.code_order == "neon"
+        """Codes in the neon order (as ARM targets store them) are re-laid per task before its panels into the block
+        products' own order (arm.relaid_set: 8-byte pieces of a pair of rows side by side for `smmla`, centred codes
+        pre-flipped): one copy per task, read by every panel of X, instead of joining and flipping pieces in every
+        panel."""
+        return self.code_order == "neon"
 
     @property
     def task_n(self) -> int:
@@ -118,12 +118,12 @@ class GemmShape:
         return not self.symmetric
 
     def supported(self) -> bool:
-        # 8-bit codes in the "neon" order with an odd number of blocks (the last one in place) are left to the
-        # dequantize path; 4-bit ones must be in the neon order, which the re-lay reads (relays)
+        # codes in the "neon" order are re-laid per task (relays); 8-bit ones are also read as they are in the plain
+        # order, 4-bit ones (which ARM targets do not store so) are left to the dequantize path
         return (self.family in arm.FAMILIES and self.bits in (4, 8) and self.k % BLOCK == 0
                 and self.group % BLOCK == 0 and self.n % TILE_N == 0 and arm.takes(self)
                 and takes_code_order(self.code_order, self.bits, self.group)
-                and (self.relays if self.bits == 4 else self.code_order == "plain" or self.blocks % 2 == 0))
+                and (self.relays or self.bits == 8))
 
     def activation_name(self) -> str:
         return f"k{self.k}_{'sym' if self.symmetric else 'asym'}{self.bits}_{self.family}"
@@ -230,8 +230,10 @@ def gemm(shape: GemmShape) -> tirx.PrimFunc:
     tiles = vectors * units
     blocks, sums = shape.blocks, shape.activation_sums
     relays = shape.relays
-    steps = code_bytes // 64  # 4-bit: sets of 4 blocks (64 bytes), interleaved by 4 bytes in the neon order
-    relaid = arm.relaid_bytes(k) if relays else 0  # per W row of the re-laid copy
+    # the neon order's sets of 4 blocks, interleaved by 4 bytes, then the blocks in place
+    steps, set_bytes, block_bytes = code_bytes * 8 // (128 * shape.bits), arm.set_bytes(shape.bits), 4 * shape.bits
+    relaid = arm.relaid_bytes(shape) if relays else 0  # per W row of the re-laid copy
+    pieces = arm.pieces(shape)
     # The order of a block's tiles decides LLVM's register allocation: by W rows first (the X vectors stay live
     # across units), or by X vector first for 8-bit codes, whose W operands are twice 4-bit's: the other order
     # spilled vector registers (llvm-mca, bench/arm_gemm_mca.py, cortex-x3 / cortex-a715 builds).
@@ -251,19 +253,20 @@ def gemm(shape: GemmShape) -> tirx.PrimFunc:
 
     @T.macro
     def relay_codes(w, codes, t):
-        # the task's 4-bit rows in the block products' order (arm.relaid_set), columns rows at a time: per set of
-        # 4 blocks, its pieces; then the blocks past the last set (in place in the neon order), piece by piece
+        # the task's rows in the block products' order (arm.relaid_set), columns rows at a time: per set of 4
+        # blocks, its pieces; then the blocks past the last set (in place in the neon order), piece by piece
         for u in range(task_n // columns):
             for s in T.unroll(steps):
-                for h in T.unroll(columns):
-                    codes[T.ramp((u * columns * relaid + s * 64 * columns + h * 64), 1, 64)] = arm.relaid_set(
-                        shape, [w[t * task_n + u * columns + r, T.ramp(s * 64 + h * (64 // columns), 1, 64 // columns)]
+                for h in T.unroll(pieces):
+                    codes[T.ramp(u * columns * relaid + s * set_bytes * columns + h * 64, 1, 64)] = arm.relaid_set(
+                        shape, [w[t * task_n + u * columns + r,
+                                  T.ramp(s * set_bytes + h * (64 // columns), 1, 64 // columns)]
                                 for r in range(columns)])
-            for j in T.unroll((code_bytes - steps * 64) // 16):
-                for h in T.unroll(columns):
-                    codes[T.ramp(u * columns * relaid + steps * 64 * columns + h * 64 + j * 16, 1, 16)] = (
-                        arm.relaid_block(shape, [w[t * task_n + u * columns + r,
-                                                   T.ramp(steps * 64 + j * 16 + h * (16 // columns), 1, 16 // columns)]
+            for j in T.unroll((code_bytes - steps * set_bytes) // block_bytes):
+                for h in T.unroll(pieces):
+                    codes[T.ramp(u * columns * relaid + steps * set_bytes * columns + h * 64 + j * 16, 1, 16)] = (
+                        arm.relaid_block(shape, [w[t * task_n + u * columns + r, T.ramp(
+                            steps * set_bytes + j * block_bytes + h * (16 // columns), 1, 16 // columns)]
                                                  for r in range(columns)]))
 
     @T.macro

@@ -3,21 +3,21 @@
 
 - i8mm: `smmla` multiplies two rows of 8 int8 by two rows of 8 int8 into a 2x2 int32 tile; 4 of them cover a block
   for 2 X rows (first operand) x 2 W rows (second), lanes [m0 n0, m0 n1, m1 n0, m1 n1]. X is stored in pairs of
-  rows, 8 values of each per 16 bytes (the activation kernel writes that order), one load per operand. 8-bit W is
-  read in its stored layout, which the decode GEMV reads too (in the "neon" code order, quantization/group.py, a
-  block's 8-byte pieces alternate with those of the other block of its pair): a W pair is two 8-byte pieces joined.
-  4-bit W is first re-laid per task (GemmShape.relays, `relaid`) into the block products' own order: per pair of
-  rows and block, 16 bytes of 8 code bytes of each row, symmetric codes pre-flipped (b ^ 0x88), so that an operand
-  is one load and one nibble operation, as in llama.cpp's Q4_0 repacked at load time (joined in every panel
-  instead, a block of 2 rows took 2 joins and 3 operations per 16 bytes).
+  rows, 8 values of each per 16 bytes (the activation kernel writes that order), one load per operand. W in the
+  "neon" code order (quantization/group.py: sets of 4 blocks interleaved by 4 bytes, for the decode GEMV) is first
+  re-laid per task (GemmShape.relays, relaid_set) into the block products' own order: per pair of rows and block,
+  16-byte pieces of 8 code bytes of each row (4-bit: 2, 8-bit: 4), centred codes pre-flipped, so that an operand is
+  one load (4-bit: and one nibble operation), as in llama.cpp's Q4_0 repacked at load time (4-bit pieces joined in
+  every panel instead took 2 joins and 3 operations per 16 bytes). Plain 8-bit W is read as it is, two 8-byte
+  pieces joined.
 - dotprod: `sdot` by element: the first operand holds 4 X rows x 4 values, the second one 32-bit lane of a W row
   (4 values) repeated; lane i sums row i's 4 products. 8 per block give a column of 4 outputs without horizontal
-  sums. 4-bit W re-laid per task is each row's blocks in the plain order, symmetric codes pre-flipped.
+  sums. W re-laid per task is each row's blocks in the plain order, centred codes pre-flipped.
 - Symmetric codes go in centred, c - offset, so that no activation-sum term is left: 8-bit codes as stored in the
-  "neon" order (signed), else as c ^ 0x80;
-  4-bit codes as 16 (c - 8), the nibbles of b ^ 0x88 (flipped by the re-lay) shifted into (b << 4) or masked in
-  place (b & 0xF0) as signed bytes, and the 16 taken out by the int-to-float convert (fixed point, 4 fraction bits). Asymmetric codes go in
-  as they are (4-bit only: 0..15 are valid int8) and the min's term is added per block from the activation sums.
+  "neon" order (signed), else as c ^ 0x80; 4-bit codes as 16 (c - 8), the nibbles of b ^ 0x88 (flipped by the
+  re-lay) shifted into (b << 4) or masked in place (b & 0xF0) as signed bytes, and the 16 taken out by the
+  int-to-float convert (fixed point, 4 fraction bits). Asymmetric codes go in as they are (4-bit only: 0..15 are
+  valid int8) and the min's term is added per block from the activation sums.
 """
 
 from __future__ import annotations
@@ -56,10 +56,9 @@ def fraction_bits(shape) -> int:
 
 def _operand(shape, packed, part):
     """Codes from 16 bytes of W: 4-bit (re-laid, symmetric ones pre-flipped) part 0 the low nibbles, 1 the high ones;
-    8-bit the bytes."""
+    8-bit the bytes (flipped here where plain and centred; re-laid ones are flipped already)."""
     if shape.bits == 8:
-        flip = centered(shape) and not shape.signed_codes
-        return T.bitwise_xor(packed, T.broadcast(T.uint8(128), 16)) if flip else packed
+        return _flipped(shape, packed, 16) if shape.code_order == "plain" else packed
     if centered(shape):
         return (T.shift_left(packed, T.broadcast(T.uint8(4), 16)) if part == 0
                 else T.bitwise_and(packed, T.broadcast(T.uint8(0xF0), 16)))
@@ -68,24 +67,29 @@ def _operand(shape, packed, part):
 
 
 def _piece(shape, w, n, block, piece, count=1):
-    """`count` consecutive 8-byte pieces of 8-bit block `block`'s code bytes in W row n, from piece `piece`, wherever
-    the code order puts them (neon: 16 bytes apart, the pair's other block's piece between)."""
-    block_bytes = shape.bits * 4
-    if shape.code_order == "plain":
-        return w[n, T.ramp(block * block_bytes + piece * 8, 1, 8 * count)]
-    pieces = [w[n, T.ramp(block // 2 * 2 * block_bytes + (piece + i) * 16 + block % 2 * 8, 1, 8)]
-              for i in range(count)]
-    return pieces[0] if count == 1 else T.Shuffle(pieces, list(range(8 * count)))
+    """`count` consecutive 8-byte pieces of plain 8-bit block `block`'s code bytes in W row n, from piece `piece`."""
+    return w[n, T.ramp(block * shape.bits * 4 + piece * 8, 1, 8 * count)]
 
 
-def relaid_bytes(k: int) -> int:
-    """Bytes per W row of the re-laid 4-bit codes: whole sets of 4 blocks (a shorter last set padded)."""
-    return -(-k // 128) * 64
+def pieces(shape) -> int:
+    """16-byte pieces per block of a tile's columns of W rows in the re-laid order: smmla's W operands (8 values of
+    2 rows each), or the sdot rows' 16 bytes."""
+    return shape.bits * columns_per_tile(shape.family) // 4
+
+
+def set_bytes(bits: int) -> int:
+    """Bytes of a set of 4 blocks of one row (the neon order's sets, quantization/group.py)."""
+    return 16 * bits
+
+
+def relaid_bytes(shape) -> int:
+    """Bytes per W row of the re-laid codes: whole sets of 4 blocks (a shorter last set padded)."""
+    return -(-shape.k // 128) * set_bytes(shape.bits)
 
 
 def relaid_set(shape, sources):
-    """64 re-laid bytes (piece h of each block of a set of 4, 16 bytes a block, block order; the rows' bytes
-    8 h .. 8 h + 7 side by side for i8mm, all 16 for dotprod), symmetric codes flipped (b ^ 0x88), from the neon
+    """64 re-laid bytes: piece h of each block of a set of 4 (16 bytes a block, block order; the rows' bytes 8 h ..
+    8 h + 7 side by side for i8mm, the row's 16 h .. 16 h + 15 for dotprod), centred codes flipped, from the neon
     order's words 4 c + i (word c of block i) with c in the piece (`sources`: per row, its 64 / columns bytes of the
     set from byte 64 h / columns). Output word 4 i + j is a lane of the j-th of 4 loaded vectors: one `st4`."""
     per_row = 4 // len(sources)  # words of a block per row and piece
@@ -103,31 +107,37 @@ def relaid_block(shape, sources):
 
 
 def _flipped(shape, codes, lanes: int):
-    """Symmetric 4-bit codes flipped, b ^ 0x88, so that their nibbles shift or mask into 16 (c - 8) (_operand)."""
-    return T.bitwise_xor(codes, T.broadcast(T.uint8(0x88), lanes)) if centered(shape) else codes
+    """Centred codes flipped so that they go in as signed bytes: 4-bit b ^ 0x88 (the nibbles then shift or mask into
+    16 (c - 8), _operand), 8-bit c ^ 0x80 unless stored signed already."""
+    if not centered(shape) or shape.signed_codes:
+        return codes
+    return T.bitwise_xor(codes, T.broadcast(T.uint8(0x88 if shape.bits == 4 else 0x80), lanes))
 
 
 def _relaid_operand(shape, w, n, block, piece):
-    """Piece `piece` of block `block` of the re-laid 4-bit codes (relaid_set) of the W rows from n (a whole tile's
+    """Piece `piece` of block `block` of the re-laid codes (relaid_set) of the W rows from n (a whole tile's
     columns: the task's re-laid codes are per columns rows, sets of 4 blocks, pieces, blocks); w flat."""
-    rows = columns_per_tile(shape.family)
-    # (block // 4 * rows + piece) * 64 + block % 4 * 16, written so that a block costs one shift and add
-    start = n * relaid_bytes(shape.k) + block * 16 + (block // 4) * (64 * (rows - 1)) + piece * 64
+    # (block // 4 * pieces + piece) * 64 + block % 4 * 16, written so that a block costs one shift and add
+    start = n * relaid_bytes(shape) + block * 16 + (block // 4) * (64 * (pieces(shape) - 1)) + piece * 64
     return w[T.ramp(start, 1, 16)]
 
 
 def _codes(shape, w, n, block, half):
     """16 codes of W row n for block `block` (half 0: values 0-15, 1: 16-31)."""
+    if shape.code_order == "plain":
+        return _operand(shape, _piece(shape, w, n, block, half * 2, 2), 0)
     if shape.bits == 4:
         return _operand(shape, _relaid_operand(shape, w, n, block, 0), half)
-    return _operand(shape, _piece(shape, w, n, block, half * 2, 2), 0)
+    return _relaid_operand(shape, w, n, block, half)
 
 
 def _pair_operand(shape, w, n, block, chunk):
     """W rows n, n + 1, values 8 chunk .. 8 chunk + 7 of the block, row n in bytes 0-7: smmla's second operand."""
+    if shape.code_order == "plain":
+        return _operand(shape, T.Shuffle([_piece(shape, w, n + r, block, chunk) for r in (0, 1)], list(range(16))), 0)
     if shape.bits == 4:  # chunks 0, 1: the low nibbles of the re-laid pieces 0, 1; 2, 3 their high ones
         return _operand(shape, _relaid_operand(shape, w, n, block, chunk % 2), chunk // 2)
-    return _operand(shape, T.Shuffle([_piece(shape, w, n + r, block, chunk) for r in (0, 1)], list(range(16))), 0)
+    return _relaid_operand(shape, w, n, block, chunk)
 
 
 def _lane(codes, index: int):

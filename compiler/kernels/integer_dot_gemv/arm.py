@@ -11,13 +11,12 @@ order the activation kernel stores activations, and how many rows step together.
   loads. Plain 4-bit codes (the GGUF block layout) are read by one `ld4` of 32-bit words that de-interleaves them,
   whose 4 vector-pipe cycles per step and row made it the costliest instruction of the loop (llvm-mca Neoverse-N2,
   SmolLM2 Q4_1 gate_up: 3.76 cycles per 32 weights with `ld4`, 3.26 with the neon order's loads).
-- 8-bit codes are stored in the "neon" code order (quantization/group.py CODE_ORDERS), chosen at compile time for
-  these targets: the bytes of each pair of blocks interleaved by 8, so one 16-byte load holds 8 bytes of each block
-  and an `sdot` adds block 2p's products to lanes 0-1 and block 2p+1's to lanes 2-3. A pair's 4 loads go into one
-  accumulator, and one `addp` of a step's two pairs gives its 4 block sums in lane order (before: a sum per block
-  and 3 `addp`s; SmolLM2's Q8_0 lm_head 3.63 -> 2.13 cycles per 32 weights, llvm-mca Neoverse-N2, with its codes
-  stored signed, below).
-- Other steps (a shorter last step, 8-bit codes with a scale per 16 values): a block's two 16-code vectors (a
+- 8-bit codes in the neon order are the same sets of 4 blocks interleaved by 4 bytes: a step is 8 plain loads whose
+  `sdot`s all go into one accumulator, a lane per block (before, pairs of blocks interleaved by 8 bytes took two
+  accumulators and an `addp` per step: SmolLM2's Q8_0 lm_head 2.13 -> 1.88 cycles per 32 weights on the
+  Neoverse-N2 model, with its codes stored signed, below).
+- Other steps (a shorter last step, plain 8-bit codes, 8-bit codes with a scale per 16 values): a block's two
+  16-code vectors (a
   16-byte load split into nibbles, or two loads) and two `sdot`s give its sum in 4 lanes; `addp` of `addp`s folds
   them into one int32x4. 8-bit codes with a scale per 16 values (GGUF Q6_K,
   6-bit codes about 32; kept in the plain order) step one block at a time: one `addp` of its halves' `sdot`s puts
@@ -54,8 +53,7 @@ TAIL_STEPS = True  # a K of whole blocks that are not a multiple of a step ends 
 LANES = 4
 MINS_PER_STEP = True  # asymmetric codes: the step's 4 mins times the 4 blocks' activation sums, one FMA
 HALF_BLOCK_GROUPS = True  # 8-bit codes in groups of 16 (GGUF Q6_K): a block per step, 2 lanes per half
-CODE_ORDER = "neon"  # pairs of blocks interleaved by 8 bytes, 8-bit codes about 128 signed (group.CODE_ORDERS)
-PAIR_VECTORS = 4  # 16-value activation vectors per pair of blocks
+CODE_ORDER = "neon"  # sets of 4 blocks interleaved by 4 bytes, 8-bit codes about 128 signed (group.CODE_ORDERS)
 # Each step's float work as explicit FMAs: a wholly unrolled row (K = 576) was otherwise reassociated by LLVM into
 # separate products and adds (llvm-mca Neoverse-N2, SmolLM2 Q4_1: 3.61 -> 3.53 cycles per 32 weights)
 FMA_CHAINS = True
@@ -71,8 +69,8 @@ def rows_together(shape) -> int:
     """Rows that step together, sharing the step's activation loads (128 bytes). 4, except asymmetric 4-bit codes:
     their interleaved step (8 code vectors) and its mins' term leave too few registers for 4 rows (llvm-mca
     Neoverse-N2, SmolLM2 Q4_1 gate_up: 4.41 cycles per 32 weights with 4, 3.77 with 2; Q4_0 4.04 with 4, 4.42 with
-    2, where LLVM unrolls the 4.5 steps and keeps all their activations live; the Q8_0 lm_head's pairs 2.95 with
-    1, 2.56 with 2, 2.13 with 4)."""
+    2, where LLVM unrolls the 4.5 steps and keeps all their activations live; the Q8_0 lm_head, then in pairs of blocks,
+    2.95 with 1, 2.56 with 2, 2.13 with 4)."""
     return 2 if shape.bits == 4 and not shape.symmetric else 4
 
 
@@ -102,32 +100,28 @@ def split_int16(shape) -> bool:
     return shape.act_bits == 16
 
 
-def _paired_blocks(shape) -> int:
-    """Blocks stored in pairs: all whole pairs of 8-bit codes in the "neon" order, none in the plain one (4-bit
-    codes in the neon order are interleaved by steps of 4 blocks: _step_codes)."""
-    return shape.k // 64 * 2 if shape.code_order == "neon" and shape.bits == 8 else 0
-
-
 def activation_index(shape, b, j, plane: int = 0):
-    """Where the activation of code j (0..31) of block b goes. A whole 4-bit step (_step_codes): per 16-value vector
-    v = 2 (j % 16 // 4) + j // 16, 4 values of each of its 4 blocks in block order. Blocks of a pair (_pair_dot,
-    8-bit codes in the neon order): per 16-value vector v = j // 8 of the pair, 8 values of block 2p then 8 of block
-    2p + 1. Otherwise natural order (a block's 16-byte halves meet its low and high nibbles, or its two 16-code
-    vectors). int8 stores the values; for int16, the index in the byte view of xq of the low byte (plane 0) or high
-    byte (plane 1): per 16 values, 16 low bytes then 16 high bytes."""
+    """Where the activation of code j (0..31) of block b goes. A whole step in the neon order (_step_codes), per
+    16-value vector of the step, 4 values of each of its 4 blocks in block order: 4-bit codes, vector
+    v = 2 (j % 16 // 4) + j // 16 (a byte's low and high nibbles are codes j and j + 16); 8-bit codes, v = j // 4.
+    Otherwise natural order (a block's 16-byte halves meet its low and high nibbles, or its two 16-code vectors).
+    int8 stores the values; for int16, the index in the byte view of xq of the low byte (plane 0) or high byte
+    (plane 1): per 16 values, 16 low bytes then 16 high bytes."""
     position = b * 32 + j
     # b: the activation kernel's loop variable, so the choice of order is a select
-    if shape.bits == 4:
-        interleaved = (b // BLOCKS_PER_STEP * 128 + (j % 16 // 4 * 2 + j // 16) * 16 + b % BLOCKS_PER_STEP * 4
-                       + j % 4)
+    if shape.bits == 4 or _neon_steps(shape):
+        vector = j % 16 // 4 * 2 + j // 16 if shape.bits == 4 else j // 4
+        interleaved = b // BLOCKS_PER_STEP * 128 + vector * 16 + b % BLOCKS_PER_STEP * 4 + j % 4
         position = T.Select(b < shape.steps * BLOCKS_PER_STEP, interleaved, position)
-    elif _paired_blocks(shape):
-        paired = b // 2 * 64 + j // 8 * 16 + b % 2 * 8 + j % 8
-        position = paired if _paired_blocks(shape) * 32 == shape.k else T.Select(b < _paired_blocks(shape), paired,
-                                                                                   position)
     if shape.act_bits == 8:
         return position
     return position // 16 * 32 + plane * 16 + position % 16
+
+
+def _neon_steps(shape) -> bool:
+    """Whole steps stored as the neon order's sets of 4 blocks interleaved by 4 bytes (8-bit codes: only in that
+    order; 4-bit ones are read so from the plain order too, by ld4)."""
+    return shape.code_order == "neon" and not shape.half_block_groups
 
 
 def _dot(shape, acc, codes, act):
@@ -188,9 +182,11 @@ def _addp(a, b):
 
 
 def _step_codes(shape, w, n, step):
-    """The 4 blocks of a whole 4-bit step as 8 vectors of 16 codes, 4 of each block in block order, each split into
-    low and high nibbles: the neon order's 4 loads, or the plain step's 64 bytes read as 16 words and de-interleaved
-    by 4 (one `ld4`)."""
+    """The 4 blocks of a whole step as vectors of 16 codes, 4 of each block in block order: the neon order's plain
+    loads (4-bit: 4, each split into low and high nibbles; 8-bit: 8), or a plain 4-bit step's 64 bytes read as 16
+    words and de-interleaved by 4 (one `ld4`)."""
+    if shape.bits == 8:
+        return _code_vectors(shape, w, n, step * 128, 8)
     if shape.code_order == "neon":
         vectors = [w[n, T.ramp(step * 64 + c * 16, 1, 16)] for c in range(4)]
     else:
@@ -202,12 +198,6 @@ def _step_codes(shape, w, n, step):
     return parts
 
 
-def _pair_dot(shape, w, xq, n, pair):
-    """Lanes 0-1: block 2 pair's sum in parts, 2-3: block 2 pair + 1's (the "neon" order's 16-byte loads)."""
-    return _dot_vectors(shape, _code_vectors(shape, w, n, pair * shape.bits * 8, shape.bits // 2), xq,
-                        pair * PAIR_VECTORS)
-
-
 def step_dot(shape, w, xq, n, step, blocks: int = BLOCKS_PER_STEP):
     """Lane i: the sum of codes times activations of block step * 4 + i (zero past `blocks`, a shorter last step).
     For int16 activations xq is the byte view of the activation planes."""
@@ -216,22 +206,18 @@ def step_dot(shape, w, xq, n, step, blocks: int = BLOCKS_PER_STEP):
         halves = [_dot_vectors(shape, [codes], xq, step * 2 + h) for h, codes in enumerate(_block_codes(shape, w, n,
                                                                                                           step))]
         return _addp(halves[0], halves[1])
-    if blocks == BLOCKS_PER_STEP and shape.bits == 4:  # lane i: block step * 4 + i, each sdot adding to every lane
+    if blocks == BLOCKS_PER_STEP and (shape.bits == 4 or _neon_steps(shape)):
+        # lane i: block step * 4 + i, each sdot adding to every lane
         return _dot_vectors(shape, _step_codes(shape, w, n, step), xq, step * 8)
     first = step * BLOCKS_PER_STEP
-    if blocks == BLOCKS_PER_STEP:  # a whole step (`step` may be the loop's variable): all its blocks paired, or none
-        two = [_two_blocks(shape, w, xq, n, first + i, 2, _paired_blocks(shape) > 0) for i in range(0, blocks, 2)]
-    else:  # the shorter last step, after `step` whole ones
-        two = [_two_blocks(shape, w, xq, n, first + i, min(2, blocks - i), first + i + 2 <= _paired_blocks(shape))
-               for i in range(0, blocks, 2)]
+    # the whole steps of plain 8-bit codes, or the shorter last step after `step` whole ones: two blocks' 4-lane
+    # sums folded by one addp, then two of those
+    two = [_two_blocks(shape, w, xq, n, first + i, min(2, blocks - i)) for i in range(0, blocks, 2)]
     return _addp(two[0], two[1] if len(two) > 1 else zero)
 
 
-def _two_blocks(shape, w, xq, n, block, count: int, paired: bool):
-    """Lanes 0-1: the sum of block `block` of row n, 2-3: the next block's (zero where count is 1): a pair of the
-    neon order in one vector, or two blocks' 4-lane sums folded by one addp."""
-    if paired:
-        return _pair_dot(shape, w, xq, n, block // 2)
+def _two_blocks(shape, w, xq, n, block, count: int):
+    """Lanes 0-1: the sum of block `block` of row n (plain order), 2-3: the next block's (zero where count is 1)."""
     singles = [_block_dot(shape, w, xq, n, block + i) for i in range(count)]
     return _addp(singles[0], singles[1] if count > 1 else T.broadcast(T.int32(0), LANES))
 
@@ -239,8 +225,7 @@ def _two_blocks(shape, w, xq, n, block, count: int, paired: bool):
 def paired_tail_dot(shape, w, xq, n, step):
     """Lanes 0-1: the 2 blocks of the shorter last step (after `step` whole ones) of row n, 2-3: those of row n + 1."""
     first = step * BLOCKS_PER_STEP
-    paired = first + 2 <= _paired_blocks(shape)
-    return _addp(_two_blocks(shape, w, xq, n, first, 2, paired), _two_blocks(shape, w, xq, n + 1, first, 2, paired))
+    return _addp(_two_blocks(shape, w, xq, n, first, 2), _two_blocks(shape, w, xq, n + 1, first, 2))
 
 
 def _faddp(a, b):

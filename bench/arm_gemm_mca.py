@@ -34,6 +34,7 @@ from arm_gemv_mca import (CLANG, CLANG_CPU, CORE_MODELS, MCA, OBJDUMP, Loop, _as
                           _objdump_functions)
 
 from compiler.kernels.integer_dot_gemm import GemmShape, gemm
+from compiler.kernels.integer_dot_gemm.arm import columns_per_tile
 from compiler.targets import load_target
 
 CLANGXX = "clang++-15"
@@ -143,8 +144,7 @@ def report(ggml: Path, work: Path) -> None:
                 cells.append(f"{cycles:>9.0f} ({instructions:>5.0f})")
                 if relay is not None:  # one W row re-laid, against its block products for one panel of X rows
                     panel = cycles / 32 * (K // 32) * PANEL_ROWS / 32
-                    rows = GemmShape(K, K, FORMATS[fmt][0], 32, True, "float16", dot_family).columns_per_tile
-                    relays.append((fmt, dot_family, cpu, relay.mca(cpu) / rows, panel))
+                    relays.append((fmt, dot_family, cpu, relay.mca(cpu) / columns_per_tile(dot_family), panel))
             label = f"mobilec integer_dot_gemm ({'smmla' if dot_family == 'i8mm' else 'sdot'}, {dot_family})"
             print(f"{label:<44} {fmt:<6} " + " ".join(f"{c:>18}" for c in cells))
         for label, source, function, dot_family, formats in LLAMA_KERNELS:

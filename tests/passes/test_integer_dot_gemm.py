@@ -32,7 +32,8 @@ def _rewrite(target_name: str, code_order="neon"):
 def test_prefill_matmul_becomes_row_quantize_plus_integer_gemm(target, family):
     mod = _rewrite(target)
     prefill = [c for c in _callees(mod["prefill"]) if not c.startswith("add")]
-    assert prefill == ["quantize_rows_k128_sym4_" + family, f"integer_dot_gemm_int4_g32_sym_float16_{family}_neon_n48_k128"]
+    assert prefill == ["quantize_rows_k128_sym4_" + family,
+                       f"integer_dot_gemm_int4_g32_sym_float16_{family}_neon_n48_k128"]
     # panels of 8 rows of the symbolic row count: int8 codes and one scale per lane
     script = mod["prefill"].script()
     assert 'R.Tensor(((seq_len + 8 - 1) // 8, 1024), dtype="int8")' in script, script

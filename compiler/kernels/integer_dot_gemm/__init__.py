@@ -231,8 +231,8 @@ def gemm(shape: GemmShape) -> tirx.PrimFunc:
     blocks, sums = shape.blocks, shape.activation_sums
     relays = shape.relays
     # the neon order's sets of 4 blocks, interleaved by 4 bytes, then the blocks in place
-    steps, set_bytes, block_bytes = code_bytes * 8 // (128 * shape.bits), arm.set_bytes(shape.bits), 4 * shape.bits
-    relaid = arm.relaid_bytes(shape) if relays else 0  # per W row of the re-laid copy
+    set_bytes, block_bytes = arm.set_bytes(shape.bits), 4 * shape.bits
+    steps = code_bytes // set_bytes
     pieces = arm.pieces(shape)
     # The order of a block's tiles decides LLVM's register allocation: by W rows first (the X vectors stay live
     # across units), or by X vector first for 8-bit codes, whose W operands are twice 4-bit's: the other order
@@ -258,16 +258,16 @@ def gemm(shape: GemmShape) -> tirx.PrimFunc:
         for u in range(task_n // columns):
             for s in T.unroll(steps):
                 for h in T.unroll(pieces):
-                    codes[T.ramp(u * columns * relaid + s * set_bytes * columns + h * 64, 1, 64)] = arm.relaid_set(
+                    codes[T.ramp(arm.relaid_start(shape, u * columns, s * 4, h), 1, 64)] = arm.relaid_set(
                         shape, [w[t * task_n + u * columns + r,
                                   T.ramp(s * set_bytes + h * (64 // columns), 1, 64 // columns)]
                                 for r in range(columns)])
             for j in T.unroll((code_bytes - steps * set_bytes) // block_bytes):
                 for h in T.unroll(pieces):
-                    codes[T.ramp(u * columns * relaid + steps * set_bytes * columns + h * 64 + j * 16, 1, 16)] = (
-                        arm.relaid_block(shape, [w[t * task_n + u * columns + r, T.ramp(
-                            steps * set_bytes + j * block_bytes + h * (16 // columns), 1, 16 // columns)]
-                                                 for r in range(columns)]))
+                    codes[T.ramp(arm.relaid_start(shape, u * columns, steps * 4 + j, h), 1, 16)] = arm.relaid_block(
+                        shape, [w[t * task_n + u * columns + r,
+                                  T.ramp(steps * set_bytes + j * block_bytes + h * (16 // columns), 1, 16 // columns)]
+                                for r in range(columns)])
 
     @T.macro
     def panels(m, xq, xs, xo, w, lane_scales, lane_mins, y, t, row0):
@@ -306,7 +306,7 @@ def gemm(shape: GemmShape) -> tirx.PrimFunc:
                 if sums:
                     lane_mins[lane_term(nb, b, u) + lane] = T.Cast("float32", mins[n, b * BLOCK // shape.group])
             if relays:
-                codes = T.alloc_buffer((task_n * relaid,), "uint8")  # a workspace per task, as lane_scales
+                codes = T.alloc_buffer((task_n * arm.relaid_bytes(shape),), "uint8")  # per task, as lane_scales
                 relay_codes(w, codes, t)
                 panels(m, xq, xs, xo, codes, lane_scales, lane_mins, y, t, 0)
             else:

@@ -114,12 +114,16 @@ def _flipped(shape, codes, lanes: int):
     return T.bitwise_xor(codes, T.broadcast(T.uint8(0x88 if shape.bits == 4 else 0x80), lanes))
 
 
-def _relaid_operand(shape, w, n, block, piece):
-    """Piece `piece` of block `block` of the re-laid codes (relaid_set) of the W rows from n (a whole tile's
-    columns: the task's re-laid codes are per columns rows, sets of 4 blocks, pieces, blocks); w flat."""
+def relaid_start(shape, n, block, piece):
+    """Where piece `piece` of block `block` of the W rows from n (a whole tile's columns) starts in the task's flat
+    re-laid codes: per columns rows, sets of 4 blocks, pieces, blocks of 16 bytes."""
     # (block // 4 * pieces + piece) * 64 + block % 4 * 16, written so that a block costs one shift and add
-    start = n * relaid_bytes(shape) + block * 16 + (block // 4) * (64 * (pieces(shape) - 1)) + piece * 64
-    return w[T.ramp(start, 1, 16)]
+    return n * relaid_bytes(shape) + block * 16 + (block // 4) * (64 * (pieces(shape) - 1)) + piece * 64
+
+
+def _relaid_operand(shape, w, n, block, piece):
+    """16 bytes of the re-laid codes (relaid_set) at relaid_start; w flat."""
+    return w[T.ramp(relaid_start(shape, n, block, piece), 1, 16)]
 
 
 def _codes(shape, w, n, block, half):

@@ -16,10 +16,9 @@ order the activation kernel stores activations, and how many rows step together.
   accumulators and an `addp` per step: SmolLM2's Q8_0 lm_head 2.13 -> 1.88 cycles per 32 weights on the
   Neoverse-N2 model, with its codes stored signed, below).
 - Other steps (a shorter last step, plain 8-bit codes, 8-bit codes with a scale per 16 values): a block's two
-  16-code vectors (a
-  16-byte load split into nibbles, or two loads) and two `sdot`s give its sum in 4 lanes; `addp` of `addp`s folds
-  them into one int32x4. 8-bit codes with a scale per 16 values (GGUF Q6_K,
-  6-bit codes about 32; kept in the plain order) step one block at a time: one `addp` of its halves' `sdot`s puts
+  16-code vectors (a 16-byte load split into nibbles, or two loads) and two `sdot`s give its sum in 4 lanes; `addp`
+  of `addp`s folds them into one int32x4. 8-bit codes with a scale per 16 values (GGUF Q6_K, 6-bit codes about 32;
+  kept in the plain order) step one block at a time: one `addp` of its halves' `sdot`s puts
   each half's sum in 2 lanes, which take that half's scale.
 - The float work of a step (convert, scale by activation and weight scales, accumulate; for asymmetric codes also
   the 4 mins times the blocks' activation sums) is 4-6 instructions per 128 codes, and a step's 4 weight scales are
@@ -69,8 +68,8 @@ def rows_together(shape) -> int:
     """Rows that step together, sharing the step's activation loads (128 bytes). 4, except asymmetric 4-bit codes:
     their interleaved step (8 code vectors) and its mins' term leave too few registers for 4 rows (llvm-mca
     Neoverse-N2, SmolLM2 Q4_1 gate_up: 4.41 cycles per 32 weights with 4, 3.77 with 2; Q4_0 4.04 with 4, 4.42 with
-    2, where LLVM unrolls the 4.5 steps and keeps all their activations live; the Q8_0 lm_head, then in pairs of blocks,
-    2.95 with 1, 2.56 with 2, 2.13 with 4)."""
+    2, where LLVM unrolls the 4.5 steps and keeps all their activations live; the Q8_0 lm_head, then in pairs of
+    blocks, 2.95 with 1, 2.56 with 2, 2.13 with 4)."""
     return 2 if shape.bits == 4 and not shape.symmetric else 4
 
 
@@ -109,7 +108,7 @@ def activation_index(shape, b, j, plane: int = 0):
     (plane 1): per 16 values, 16 low bytes then 16 high bytes."""
     position = b * 32 + j
     # b: the activation kernel's loop variable, so the choice of order is a select
-    if shape.bits == 4 or _neon_steps(shape):
+    if _interleaved_steps(shape):
         vector = j % 16 // 4 * 2 + j // 16 if shape.bits == 4 else j // 4
         interleaved = b // BLOCKS_PER_STEP * 128 + vector * 16 + b % BLOCKS_PER_STEP * 4 + j % 4
         position = T.Select(b < shape.steps * BLOCKS_PER_STEP, interleaved, position)
@@ -118,10 +117,10 @@ def activation_index(shape, b, j, plane: int = 0):
     return position // 16 * 32 + plane * 16 + position % 16
 
 
-def _neon_steps(shape) -> bool:
-    """Whole steps stored as the neon order's sets of 4 blocks interleaved by 4 bytes (8-bit codes: only in that
-    order; 4-bit ones are read so from the plain order too, by ld4)."""
-    return shape.code_order == "neon" and not shape.half_block_groups
+def _interleaved_steps(shape) -> bool:
+    """Whole steps read as sets of 4 blocks interleaved by 4 bytes (_step_codes): 4-bit codes in either order (the
+    plain one de-interleaved by ld4), 8-bit ones in the neon order (16-value groups stay plain)."""
+    return shape.bits == 4 or (shape.code_order == "neon" and not shape.half_block_groups)
 
 
 def _dot(shape, acc, codes, act):
@@ -206,7 +205,7 @@ def step_dot(shape, w, xq, n, step, blocks: int = BLOCKS_PER_STEP):
         halves = [_dot_vectors(shape, [codes], xq, step * 2 + h) for h, codes in enumerate(_block_codes(shape, w, n,
                                                                                                           step))]
         return _addp(halves[0], halves[1])
-    if blocks == BLOCKS_PER_STEP and (shape.bits == 4 or _neon_steps(shape)):
+    if blocks == BLOCKS_PER_STEP and _interleaved_steps(shape):
         # lane i: block step * 4 + i, each sdot adding to every lane
         return _dot_vectors(shape, _step_codes(shape, w, n, step), xq, step * 8)
     first = step * BLOCKS_PER_STEP

@@ -31,10 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tvm
 from arm_gemv_mca import (CLANG, CLANG_CPU, CORE_MODELS, MCA, OBJDUMP, Loop, _asm_functions, _clean, _loops, _mnemonic,
-                          _objdump_functions)
+                          _objdump_functions, modelled_target)
 
 from compiler.kernels.integer_dot_gemm import GemmShape, gemm
 from compiler.kernels.integer_dot_gemm.arm import columns_per_tile
+from compiler.quantization.group import GroupLayout
 from compiler.targets import load_target
 
 CLANGXX = "clang++-15"
@@ -76,8 +77,8 @@ def _tile_cycles(found: tuple[Loop, int], cpu: str) -> tuple[float, float]:
 
 
 def _relay_loop(ops) -> Loop | None:
-    """The loop that re-lays neon-order codes into the block products' order (GemmShape.relays), a tile's columns
-    of W rows per iteration: the one with `st4`."""
+    """The loop that re-lays the stored codes (neon order, 4-bit rows in pairs) into the block products' order
+    (GemmShape.relays), a tile's columns of W rows per iteration: the one with `st4`."""
     loops = [lp for lp in _loops(ops) if any(t and _mnemonic(t) == "st4" for _, t in ops[lp[0]:lp[1] + 1])]
     return Loop(_clean(ops, *min(loops, key=lambda lp: lp[1] - lp[0])), 0) if loops else None
 
@@ -85,9 +86,10 @@ def _relay_loop(ops) -> Loop | None:
 def _ours(fmt: str, dot_family: str, cpu: str) -> tuple[tuple[Loop, int], Loop | None]:
     """Our GEMM's block-product loop (with its multiply-adds) and, for 4-bit codes, its per-row re-lay loop."""
     bits, symmetric = FORMATS[fmt]
-    target = tvm.target.Target({**load_target(TARGETS[dot_family]).tvm_target_json, "mcpu": cpu})
-    # as ARM targets store the codes (quantization/group.py): 4-bit ones re-laid per task
-    shape = GemmShape(K, K, bits, 32, symmetric, "float16", dot_family, code_order="neon")
+    target = modelled_target(load_target(TARGETS[dot_family]).tvm_target_json, cpu)
+    # as ARM targets store the codes (quantization/group.py: 4-bit rows in pairs), re-laid per task
+    order = GroupLayout(bits, 32, symmetric, "float16").with_code_order("neon_pairs", K).code_order
+    shape = GemmShape(K, K, bits, 32, symmetric, "float16", dot_family, code_order=order)
     funcs = _asm_functions(tvm.tirx.build(tvm.IRModule({"gemm": gemm(shape).with_attr("global_symbol", "gemm")}),
                                           target=target).inspect_source("asm"))
     found = next(found for ops in funcs.values() if (found := _gemm_loop(ops)))
@@ -158,7 +160,7 @@ def report(ggml: Path, work: Path) -> None:
                 figures[label, dot_family, fmt, cpu] = cycles
                 cells.append(f"{cycles:>9.0f} ({instructions:>5.0f})")
             print(f"{'llama.cpp ' + label:<44} {fmt:<6} " + " ".join(f"{c:>18}" for c in cells))
-    print(f"codes re-laid from the neon order per task (K = {K}), cycles per W row against one {PANEL_ROWS}-row "
+    print(f"codes re-laid from the stored order per task (K = {K}), cycles per W row against one {PANEL_ROWS}-row "
           f"panel's block products for it (paid once per task, for all its panels):")
     for fmt, dot_family, cpu, cycles, panel in relays:
         print(f"  {fmt} {dot_family:<8} {cpu:<12} {cycles:6.1f} = {cycles / panel:.1%} of one panel, "

@@ -20,8 +20,9 @@ one SmolLM2 decode token's modelled GEMV compute time (every call of every GEMV,
 gives for that core, on its big-core count) against the bandwidth floor (weight bytes / memory_bandwidth_gbs).
 Activation quantization (ours and llama.cpp's quantize_row_q8_*) and attention are left out of both. Last, the
 same token's bound: only the instructions no int8-dot GEMV can do without (per 32 weights: the dot products, 2 for
-int8 activations, 4 for int16 ones as two planes, and for 4-bit codes the nibble split, an AND and a shift per 16
-bytes), modelled by llvm-mca as one loop (`_essential_loop`) on the same cores; what a kernel spends above it goes
+int8 activations, 4 for int16 ones as two planes, and for 4-bit codes the nibble split: an AND and a shift per 16
+bytes of a row, or an AND per 16 bytes of a pair of rows in the neon_pairs order, which the library's kernels read),
+modelled by llvm-mca as one loop (`_essential_loop`) on the same cores; what a kernel spends above it goes
 to scales, conversions and loads.
 """
 
@@ -48,7 +49,9 @@ from compiler.targets import load_target
 MCA, OBJDUMP, CLANG = "llvm-mca-15", "llvm-objdump-15", "clang-15"
 CORE_MODELS = {"neoverse-n2": "big", "cortex-a510": "little"}  # llvm-mca -mcpu -> the target file's core kind
 ITERATIONS = 200
-KERNEL = re.compile(r"integer_dot_gemv_int(\d+)_g(\d+)_(sym|asym)_(float\d+)_a(\d+)_([a-z0-9]+?)(_neon)?_n(\d+)_k(\d+)")
+KERNEL = re.compile(r"integer_dot_gemv_int(\d+)_g(\d+)_(sym|asym)_(float\d+)_a(\d+)_([a-z0-9]+?)(_neonpairs|_neon)?"
+                    r"_n(\d+)_k(\d+)")
+ORDERS = {None: "plain", "_neon": "neon", "_neonpairs": "neon_pairs"}  # kernel name mark -> code order
 DOTS = ("sdot", "udot", "usdot")
 BRANCH = re.compile(r"^(b|b\.\w+|cbz|cbnz|tbz|tbnz)$")
 # llama.cpp's dot product per block format (its activations: Q8_0 blocks, or Q8_1 with the block sum for Q4_1),
@@ -131,14 +134,18 @@ def _hot_loops(ops) -> tuple[Loop, Loop | None] | None:
     return hot_loop, rest_loop
 
 
-def _essential_loop(bits: int, act_bits: int) -> Loop:
+def _essential_loop(bits: int, act_bits: int, row_pairs: bool) -> Loop:
     """4 blocks of 32 weights with only what every int8-dot GEMV must issue: the code loads (load pipes), the 4-bit
-    nibble split and the dot products, into 8 accumulators so that no dependency chain sets the pace."""
+    nibble split and the dot products, into 8 accumulators so that no dependency chain sets the pace. Rows in pairs
+    (neon_pairs): 2 blocks of 2 rows, 16 bytes holding 16 codes of each row: the bytes and their low nibbles."""
     body = [".Lloop:"]
     dots = 0
     for block in range(4):
         vectors = []
-        if bits == 4:
+        if row_pairs:
+            body += [f"ldr q{block}, [x0, #{block * 16}]", f"and v{4 + 2 * block}.16b, v{block}.16b, v31.16b"]
+            vectors = [block, 4 + 2 * block]
+        elif bits == 4:
             body += [f"ldr q{block}, [x0, #{block * 16}]", f"and v{4 + 2 * block}.16b, v{block}.16b, v31.16b",
                      f"ushr v{5 + 2 * block}.16b, v{block}.16b, #4"]
             vectors = [4 + 2 * block, 5 + 2 * block]
@@ -244,9 +251,17 @@ def _llama_loops(ggml: Path, cpu: str, work: Path) -> dict[str, tuple[Loop, Loop
     return {fmt: _hot_loops(funcs[name]) for fmt, name in LLAMA_KERNELS.items()}
 
 
+def modelled_target(target_json: dict, cpu: str) -> tvm.target.Target:
+    """The target's features for `cpu`, a modelled core, without SVE: -mcpu=cortex-a510 (the A55 model) implies SVE2,
+    which neither the A55 nor the phones' NEON builds use (LLVM's vector copies became SVE `mov z`, which llvm-mca's
+    A55 model rejects)."""
+    mattr = [f for f in target_json.get("mattr", []) if f.lstrip("+-") not in ("sve", "sve2")]
+    return tvm.target.Target({**target_json, "mcpu": cpu, "mattr": [*mattr, "-sve", "-sve2"]})
+
+
 def _rebuilt_loops(shape: GemvShape, target_json: dict, cpu: str) -> tuple[Loop, Loop | None]:
     """The GEMV built by TVM for `cpu` (the modelled core) with the target's features."""
-    target = tvm.target.Target({**target_json, "mcpu": cpu})
+    target = modelled_target(target_json, cpu)
     mod = tvm.IRModule({"gemv": gemv(shape, (1, 1, shape.n)).with_attr("global_symbol", "gemv")})
     funcs = _asm_functions(tvm.tirx.build(mod, target=target).inspect_source("asm"))
     return next(loops for name, ops in funcs.items() if "lambda" in name and (loops := _hot_loops(ops)))
@@ -304,18 +319,17 @@ def report(artifact: Path, ggml: Path, work: Path) -> None:
     print("-" * len(header))
     bounds = {}  # (bits, activation bits) -> core model -> cycles per 32 weights of the essential loop
     for name in kernels:
-        bits, group, kind, scale, act, family, neon, n, k = KERNEL.fullmatch(name).groups()
+        bits, group, kind, scale, act, family, order, n, k = KERNEL.fullmatch(name).groups()
         bits, group, act, n, k = int(bits), int(group), int(act), int(n), int(k)
-        shape = GemvShape(n, k, bits, group, kind == "sym", scale, act, family,
-                          code_order="neon" if neon else "plain")
+        shape = GemvShape(n, k, bits, group, kind == "sym", scale, act, family, code_order=ORDERS[order])
         fmt = _format(bits, shape.symmetric, group)
         llama_fmt = fmt if fmt in LLAMA_KERNELS else ("Q8_0" if bits == 8 else "Q4_0" if shape.symmetric else "Q4_1")
         calls = 1 if n == int(model.get("vocab_size", -1)) else int(model.get("num_hidden_layers", 1))
         bpw = _bytes_per_weight(bits, shape.symmetric, group, 2 if scale == "float16" else 4)
         weight_bytes += calls * n * k * bpw
-        if (bits, act) not in bounds:
-            essential = _essential_loop(bits, act)
-            bounds[bits, act] = {cpu: essential.mca(cpu) / 4 for cpu in CORE_MODELS}
+        if (bits, act, shape.row_pairs) not in bounds:
+            essential = _essential_loop(bits, act, shape.row_pairs)
+            bounds[bits, act, shape.row_pairs] = {cpu: essential.mca(cpu) / 4 for cpu in CORE_MODELS}
         per_dot = 16 if act == 8 else 8  # int16 activations: two int8 planes, two dot products per 16 codes
         row_weights = k * shape.rows_together
         library = next(loops for sym, ops in funcs.items() if name in sym and "compute" in sym
@@ -336,7 +350,7 @@ def report(artifact: Path, ggml: Path, work: Path) -> None:
             rows.append((fmt, model_cpu, f"-mcpu={model_cpu}", own.cycles / own_llama.cycles))
             token[model_cpu]["ours"] += calls * n * k / 32 * row
             token[model_cpu]["llama"] += calls * n * k / 32 * lib_llama.cycles
-            token[model_cpu]["bound"] += calls * n * k / 32 * bounds[bits, act][model_cpu]
+            token[model_cpu]["bound"] += calls * n * k / 32 * bounds[bits, act, shape.row_pairs][model_cpu]
     floor_ms = weight_bytes / (spec.device["memory_bandwidth_gbs"] * 1e9) * 1e3
     print(f"\none decode token: {weight_bytes / 1e6:.1f} MB of GEMV weights, bandwidth floor {floor_ms:.2f} ms "
           f"at {spec.device['memory_bandwidth_gbs']} GB/s")

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
-from .group import INTERLEAVE, NIBBLE_BLOCK, GroupLayout, interleaved_bytes
+from .group import INTERLEAVE, NIBBLE_BLOCK, PAIRED_BYTES, GroupLayout, interleaved_bytes
 
 
 def _byte_index(col, layout: GroupLayout, row_bytes: int):
-    """Where code `col` is among a row's `row_bytes` stored bytes, in the layout's order."""
+    """Where code `col` is among a row's `row_bytes` bytes in the neon or plain order (neon_pairs: before pairing)."""
     block_bytes = NIBBLE_BLOCK * layout.bits // 8
     block, in_block = col // NIBBLE_BLOCK, col % block_bytes  # 4-bit: byte j holds codes j and j + 16
     plain = block * block_bytes + in_block
@@ -25,10 +25,20 @@ def _byte_index(col, layout: GroupLayout, row_bytes: int):
 
 
 def _code(q: te.Tensor, row, col, layout: GroupLayout):
-    byte = q[row, _byte_index(col, layout, int(q.shape[1]))].astype("int32")
+    row_bytes = int(q.shape[1])
+    index = _byte_index(col, layout, row_bytes)
+    nibble = col % NIBBLE_BLOCK // (NIBBLE_BLOCK // 2)  # 4-bit: the low or high nibble of its neon byte
+    if layout.code_order == "neon_pairs":
+        # the pair's bytes (rows 2p, 2p + 1 one after the other): per 16-byte chunk, the low nibbles, then the high
+        # ones; row 2p + 1's nibble ^ 8 in the high half of each byte
+        odd = row % 2
+        at = index // PAIRED_BYTES * 2 * PAIRED_BYTES + nibble * PAIRED_BYTES + index % PAIRED_BYTES
+        byte = q[row - odd + at // row_bytes, at % row_bytes].astype("int32")
+        return ((byte >> (odd * 4)) & 0xF) ^ (odd * 8)
+    byte = q[row, index].astype("int32")
     if layout.bits == 8:
         return byte ^ 0x80 if layout.signed_codes else byte
-    return (byte >> (col % NIBBLE_BLOCK // (NIBBLE_BLOCK // 2) * 4)) & 0xF
+    return (byte >> (nibble * 4)) & 0xF
 
 
 def _value(code, scale, minv, layout: GroupLayout, dtype: str):

@@ -21,14 +21,28 @@ NIBBLE_BLOCK = 32
 # Codes about 128 are stored signed, c ^ 0x80 (GGUF Q8_0's own bytes), which `sdot` and `smmla` take as they are.
 # The prefill GEMM re-lays a task's rows into its own order first (kernels/integer_dot_gemm): its `smmla` operands
 # are 8-byte runs of one block, which a set interleaved by 4 bytes splits.
-CODE_ORDERS = ("plain", "neon")
+# "neon_pairs": 4-bit codes of an even number of rows, the neon order of rows 2p and 2p + 1 merged a nibble each:
+# per 16-byte chunk of the neon order (16 bytes of row 2p's codes, 16 of row 2p + 1's, at the same K positions),
+# 32 bytes, the chunk's low nibbles of both rows, then its high nibbles, row 2p's code in the low nibble of each
+# byte and row 2p + 1's code ^ 8 in the high one (pair_rows). As a signed byte, b = c + 16 (c' - 8) for the two
+# codes c, c', so one `sdot` of the raw bytes and one of b & 0x0F (c alone) give both rows' sums (the decode GEMV,
+# kernels/integer_dot_gemv/arm.py): per 16 bytes an AND and 2 `sdot`s, where one row's 16 bytes take an AND, a
+# shift and 2 `sdot`s. The pair's bytes are rows 2p and 2p + 1 of the stored array, one after the other.
+CODE_ORDERS = ("plain", "neon", "neon_pairs")
 INTERLEAVE = {8: (4, 4), 4: (4, 4)}  # bits -> (blocks per set, bytes per chunk) of the "neon" order
+# an order -> the order used where codes cannot take it (with_code_order)
+FALLBACK = {"neon_pairs": "neon", "neon": "plain"}
+PAIRED_BYTES = 16  # bytes per chunk of a row in neon_pairs: the pair's chunk is twice that
 
 
-def takes_code_order(order: str, bits: int, group: int) -> bool:
-    """Whether codes of `bits` in groups of `group` are stored in `order` (neon: whole blocks a group); the kernels
-    that read an order ask this too."""
-    return order == "plain" or (order == "neon" and bits in INTERLEAVE and group % NIBBLE_BLOCK == 0)
+def takes_code_order(order: str, bits: int, group: int, rows: int | None = None) -> bool:
+    """Whether codes of `bits` in groups of `group` (of `rows` rows, where known) are stored in `order` (neon: whole
+    blocks a group; neon_pairs: also 4-bit and an even number of rows); the kernels that read an order ask this
+    too."""
+    whole_blocks = bits in INTERLEAVE and group % NIBBLE_BLOCK == 0
+    if order == "neon_pairs":
+        return whole_blocks and bits == 4 and (rows is None or rows % 2 == 0)
+    return order == "plain" or (order == "neon" and whole_blocks)
 
 
 def signed_codes(order: str, bits: int, symmetric: bool, offset: int) -> bool:
@@ -62,13 +76,15 @@ class GroupLayout:
         """8-bit codes about 128 stored as c - 128 (the "neon" order)."""
         return signed_codes(self.code_order, self.bits, self.symmetric, self.offset)
 
-    def with_code_order(self, order: str) -> GroupLayout:
-        """This layout with its codes in `order`, where it takes it (neon: codes in groups of whole blocks), else as
-        it is."""
+    def with_code_order(self, order: str, rows: int | None = None) -> GroupLayout:
+        """This layout with its codes in `order` where it takes it (takes_code_order, for a weight of `rows` rows),
+        else in the first order of its FALLBACK chain that it takes."""
         if order not in CODE_ORDERS:
             raise ValueError(f"code order must be one of {CODE_ORDERS}, got {order!r}")
-        if not takes_code_order(order, self.bits, self.group):
-            return self
+        if order == "neon_pairs" and rows is None:
+            raise ValueError("the neon_pairs order pairs rows: give the weight's rows")
+        while not takes_code_order(order, self.bits, self.group, rows):
+            order = FALLBACK[order]
         return dataclasses.replace(self, code_order=order)
 
     def padded_k(self, k: int) -> int:
@@ -91,7 +107,8 @@ class GroupLayout:
         kind = "asymmetric (scale + min)"
         if self.symmetric:
             kind = "symmetric" if self.zero_code is None else f"symmetric about code {self.zero_code}"
-        order = ", codes in ARM dot-product order" if self.code_order == "neon" else ""
+        order = {"plain": "", "neon": ", codes in ARM dot-product order",
+                 "neon_pairs": ", codes in ARM dot-product order, rows in pairs"}[self.code_order]
         return f"int{self.bits} {kind}, group {self.group}, {self.scale_dtype} scales{order}"
 
 
@@ -135,6 +152,8 @@ def order_codes(packed: np.ndarray, layout: GroupLayout) -> np.ndarray:
     out = packed.copy()
     prefix = interleaved_bytes(packed.shape[1], layout.bits)
     out[:, :prefix] = _sets(packed, layout, False).transpose(0, 1, 3, 2, 4).reshape(packed.shape[0], prefix)
+    if layout.code_order == "neon_pairs":
+        return pair_rows(out)
     return out ^ np.uint8(0x80) if layout.signed_codes else out
 
 
@@ -142,10 +161,42 @@ def plain_codes(stored: np.ndarray, layout: GroupLayout) -> np.ndarray:
     """The inverse of order_codes."""
     if layout.code_order == "plain":
         return stored
-    out = stored ^ np.uint8(0x80) if layout.signed_codes else stored.copy()
+    if layout.code_order == "neon_pairs":
+        out = unpair_rows(stored)
+    else:
+        out = stored ^ np.uint8(0x80) if layout.signed_codes else stored.copy()
     prefix = interleaved_bytes(stored.shape[1], layout.bits)
     out[:, :prefix] = _sets(out, layout, True).transpose(0, 1, 3, 2, 4).reshape(stored.shape[0], prefix)
     return out
+
+
+def pair_rows(neon: np.ndarray) -> np.ndarray:
+    """4-bit codes in the neon order [n, bytes], n even -> neon_pairs: per pair of rows and 16-byte chunk, the low
+    nibbles of both rows' bytes (row 2p's low, row 2p + 1's ^ 8 high), then their high nibbles."""
+    n, width = neon.shape
+    rows = neon.reshape(n // 2, 2, width // PAIRED_BYTES, PAIRED_BYTES)
+    nibbles = np.stack([rows & 0x0F, rows >> 4], axis=3)  # [pair, row, chunk, nibble, byte]
+    paired = nibbles[:, 0] | ((nibbles[:, 1] ^ 8) << 4)  # [pair, chunk, nibble, byte]
+    return paired.reshape(n, width).astype(np.uint8)
+
+
+def unpaired(layout: GroupLayout) -> GroupLayout:
+    """The layout its rows are in before pair_rows: parts of a weight joined along N are paired once joined (a part
+    with an odd number of rows would shift the pairs of the next)."""
+    return dataclasses.replace(layout, code_order="neon") if layout.code_order == "neon_pairs" else layout
+
+
+def paired(arrays: dict[str, np.ndarray], layout: GroupLayout) -> dict[str, np.ndarray]:
+    """Arrays stored in unpaired(layout) -> in `layout`."""
+    return {**arrays, "q_weight": pair_rows(arrays["q_weight"])} if layout.code_order == "neon_pairs" else arrays
+
+
+def unpair_rows(paired: np.ndarray) -> np.ndarray:
+    """The inverse of pair_rows."""
+    n, width = paired.shape
+    chunks = paired.reshape(n // 2, width // PAIRED_BYTES, 2, PAIRED_BYTES)  # [pair, chunk, nibble, byte]
+    rows = np.stack([chunks & 0x0F, (chunks >> 4) ^ 8], axis=1)  # [pair, row, chunk, nibble, byte]
+    return (rows[:, :, :, 0] | (rows[:, :, :, 1] << 4)).reshape(n, width).astype(np.uint8)
 
 
 def scale_candidates(layout: GroupLayout) -> np.ndarray:

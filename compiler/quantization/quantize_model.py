@@ -12,7 +12,7 @@ from ..errors import MobilecError
 from ..loaders import Checkpoint
 from .awq import Calibration
 from .gguf_blocks import convert_blocks, layout_for
-from .group import GroupLayout, quantize
+from .group import GroupLayout, paired, quantize, unpaired
 from .modules import QuantizedEmbedding, QuantizedLinear
 from .schemes import Scheme
 
@@ -82,18 +82,23 @@ def quantize_model(
             layout = layout_for({src: ckpt.get_gguf_blocks(src)[0] for src in weight_sources}, path)
             if layout is None:
                 continue
-            layout = layout.with_code_order(code_order)
-            plan[path] = lambda s=weight_sources, lay=layout: _concat(
-                [convert_blocks(*ckpt.get_gguf_blocks(x)[:2], lay) for x in s])
+            layout = layout.with_code_order(code_order, _rows(layer))
+            plan[path] = lambda s=weight_sources, lay=layout: paired(_concat(
+                [convert_blocks(*ckpt.get_gguf_blocks(x)[:2], unpaired(lay)) for x in s]), lay)
         else:
             layout = output_layer_layout(scheme.layout) if _is_output_layer(path, layer) else scheme.layout
-            layout = layout.with_code_order(code_order)
+            layout = layout.with_code_order(code_order, _rows(layer))
             quantizer = calibration.quantize if calibration else lambda _path, w, lay: quantize(w, lay)
             plan[path] = lambda p=path, s=weight_sources, lay=layout, q=quantizer: q(
                 p, np.concatenate([ckpt.get(x) for x in s], axis=0), lay
             )
         setattr(parent, attr, _replacement(layer, layout, dtype))
     return plan
+
+
+def _rows(layer: nn.Module) -> int:
+    """The rows (N) of the layer's weight: an embedding's entries, a linear layer's outputs."""
+    return int(layer.num) if isinstance(layer, nn.Embedding) else int(layer.out_features)
 
 
 def _replacement(layer: nn.Module, layout: GroupLayout, dtype: str) -> nn.Module:

@@ -20,16 +20,19 @@ FAMILY_TARGETS = {
 }
 FAMILIES = list(FAMILY_TARGETS)
 # (bits, group, symmetric, scale dtype, K, N, code order): as ARM targets store them (the "neon" order: sets of 4
-# blocks interleaved by 4 bytes, re-laid per task), and plain 8-bit codes (read as they are)
+# blocks interleaved by 4 bytes, 4-bit rows in pairs: neon_pairs; re-laid per task), 4-bit rows unpaired, and plain
+# 8-bit codes (read as they are)
 LAYOUTS = [
-    (4, 32, True, "float16", 576, 40, "neon"),  # GGUF Q4_0 / q4f16_g32 at SmolLM2's hidden size; one task of 40 rows
-    (4, 32, False, "float16", 576, 96, "neon"),  # GGUF Q4_1 / q4f16_g32_asym: 4 sets and 2 blocks in place
+    (4, 32, True, "float16", 576, 40, "neon_pairs"),  # GGUF Q4_0 / q4f16_g32 at SmolLM2's hidden size; a task of 40
+    (4, 32, False, "float16", 576, 96, "neon_pairs"),  # GGUF Q4_1 / q4f16_g32_asym: 4 sets and 2 blocks in place
     (8, 32, True, "float16", 192, 64, "neon"),  # GGUF Q8_0: signed codes, a set and 2 blocks in place
-    (4, 128, True, "float16", 576, 24, "neon"),  # q4f16_g128: a short last group
+    (4, 128, True, "float16", 576, 24, "neon_pairs"),  # q4f16_g128: a short last group
     (8, 128, True, "float16", 256, 36, "neon"),  # q8f16_g128
-    (4, 32, True, "float32", 128, 8, "neon"),  # q4f32_g32: one set of 4 blocks, none in place
+    (4, 32, True, "float32", 128, 8, "neon_pairs"),  # q4f32_g32: one set of 4 blocks, none in place
     (8, 32, True, "float16", 192, 64, "plain"),  # unsigned 8-bit codes in K order, centred in registers
-    (4, 32, True, "float16", 608, 40, "neon"),  # 4 sets and 3 blocks in place: a shorter last set re-laid
+    (4, 32, True, "float16", 608, 40, "neon_pairs"),  # 4 sets and 3 blocks in place: a shorter last set re-laid
+    (4, 32, True, "float16", 608, 40, "neon"),  # the same, rows unpaired (an odd number of rows is stored so)
+    (4, 32, False, "float16", 576, 96, "neon"),
 ]
 ROWS = [1, 3, 17, 128]
 
@@ -100,8 +103,9 @@ def test_neon_order_is_re_laid_whatever_the_block_count():
     path."""
     for bits in (4, 8):
         for k in (96, 128, 576):
-            shape = GemmShape(8, k, bits, 32, True, "float16", "i8mm", code_order="neon")
-            assert shape.supported() and shape.relays
+            for order in ("neon", "neon_pairs") if bits == 4 else ("neon",):
+                shape = GemmShape(8, k, bits, 32, True, "float16", "i8mm", code_order=order)
+                assert shape.supported() and shape.relays
     plain = GemmShape(8, 96, 8, 32, True, "float16", "i8mm")
     assert plain.supported() and not plain.relays
     assert not GemmShape(8, 128, 4, 32, True, "float16", "i8mm").supported()
@@ -123,7 +127,8 @@ def test_each_family_emits_its_instructions(dot_family, bits):
     """Compiled for aarch64 (never run here): a block of an 8 x 4 tile is 32 smmla or 64 sdot by element, the float
     work one convert per 4 int32 lanes per block; with i8mm no vector register is spilled (dotprod's tile spills
     one or two per block)."""
-    shape = GemmShape(64, 576, bits, 32, True, "float16", dot_family, code_order="neon")  # as ARM targets store W
+    order = group.GroupLayout(bits, 32, True, "float16").with_code_order("neon_pairs", 64).code_order
+    shape = GemmShape(64, 576, bits, 32, True, "float16", dot_family, code_order=order)  # as ARM targets store W
     lib = tvm.tirx.build(tvm.IRModule({"gemm": gemm(shape).with_attr("global_symbol", "gemm")}),
                          target=FAMILY_TARGETS[dot_family])
     asm = assembly(lib)
@@ -145,7 +150,7 @@ def test_each_family_emits_its_instructions(dot_family, bits):
 def test_asymmetric_codes_are_centred_only_when_symmetric():
     """Asymmetric 4-bit codes (Q4_1) go in as they are, 0..15, with the mins' term; asymmetric 8-bit codes are
     refused (0..255 are not int8)."""
-    shape = GemmShape(64, 576, 4, 32, False, "float16", "i8mm", code_order="neon")
+    shape = GemmShape(64, 576, 4, 32, False, "float16", "i8mm", code_order="neon")  # paired rows: the re-lay's eor
     words = re.findall(r"^\s+([a-z][a-z0-9.]*)\s+v\d+\.", assembly(tvm.tirx.build(
         tvm.IRModule({"gemm": gemm(shape).with_attr("global_symbol", "gemm")}), target=FAMILY_TARGETS["i8mm"])),
         flags=re.MULTILINE)

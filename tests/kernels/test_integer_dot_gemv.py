@@ -50,12 +50,12 @@ def _run(lib, shape: GemvShape, x: np.ndarray, arrays: dict, permute_activations
     return y.numpy().reshape(-1)
 
 
-def _layout(bits, grp, symmetric, scale_dtype, code_order="plain"):
-    return group.GroupLayout(bits, grp, symmetric, scale_dtype).with_code_order(code_order)
+def _layout(bits, grp, symmetric, scale_dtype, code_order="plain", n=N):
+    return group.GroupLayout(bits, grp, symmetric, scale_dtype).with_code_order(code_order, n)
 
 
 def _case(bits, grp, symmetric, scale_dtype, k, seed=0, act_bits=16, dot_family="avx2", n=N, code_order="plain"):
-    layout = _layout(bits, grp, symmetric, scale_dtype, code_order)
+    layout = _layout(bits, grp, symmetric, scale_dtype, code_order, n)
     shape = GemvShape(n, k, bits, grp, symmetric, scale_dtype, act_bits, dot_family, code_order=layout.code_order)
     rng = np.random.default_rng(seed)
     arrays = group.quantize(rng.standard_normal((n, k)).astype("float32"), layout)
@@ -167,10 +167,11 @@ ARM_FAMILY_TARGETS = {
     "i8mm": tvm.target.Target({**ARM, "mcpu": "cortex-x3", "mattr": ["+neon", "+dotprod", "+i8mm", "+fullfp16"]}),
 }
 ARM_FAMILIES = list(ARM_FAMILY_TARGETS)
-# (bits, group, symmetric, scale dtype, K, code order): the "neon" order ARM targets store codes in, where the
-# layout takes it (codes in groups of whole blocks; the others stay plain), and the plain order
-ARM_LAYOUTS = [(*layout, "neon") for layout in LAYOUTS] + [
-    (4, 32, False, "float16", 576, "neon"),  # GGUF Q4_1 at SmolLM2's hidden size: 4 steps and a 2-block last step
+# (bits, group, symmetric, scale dtype, K, code order): the order ARM targets store codes in, where the layout
+# takes it (neon_pairs: 4-bit codes of an even number of rows, else neon: codes in groups of whole blocks; the others
+# stay plain), the neon order of unpaired rows, and the plain order
+ARM_LAYOUTS = [(*layout, "neon_pairs") for layout in LAYOUTS] + [
+    (4, 32, False, "float16", 576, "neon_pairs"),  # GGUF Q4_1 at SmolLM2's hidden size: 4 steps, a 2-block last step
     (8, 32, True, "float16", 576, "neon"),  # GGUF Q8_0 lm_head: signed codes
     (4, 128, True, "float16", 576, "neon"),  # q4f16_g128: a short last group inside the last step
     (8, 32, False, "float32", 576, "neon"),  # GGUF Q5_K re-laid: 8-bit codes, a float32 scale and min per 32
@@ -180,9 +181,13 @@ ARM_LAYOUTS = [(*layout, "neon") for layout in LAYOUTS] + [
     (8, 32, True, "float16", 608, "neon"),  # 19 blocks: 4 sets and a last step of 3 blocks in place
     (8, 32, True, "float16", 96, "plain"),  # unsigned 8-bit codes: usdot with i8mm, centred (eor) sdot without
     (4, 32, False, "float16", 576, "plain"),  # GGUF's own 4-bit block layout: whole steps de-interleaved by ld4
+    (4, 32, True, "float16", 608, "neon_pairs"),  # rows in pairs, a 3-block last step (taken per pair)
+    (4, 32, False, "float16", 608, "neon_pairs"),
+    (4, 32, True, "float16", 576, "neon"),  # 5 rows: unpaired, a row at a time
+    (4, 32, False, "float16", 576, "neon"),  # unpaired rows stepping 2 together
 ]
 # rows: 48 steps 4 rows together (asymmetric 4-bit codes: 2); 6 (tasks of 2 rows) 2; 5 one
-ARM_ROWS = {index: N for index in range(len(ARM_LAYOUTS))} | {1: 6, 7: 5, 8: 6}
+ARM_ROWS = {index: N for index in range(len(ARM_LAYOUTS))} | {1: 6, 8: 6, 18: 5}
 # family -> (instructions its GEMVs must contain, must not); 8-bit codes about 128 stored signed: sdot, no eor
 ARM_INSTRUCTIONS = {
     ("dotprod", 4): (["sdot", "addp", "scvtf"], ["usdot", "ucvtf", "smmla"]),
@@ -204,7 +209,7 @@ def test_each_aarch64_family_emits_its_instructions(dot_family, bits, act_bits):
     def has_ld4(text):
         return bool(re.search(r"^\s+ld4\s+\{", text, flags=re.MULTILINE))
 
-    asm = build("neon")  # as ARM targets store the codes
+    asm = build(_layout(bits, 32, True, "float16", "neon_pairs").code_order)  # as ARM targets store the codes
     # the vector instructions of the module (it holds only the GEMV)
     words = re.findall(r"^\s+([a-z][a-z0-9.]*)\s+v\d+\.", asm, flags=re.MULTILINE)
     # the neon order's whole steps (sets of 4 blocks) are plain 16-byte loads; control: GGUF's
@@ -238,12 +243,38 @@ def test_aarch64_8_bit_sets_sum_each_block_in_its_own_lane(dot_family):
     assert "addp" in words("plain")
 
 
-@pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, True)])
-def test_aarch64_rows_pair_their_shorter_last_steps(monkeypatch, bits, symmetric):
+def _vector_words(shape: GemvShape, dot_family: str = "i8mm") -> list[str]:
+    """The vector instructions of the GEMV compiled for `dot_family` (never run here)."""
+    module = tvm.IRModule({"gemv": gemv.__wrapped__(shape, (1, 1, shape.n)).with_attr("global_symbol", "gemv")})
+    asm = assembly(tvm.tirx.build(module, target=ARM_FAMILY_TARGETS[dot_family]))
+    return re.findall(r"^\s+([a-z][a-z0-9.]*)\s+v\d+\.", asm, flags=re.MULTILINE)
+
+
+@pytest.mark.parametrize("dot_family", ARM_FAMILIES)
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("k", [576, 608])
+def test_aarch64_rows_in_pairs_split_each_byte_once(dot_family, symmetric, k):
+    """4-bit codes in the neon_pairs order: 16 bytes hold 16 codes of each of two rows, so one AND (the first row's
+    nibbles) and two `sdot`s (those and the raw bytes) take 32 codes, where unpaired rows take an AND, a shift and
+    two `sdot`s: per dot product, half the nibble operations, no `ushr`; the second row's 16 (c - 8) is
+    converted by a fixed-point scvtf (or, in a 2-block last step shared with the first row's, shifted exactly).
+    Control: the neon order's unpaired rows. Numerics: the emulated device's test below (K = 576 and 608)."""
+    def words(order):
+        return _vector_words(GemvShape(N, k, 4, 32, symmetric, "float16", 8, dot_family, code_order=order), dot_family)
+
+    paired, unpaired = words("neon_pairs"), words("neon")  # (unrolled differently: compared per sdot)
+    assert "ushr" not in paired and "ushr" in unpaired
+    assert 2 * paired.count("and") == paired.count("sdot") > 0
+    assert unpaired.count("and") + unpaired.count("ushr") == unpaired.count("sdot") > 0
+
+
+@pytest.mark.parametrize("bits,symmetric,order", [(4, True, "neon"), (4, False, "neon"), (8, True, "neon"),
+                                                  (4, True, "neon_pairs"), (4, False, "neon_pairs")])
+def test_aarch64_rows_pair_their_shorter_last_steps(monkeypatch, bits, symmetric, order):
     """K = 576 (4 steps and 2 blocks): two rows' last 2 blocks share one vector, so the rows stepping together
     convert their shorter last steps once per pair. Control: the same kernel with a last step per row. Their
     numerics: the emulated device's test below (layouts at K = 576 and 192)."""
-    shape = GemvShape(N, 576, bits, 32, symmetric, "float16", 8, "dotprod", code_order="neon")
+    shape = GemvShape(N, 576, bits, 32, symmetric, "float16", 8, "dotprod", code_order=order)
     assert shape.paired_tails
 
     def converts():
@@ -267,7 +298,8 @@ def arm_libraries(emulated_arm_device, tmp_path_factory):
         for index, (bits, grp, symmetric, scale_dtype, k, order) in enumerate(ARM_LAYOUTS):
             for act_bits in (16, 8):
                 shape = GemvShape(ARM_ROWS[index], k, bits, grp, symmetric, scale_dtype, act_bits, dot_family,
-                                  code_order=_layout(bits, grp, symmetric, scale_dtype, order).code_order)
+                                  code_order=_layout(bits, grp, symmetric, scale_dtype, order,
+                                                     ARM_ROWS[index]).code_order)
                 assert shape.supported(), shape
                 name = f"{index}_a{act_bits}"
                 funcs[f"quantize_{name}"] = quantize_activation(shape, (1, 1, k)).with_attr("global_symbol",
@@ -292,19 +324,24 @@ def test_aarch64_kernels_match_numpy_on_the_emulated_device(arm_libraries, dot_f
     bits, grp, symmetric, scale_dtype, k, order = ARM_LAYOUTS[layout]
     shape, arrays, x, ref = _case(bits, grp, symmetric, scale_dtype, k, act_bits=act_bits, dot_family=dot_family,
                                   n=ARM_ROWS[layout], code_order=order)
-    assert shape.rows_together == {48: 2 if bits == 4 and not symmetric else 4, 6: 2, 5: 1}[shape.n]
+    # 48 rows: 4 together, asymmetric 4-bit rows 2 (in pairs with int8 activations: 4; arm.rows_together)
+    asymmetric_4_bit = bits == 4 and not symmetric and not (shape.row_pairs and act_bits == 8)
+    assert shape.rows_together == {48: 2 if asymmetric_4_bit else 4, 6: 2, 5: 1}[shape.n]
     names = (f"quantize_{layout}_a{act_bits}", f"gemv_{layout}_a{act_bits}")
     got = _run(libs[dot_family], shape, x, arrays, dev=remote.cpu(), names=names)
     tol = 2e-4 * np.abs(ref).max()
     if act_bits == 16:
         np.testing.assert_allclose(got, ref, rtol=2e-4, atol=tol)
     else:
-        _assert_int8_rounding(got, ref, x, arrays, _layout(bits, grp, symmetric, scale_dtype, order), k)
+        _assert_int8_rounding(got, ref, x, arrays, _layout(bits, grp, symmetric, scale_dtype, order, shape.n), k)
     rolled = _run(libs[dot_family], shape, x, arrays, permute_activations=lambda q: np.roll(q, 16),
                   dev=remote.cpu(), names=names)
     assert np.abs(rolled - ref).max() > 100 * tol
-    changed = dict(arrays, q_weight=arrays["q_weight"].copy())
+    # code 5 (x = 40) of a row near the end, by 8 (4-bit) or 128, wherever the layout's order stores it
+    layout_used = _layout(bits, grp, symmetric, scale_dtype, order, shape.n)
+    plain = group.plain_codes(arrays["q_weight"], layout_used)
     row = shape.n - 2
-    changed["q_weight"][row, 5] ^= 0x88 if bits == 4 else 0x80  # code 5 (x = 40) of a row near the end
+    plain[row, 5] ^= 0x08 if bits == 4 else 0x80
+    changed = dict(arrays, q_weight=group.order_codes(plain, layout_used))
     diff = np.abs(_run(libs[dot_family], shape, x, changed, dev=remote.cpu(), names=names) - ref)
     assert diff[row] > 10 * tol and np.delete(diff, row).max() < (tol if act_bits == 16 else 2e-2 * np.abs(ref).max())

@@ -20,9 +20,9 @@ from tests.passes.test_integer_dot_gemv import HOST, _callees, _module
 OBJDUMP = "llvm-objdump-15"
 
 
-def _rewrite(target_name: str, code_order="neon"):
+def _rewrite(target_name: str, code_order="neon_pairs"):
     """The pipeline's two integer-dot steps on the test module, its 4-bit codes in `code_order` (ARM targets store
-    the neon one)."""
+    the neon_pairs one)."""
     target = load_target(target_name).tvm_target()
     mod = IntegerDotGEMV(8, integer_dot_gemv.family(target))(FuseTransposeMatmul()(_module(code_order=code_order)))
     return IntegerDotGEMM(integer_dot_gemm.family(target))(mod)
@@ -33,7 +33,7 @@ def test_prefill_matmul_becomes_row_quantize_plus_integer_gemm(target, family):
     mod = _rewrite(target)
     prefill = [c for c in _callees(mod["prefill"]) if not c.startswith("add")]
     assert prefill == ["quantize_rows_k128_sym4_" + family,
-                       f"integer_dot_gemm_int4_g32_sym_float16_{family}_neon_n48_k128"]
+                       f"integer_dot_gemm_int4_g32_sym_float16_{family}_neonpairs_n48_k128"]
     # panels of 8 rows of the symbolic row count: int8 codes and one scale per lane
     script = mod["prefill"].script()
     assert 'R.Tensor(((seq_len + 8 - 1) // 8, 1024), dtype="int8")' in script, script
@@ -57,7 +57,7 @@ def test_pipeline_has_the_step_only_with_int8_decode_activations():
 
 def _disassembly(target_name: str, decode_activations: str, folder) -> str:
     """The library the pipeline builds for `target_name`, as object files (no link), disassembled."""
-    executable = pipeline.build(_module(code_order="neon"), load_target(target_name),
+    executable = pipeline.build(_module(code_order="neon_pairs"), load_target(target_name),
                                 decode_activations=decode_activations)
     path = folder / f"{target_name}-{decode_activations}.tar"
     executable.export_library(str(path))

@@ -33,9 +33,9 @@ SSE4 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu",
 
 def _module(tagged=True, code_order="plain"):
     """decode(x[1, 1, K]) and prefill(x[1, seq, K]): x @ dequantize(q).T + residual, as QuantizedLinear emits it, the
-    codes in `code_order` (ARM targets store the "neon" one)."""
+    codes in `code_order` (ARM targets store the "neon_pairs" one)."""
     bb = relax.BlockBuilder()
-    layout = LAYOUT.with_code_order(code_order)
+    layout = LAYOUT.with_code_order(code_order, N)
     attrs = ({LAYOUT_ATTR: {"bits": 4, "group": 32, "symmetric": True, "offset": 8, "code_order": layout.code_order}}
              if tagged else {})
     for name, rows in (("decode", 1), ("prefill", tirx.Var("seq_len", "int64"))):
@@ -96,12 +96,15 @@ def test_code_order_follows_the_target():
     dot-product order on ARM CPUs with one, K order elsewhere; a kernel is never built for the other order."""
     names = ("host", "x86-64-v3", "linux-arm64", "android-arm64", "android-adreno", "hexagon-npu")
     orders = {name: integer_dot_gemv.stored_code_order(load_target(name).tvm_target()) for name in names}
-    assert orders == dict.fromkeys(names, "plain") | {"linux-arm64": "neon", "android-arm64": "neon"}
+    assert orders == dict.fromkeys(names, "plain") | {"linux-arm64": "neon_pairs", "android-arm64": "neon_pairs"}
     assert integer_dot_gemv.stored_code_order(ARM) == "plain"  # NEON without dotprod: the float GEMV
-    assert not integer_dot_gemv.GemvShape(N, K, 8, 32, True, "float16", 8, "avx2", code_order="neon").supported()
-    assert integer_dot_gemv.GemvShape(N, K, 8, 32, True, "float16", 8, "dotprod", code_order="neon").supported()
-    assert integer_dot_gemv.GemvShape(N, K, 4, 32, True, "float16", 8, "dotprod", code_order="neon").supported()
-    assert not integer_dot_gemv.GemvShape(N, K, 4, 32, True, "float16", 8, "avx2", code_order="neon").supported()
+    for bits, order in ((8, "neon"), (4, "neon"), (4, "neon_pairs")):  # 8-bit codes, odd rows: unpaired
+        assert not integer_dot_gemv.GemvShape(N, K, bits, 32, True, "float16", 8, "avx2", code_order=order).supported()
+        assert integer_dot_gemv.GemvShape(N, K, bits, 32, True, "float16", 8, "dotprod", code_order=order).supported()
+    assert not integer_dot_gemv.GemvShape(N, K, 8, 32, True, "float16", 8, "dotprod",
+                                          code_order="neon_pairs").supported()
+    assert not integer_dot_gemv.GemvShape(N - 1, K, 4, 32, True, "float16", 8, "dotprod",
+                                          code_order="neon_pairs").supported()
 
 
 def test_left_alone_without_the_layout_tag():

@@ -155,6 +155,51 @@ def test_neon_code_order_interleaves_4_bit_steps_by_words(layout, k):
     np.testing.assert_array_equal(result.numpy(), G.dequantize(plain, layout, k))
 
 
+@pytest.mark.parametrize("layout", [G.GroupLayout(4, 32, True, "float16"), G.GroupLayout(4, 32, False, "float16"),
+                                    G.GroupLayout(4, 128, True, "float16")], ids=lambda l: l.describe())
+@pytest.mark.parametrize("k", [576, 96, 100])
+def test_neon_pairs_order_merges_two_rows_a_nibble_each(layout, k):
+    """4-bit codes of an even number of rows: per pair and 16-byte chunk of the neon order, 32 bytes, the chunk's
+    low nibbles of both rows then its high ones, the first row's code low and the second's ^ 8 high, so that a byte
+    read as int8 is c + 16 (c' - 8). numpy and the TE dequantize (and the row gather) read it back to the plain
+    order's values. Odd rows or 8-bit codes fall back to the neon order. Negative control: the bytes read as the
+    neon order are other values."""
+    pairs = layout.with_code_order("neon_pairs", 8)
+    assert pairs.code_order == "neon_pairs"
+    assert layout.with_code_order("neon_pairs", 7).code_order == "neon"
+    assert G.GroupLayout(8, 32, True, "float16").with_code_order("neon_pairs", 8).code_order == "neon"
+    with pytest.raises(ValueError, match="rows"):
+        layout.with_code_order("neon_pairs")
+    rng = np.random.default_rng(8)
+    w = rng.standard_normal((8, k)).astype(np.float32)
+    neon_layout = layout.with_code_order("neon")
+    plain, neon, paired = G.quantize(w, layout), G.quantize(w, neon_layout), G.quantize(w, pairs)
+    assert np.array_equal(G.plain_codes(paired["q_weight"], pairs), plain["q_weight"])
+    np.testing.assert_array_equal(G.dequantize(paired, pairs, k), G.dequantize(plain, layout, k))
+    stored = paired["q_weight"].reshape(4, -1)  # a pair's bytes: its two rows one after the other
+    rows = neon["q_weight"]
+    for pair, chunk, nibble, byte in [(0, 0, 0, 0), (1, 2, 1, 5), (3, rows.shape[1] // 16 - 1, 1, 15)]:
+        first, second = (int(rows[2 * pair + r, chunk * 16 + byte]) >> (4 * nibble) & 15 for r in (0, 1))
+        value = int(stored[pair, chunk * 32 + nibble * 16 + byte])
+        assert value == first | ((second ^ 8) << 4)
+        assert value - 256 * (value >= 128) == first + 16 * (second - 8)  # the byte as int8
+    assert np.abs(G.dequantize(paired, neon_layout, k) - G.dequantize(plain, layout, k)).max() > 0.1
+    names = ["q_weight", "q_scale"] + ([] if layout.symmetric else ["q_min"])
+    placeholders = [te.placeholder(paired[x].shape, str(paired[x].dtype), x) for x in names]
+    out = D.dequantize_te(pairs, k, "float32")(*placeholders)
+    lib = tvm.compile(te.create_prim_func([*placeholders, out]), target="llvm")
+    result = tvm.runtime.tensor(np.zeros((8, k), np.float32))
+    lib(*[tvm.runtime.tensor(paired[x]) for x in names], result)
+    np.testing.assert_array_equal(result.numpy(), G.dequantize(plain, layout, k))
+    ids = np.array([7, 0, 3, 3], dtype=np.int32)  # both rows of pairs, odd and even
+    ph_ids = te.placeholder((4,), "int32", "ids")
+    taken = D.take_dequantize_te(pairs, k, "float32")(ph_ids, *placeholders)
+    lib = tvm.compile(te.create_prim_func([ph_ids, *placeholders, taken]), target="llvm")
+    result = tvm.runtime.tensor(np.zeros((4, k), np.float32))
+    lib(tvm.runtime.tensor(ids), *[tvm.runtime.tensor(paired[x]) for x in names], result)
+    np.testing.assert_array_equal(result.numpy(), G.dequantize(plain, layout, k)[ids])
+
+
 def test_take_dequantize_gathers_rows():
     layout = SCHEMES["q4f16_g32"].layout
     rng = np.random.default_rng(3)
@@ -177,8 +222,9 @@ def test_gguf_blocks_keep_exact_values(ggml_type):
     w = rng.standard_normal((6, 192)).astype(np.float32)  # 6 blocks: a 4-bit set of 4 and 2 in place
     raw = gguf.quants.quantize(w, qtype)
     want = gguf.quants.dequantize(raw, qtype).reshape(6, 192)
-    for layout in (LAYOUTS[ggml_type], LAYOUTS[ggml_type].with_code_order("neon")):  # as ARM targets store them
-        assert (layout.code_order == "neon") == (layout is not LAYOUTS[ggml_type])
+    # as ARM targets store them: 4-bit rows in pairs, 8-bit in the neon order
+    for layout in (LAYOUTS[ggml_type], LAYOUTS[ggml_type].with_code_order("neon_pairs", 6)):
+        assert (layout.code_order != "plain") == (layout is not LAYOUTS[ggml_type])
         got = G.dequantize(convert_blocks(ggml_type, raw.reshape(6, -1), layout), layout, 192)
         np.testing.assert_array_equal(got, want)
     if ggml_type == "Q8_0":  # the neon order's signed codes are the file's own bytes

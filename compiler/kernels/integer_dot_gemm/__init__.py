@@ -105,8 +105,8 @@ class GemmShape:
         """Codes in the neon order (as ARM targets store them) are re-laid per task before its panels into the block
         products' own order (arm.relaid_set: 8-byte pieces of a pair of rows side by side for `smmla`, centred codes
         pre-flipped): one copy per task, read by every panel of X, instead of joining and flipping pieces in every
-        panel."""
-        return self.code_order == "neon"
+        panel. Rows in pairs (neon_pairs) are re-laid from the pairs' bytes (arm.neon_row_bytes)."""
+        return self.code_order in ("neon", "neon_pairs")
 
     @property
     def task_n(self) -> int:
@@ -122,7 +122,7 @@ class GemmShape:
         # order, 4-bit ones (which ARM targets do not store so) are left to the dequantize path
         return (self.family in arm.FAMILIES and self.bits in (4, 8) and self.k % BLOCK == 0
                 and self.group % BLOCK == 0 and self.n % TILE_N == 0 and arm.takes(self)
-                and takes_code_order(self.code_order, self.bits, self.group)
+                and takes_code_order(self.code_order, self.bits, self.group, self.n)
                 and (self.relays or self.bits == 8))
 
     def activation_name(self) -> str:
@@ -130,7 +130,7 @@ class GemmShape:
 
     def name(self) -> str:
         kind = "sym" if self.symmetric else "asym"
-        order = "_neon" if self.code_order == "neon" else ""
+        order = {"plain": "", "neon": "_neon", "neon_pairs": "_neonpairs"}[self.code_order]
         return f"int{self.bits}_g{self.group}_{kind}_{self.scale_dtype}_{self.family}{order}_n{self.n}_k{self.k}"
 
 
@@ -254,19 +254,22 @@ def gemm(shape: GemmShape) -> tirx.PrimFunc:
     @T.macro
     def relay_codes(w, codes, t):
         # the task's rows in the block products' order (arm.relaid_set), columns rows at a time: per set of 4
-        # blocks, its pieces; then the blocks past the last set (in place in the neon order), piece by piece
+        # blocks, its pieces; then the blocks past the last set (in place in the neon order), piece by piece. Row
+        # u columns + r is odd where r is (tasks and tiles hold even rows) or, a row at a time, where u is
         for u in range(task_n // columns):
             for s in T.unroll(steps):
                 for h in T.unroll(pieces):
                     codes[T.ramp(arm.relaid_start(shape, u * columns, s * 4, h), 1, 64)] = arm.relaid_set(
-                        shape, [w[t * task_n + u * columns + r,
-                                  T.ramp(s * set_bytes + h * (64 // columns), 1, 64 // columns)]
+                        shape, [arm.neon_row_bytes(shape, w, t * task_n + u * columns + r,
+                                                   s * set_bytes + h * (64 // columns), 64 // columns,
+                                                   r if columns == 2 else u % 2)
                                 for r in range(columns)])
             for j in T.unroll((code_bytes - steps * set_bytes) // block_bytes):
                 for h in T.unroll(pieces):
                     codes[T.ramp(arm.relaid_start(shape, u * columns, steps * 4 + j, h), 1, 16)] = arm.relaid_block(
-                        shape, [w[t * task_n + u * columns + r,
-                                  T.ramp(steps * set_bytes + j * block_bytes + h * (16 // columns), 1, 16 // columns)]
+                        shape, [arm.neon_row_bytes(shape, w, t * task_n + u * columns + r,
+                                                   steps * set_bytes + j * block_bytes + h * (16 // columns),
+                                                   16 // columns, r if columns == 2 else u % 2)
                                 for r in range(columns)])
 
     @T.macro

@@ -8,8 +8,9 @@
   re-laid per task (GemmShape.relays, relaid_set) into the block products' own order: per pair of rows and block,
   16-byte pieces of 8 code bytes of each row (4-bit: 2, 8-bit: 4), centred codes pre-flipped, so that an operand is
   one load (4-bit: and one nibble operation), as in llama.cpp's Q4_0 repacked at load time (4-bit pieces joined in
-  every panel instead took 2 joins and 3 operations per 16 bytes). Plain 8-bit W is read as it is, two 8-byte
-  pieces joined.
+  every panel instead took 2 joins and 3 operations per 16 bytes). 4-bit rows in pairs (the neon_pairs order the
+  decode GEMV reads) are rebuilt into each row's neon-order bytes as the re-lay reads them (neon_row_bytes: 3-4
+  nibble operations per 16 bytes, once per task). Plain 8-bit W is read as it is, two 8-byte pieces joined.
 - dotprod: `sdot` by element: the first operand holds 4 X rows x 4 values, the second one 32-bit lane of a W row
   (4 values) repeated; lane i sums row i's 4 products. 8 per block give a column of 4 outputs without horizontal
   sums. W re-laid per task is each row's blocks in the plain order, centred codes pre-flipped.
@@ -112,6 +113,35 @@ def _flipped(shape, codes, lanes: int):
     if not centered(shape) or shape.signed_codes:
         return codes
     return T.bitwise_xor(codes, T.broadcast(T.uint8(0x88 if shape.bits == 4 else 0x80), lanes))
+
+
+def neon_row_bytes(shape, w, row, start, count: int, odd):
+    """`count` bytes of W row `row` in the neon order from byte `start` (whole 16-byte chunks, or a part of one):
+    as stored, or rebuilt from the pairs' bytes (neon_pairs, quantization/group.py: per chunk of the pair, the low
+    nibbles of both rows, then the high ones, the second row's ^ 8). `odd`: row % 2, an int where it is known."""
+    if shape.code_order != "neon_pairs":
+        return w[row, T.ramp(start, 1, count)]
+    row_bytes = shape.k // 2
+
+    def rebuilt(at, width):  # a part of one chunk: its low and high nibbles' bytes in the pair's bytes
+        pair_at = at // 16 * 32 + at % 16
+        halves = [w[row - odd + (pair_at + h * 16) // row_bytes, T.ramp((pair_at + h * 16) % row_bytes, 1, width)]
+                  for h in (0, 1)]
+        if isinstance(odd, int):  # the row's nibble: low (first row of the pair) or high, in place
+            low = (T.bitwise_and(halves[0], T.broadcast(T.uint8(15), width)) if odd == 0
+                   else T.shift_right(halves[0], T.broadcast(T.uint8(4), width)))
+            high = (T.shift_left(halves[1], T.broadcast(T.uint8(4), width)) if odd == 0
+                    else T.bitwise_and(halves[1], T.broadcast(T.uint8(0xF0), width)))
+            joined = T.bitwise_or(low, high)
+            return T.bitwise_xor(joined, T.broadcast(T.uint8(0x88), width)) if odd else joined
+        shift = T.broadcast(T.Cast("uint8", odd * 4), width)
+        nibbles = [T.bitwise_and(T.shift_right(half, shift), T.broadcast(T.uint8(15), width)) for half in halves]
+        joined = T.bitwise_or(nibbles[0], T.shift_left(nibbles[1], T.broadcast(T.uint8(4), width)))
+        return T.bitwise_xor(joined, T.broadcast(T.Cast("uint8", odd * 0x88), width))
+
+    if count <= 16:
+        return rebuilt(start, count)
+    return T.Shuffle([rebuilt(start + c * 16, 16) for c in range(count // 16)], list(range(count)))
 
 
 def relaid_start(shape, n, block, piece):

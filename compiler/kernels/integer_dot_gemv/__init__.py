@@ -16,10 +16,11 @@ kernel stores the activations so that every instruction reads them contiguously;
 its per-block terms already repeated per lane, so the only shuffle left widens the two weight scales of a 4-bit
 step to [d0 ..., d1 ...]. A variant may also step through 4 blocks with a lane each and a shorter last step,
 several rows at a time, the mins' term per step, a shorter last step of 2 blocks taken by pairs of rows in one
-vector (arm.py). 8-bit codes may also have a scale (and min) per 16 values (GGUF Q6_K) where the variant sums each
-half of a block in its own half of the lanes (x86.py, arm.py). Every variant file defines the same names:
-FAMILIES, TAIL_STEPS, MINS_PER_STEP, HALF_BLOCK_GROUPS, FMA_CHAINS, reduce_rows, paired_tail_dot, rows_together,
-chains, blocks_per_step, qmax, centered, split_int16, int32_lanes, activation_index and step_dot.
+vector, and rows in pairs whose codes share each byte (the neon_pairs order: both rows' sums from the same loads,
+arm.py). 8-bit codes may also have a scale (and min) per 16 values (GGUF Q6_K) where the variant sums each half of
+a block in its own half of the lanes (x86.py, arm.py). Every variant file defines the same names: FAMILIES,
+CODE_ORDER, TAIL_STEPS, MINS_PER_STEP, HALF_BLOCK_GROUPS, FMA_CHAINS, reduce_rows, paired_tail_dot, pair_step_dot,
+rows_together, chains, blocks_per_step, qmax, centered, split_int16, int32_lanes, activation_index and step_dot.
 
 SmolLM2 decode GEMVs, one Zen 3 core (AVX2), weights in cache, int16 activations: 4-bit gate_up 0.128 ms with
 vpmovzxbw widening, 0.093 ms widened in-lane (x86.py); int8 activations 0.062 ms. AVX2 code on one Zen 4 core,
@@ -40,7 +41,7 @@ from tvm.target import Target
 
 from ...choices import DECODE_ACTIVATIONS
 from ...isa import cpu_isa
-from ...quantization.group import signed_codes, takes_code_order
+from ...quantization.group import FALLBACK, signed_codes, takes_code_order
 from . import arm, x86
 
 BLOCK = 32  # activation values per scale, and codes per int32 block sum
@@ -50,6 +51,8 @@ ROWS_PER_TASK = 16
 # with the hardware prefetcher alone, went 1.29 -> 1.44 ms with it.
 PREFETCH_BYTES = 2048
 ACTIVATION_BITS = tuple(int(name.removeprefix("int")) for name in DECODE_ACTIVATIONS)  # (16, 8)
+# code order -> its mark in kernel names
+ORDER_SUFFIXES = {"plain": "", "neon": "_neon", "neon_pairs": "_neonpairs"}
 # architecture -> the variant file with its families (compiler/isa.py INT_DOT_FAMILIES) and dot step
 VARIANTS = {"x86_64": x86, "aarch64": arm}
 
@@ -70,6 +73,11 @@ def stored_code_order(target: Target) -> str:
     """The code order (quantization/group.CODE_ORDERS) the weights are stored in for `target`: its variant's."""
     name = family(target)
     return "plain" if name is None else _variant(name).CODE_ORDER
+
+
+def _orders(order: str) -> tuple[str, ...]:
+    """`order` and the orders codes that cannot take it are stored in (quantization/group.FALLBACK), to plain."""
+    return (order, *_orders(FALLBACK[order])) if order in FALLBACK else (order,)
 
 
 def _variant(name: str):
@@ -153,6 +161,12 @@ class GemvShape:
         return (self.steps + (self.tail_blocks > 0)) * self.lanes
 
     @property
+    def row_pairs(self) -> bool:
+        """Codes in the neon_pairs order (quantization/group.py): rows step by pairs, both rows' sums from the same
+        16-byte loads (the variant's pair_step_dot)."""
+        return self.code_order == "neon_pairs"
+
+    @property
     def paired_tails(self) -> bool:
         """The shorter last step's 2 blocks of two rows stepping together fill one vector (the variant's
         paired_tail_dot): one float step per pair of rows instead of one per row with half its lanes zero, added to
@@ -197,8 +211,10 @@ class GemvShape:
         # about 128), and asymmetric ones take the centring into each step's mins (mins_per_step).
         return (self.bits in (4, 8) and self.act_bits in ACTIVATION_BITS and any(
                     self.family in module.FAMILIES for module in VARIANTS.values())
-                and self.code_order in ("plain", _variant(self.family).CODE_ORDER)
-                and takes_code_order(self.code_order, self.bits, self.group)
+                and self.code_order in _orders(_variant(self.family).CODE_ORDER)
+                and takes_code_order(self.code_order, self.bits, self.group, self.n)
+                and (not self.row_pairs or (self.rows_together % 2 == 0 and not self.half_block_groups
+                                            and (not self.symmetric or self.offset == 8)))
                 and self.k % BLOCK == 0 and (self.group % BLOCK == 0 or self.half_block_groups)
                 and (self.tail_blocks == 0 or _variant(self.family).TAIL_STEPS)
                 and (self.group <= BLOCK or self.group % (BLOCK * self.blocks_per_step) == 0)
@@ -209,12 +225,12 @@ class GemvShape:
         (per 16 values for 16-value groups) and the int width."""
         kind = "asym" if not self.symmetric else "sym" if self.offset == 1 << (self.bits - 1) else f"sym{self.offset}"
         halves = "_g16" if self.half_block_groups else ""
-        order = "_neon" if self.code_order == "neon" else ""
+        order = "" if self.code_order == "plain" else "_neon"  # rows in pairs read the same activations
         return f"int{self.bits}_{kind}{halves}_k{self.k}_a{self.act_bits}_l{self.lanes}{order}"
 
     def name(self) -> str:
         kind = "sym" if self.symmetric else "asym"
-        order = "_neon" if self.code_order == "neon" else ""
+        order = ORDER_SUFFIXES[self.code_order]
         return (f"int{self.bits}_g{self.group}_{kind}_{self.scale_dtype}_a{self.act_bits}_{self.family}{order}"
                 f"_n{self.n}_k{self.k}")
 
@@ -310,9 +326,18 @@ def _fma(shape: GemvShape, a, b, c):
     return c + a * b
 
 
-def _float_step(shape: GemvShape, acc, ints, xs_terms, xo_terms, scale, mins):
+def _float_step(shape: GemvShape, acc, ints, xs_terms, xo_terms, scale, mins, second_of_pair: bool = False):
     """`acc` plus the float value of a step's int32 lanes `ints`, given each lane's activation terms (xs, xo) and
-    weight scale (and min), each product added to the running sum so that it is one FMA."""
+    weight scale (and min), each product added to the running sum so that it is one FMA. `second_of_pair`: the
+    lanes are 16 times the sums of (c - 8) q (row_pairs), the 16 taken out by the convert itself."""
+    if second_of_pair:
+        dot = T.call_llvm_pure_intrin(f"float32x{shape.lanes}", "llvm.aarch64.neon.vcvtfxs2fp.v4f32.v4i32", ints,
+                                      T.int32(4))
+        if shape.symmetric:  # offset 8 (supported): the sums are the codes' own
+            return _fma(shape, dot * xs_terms, scale, acc)
+        # c d + m = (c - 8) d + (m + 8 d): the 8 joins the min
+        return _fma(shape, dot * xs_terms, scale, _fma(shape, xo_terms, _fma(shape, scale, _splat(shape, 8), mins),
+                                                       acc))
     dot = T.Cast(f"float32x{shape.lanes}", ints)
     if shape.centered and shape.symmetric and shape.offset == 128:  # the dot already holds sum (c - 128) q
         return _fma(shape, dot * xs_terms, scale, acc)
@@ -326,6 +351,10 @@ def _float_step(shape: GemvShape, acc, ints, xs_terms, xo_terms, scale, mins):
     return _fma(shape, dot * xs_terms, scale, acc)  # the mins' term comes once per row (gemv)
 
 
+def _splat(shape: GemvShape, value: float):
+    return T.broadcast(T.float32(value), shape.lanes)
+
+
 def _step_sum(shape: GemvShape, acc, xq, xs, xo, w, d, m, n, step, blocks: int | None = None):
     """`acc` plus one step's contribution to the row's float32 partial sums (`blocks`: a shorter last step). Built as
     one expression: a vector bound to a name inside the kernel would become a Let that the Relax build spills to a
@@ -335,6 +364,19 @@ def _step_sum(shape: GemvShape, acc, xq, xs, xo, w, d, m, n, step, blocks: int |
     ints = step_dot(shape, w, xq, n, step) if blocks is None else step_dot(shape, w, xq, n, step, blocks)
     mins = _lane_scale(shape, m, n, step, blocks) if shape.mins_per_step else None
     return _float_step(shape, acc, ints, xs[terms], xo[terms], _lane_scale(shape, d, n, step, blocks), mins)
+
+
+def _pair_step_sums(shape: GemvShape, accs, xq, xs, xo, w, d, m, n, step, blocks: int | None = None):
+    """Rows n and n + 1 in the neon_pairs order (w: the pairs' view): float32x8, `accs` (each row's float32x4) plus
+    one step's contribution to each."""
+    terms = T.ramp(step * shape.lanes, 1, shape.lanes)
+    pair_step_dot = _variant(shape.family).pair_step_dot
+    dots = (pair_step_dot(shape, w, xq, n // 2, step) if blocks is None
+            else pair_step_dot(shape, w, xq, n // 2, step, blocks))
+    sums = [_float_step(shape, accs[r], dots[r], xs[terms], xo[terms], _lane_scale(shape, d, n + r, step, blocks),
+                        _lane_scale(shape, m, n + r, step, blocks) if shape.mins_per_step else None, r == 1)
+            for r in (0, 1)]
+    return T.Shuffle(sums, list(range(2 * shape.lanes)))
 
 
 def _paired_tail(shape: GemvShape, xq, xs, xo, w, d, m, n):
@@ -352,7 +394,14 @@ def _paired_tail(shape: GemvShape, xq, xs, xo, w, d, m, n):
 
     ints = _variant(shape.family).paired_tail_dot(shape, w, xq, n, shape.steps)
     mins = per_lane(m) if shape.mins_per_step else None
-    return lambda acc: _float_step(shape, acc, ints, twice(xs), twice(xo), per_lane(d), mins)
+    xo_terms = twice(xo)
+    if shape.row_pairs:  # lanes 2-3: row n + 1's sums of c - 8 (paired_tail_dot)
+        if shape.symmetric:  # offset 8: no activation-sum term
+            pair = xo[T.ramp(shape.steps * shape.lanes, 1, 2)]
+            xo_terms = T.Shuffle([pair, T.broadcast(T.float32(0), 2)], [0, 1, 2, 3])
+        else:  # the 8 joins the min, as in _float_step
+            mins = _fma(shape, per_lane(d), T.Shuffle([_splat(shape, 0), _splat(shape, 8)], [0, 1, 4, 5]), mins)
+    return lambda acc: _float_step(shape, acc, ints, twice(xs), xo_terms, per_lane(d), mins)
 
 
 def _mins_tail(m, xo, n, start: int, stop: int):
@@ -392,6 +441,7 @@ def gemv(shape: GemvShape, y_shape: tuple[int, ...]) -> tirx.PrimFunc:
     split = shape.split_int16
     together = shape.rows_together
     chains = shape.chains
+    row_pairs = shape.row_pairs
     reduce_rows = _variant(shape.family).reduce_rows
     if reduce_rows is not None and (together == 1 or not (shape.symmetric or shape.mins_per_step)):
         reduce_rows = None
@@ -400,17 +450,29 @@ def gemv(shape: GemvShape, y_shape: tuple[int, ...]) -> tirx.PrimFunc:
     @T.macro
     def add_step(acc, xq, xs, xo, w, d, m, row0, step, chain):
         # `together` rows in one step share its activation loads (xq: the planes of split int16 as int8)
-        for i in T.unroll(together):
-            if prefetch > 0:
-                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                    w[row0 + i, step * shape.step_bytes + prefetch]), T.int32(0), T.int32(3), T.int32(1)))
-            acc[T.ramp((chain * together + i) * lanes, 1, lanes)] = _step_sum(
-                shape, acc[T.ramp((chain * together + i) * lanes, 1, lanes)], xq, xs, xo, w, d, m, row0 + i, step)
+        if row_pairs:  # w: the pairs' view, a pair's step of 128 bytes is two cache lines
+            for i in T.unroll(together // 2):
+                for line in T.unroll(2):
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
+                        w[row0 // 2 + i, step * 2 * shape.step_bytes + 2 * prefetch + line * 64]), T.int32(0),
+                        T.int32(3), T.int32(1)))
+                acc[T.ramp((chain * together + 2 * i) * lanes, 1, 2 * lanes)] = _pair_step_sums(
+                    shape, [acc[T.ramp((chain * together + 2 * i + half) * lanes, 1, lanes)] for half in (0, 1)],
+                    xq, xs, xo, w, d, m, row0 + 2 * i, step)
+        else:
+            for i in T.unroll(together):
+                if prefetch > 0:
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
+                        w[row0 + i, step * shape.step_bytes + prefetch]), T.int32(0), T.int32(3), T.int32(1)))
+                acc[T.ramp((chain * together + i) * lanes, 1, lanes)] = _step_sum(
+                    shape, acc[T.ramp((chain * together + i) * lanes, 1, lanes)], xq, xs, xo, w, d, m, row0 + i,
+                    step)
 
     @T.macro
     def rows_loop(xq, xs, xo, w, d, m, y):
         yf = T.decl_buffer((n_rows,), "float32", data=y.data)
         xb = T.decl_buffer((k * shape.act_bits // 8,), "int8", data=xq.data)  # the planes of split int16
+        wp = T.decl_buffer((n_rows // 2, 2 * code_bytes), "uint8", data=w.data)  # rows in pairs (row_pairs)
         for task in T.parallel(n_rows // rows):
             for r in range(rows // together):
                 # default scope: a stack array LLVM keeps in registers ("local" became a workspace call per task).
@@ -421,17 +483,23 @@ def gemv(shape: GemvShape, y_shape: tuple[int, ...]) -> tirx.PrimFunc:
                     acc[T.ramp(i * lanes, 1, lanes)] = T.broadcast(T.float32(0), lanes)
                 for outer in range(shape.steps // chains):
                     for c in T.unroll(chains):
-                        add_step(acc, xb if split else xq, xs, xo, w, d, m, task * rows + r * together,
-                                 outer * chains + c, c)
+                        add_step(acc, xb if split else xq, xs, xo, wp if row_pairs else w, d, m,
+                                 task * rows + r * together, outer * chains + c, c)
                 if shape.steps % chains > 0:
                     for c in T.unroll(shape.steps % chains):
-                        add_step(acc, xb if split else xq, xs, xo, w, d, m, task * rows + r * together,
-                                 shape.steps // chains * chains + c, c)
+                        add_step(acc, xb if split else xq, xs, xo, wp if row_pairs else w, d, m,
+                                 task * rows + r * together, shape.steps // chains * chains + c, c)
                 for c in T.unroll(1, chains):
                     for i in T.unroll(together):
                         acc[T.ramp(i * lanes, 1, lanes)] = (acc[T.ramp(i * lanes, 1, lanes)]
                                                             + acc[T.ramp((c * together + i) * lanes, 1, lanes)])
-                if shape.tail_blocks > 0 and not shape.paired_tails:
+                if shape.tail_blocks > 0 and not shape.paired_tails and row_pairs:
+                    for i in T.unroll(together // 2):
+                        acc[T.ramp(2 * i * lanes, 1, 2 * lanes)] = _pair_step_sums(
+                            shape, [acc[T.ramp((2 * i + half) * lanes, 1, lanes)] for half in (0, 1)],
+                            xb if split else xq, xs, xo, wp, d, m, task * rows + r * together + 2 * i, shape.steps,
+                            shape.tail_blocks)
+                if shape.tail_blocks > 0 and not shape.paired_tails and not row_pairs:
                     for i in T.unroll(together):
                         acc[T.ramp(i * lanes, 1, lanes)] = _step_sum(
                             shape, acc[T.ramp(i * lanes, 1, lanes)], xb if split else xq, xs, xo, w, d, m,
@@ -439,7 +507,8 @@ def gemv(shape: GemvShape, y_shape: tuple[int, ...]) -> tirx.PrimFunc:
                 if reduce_rows is not None:
                     # the rows' sums in one vector (arm.py: pairwise adds across the rows' accumulators)
                     yf[T.ramp(task * rows + r * together, 1, together)] = _rows_sums(
-                        shape, acc, together, task * rows + r * together, xb if split else xq, xs, xo, w, d, m)
+                        shape, acc, together, task * rows + r * together, xb if split else xq, xs, xo,
+                        wp if row_pairs else w, d, m)
                 else:
                     for i in T.unroll(together):
                         if shape.symmetric or shape.mins_per_step:

@@ -11,6 +11,13 @@ order the activation kernel stores activations, and how many rows step together.
   loads. Plain 4-bit codes (the GGUF block layout) are read by one `ld4` of 32-bit words that de-interleaves them,
   whose 4 vector-pipe cycles per step and row made it the costliest instruction of the loop (llvm-mca Neoverse-N2,
   SmolLM2 Q4_1 gate_up: 3.76 cycles per 32 weights with `ld4`, 3.26 with the neon order's loads).
+- 4-bit rows in pairs (the neon_pairs order, what ARM targets store for an even number of rows): each 16-byte load
+  holds 16 codes of each of two rows at the same activations, the first row's in the low nibbles and the second's
+  ^ 8 in the high ones, so that the byte as int8 is c + 16 (c' - 8): one `sdot` of the raw bytes and one of their
+  low nibbles (AND 0x0F) give the first row's sums and, by their difference, 16 times the second row's sums of
+  (c' - 8), which a fixed-point `scvtf` (4 fraction bits) converts; the 8 joins the second row's min (asymmetric
+  codes) or is the offset itself (symmetric). Per 32 codes an AND and 2 `sdot`s instead of an AND, a shift and 2
+  `sdot`s (pair_step_dot; llvm-mca Neoverse-N2, SmolLM2 Q4_1 gate_up: 3.26 -> 2.86 cycles per 32 weights).
 - 8-bit codes in the neon order are the same sets of 4 blocks interleaved by 4 bytes: a step is 8 plain loads whose
   `sdot`s all go into one accumulator, a lane per block (before, pairs of blocks interleaved by 8 bytes took two
   accumulators and an `addp` per step: SmolLM2's Q8_0 lm_head 2.13 -> 1.88 cycles per 32 weights on the
@@ -52,7 +59,9 @@ TAIL_STEPS = True  # a K of whole blocks that are not a multiple of a step ends 
 LANES = 4
 MINS_PER_STEP = True  # asymmetric codes: the step's 4 mins times the 4 blocks' activation sums, one FMA
 HALF_BLOCK_GROUPS = True  # 8-bit codes in groups of 16 (GGUF Q6_K): a block per step, 2 lanes per half
-CODE_ORDER = "neon"  # sets of 4 blocks interleaved by 4 bytes, 8-bit codes about 128 signed (group.CODE_ORDERS)
+# sets of 4 blocks interleaved by 4 bytes, 4-bit rows in pairs a nibble each, 8-bit codes about 128 signed (an odd
+# number of rows, or 8-bit codes: the neon order; group.CODE_ORDERS, FALLBACK)
+CODE_ORDER = "neon_pairs"
 # Each step's float work as explicit FMAs: a wholly unrolled row (K = 576) was otherwise reassociated by LLVM into
 # separate products and adds (llvm-mca Neoverse-N2, SmolLM2 Q4_1: 3.61 -> 3.53 cycles per 32 weights)
 FMA_CHAINS = True
@@ -69,8 +78,12 @@ def rows_together(shape) -> int:
     their interleaved step (8 code vectors) and its mins' term leave too few registers for 4 rows (llvm-mca
     Neoverse-N2, SmolLM2 Q4_1 gate_up: 4.41 cycles per 32 weights with 4, 3.77 with 2; Q4_0 4.04 with 4, 4.42 with
     2, where LLVM unrolls the 4.5 steps and keeps all their activations live; the Q8_0 lm_head, then in pairs of
-    blocks, 2.95 with 1, 2.56 with 2, 2.13 with 4)."""
-    return 2 if shape.bits == 4 and not shape.symmetric else 4
+    blocks, 2.95 with 1, 2.56 with 2, 2.13 with 4). Rows in pairs (neon_pairs) split each code vector once for two
+    rows: asymmetric ones with int8 activations step by 4 rows too (3.20 -> 3.04 cycles per 32 weights at K = 576,
+    2.89 -> 2.84 at 1536), with int16 ones (two planes) by 2 (4.15 with 2, 5.03 with 4 at K = 1536)."""
+    if shape.bits == 4 and not shape.symmetric:
+        return 4 if shape.row_pairs and shape.act_bits == 8 else 2
+    return 4
 
 
 def chains(shape) -> int:
@@ -222,9 +235,49 @@ def _two_blocks(shape, w, xq, n, block, count: int):
 
 
 def paired_tail_dot(shape, w, xq, n, step):
-    """Lanes 0-1: the 2 blocks of the shorter last step (after `step` whole ones) of row n, 2-3: those of row n + 1."""
+    """Lanes 0-1: the 2 blocks of the shorter last step (after `step` whole ones) of row n, 2-3: those of row n + 1
+    (rows in pairs: w is the pairs' view, and lanes 2-3 hold the sums of c - 8, the shift exact)."""
     first = step * BLOCKS_PER_STEP
+    if shape.row_pairs:
+        low, high = _pair_blocks(shape, w, xq, n // 2, first, 2)
+        return _addp(_addp(low[0], low[1]), T.shift_right(_addp(high[0], high[1]), T.broadcast(T.int32(4), LANES)))
     return _addp(_two_blocks(shape, w, xq, n, first, 2), _two_blocks(shape, w, xq, n + 1, first, 2))
+
+
+def _low_nibbles(codes):
+    return T.bitwise_and(codes, T.broadcast(T.uint8(15), 16))
+
+
+def pair_step_dot(shape, w, xq, pair, step, blocks: int = BLOCKS_PER_STEP):
+    """Rows 2 pair and 2 pair + 1 in the neon_pairs order (w: the pairs' view, a pair's bytes per row): step_dot's
+    lanes of the first row, and 16 times those of the second taken as c - 8. Each 16 bytes hold both rows' codes at
+    the same activations, c + 16 (c' - 8) as a signed byte: one `sdot` of the bytes and one of their low nibbles
+    (the first row's codes); their difference is the second row's."""
+    if blocks == BLOCKS_PER_STEP:
+        # the step's 8 chunks of 16 bytes: code vector v of both rows (_step_codes' order), 128 bytes
+        raw = [w[pair, T.ramp(step * 128 + v * 16, 1, 16)] for v in range(8)]
+        low = _dot_vectors(shape, [_low_nibbles(codes) for codes in raw], xq, step * 8)
+        return low, _dot_vectors(shape, raw, xq, step * 8) - low
+    low, high = _pair_blocks(shape, w, xq, pair, step * BLOCKS_PER_STEP, blocks)
+    zero = T.broadcast(T.int32(0), LANES)
+
+    def folded(sums):  # as step_dot's shorter step: two blocks' lanes by an addp, then two of those
+        two = [_addp(sums[i], sums[i + 1] if i + 1 < blocks else zero) for i in range(0, blocks, 2)]
+        return _addp(two[0], two[1] if len(two) > 1 else zero)
+
+    return folded(low), folded(high)
+
+
+def _pair_blocks(shape, w, xq, pair, first, count):
+    """Per block from `first` (past the last whole step, in place: its two 16-byte chunks of both rows' codes 0-15
+    and 16-31, at their activations in natural order), the int32x4 whose lanes add up to the first row's sum and
+    to 16 times the second row's (c - 8)."""
+    low, high = [], []
+    for block in range(first, first + count):
+        raw = [w[pair, T.ramp(block * 32 + h * 16, 1, 16)] for h in (0, 1)]
+        low.append(_dot_vectors(shape, [_low_nibbles(codes) for codes in raw], xq, block * 2))
+        high.append(_dot_vectors(shape, raw, xq, block * 2) - low[-1])
+    return low, high
 
 
 def _faddp(a, b):

@@ -113,8 +113,8 @@ def test_arm64_decode_gemvs_use_the_dot_product(mobile_artifacts, target, tmp_pa
     symbols = b"".join(f.read_bytes() for f in files)
     # the default int16 activations; the shards hold the codes in the ARM kernels' order, and its GEMVs read it
     config = json.loads((out / CONFIG_FILE).read_text())
-    assert config["quantization"]["code_order"] == "neon"
-    assert re.search(rb"integer_dot_gemv_int4_g32_sym_float16_a16_\w+_neon_n\d+", symbols)
+    assert config["quantization"]["code_order"] == "neon_pairs"  # 4-bit rows in pairs, a nibble each
+    assert re.search(rb"integer_dot_gemv_int4_g32_sym_float16_a16_\w+_neonpairs_n\d+", symbols)
 
 
 def test_hexagon_objects_and_coverage(mobile_artifacts):

@@ -71,18 +71,23 @@ def test_quantize_error_is_bounded_by_half_a_step(layout, k):
         assert np.abs(G.dequantize({"q_weight": stored["q_weight"], "q_scale": stored["q_scale"]}, other, k) - w).max() > 0.1
 
 
+def _assert_te_dequantize_reads(stored: dict, layout: G.GroupLayout, k: int, want: np.ndarray) -> None:
+    """The TE dequantize of `stored` (in `layout`) gives `want` exactly."""
+    names = ["q_weight", "q_scale"] + ([] if layout.symmetric else ["q_min"])
+    placeholders = [te.placeholder(stored[x].shape, str(stored[x].dtype), x) for x in names]
+    out = D.dequantize_te(layout, k, "float32")(*placeholders)
+    lib = tvm.compile(te.create_prim_func([*placeholders, out]), target="llvm")
+    result = tvm.runtime.tensor(np.zeros(want.shape, np.float32))
+    lib(*[tvm.runtime.tensor(stored[x]) for x in names], result)
+    np.testing.assert_array_equal(result.numpy(), want)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS_UNDER_TEST, ids=lambda l: l.describe())
 def test_te_dequantize_matches_numpy(layout):
     n, k = 8, 100
     rng = np.random.default_rng(2)
     stored = G.quantize(rng.standard_normal((n, k)).astype(np.float32), layout)
-    names = ["q_weight", "q_scale"] + ([] if layout.symmetric else ["q_min"])
-    placeholders = [te.placeholder(stored[x].shape, str(stored[x].dtype), x) for x in names]
-    out = D.dequantize_te(layout, k, "float32")(*placeholders)
-    lib = tvm.compile(te.create_prim_func([*placeholders, out]), target="llvm")
-    result = tvm.runtime.tensor(np.zeros((n, k), np.float32))
-    lib(*[tvm.runtime.tensor(stored[x]) for x in names], result)
-    np.testing.assert_array_equal(result.numpy(), G.dequantize(stored, layout, k))
+    _assert_te_dequantize_reads(stored, layout, k, G.dequantize(stored, layout, k))
 
 
 NEON_LAYOUTS = [G.GroupLayout(8, 32, True, "float16"), G.GroupLayout(8, 128, True, "float16"),
@@ -114,13 +119,7 @@ def test_neon_code_order_interleaves_8_bit_steps_by_words(layout, k):
     assert np.array_equal(stored[sets:], row[sets:])  # the blocks past the last set (and codes past the blocks)
     if sets or neon.signed_codes:
         assert np.abs(G.dequantize(ordered, layout, k) - G.dequantize(plain, layout, k)).max() > 0.1
-    names = ["q_weight", "q_scale"] + ([] if layout.symmetric else ["q_min"])
-    placeholders = [te.placeholder(ordered[x].shape, str(ordered[x].dtype), x) for x in names]
-    out = D.dequantize_te(neon, k, "float32")(*placeholders)
-    lib = tvm.compile(te.create_prim_func([*placeholders, out]), target="llvm")
-    result = tvm.runtime.tensor(np.zeros((8, k), np.float32))
-    lib(*[tvm.runtime.tensor(ordered[x]) for x in names], result)
-    np.testing.assert_array_equal(result.numpy(), G.dequantize(plain, layout, k))
+    _assert_te_dequantize_reads(ordered, neon, k, G.dequantize(plain, layout, k))
 
 
 @pytest.mark.parametrize("layout", [G.GroupLayout(4, 32, True, "float16"), G.GroupLayout(4, 32, False, "float16"),
@@ -146,13 +145,7 @@ def test_neon_code_order_interleaves_4_bit_steps_by_words(layout, k):
     assert np.array_equal(stored[sets:], row[sets:])  # the blocks past the last set
     if sets:
         assert np.abs(G.dequantize(ordered, layout, k) - G.dequantize(plain, layout, k)).max() > 0.1
-    names = ["q_weight", "q_scale"] + ([] if layout.symmetric else ["q_min"])
-    placeholders = [te.placeholder(ordered[x].shape, str(ordered[x].dtype), x) for x in names]
-    out = D.dequantize_te(neon, k, "float32")(*placeholders)
-    lib = tvm.compile(te.create_prim_func([*placeholders, out]), target="llvm")
-    result = tvm.runtime.tensor(np.zeros((8, k), np.float32))
-    lib(*[tvm.runtime.tensor(ordered[x]) for x in names], result)
-    np.testing.assert_array_equal(result.numpy(), G.dequantize(plain, layout, k))
+    _assert_te_dequantize_reads(ordered, neon, k, G.dequantize(plain, layout, k))
 
 
 @pytest.mark.parametrize("layout", [G.GroupLayout(4, 32, True, "float16"), G.GroupLayout(4, 32, False, "float16"),
@@ -184,13 +177,9 @@ def test_neon_pairs_order_merges_two_rows_a_nibble_each(layout, k):
         assert value == first | ((second ^ 8) << 4)
         assert value - 256 * (value >= 128) == first + 16 * (second - 8)  # the byte as int8
     assert np.abs(G.dequantize(paired, neon_layout, k) - G.dequantize(plain, layout, k)).max() > 0.1
+    _assert_te_dequantize_reads(paired, pairs, k, G.dequantize(plain, layout, k))
     names = ["q_weight", "q_scale"] + ([] if layout.symmetric else ["q_min"])
     placeholders = [te.placeholder(paired[x].shape, str(paired[x].dtype), x) for x in names]
-    out = D.dequantize_te(pairs, k, "float32")(*placeholders)
-    lib = tvm.compile(te.create_prim_func([*placeholders, out]), target="llvm")
-    result = tvm.runtime.tensor(np.zeros((8, k), np.float32))
-    lib(*[tvm.runtime.tensor(paired[x]) for x in names], result)
-    np.testing.assert_array_equal(result.numpy(), G.dequantize(plain, layout, k))
     ids = np.array([7, 0, 3, 3], dtype=np.int32)  # both rows of pairs, odd and even
     ph_ids = te.placeholder((4,), "int32", "ids")
     taken = D.take_dequantize_te(pairs, k, "float32")(ph_ids, *placeholders)

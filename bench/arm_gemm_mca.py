@@ -34,7 +34,6 @@ from arm_gemv_mca import (CLANG, CLANG_CPU, CORE_MODELS, MCA, OBJDUMP, Loop, _as
                           _objdump_functions, modelled_target)
 
 from compiler.kernels.integer_dot_gemm import GemmShape, gemm
-from compiler.kernels.integer_dot_gemm.arm import columns_per_tile
 from compiler.quantization.group import GroupLayout
 from compiler.targets import load_target
 
@@ -78,7 +77,7 @@ def _tile_cycles(found: tuple[Loop, int], cpu: str) -> tuple[float, float]:
 
 def _relay_loop(ops) -> Loop | None:
     """The loop that re-lays the stored codes (neon order, 4-bit rows in pairs) into the block products' order
-    (GemmShape.relays), a tile's columns of W rows per iteration: the one with `st4`."""
+    (GemmShape.relays), a pair of W rows per iteration: the one with `st4`."""
     loops = [lp for lp in _loops(ops) if any(t and _mnemonic(t) == "st4" for _, t in ops[lp[0]:lp[1] + 1])]
     return Loop(_clean(ops, *min(loops, key=lambda lp: lp[1] - lp[0])), 0) if loops else None
 
@@ -146,7 +145,7 @@ def report(ggml: Path, work: Path) -> None:
                 cells.append(f"{cycles:>9.0f} ({instructions:>5.0f})")
                 if relay is not None:  # one W row re-laid, against its block products for one panel of X rows
                     panel = cycles / 32 * (K // 32) * PANEL_ROWS / 32
-                    relays.append((fmt, dot_family, cpu, relay.mca(cpu) / columns_per_tile(dot_family), panel))
+                    relays.append((fmt, dot_family, cpu, relay.mca(cpu) / 2, panel))
             label = f"mobilec integer_dot_gemm ({'smmla' if dot_family == 'i8mm' else 'sdot'}, {dot_family})"
             print(f"{label:<44} {fmt:<6} " + " ".join(f"{c:>18}" for c in cells))
         for label, source, function, dot_family, formats in LLAMA_KERNELS:

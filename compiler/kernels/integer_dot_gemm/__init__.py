@@ -252,25 +252,31 @@ def gemm(shape: GemmShape) -> tirx.PrimFunc:
                         lane_term(nb, b, u), b, v))
 
     @T.macro
+    def relay_unit(w, codes, t, pair, unit):
+        # the `columns` rows from row 2 pair + unit columns of the task in the block products' order
+        # (arm.relaid_set): per set of 4 blocks, its pieces; then the blocks past the last set (in place in the neon
+        # order), piece by piece. `unit` is a Python int, so each row's place in its pair is known
+        for s in T.unroll(steps):
+            for h in T.unroll(pieces):
+                codes[T.ramp(arm.relaid_start(shape, 2 * pair + unit * columns, s * 4, h), 1, 64)] = arm.relaid_set(
+                    shape, [arm.neon_row_bytes(shape, w, t * task_n + 2 * pair + unit * columns + r,
+                                               s * set_bytes + h * (64 // columns), 64 // columns, unit * columns + r)
+                            for r in range(columns)])
+        for j in T.unroll((code_bytes - steps * set_bytes) // block_bytes):
+            for h in T.unroll(pieces):
+                codes[T.ramp(arm.relaid_start(shape, 2 * pair + unit * columns, steps * 4 + j, h), 1, 16)] = (
+                    arm.relaid_block(shape, [arm.neon_row_bytes(
+                        shape, w, t * task_n + 2 * pair + unit * columns + r,
+                        steps * set_bytes + j * block_bytes + h * (16 // columns), 16 // columns, unit * columns + r)
+                        for r in range(columns)]))
+
+    @T.macro
     def relay_codes(w, codes, t):
-        # the task's rows in the block products' order (arm.relaid_set), columns rows at a time: per set of 4
-        # blocks, its pieces; then the blocks past the last set (in place in the neon order), piece by piece. Row
-        # u columns + r is odd where r is (tasks and tiles hold even rows) or, a row at a time, where u is
-        for u in range(task_n // columns):
-            for s in T.unroll(steps):
-                for h in T.unroll(pieces):
-                    codes[T.ramp(arm.relaid_start(shape, u * columns, s * 4, h), 1, 64)] = arm.relaid_set(
-                        shape, [arm.neon_row_bytes(shape, w, t * task_n + u * columns + r,
-                                                   s * set_bytes + h * (64 // columns), 64 // columns,
-                                                   r if columns == 2 else u % 2)
-                                for r in range(columns)])
-            for j in T.unroll((code_bytes - steps * set_bytes) // block_bytes):
-                for h in T.unroll(pieces):
-                    codes[T.ramp(arm.relaid_start(shape, u * columns, steps * 4 + j, h), 1, 16)] = arm.relaid_block(
-                        shape, [arm.neon_row_bytes(shape, w, t * task_n + u * columns + r,
-                                                   steps * set_bytes + j * block_bytes + h * (16 // columns),
-                                                   16 // columns, r if columns == 2 else u % 2)
-                                for r in range(columns)])
+        # the task's rows by pairs (tasks hold whole tiles of W rows, an even number): with dotprod, a row a unit
+        for pair in range(task_n // 2):
+            relay_unit(w, codes, t, pair, 0)
+            if columns == 1:
+                relay_unit(w, codes, t, pair, 1)
 
     @T.macro
     def panels(m, xq, xs, xo, w, lane_scales, lane_mins, y, t, row0):

@@ -115,29 +115,24 @@ def _flipped(shape, codes, lanes: int):
     return T.bitwise_xor(codes, T.broadcast(T.uint8(0x88 if shape.bits == 4 else 0x80), lanes))
 
 
-def neon_row_bytes(shape, w, row, start, count: int, odd):
+def neon_row_bytes(shape, w, row, start, count: int, odd: int):
     """`count` bytes of W row `row` in the neon order from byte `start` (whole 16-byte chunks, or a part of one):
     as stored, or rebuilt from the pairs' bytes (neon_pairs, quantization/group.py: per chunk of the pair, the low
-    nibbles of both rows, then the high ones, the second row's ^ 8). `odd`: row % 2, an int where it is known."""
+    nibbles of both rows, then the high ones, the second row's ^ 8). `odd`: row % 2."""
     if shape.code_order != "neon_pairs":
         return w[row, T.ramp(start, 1, count)]
     row_bytes = shape.k // 2
 
     def rebuilt(at, width):  # a part of one chunk: its low and high nibbles' bytes in the pair's bytes
         pair_at = at // 16 * 32 + at % 16
-        halves = [w[row - odd + (pair_at + h * 16) // row_bytes, T.ramp((pair_at + h * 16) % row_bytes, 1, width)]
-                  for h in (0, 1)]
-        if isinstance(odd, int):  # the row's nibble: low (first row of the pair) or high, in place
-            low = (T.bitwise_and(halves[0], T.broadcast(T.uint8(15), width)) if odd == 0
-                   else T.shift_right(halves[0], T.broadcast(T.uint8(4), width)))
-            high = (T.shift_left(halves[1], T.broadcast(T.uint8(4), width)) if odd == 0
-                    else T.bitwise_and(halves[1], T.broadcast(T.uint8(0xF0), width)))
-            joined = T.bitwise_or(low, high)
-            return T.bitwise_xor(joined, T.broadcast(T.uint8(0x88), width)) if odd else joined
-        shift = T.broadcast(T.Cast("uint8", odd * 4), width)
-        nibbles = [T.bitwise_and(T.shift_right(half, shift), T.broadcast(T.uint8(15), width)) for half in halves]
-        joined = T.bitwise_or(nibbles[0], T.shift_left(nibbles[1], T.broadcast(T.uint8(4), width)))
-        return T.bitwise_xor(joined, T.broadcast(T.Cast("uint8", odd * 0x88), width))
+        low, high = [w[row - odd + (pair_at + h * 16) // row_bytes, T.ramp((pair_at + h * 16) % row_bytes, 1, width)]
+                     for h in (0, 1)]
+        if odd:  # the high nibbles, ^ 8 each
+            joined = T.bitwise_or(T.shift_right(low, T.broadcast(T.uint8(4), width)),
+                                  T.bitwise_and(high, T.broadcast(T.uint8(0xF0), width)))
+            return T.bitwise_xor(joined, T.broadcast(T.uint8(0x88), width))
+        return T.bitwise_or(T.bitwise_and(low, T.broadcast(T.uint8(15), width)),
+                            T.shift_left(high, T.broadcast(T.uint8(4), width)))
 
     if count <= 16:
         return rebuilt(start, count)

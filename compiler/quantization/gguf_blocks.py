@@ -16,7 +16,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import MobilecError
-from .group import GroupLayout, order_codes, pack_codes, unpack_codes
+from .group import GroupLayout, order_codes, pack_codes, paired, unpack_codes, unpaired
 
 # ggml type -> our layout
 LAYOUTS: dict[str, GroupLayout] = {
@@ -79,6 +79,14 @@ def convert_blocks(ggml_type: str, raw: np.ndarray, layout: GroupLayout) -> dict
     plain = dataclasses.replace(layout, code_order="plain")
     arrays = arrays if own == plain else _widen(arrays, own, plain)
     return {**arrays, "q_weight": order_codes(arrays["q_weight"], layout)}
+
+
+def convert_joined(parts: list[tuple[str, np.ndarray]], layout: GroupLayout) -> dict[str, np.ndarray]:
+    """(ggml type, raw blocks) of the parts of one weight joined along N (q, k, v; gate, up) -> the joined arrays in
+    `layout`: each part converted with its rows unpaired, the rows paired once joined (a part of an odd number of
+    rows would shift the pairs of the next)."""
+    arrays = [convert_blocks(ggml_type, raw, unpaired(layout)) for ggml_type, raw in parts]
+    return paired({name: np.concatenate([a[name] for a in arrays], axis=0) for name in arrays[0]}, layout)
 
 
 def _fp16(blocks: np.ndarray, start: int) -> np.ndarray:

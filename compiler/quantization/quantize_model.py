@@ -11,8 +11,8 @@ from tvm.relax.frontend import nn
 from ..errors import MobilecError
 from ..loaders import Checkpoint
 from .awq import Calibration
-from .gguf_blocks import convert_blocks, layout_for
-from .group import GroupLayout, paired, quantize, unpaired
+from .gguf_blocks import convert_joined, layout_for
+from .group import GroupLayout, quantize
 from .modules import QuantizedEmbedding, QuantizedLinear
 from .schemes import Scheme
 
@@ -50,10 +50,6 @@ def _is_output_layer(path: str, layer: nn.Module) -> bool:
     return path == "lm_head" or isinstance(layer, nn.Embedding)
 
 
-def _concat(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    return {k: np.concatenate([p[k] for p in parts], axis=0) for k in parts[0]}
-
-
 def quantize_model(
     model: nn.Module, scheme: Scheme, ckpt: Checkpoint, sources: dict[str, list[str]], skip: list[str], dtype: str,
     calibration: Calibration | None = None, code_order: str = "plain",
@@ -83,8 +79,8 @@ def quantize_model(
             if layout is None:
                 continue
             layout = layout.with_code_order(code_order, _rows(layer))
-            plan[path] = lambda s=weight_sources, lay=layout: paired(_concat(
-                [convert_blocks(*ckpt.get_gguf_blocks(x)[:2], unpaired(lay)) for x in s]), lay)
+            plan[path] = lambda s=weight_sources, lay=layout: convert_joined(
+                [ckpt.get_gguf_blocks(x)[:2] for x in s], lay)
         else:
             layout = output_layer_layout(scheme.layout) if _is_output_layer(path, layer) else scheme.layout
             layout = layout.with_code_order(code_order, _rows(layer))

@@ -8,7 +8,7 @@ from tvm import te
 
 from compiler.quantization import dequantize_te as D
 from compiler.quantization import group as G
-from compiler.quantization.gguf_blocks import LAYOUTS, convert_blocks
+from compiler.quantization.gguf_blocks import LAYOUTS, convert_blocks, convert_joined
 from compiler.quantization.schemes import SCHEMES
 
 LAYOUTS_UNDER_TEST = [s.layout for s in SCHEMES.values() if s.layout is not None]
@@ -221,6 +221,22 @@ def test_gguf_blocks_keep_exact_values(ggml_type):
         stored = convert_blocks(ggml_type, raw.reshape(6, -1), layout)["q_weight"]
         unpaired = G.plain_codes(stored, layout) ^ np.uint8(0x80)  # plain_codes also undoes the sign
         np.testing.assert_array_equal(unpaired.reshape(6, -1, 32), raw.reshape(6, -1, 34)[..., 2:])
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1"])
+def test_parts_of_a_fused_weight_are_paired_once_joined(ggml_type):
+    """A fused weight (q, k, v; gate, up) is its parts joined along N: each part is converted unpaired and the rows
+    are paired once joined, so parts of 3 and 5 rows give the 8-row weight's pairs (the same bytes as the weight
+    converted whole), dequantized exactly as ggml does. Control: the bytes read unpaired are other values."""
+    qtype = gguf.GGMLQuantizationType[ggml_type]
+    w = np.random.default_rng(9).standard_normal((8, 192)).astype(np.float32)
+    raw = gguf.quants.quantize(w, qtype).reshape(8, -1)
+    layout = LAYOUTS[ggml_type].with_code_order("neon_pairs", 8)
+    joined = convert_joined([(ggml_type, raw[:3]), (ggml_type, raw[3:])], layout)
+    np.testing.assert_array_equal(joined["q_weight"], convert_blocks(ggml_type, raw, layout)["q_weight"])
+    want = gguf.quants.dequantize(raw, qtype).reshape(8, 192)
+    np.testing.assert_array_equal(G.dequantize(joined, layout, 192), want)
+    assert np.abs(G.dequantize(joined, G.unpaired(layout), 192) - want).max() > 0.1
 
 
 def test_q4f16_g32_is_gguf_q4_0_bit_for_bit():

@@ -44,14 +44,16 @@ import tvm
 
 from compiler.artifact import load_artifact
 from compiler.kernels.integer_dot_gemv import GemvShape, gemv
+from compiler.quantization.group import ORDER_MARKS
 from compiler.targets import load_target
 
 MCA, OBJDUMP, CLANG = "llvm-mca-15", "llvm-objdump-15", "clang-15"
 CORE_MODELS = {"neoverse-n2": "big", "cortex-a510": "little"}  # llvm-mca -mcpu -> the target file's core kind
 ITERATIONS = 200
-KERNEL = re.compile(r"integer_dot_gemv_int(\d+)_g(\d+)_(sym|asym)_(float\d+)_a(\d+)_([a-z0-9]+?)(_neonpairs|_neon)?"
-                    r"_n(\d+)_k(\d+)")
-ORDERS = {None: "plain", "_neon": "neon", "_neonpairs": "neon_pairs"}  # kernel name mark -> code order
+# kernel name mark -> code order (the plain order has none)
+ORDERS = {mark or None: order for order, mark in ORDER_MARKS.items()}
+KERNEL = re.compile(r"integer_dot_gemv_int(\d+)_g(\d+)_(sym|asym)_(float\d+)_a(\d+)_([a-z0-9]+?)"
+                    f"({'|'.join(sorted(filter(None, ORDERS), key=len, reverse=True))})?" r"_n(\d+)_k(\d+)")
 DOTS = ("sdot", "udot", "usdot")
 BRANCH = re.compile(r"^(b|b\.\w+|cbz|cbnz|tbz|tbnz)$")
 # llama.cpp's dot product per block format (its activations: Q8_0 blocks, or Q8_1 with the block sum for Q4_1),

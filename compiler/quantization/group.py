@@ -33,6 +33,8 @@ INTERLEAVE = {8: (4, 4), 4: (4, 4)}  # bits -> (blocks per set, bytes per chunk)
 # an order -> the order used where codes cannot take it (with_code_order)
 FALLBACK = {"neon_pairs": "neon", "neon": "plain"}
 PAIRED_BYTES = 16  # bytes per chunk of a row in neon_pairs: the pair's chunk is twice that
+# an order -> its mark in the names of the kernels that read it
+ORDER_MARKS = {"plain": "", "neon": "_neon", "neon_pairs": "_neonpairs"}
 
 
 def takes_code_order(order: str, bits: int, group: int, rows: int | None = None) -> bool:

@@ -37,7 +37,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 
 from ...isa import cpu_isa
-from ...quantization.group import signed_codes, takes_code_order
+from ...quantization.group import ORDER_MARKS, signed_codes, takes_code_order
 from . import arm
 
 BLOCK = 32  # activation values per scale, and the values of one block product
@@ -130,7 +130,7 @@ class GemmShape:
 
     def name(self) -> str:
         kind = "sym" if self.symmetric else "asym"
-        order = {"plain": "", "neon": "_neon", "neon_pairs": "_neonpairs"}[self.code_order]
+        order = ORDER_MARKS[self.code_order]
         return f"int{self.bits}_g{self.group}_{kind}_{self.scale_dtype}_{self.family}{order}_n{self.n}_k{self.k}"
 
 

@@ -41,7 +41,7 @@ from tvm.target import Target
 
 from ...choices import DECODE_ACTIVATIONS
 from ...isa import cpu_isa
-from ...quantization.group import FALLBACK, signed_codes, takes_code_order
+from ...quantization.group import FALLBACK, ORDER_MARKS, signed_codes, takes_code_order
 from . import arm, x86
 
 BLOCK = 32  # activation values per scale, and codes per int32 block sum
@@ -51,8 +51,6 @@ ROWS_PER_TASK = 16
 # with the hardware prefetcher alone, went 1.29 -> 1.44 ms with it.
 PREFETCH_BYTES = 2048
 ACTIVATION_BITS = tuple(int(name.removeprefix("int")) for name in DECODE_ACTIVATIONS)  # (16, 8)
-# code order -> its mark in kernel names
-ORDER_SUFFIXES = {"plain": "", "neon": "_neon", "neon_pairs": "_neonpairs"}
 # architecture -> the variant file with its families (compiler/isa.py INT_DOT_FAMILIES) and dot step
 VARIANTS = {"x86_64": x86, "aarch64": arm}
 
@@ -230,7 +228,7 @@ class GemvShape:
 
     def name(self) -> str:
         kind = "sym" if self.symmetric else "asym"
-        order = ORDER_SUFFIXES[self.code_order]
+        order = ORDER_MARKS[self.code_order]
         return (f"int{self.bits}_g{self.group}_{kind}_{self.scale_dtype}_a{self.act_bits}_{self.family}{order}"
                 f"_n{self.n}_k{self.k}")
 

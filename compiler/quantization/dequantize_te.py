@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
-from .group import INTERLEAVE, NIBBLE_BLOCK, PAIRED_BYTES, GroupLayout, interleaved_bytes
+from .group import INTERLEAVE, NIBBLE_BLOCK, GroupLayout, interleaved_bytes, paired_position
 
 
 def _byte_index(col, layout: GroupLayout, row_bytes: int):
@@ -29,11 +29,9 @@ def _code(q: te.Tensor, row, col, layout: GroupLayout):
     index = _byte_index(col, layout, row_bytes)
     nibble = col % NIBBLE_BLOCK // (NIBBLE_BLOCK // 2)  # 4-bit: the low or high nibble of its neon byte
     if layout.code_order == "neon_pairs":
-        # the pair's bytes (rows 2p, 2p + 1 one after the other): per 16-byte chunk, the low nibbles, then the high
-        # ones; row 2p + 1's nibble ^ 8 in the high half of each byte
+        # row 2p + 1's nibble ^ 8 in the high half of each byte
         odd = row % 2
-        at = index // PAIRED_BYTES * 2 * PAIRED_BYTES + nibble * PAIRED_BYTES + index % PAIRED_BYTES
-        byte = q[row - odd + at // row_bytes, at % row_bytes].astype("int32")
+        byte = q[paired_position(row - odd, index, nibble, row_bytes)].astype("int32")
         return ((byte >> (odd * 4)) & 0xF) ^ (odd * 8)
     byte = q[row, index].astype("int32")
     if layout.bits == 8:

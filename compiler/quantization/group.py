@@ -182,10 +182,20 @@ def pair_rows(neon: np.ndarray) -> np.ndarray:
     return paired.reshape(n, width).astype(np.uint8)
 
 
+def paired_position(first_row, index, nibble, row_bytes: int):
+    """(row, column) of the stored byte holding nibble `nibble` of byte `index` (in the neon order) of a row of the
+    pair from `first_row` (neon_pairs, row_bytes bytes a row): per chunk, the pair's low nibbles, then its high ones,
+    the pair's bytes running on from its first row into the second. Plain ints or TIR/TE expressions."""
+    at = index // PAIRED_BYTES * 2 * PAIRED_BYTES + nibble * PAIRED_BYTES + index % PAIRED_BYTES
+    return first_row + at // row_bytes, at % row_bytes
+
+
 def unpaired(layout: GroupLayout) -> GroupLayout:
     """The layout its rows are in before pair_rows: parts of a weight joined along N are paired once joined (a part
     with an odd number of rows would shift the pairs of the next)."""
-    return dataclasses.replace(layout, code_order="neon") if layout.code_order == "neon_pairs" else layout
+    if layout.code_order != "neon_pairs":
+        return layout
+    return dataclasses.replace(layout, code_order=FALLBACK[layout.code_order])
 
 
 def paired(arrays: dict[str, np.ndarray], layout: GroupLayout) -> dict[str, np.ndarray]:

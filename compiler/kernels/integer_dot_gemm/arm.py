@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ...quantization.group import paired_position
+
 # int_dot family (compiler/isa.py) -> X rows per 16-byte activation vector: smmla pairs, sdot fours
 ROWS_PER_VECTOR = {"i8mm": 2, "dotprod": 4}
 FAMILIES = tuple(ROWS_PER_VECTOR)
@@ -124,9 +126,8 @@ def neon_row_bytes(shape, w, row, start, count: int, odd: int):
     row_bytes = shape.k // 2
 
     def rebuilt(at, width):  # a part of one chunk: its low and high nibbles' bytes in the pair's bytes
-        pair_at = at // 16 * 32 + at % 16
-        low, high = [w[row - odd + (pair_at + h * 16) // row_bytes, T.ramp((pair_at + h * 16) % row_bytes, 1, width)]
-                     for h in (0, 1)]
+        low, high = [w[stored_row, T.ramp(column, 1, width)]
+                     for stored_row, column in (paired_position(row - odd, at, h, row_bytes) for h in (0, 1))]
         if odd:  # the high nibbles, ^ 8 each
             joined = T.bitwise_or(T.shift_right(low, T.broadcast(T.uint8(4), width)),
                                   T.bitwise_and(high, T.broadcast(T.uint8(0xF0), width)))

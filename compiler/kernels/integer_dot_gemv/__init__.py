@@ -20,7 +20,7 @@ vector, and rows in pairs whose codes share each byte (the neon_pairs order: bot
 arm.py). 8-bit codes may also have a scale (and min) per 16 values (GGUF Q6_K) where the variant sums each half of
 a block in its own half of the lanes (x86.py, arm.py). Every variant file defines the same names: FAMILIES,
 CODE_ORDER, TAIL_STEPS, MINS_PER_STEP, HALF_BLOCK_GROUPS, FMA_CHAINS, reduce_rows, paired_tail_dot, pair_step_dot,
-rows_together, chains, blocks_per_step, qmax, centered, split_int16, int32_lanes, activation_index and step_dot.
+second_of_pair_float, rows_together, chains, blocks_per_step, qmax, centered, split_int16, int32_lanes, activation_index and step_dot.
 
 SmolLM2 decode GEMVs, one Zen 3 core (AVX2), weights in cache, int16 activations: 4-bit gate_up 0.128 ms with
 vpmovzxbw widening, 0.093 ms widened in-lane (x86.py); int8 activations 0.062 ms. AVX2 code on one Zen 4 core,
@@ -327,10 +327,9 @@ def _fma(shape: GemvShape, a, b, c):
 def _float_step(shape: GemvShape, acc, ints, xs_terms, xo_terms, scale, mins, second_of_pair: bool = False):
     """`acc` plus the float value of a step's int32 lanes `ints`, given each lane's activation terms (xs, xo) and
     weight scale (and min), each product added to the running sum so that it is one FMA. `second_of_pair`: the
-    lanes are 16 times the sums of (c - 8) q (row_pairs), the 16 taken out by the convert itself."""
+    lanes are 16 times the sums of (c - 8) q (row_pairs), which the variant converts (second_of_pair_float)."""
     if second_of_pair:
-        dot = T.call_llvm_pure_intrin(f"float32x{shape.lanes}", "llvm.aarch64.neon.vcvtfxs2fp.v4f32.v4i32", ints,
-                                      T.int32(4))
+        dot = _variant(shape.family).second_of_pair_float(ints)
         if shape.symmetric:  # offset 8 (supported): the sums are the codes' own
             return _fma(shape, dot * xs_terms, scale, acc)
         # c d + m = (c - 8) d + (m + 8 d): the 8 joins the min
@@ -497,7 +496,7 @@ def gemv(shape: GemvShape, y_shape: tuple[int, ...]) -> tirx.PrimFunc:
                             shape, [acc[T.ramp((2 * i + half) * lanes, 1, lanes)] for half in (0, 1)],
                             xb if split else xq, xs, xo, wp, d, m, task * rows + r * together + 2 * i, shape.steps,
                             shape.tail_blocks)
-                if shape.tail_blocks > 0 and not shape.paired_tails and not row_pairs:
+                elif shape.tail_blocks > 0 and not shape.paired_tails:
                     for i in T.unroll(together):
                         acc[T.ramp(i * lanes, 1, lanes)] = _step_sum(
                             shape, acc[T.ramp(i * lanes, 1, lanes)], xb if split else xq, xs, xo, w, d, m,

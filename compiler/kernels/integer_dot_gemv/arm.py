@@ -151,8 +151,7 @@ def _code_vectors(shape, w, n, start, count):
     for i in range(count):
         codes = w[n, T.ramp(start + i * 16, 1, 16)]
         if shape.bits == 4:
-            parts += [T.bitwise_and(codes, T.broadcast(T.uint8(15), 16)),
-                      T.shift_right(codes, T.broadcast(T.uint8(4), 16))]
+            parts += _nibbles(codes)
         elif shape.centered and not shape.signed_codes:
             parts.append(T.bitwise_xor(codes, T.broadcast(T.uint8(128), 16)))
         else:
@@ -204,16 +203,21 @@ def _step_codes(shape, w, n, step):
     else:
         words = T.reinterpret("uint32x16", w[n, T.ramp(step * 64, 1, 64)])
         vectors = [T.reinterpret("uint8x16", T.Shuffle([words], [c, c + 4, c + 8, c + 12])) for c in range(4)]
-    parts = []
-    for codes in vectors:
-        parts += [T.bitwise_and(codes, T.broadcast(T.uint8(15), 16)), T.shift_right(codes, T.broadcast(T.uint8(4), 16))]
-    return parts
+    return [part for codes in vectors for part in _nibbles(codes)]
+
+
+def _low_nibbles(codes):
+    return T.bitwise_and(codes, T.broadcast(T.uint8(15), 16))
+
+
+def _nibbles(codes):
+    """16 code bytes -> their low nibbles and their high ones (4-bit codes j and j + 16)."""
+    return [_low_nibbles(codes), T.shift_right(codes, T.broadcast(T.uint8(4), 16))]
 
 
 def step_dot(shape, w, xq, n, step, blocks: int = BLOCKS_PER_STEP):
     """Lane i: the sum of codes times activations of block step * 4 + i (zero past `blocks`, a shorter last step).
     For int16 activations xq is the byte view of the activation planes."""
-    zero = T.broadcast(T.int32(0), LANES)
     if shape.half_block_groups:  # lanes 0-1: the block's first 16 codes, 2-3: its last 16
         halves = [_dot_vectors(shape, [codes], xq, step * 2 + h) for h, codes in enumerate(_block_codes(shape, w, n,
                                                                                                           step))]
@@ -221,17 +225,16 @@ def step_dot(shape, w, xq, n, step, blocks: int = BLOCKS_PER_STEP):
     if blocks == BLOCKS_PER_STEP and _interleaved_steps(shape):
         # lane i: block step * 4 + i, each sdot adding to every lane
         return _dot_vectors(shape, _step_codes(shape, w, n, step), xq, step * 8)
-    first = step * BLOCKS_PER_STEP
-    # the whole steps of plain 8-bit codes, or the shorter last step after `step` whole ones: two blocks' 4-lane
-    # sums folded by one addp, then two of those
-    two = [_two_blocks(shape, w, xq, n, first + i, min(2, blocks - i)) for i in range(0, blocks, 2)]
+    # the whole steps of plain 8-bit codes, or the shorter last step after `step` whole ones
+    return _lane_per_block([_block_dot(shape, w, xq, n, step * BLOCKS_PER_STEP + i) for i in range(blocks)])
+
+
+def _lane_per_block(sums):
+    """Up to 4 blocks' int32x4 whose lanes add up to each block's sum -> lane i: block i's sum (zero past the
+    blocks): two blocks' lanes folded by one addp, then two of those."""
+    zero = T.broadcast(T.int32(0), LANES)
+    two = [_addp(sums[i], sums[i + 1] if i + 1 < len(sums) else zero) for i in range(0, len(sums), 2)]
     return _addp(two[0], two[1] if len(two) > 1 else zero)
-
-
-def _two_blocks(shape, w, xq, n, block, count: int):
-    """Lanes 0-1: the sum of block `block` of row n (plain order), 2-3: the next block's (zero where count is 1)."""
-    singles = [_block_dot(shape, w, xq, n, block + i) for i in range(count)]
-    return _addp(singles[0], singles[1] if count > 1 else T.broadcast(T.int32(0), LANES))
 
 
 def paired_tail_dot(shape, w, xq, n, step):
@@ -241,11 +244,8 @@ def paired_tail_dot(shape, w, xq, n, step):
     if shape.row_pairs:
         low, high = _pair_blocks(shape, w, xq, n // 2, first, 2)
         return _addp(_addp(low[0], low[1]), T.shift_right(_addp(high[0], high[1]), T.broadcast(T.int32(4), LANES)))
-    return _addp(_two_blocks(shape, w, xq, n, first, 2), _two_blocks(shape, w, xq, n + 1, first, 2))
-
-
-def _low_nibbles(codes):
-    return T.bitwise_and(codes, T.broadcast(T.uint8(15), 16))
+    rows = [[_block_dot(shape, w, xq, row, first + i) for i in (0, 1)] for row in (n, n + 1)]
+    return _addp(_addp(*rows[0]), _addp(*rows[1]))
 
 
 def pair_step_dot(shape, w, xq, pair, step, blocks: int = BLOCKS_PER_STEP):
@@ -255,29 +255,31 @@ def pair_step_dot(shape, w, xq, pair, step, blocks: int = BLOCKS_PER_STEP):
     (the first row's codes); their difference is the second row's."""
     if blocks == BLOCKS_PER_STEP:
         # the step's 8 chunks of 16 bytes: code vector v of both rows (_step_codes' order), 128 bytes
-        raw = [w[pair, T.ramp(step * 128 + v * 16, 1, 16)] for v in range(8)]
-        low = _dot_vectors(shape, [_low_nibbles(codes) for codes in raw], xq, step * 8)
-        return low, _dot_vectors(shape, raw, xq, step * 8) - low
+        return _pair_dots(shape, [w[pair, T.ramp(step * 128 + v * 16, 1, 16)] for v in range(8)], xq, step * 8)
     low, high = _pair_blocks(shape, w, xq, pair, step * BLOCKS_PER_STEP, blocks)
-    zero = T.broadcast(T.int32(0), LANES)
+    return _lane_per_block(low), _lane_per_block(high)
 
-    def folded(sums):  # as step_dot's shorter step: two blocks' lanes by an addp, then two of those
-        two = [_addp(sums[i], sums[i + 1] if i + 1 < blocks else zero) for i in range(0, blocks, 2)]
-        return _addp(two[0], two[1] if len(two) > 1 else zero)
 
-    return folded(low), folded(high)
+def _pair_dots(shape, chunks, xq, first):
+    """The first row's int32x4 of 16-byte chunks of a pair (activation vectors from `first`: _dot_vectors), and 16
+    times the second row's (c - 8): the raw bytes' dot products less the low nibbles'."""
+    low = _dot_vectors(shape, [_low_nibbles(codes) for codes in chunks], xq, first)
+    return low, _dot_vectors(shape, chunks, xq, first) - low
+
+
+def second_of_pair_float(ints):
+    """float32x4 of pair_step_dot's second-row lanes, 16 (c - 8) q sums, divided by 16 in the convert itself (scvtf's
+    fixed-point form, 4 fraction bits)."""
+    return T.call_llvm_pure_intrin("float32x4", "llvm.aarch64.neon.vcvtfxs2fp.v4f32.v4i32", ints, T.int32(4))
 
 
 def _pair_blocks(shape, w, xq, pair, first, count):
     """Per block from `first` (past the last whole step, in place: its two 16-byte chunks of both rows' codes 0-15
     and 16-31, at their activations in natural order), the int32x4 whose lanes add up to the first row's sum and
     to 16 times the second row's (c - 8)."""
-    low, high = [], []
-    for block in range(first, first + count):
-        raw = [w[pair, T.ramp(block * 32 + h * 16, 1, 16)] for h in (0, 1)]
-        low.append(_dot_vectors(shape, [_low_nibbles(codes) for codes in raw], xq, block * 2))
-        high.append(_dot_vectors(shape, raw, xq, block * 2) - low[-1])
-    return low, high
+    sums = [_pair_dots(shape, [w[pair, T.ramp(block * 32 + h * 16, 1, 16)] for h in (0, 1)], xq, block * 2)
+            for block in range(first, first + count)]
+    return [low for low, _ in sums], [high for _, high in sums]
 
 
 def _faddp(a, b):

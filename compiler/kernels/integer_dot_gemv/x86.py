@@ -28,6 +28,7 @@ CODE_ORDER = "plain"  # the weights stay in K order (quantization/group.CODE_ORD
 reduce_rows = None  # each row's lanes summed on their own
 paired_tail_dot = None  # no shorter last step (TAIL_STEPS)
 pair_step_dot = None  # rows stay apart (CODE_ORDER)
+second_of_pair_float = None
 FMA_CHAINS = False  # LLVM fuses the a * b + c of a step as it is
 # int_dot family -> whether its int8 steps have vpdpbusd
 FAMILIES = {"avx512vnni": True, "avx512bw": False, "avxvnni": True, "avx2": False}

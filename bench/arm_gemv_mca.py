@@ -10,20 +10,24 @@ For each decode GEMV of the artifact's library (the `integer_dot_gemv_*` kernels
 taken from the library itself (`llvm-objdump-15 -d`), and the same kernel is rebuilt for the modelled core's own
 `-mcpu` (TVM's assembly). llama.cpp's ARM kernels for the same block formats (`ggml_vec_dot_q4_0_q8_0`,
 `ggml_vec_dot_q4_1_q8_1`, `ggml_vec_dot_q8_0_q8_0`, NEON path: `+nosve`) are compiled from its own
-`ggml-cpu/arch/arm/quants.c` by clang-15 (nothing of it is kept) for the target's CPU and for the modelled core.
-`llvm-mca-15` then models every loop on a big core (`-mcpu=neoverse-n2`) and a little one (`-mcpu=cortex-a510`,
-which llvm-15 models as the in-order Cortex-A55); llvm-14 would fall back to the Cortex-A57 model for both.
+`ggml-cpu/arch/arm/quants.c` (nothing of it is kept) for the target's CPU and for the modelled core, by the clang of
+the llvm-mca that models it. The core models (LLVM15, LLVM19): llvm-mca-15's Neoverse-N2 (`n2`, the big core) and
+its in-order Cortex-A55 (`a55`, the little core: also llvm-15's model for -mcpu=cortex-a510, which it does not know
+otherwise; code for it is built for -mcpu=cortex-a55, as TVM's LLVM 22 would schedule cortex-a510 code for the A510
+itself); llvm-14 would fall back to the Cortex-A57 model for both. Where Debian's llvm-19 and clang-19 are installed
+(`apt-get install llvm-19 clang-19`), also llvm-19's own Cortex-A510 model (`a510`) and its Neoverse-V2 (`x3~v2`:
+the server core derived from the Cortex-X3, four vector pipes to the N2's two), for the loops alone.
 
 Printed per format and core model: cycles and instructions per 32 weights of the steady-state loop (ours also per
 whole row: its shorter last step and the row's epilogue included), bytes per weight, the ratio to llama.cpp; then
 one SmolLM2 decode token's modelled GEMV compute time (every call of every GEMV, at the clock the target file
-gives for that core, on its big-core count) against the bandwidth floor (weight bytes / memory_bandwidth_gbs).
-Activation quantization (ours and llama.cpp's quantize_row_q8_*) and attention are left out of both. Last, the
-same token's bound: only the instructions no int8-dot GEMV can do without (per 32 weights: the dot products, 2 for
-int8 activations, 4 for int16 ones as two planes, and for 4-bit codes the nibble split: an AND and a shift per 16
-bytes of a row, or an AND per 16 bytes of a pair of rows in the neon_pairs order, which the library's kernels read),
-modelled by llvm-mca as one loop (`_essential_loop`) on the same cores; what a kernel spends above it goes
-to scales, conversions and loads.
+gives for that core, on its core count: the decode threads split the rows evenly, so a faster core among them
+waits for the others) against the bandwidth floor (weight bytes / memory_bandwidth_gbs). Activation quantization
+(ours and llama.cpp's quantize_row_q8_*) and attention are left out of both. Last, the same token's bound: only the
+instructions no int8-dot GEMV can do without (per 32 weights: the dot products, 2 for int8 activations, 4 for int16
+ones as two planes, and for 4-bit codes the nibble split: an AND and a shift per 16 bytes of a row, or an AND per 16
+bytes of a pair of rows in the neon_pairs order, which the library's kernels read), modelled by llvm-mca as one loop
+(`_essential_loop`) on the same cores; what a kernel spends above it goes to scales, conversions and loads.
 """
 
 from __future__ import annotations
@@ -47,8 +51,52 @@ from compiler.kernels.integer_dot_gemv import GemvShape, gemv
 from compiler.quantization.group import ORDER_MARKS
 from compiler.targets import load_target
 
-MCA, OBJDUMP, CLANG = "llvm-mca-15", "llvm-objdump-15", "clang-15"
-CORE_MODELS = {"neoverse-n2": "big", "cortex-a510": "little"}  # llvm-mca -mcpu -> the target file's core kind
+OBJDUMP = "llvm-objdump-15"
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreModel:
+    """A core as one LLVM release's llvm-mca models it, with that release's clang to build llama.cpp for it."""
+
+    label: str
+    mca: str
+    mcpu: str  # llvm-mca's -mcpu, and TVM's and clang's to build for the modelled core
+    kind: str | None  # the target file's core kind ([device.cpu] big / little) it stands for; None: loops only
+    clang: str
+    only: str | None = None  # stands for that kind only where the target file names this core
+
+    def stands_for(self, cores: dict) -> bool:
+        return self.kind is not None and self.only in (None, cores.get(self.kind))
+
+    @property
+    def clangxx(self) -> str:
+        return self.clang.replace("clang", "clang++")
+
+    def clang_cpu(self, cpu: str) -> str:
+        """clang-15 knows no Cortex-A715/X3: its predecessors have the same instructions the kernels use."""
+        renamed = {"cortex-a715": "cortex-a710", "cortex-x3": "cortex-x2"} if self.clang == "clang-15" else {}
+        return renamed.get(cpu, cpu)
+
+    def tools(self) -> tuple[str, ...]:
+        return self.mca, self.clang, self.clangxx
+
+
+LLVM15 = (CoreModel("n2", "llvm-mca-15", "neoverse-n2", "big", "clang-15"),
+          CoreModel("a55", "llvm-mca-15", "cortex-a55", "little", "clang-15"))
+LLVM19 = (CoreModel("a510", "llvm-mca-19", "cortex-a510", "little", "clang-19", only="Cortex-A510"),
+          CoreModel("x3~v2", "llvm-mca-19", "neoverse-v2", None, "clang-19"))
+
+
+def core_models() -> tuple[CoreModel, ...]:
+    """llvm-15's models (required), and llvm-19's where its llvm-mca and clang are installed."""
+    return LLVM15 + (LLVM19 if all(shutil.which(tool) for model in LLVM19 for tool in model.tools()) else ())
+
+
+def missing_tools() -> list[str]:
+    return [tool for tool in (OBJDUMP, *dict.fromkeys(t for model in LLVM15 for t in model.tools()))
+            if not shutil.which(tool)]
+
+
 ITERATIONS = 200
 # kernel name mark -> code order (the plain order has none)
 ORDERS = {mark or None: order for order, mark in ORDER_MARKS.items()}
@@ -56,11 +104,8 @@ KERNEL = re.compile(r"integer_dot_gemv_int(\d+)_g(\d+)_(sym|asym)_(float\d+)_a(\
                     f"({'|'.join(sorted(filter(None, ORDERS), key=len, reverse=True))})?" r"_n(\d+)_k(\d+)")
 DOTS = ("sdot", "udot", "usdot")
 BRANCH = re.compile(r"^(b|b\.\w+|cbz|cbnz|tbz|tbnz)$")
-# llama.cpp's dot product per block format (its activations: Q8_0 blocks, or Q8_1 with the block sum for Q4_1),
-# and bytes per weight of the format: codes + fp16 scale (+ fp16 min) per 32 weights
+# llama.cpp's dot product per block format (its activations: Q8_0 blocks, or Q8_1 with the block sum for Q4_1)
 LLAMA_KERNELS = {"Q4_0": "ggml_vec_dot_q4_0_q8_0", "Q4_1": "ggml_vec_dot_q4_1_q8_1", "Q8_0": "ggml_vec_dot_q8_0_q8_0"}
-# clang-15 knows no Cortex-A715/X3: its predecessor A710 has the same instructions the kernels use
-CLANG_CPU = {"cortex-a715": "cortex-a710", "cortex-x3": "cortex-x2"}
 
 
 @dataclasses.dataclass
@@ -68,10 +113,10 @@ class Loop:
     body: list[str]  # instructions, llvm-mc syntax, the backward branch last
     dots: int
 
-    def mca(self, cpu: str) -> float:
+    def mca(self, model: CoreModel) -> float:
         """Cycles per iteration in steady state."""
         text = "\n".join(self.body) + "\n"
-        out = subprocess.run([MCA, "-mtriple=aarch64", f"-mcpu={cpu}", "-mattr=+dotprod,+i8mm,+fullfp16",
+        out = subprocess.run([model.mca, "-mtriple=aarch64", f"-mcpu={model.mcpu}", "-mattr=+dotprod,+i8mm,+fullfp16",
                               f"-iterations={ITERATIONS}"], input=text, capture_output=True, text=True, check=True)
         return int(re.search(r"Total Cycles:\s+(\d+)", out.stdout).group(1)) / ITERATIONS
 
@@ -218,18 +263,16 @@ def _library_functions(artifact: Path, library: str) -> dict[str, list]:
     return _objdump_functions(path)
 
 
-def _figures(loops: tuple[Loop, Loop | None], weights_per_dot: int, row_weights: int | None) -> dict[str, Figures]:
+def _figures(loops: tuple[Loop, Loop | None], weights_per_dot: int, row_weights: int | None,
+             model: CoreModel) -> Figures:
     hot, rest = loops
     weights = hot.dots * weights_per_dot
-    figures = {}
-    for cpu in CORE_MODELS:
-        cycles = hot.mca(cpu)
-        row = None
-        if rest is not None and row_weights:
-            trips = (row_weights // weights_per_dot - rest.dots) / hot.dots
-            row = (trips * cycles + rest.mca(cpu)) * 32 / row_weights
-        figures[cpu] = Figures(cycles * 32 / weights, (len(hot.body) - 1) * 32 / weights, row)
-    return figures
+    cycles = hot.mca(model)
+    row = None
+    if rest is not None and row_weights:
+        trips = (row_weights // weights_per_dot - rest.dots) / hot.dots
+        row = (trips * cycles + rest.mca(model)) * 32 / row_weights
+    return Figures(cycles * 32 / weights, (len(hot.body) - 1) * 32 / weights, row)
 
 
 def _format(bits: int, symmetric: bool, group: int) -> str:
@@ -242,11 +285,12 @@ def _bytes_per_weight(bits: int, symmetric: bool, group: int, scale_bytes: int =
     return bits / 8 + scale_bytes * (1 if symmetric else 2) / group
 
 
-def _llama_loops(ggml: Path, cpu: str, work: Path) -> dict[str, tuple[Loop, Loop | None]]:
-    """llama.cpp's ARM quants.c compiled by clang-15 for `cpu` (NEON: +nosve); its dot products' hot loops."""
-    asm = work / f"quants-{cpu}.s"
+def _llama_loops(ggml: Path, model: CoreModel, cpu: str, work: Path) -> dict[str, tuple[Loop, Loop | None]]:
+    """llama.cpp's ARM quants.c compiled by the model's clang for `cpu` (NEON: +nosve); its dot products' hot
+    loops."""
+    asm = work / f"quants-{model.clang}-{cpu}.s"
     if not asm.exists():
-        subprocess.run([CLANG, "--target=aarch64-linux-gnu", f"-mcpu={CLANG_CPU.get(cpu, cpu)}+nosve", "-O3", "-S",
+        subprocess.run([model.clang, "--target=aarch64-linux-gnu", f"-mcpu={model.clang_cpu(cpu)}+nosve", "-O3", "-S",
                         "-I", "include", "-I", "src", "-I", "src/ggml-cpu", "src/ggml-cpu/arch/arm/quants.c",
                         "-o", str(asm)], cwd=ggml, check=True, capture_output=True, text=True)
     funcs = _asm_functions(asm.read_text())
@@ -254,9 +298,9 @@ def _llama_loops(ggml: Path, cpu: str, work: Path) -> dict[str, tuple[Loop, Loop
 
 
 def modelled_target(target_json: dict, cpu: str) -> tvm.target.Target:
-    """The target's features for `cpu`, a modelled core, without SVE: -mcpu=cortex-a510 (the A55 model) implies SVE2,
-    which neither the A55 nor the phones' NEON builds use (LLVM's vector copies became SVE `mov z`, which llvm-mca's
-    A55 model rejects)."""
+    """The target's features for `cpu`, a modelled core, without SVE: -mcpu=cortex-a510 and neoverse-v2 imply SVE2,
+    which the phones' NEON builds do not use (LLVM's vector copies became SVE `mov z`, which llvm-mca-15's A55 model
+    rejects)."""
     mattr = [f for f in target_json.get("mattr", []) if f.lstrip("+-") not in ("sve", "sve2")]
     return tvm.target.Target({**target_json, "mcpu": cpu, "mattr": [*mattr, "-sve", "-sve2"]})
 
@@ -275,9 +319,8 @@ def main() -> int:
     parser.add_argument("--llama-cpp", required=True, type=Path,
                         help="llama.cpp's ggml directory (vendor/llama.cpp/ggml of the llama-cpp-python sdist)")
     args = parser.parse_args()
-    for tool in (MCA, OBJDUMP, CLANG):
-        if shutil.which(tool) is None:
-            parser.error(f"{tool} not found (Debian: apt-get install llvm-15 clang-15)")
+    for tool in missing_tools():
+        parser.error(f"{tool} not found (Debian: apt-get install llvm-15 clang-15)")
     if not (args.llama_cpp / "src/ggml-cpu/arch/arm/quants.c").is_file():
         parser.error(f"no src/ggml-cpu/arch/arm/quants.c under {args.llama_cpp}; see the download lines in --help")
     work = Path(tempfile.mkdtemp(prefix="arm-gemv-mca-"))
@@ -301,25 +344,24 @@ def report(artifact: Path, ggml: Path, work: Path) -> None:
     if not kernels:
         print(f"{artifact}: no integer decode GEMVs in {config['library']} (a target without dot products?)")
         return
+    models = core_models()
     target_cpu = target_json.get("mcpu", "generic")
-    print(f"\n{artifact} ({spec.name}, -mcpu={target_cpu}, decode activations {config.get('decode_activations')})")
-    print(f"big core {cores.get('big', '?')} at {cores.get('big_ghz', '?')} GHz (x{cores.get('big_count', '?')}; "
-          f"llvm-mca -mcpu=neoverse-n2), little core {cores.get('little', '?')} at {cores.get('little_ghz', '?')} GHz "
-          f"(x{cores.get('little_count', '?')}; -mcpu=cortex-a510, the A55 model); "
+    print(f"\n{artifact} ({spec.name}, -mcpu={target_cpu}, decode activations {config.get('decode_activations')}); "
           f"{spec.device['memory_bandwidth_gbs']} GB/s")
-    llama = {cpu: _llama_loops(ggml, cpu, work) for cpu in {target_cpu, *CORE_MODELS}}
-    llama_figures = {(built, fmt): _figures(loops, 16, None) for built, table in llama.items()
-                     for fmt, loops in table.items()}
-    rows, token = [], {cpu: {"ours": 0.0, "llama": 0.0, "bound": 0.0} for cpu in CORE_MODELS}
+    for m in models:
+        kind = (f"{m.kind} core {cores.get(m.kind, '?')} at {cores.get(m.kind + '_ghz', '?')} GHz "
+                f"x{cores.get(m.kind + '_count', '?')}" if m.stands_for(cores) else "loops only")
+        print(f"  core model {m.label:<6} {m.mca} -mcpu={m.mcpu} (llama.cpp: {m.clang}): {kind}")
+    llama = {(m, cpu): _llama_loops(ggml, m, cpu, work) for m in models for cpu in (target_cpu, m.mcpu)}
+    rows, token = [], {m: {"ours": 0.0, "llama": 0.0, "bound": 0.0} for m in models}
     weight_bytes = 0.0
-    llama_cpu = CLANG_CPU.get(target_cpu, target_cpu)
-    header = (f"{'GEMV (calls/token)':<50} {'format':<6} {'B/w':>6} {'core model':<11} | {'mobilec':>7} {'(row)':>6} "
+    header = (f"{'GEMV (calls/token)':<50} {'format':<6} {'B/w':>6} {'model':<6} | {'mobilec':>7} {'(row)':>6} "
               f"{'ins':>5} {'llama':>6} {'ins':>5} {'ratio':>5} | {'mobilec':>7} {'llama':>6} {'ratio':>5}")
     print(f"cycles and instructions per 32 weights; left: built for -mcpu={target_cpu} (mobilec: the library's "
-          f"own loop; llama.cpp: -mcpu={llama_cpu}), right: both built for the modelled core")
+          f"own loop; llama.cpp: by the model's clang), right: both built for the modelled core")
     print(header)
     print("-" * len(header))
-    bounds = {}  # (bits, activation bits) -> core model -> cycles per 32 weights of the essential loop
+    bounds = {}  # (bits, activation bits, rows in pairs) -> core model -> cycles per 32 weights of the essential loop
     for name in kernels:
         bits, group, kind, scale, act, family, order, n, k = KERNEL.fullmatch(name).groups()
         bits, group, act, n, k = int(bits), int(group), int(act), int(n), int(k)
@@ -331,43 +373,43 @@ def report(artifact: Path, ggml: Path, work: Path) -> None:
         weight_bytes += calls * n * k * bpw
         if (bits, act, shape.row_pairs) not in bounds:
             essential = _essential_loop(bits, act, shape.row_pairs)
-            bounds[bits, act, shape.row_pairs] = {cpu: essential.mca(cpu) / 4 for cpu in CORE_MODELS}
+            bounds[bits, act, shape.row_pairs] = {m: essential.mca(m) / 4 for m in models}
         per_dot = 16 if act == 8 else 8  # int16 activations: two int8 planes, two dot products per 16 codes
         row_weights = k * shape.rows_together
         library = next(loops for sym, ops in funcs.items() if name in sym and "compute" in sym
                        and (loops := _hot_loops(ops)))
-        ours = {"lib": _figures(library, per_dot, row_weights)}
-        for cpu in CORE_MODELS:
-            ours[cpu] = _figures(_rebuilt_loops(shape, target_json, cpu), per_dot, row_weights)
-        for model_cpu in CORE_MODELS:
-            lib, lib_llama = ours["lib"][model_cpu], llama_figures[target_cpu, llama_fmt][model_cpu]
-            own, own_llama = ours[model_cpu][model_cpu], llama_figures[model_cpu, llama_fmt][model_cpu]
+        rebuilt = {cpu: _rebuilt_loops(shape, target_json, cpu) for cpu in {m.mcpu for m in models}}
+        for m in models:
+            lib = _figures(library, per_dot, row_weights, m)
+            lib_llama = _figures(llama[m, target_cpu][llama_fmt], 16, None, m)
+            own = _figures(rebuilt[m.mcpu], per_dot, row_weights, m)
+            own_llama = _figures(llama[m, m.mcpu][llama_fmt], 16, None, m)
             row = lib.row_cycles if lib.row_cycles is not None else lib.cycles
             label = f"{name.removeprefix('integer_dot_gemv_')} ({calls})"
-            print(f"{label:<50} {fmt:<6} {bpw:>6.4f} {model_cpu:<11} | {lib.cycles:>7.2f} {row:>6.2f} "
+            print(f"{label:<50} {fmt:<6} {bpw:>6.4f} {m.label:<6} | {lib.cycles:>7.2f} {row:>6.2f} "
                   f"{lib.instructions:>5.1f} {lib_llama.cycles:>6.2f} {lib_llama.instructions:>5.1f} "
                   f"{lib.cycles / lib_llama.cycles:>5.2f} | {own.cycles:>7.2f} {own_llama.cycles:>6.2f} "
                   f"{own.cycles / own_llama.cycles:>5.2f}")
-            rows.append((fmt, model_cpu, f"-mcpu={target_cpu}", lib.cycles / lib_llama.cycles))
-            rows.append((fmt, model_cpu, f"-mcpu={model_cpu}", own.cycles / own_llama.cycles))
-            token[model_cpu]["ours"] += calls * n * k / 32 * row
-            token[model_cpu]["llama"] += calls * n * k / 32 * lib_llama.cycles
-            token[model_cpu]["bound"] += calls * n * k / 32 * bounds[bits, act, shape.row_pairs][model_cpu]
+            rows.append((fmt, m.label, f"-mcpu={target_cpu}", lib.cycles / lib_llama.cycles))
+            rows.append((fmt, m.label, f"-mcpu={m.mcpu}", own.cycles / own_llama.cycles))
+            token[m]["ours"] += calls * n * k / 32 * row
+            token[m]["llama"] += calls * n * k / 32 * lib_llama.cycles
+            token[m]["bound"] += calls * n * k / 32 * bounds[bits, act, shape.row_pairs][m]
     floor_ms = weight_bytes / (spec.device["memory_bandwidth_gbs"] * 1e9) * 1e3
     print(f"\none decode token: {weight_bytes / 1e6:.1f} MB of GEMV weights, bandwidth floor {floor_ms:.2f} ms "
           f"at {spec.device['memory_bandwidth_gbs']} GB/s")
-    for model_cpu, kind in CORE_MODELS.items():
-        ghz, count = float(cores.get(f"{kind}_ghz", 2.0)), int(cores.get(f"{kind}_count", 1))
+    for m in (m for m in models if m.stands_for(cores)):
+        ghz, count = float(cores.get(f"{m.kind}_ghz", 2.0)), int(cores.get(f"{m.kind}_count", 1))
         for who in ("ours", "llama", "bound"):
-            ms = token[model_cpu][who] / (ghz * 1e9) * 1e3
+            ms = token[m][who] / (ghz * 1e9) * 1e3
             label = {"ours": "mobilec", "llama": "llama.cpp", "bound": "bound"}[who]
-            print(f"  {label:<9} GEMV compute on {model_cpu} ({cores.get(kind, kind)} at {ghz} GHz): {ms:.2f} ms "
+            print(f"  {label:<9} GEMV compute on {m.label} ({cores.get(m.kind, m.kind)} at {ghz} GHz): {ms:.2f} ms "
                   f"on 1 core, {ms / count:.2f} ms on {count} = {ms / count / floor_ms:.0%} of the floor")
     print("  (bound: the code loads, 4-bit nibble splits and dot products alone: no scales, conversions or sums)")
-    worst = max(rows, key=lambda r: r[3])
-    print(f"worst ratio to llama.cpp (steady-state loop): {worst[3]:.2f} ({worst[0]} on the {worst[1]} model, "
-          f"both built with {worst[2]})")
-
+    for label in dict.fromkeys(m.mca for m in models):
+        worst = max((r for r in rows if any(m.label == r[1] and m.mca == label for m in models)), key=lambda r: r[3])
+        print(f"worst ratio to llama.cpp on {label}'s models (steady-state loop): {worst[3]:.2f} ({worst[0]} on the "
+              f"{worst[1]} model, both built with {worst[2]})")
 
 if __name__ == "__main__":
     sys.exit(main())

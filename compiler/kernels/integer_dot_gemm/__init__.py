@@ -18,13 +18,14 @@ multiplies, bound the loop on big cores). 8 float32x4 accumulators + 8 block til
 operands fit NEON's 32 registers. Each parallel task takes TASK_N rows of W and walks every panel of X for them
 (the task's W codes stay in cache).
 
-llvm-mca (bench/arm_gemm_mca.py), cycles per 32 x 32 output tile over one 32-value block, Neoverse-N2 / Cortex-A510
-(A55) models: smmla Q4_0 1154 / 4288 against llama.cpp's repacked i8mm GEMM's 1313 / 4176 (its weights interleaved
-and pre-flipped at load time; ours are the decode GEMV's, re-laid per task the same way: GemmShape.relays), Q4_1
-1587 / 4912 and Q8_0 1155 / 3638 (signed) against its two-row smmla dot products' 5210 / 13573 and 3869 / 10757;
-sdot Q4_0 1732 / 4673 against its repacked dotprod GEMM's 1697 / 4336.
-Built for the A510 itself, LLVM unrolls the block loop twice and spills a few registers. Larger tiles (12 or 16 X
-rows) spilled and modelled slower.
+llvm-mca (bench/arm_gemm_mca.py), cycles per 32 x 32 output tile over one 32-value block, each side built for the
+modelled core, Neoverse-N2 / Cortex-A55 (llvm-15) / Cortex-A510 (llvm-19) models: smmla Q4_0 1154 / 4149 / 2315
+against llama.cpp's repacked i8mm GEMM's 1313 / 4176 / 3504 (its weights interleaved and pre-flipped at load time;
+ours are the decode GEMV's, re-laid per task the same way: GemmShape.relays), Q4_1 1587 / 4784 / 2256 and Q8_0
+1155 / 2966 / 1819 (signed) against its two-row smmla dot products' 5210 / 13573 / 13062 and 3869 / 10757 / 10758;
+sdot Q4_0 1732 / 4673 / 2337 against its repacked dotprod GEMM's 1697 / 4336 / 3392.
+Built for the A55, LLVM unrolls the block loop twice and spills a few registers. Larger tiles (12 or 16 X rows)
+spilled and modelled slower.
 """
 
 from __future__ import annotations

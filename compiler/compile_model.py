@@ -76,13 +76,19 @@ def write_params(ckpt: Checkpoint, imported: ImportedModel, out: Path, progress:
     return writer.finish(out)
 
 
-def _check_decode_activations(value: str, spec: TargetSpec) -> None:
+def _decode_activations(asked: str | None, spec: TargetSpec) -> str:
+    """What compile uses: `asked` (--decode-activations), else the target file's default."""
+    value = asked or spec.decode_activations
     if value not in DECODE_ACTIVATIONS:
         raise MobilecError(f"--decode-activations {value!r} is not one of {', '.join(DECODE_ACTIVATIONS)}")
     if value != "int16" and not integer_dot_gemv.available(spec.tvm_target()):
-        raise MobilecError(f"--decode-activations {value} needs a CPU target with integer decode GEMVs (x86 with "
-                           f"AVX2 or AVX-512, aarch64 with the dot product: +dotprod or +i8mm); {spec.name} decodes "
-                           f"with float activations: drop the option")
+        needs = (f"needs a CPU target with integer decode GEMVs (x86 with AVX2 or AVX-512, aarch64 with the dot "
+                 f"product: +dotprod or +i8mm); {spec.name} decodes with float activations")
+        if asked:
+            raise MobilecError(f"--decode-activations {value} {needs}: drop the option")
+        raise MobilecError(f"target file {spec.path}: field 'device.decode_activations' = {value!r} {needs}: "
+                           f"remove the field")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +106,7 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     calib_text: str | None = None
     force: bool = False  # compile a model the estimate says does not fit
     no_tuning: bool = False  # ignore tuning_logs/<target>/
-    decode_activations: str = "int16"  # integer width of decode GEMV activations (CPU integer-dot targets)
+    decode_activations: str | None = None  # decode GEMV activations' int width; None: the target's (TargetSpec)
     overwrite: bool = False  # replace the artifact at output
     host_target: str | None = None  # GPU targets: build the host side for this target file's CPU instead
     compute_dtype: str | None = None  # instead of the target's (PoCL, which runs GPU artifacts here, has no fp16)
@@ -111,16 +117,16 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
     """Compile and write the artifact; returns a summary (path, timings, sizes, kernels scheduled from the
     target's tuning log, which `no_tuning` leaves unread). A model that does not fit the target's memory is
     refused unless `force`. `decode_activations`: int16 (float-accurate) or int8 (faster, llama.cpp's rounding) for
-    the integer decode GEMVs of CPU targets with an integer dot product. The output must be a new path, an empty
-    directory, or an artifact (replaced only with `overwrite`): export.check_output."""
+    the integer decode GEMVs of CPU targets with an integer dot product; None: the target file's default. The output
+    must be a new path, an empty directory, or an artifact (replaced only with `overwrite`): export.check_output."""
     o = options
-    quant_skip, decode_activations, overwrite = list(o.quant_skip), o.decode_activations, o.overwrite
+    quant_skip, overwrite = list(o.quant_skip), o.overwrite
     validate.context_length(o.context_window)
     if o.output:
         check_output(Path(o.output), overwrite)  # before anything is loaded or built
     spec, scheme = target_and_scheme(o.target, o.quant)
     spec = with_overrides(spec, o.host_target, o.compute_dtype)
-    _check_decode_activations(decode_activations, spec)
+    decode_activations = _decode_activations(o.decode_activations, spec)
     kv_cache_dtype.resolve(o.kv_dtype, spec, scheme)  # a name not implemented is refused before any work
     link.check_toolchain(spec)  # before the build, not after it
     awq.check_options(o.calibrate, o.calib_text, scheme.layout)

@@ -38,16 +38,17 @@ def _seq(passes: list[tvm.transform.Pass]) -> tvm.transform.Pass:
     return tvm.transform.Sequential(passes)
 
 
-def steps(spec: TargetSpec, tuning: bool = False, decode_activations: str = "int16") -> list[Step]:
+def steps(spec: TargetSpec, tuning: bool = False, decode_activations: str | None = None) -> list[Step]:
     """The ordered steps that run for `spec`, each inside `with target:`; a step for some targets only says which in
     its condition here. With `tuning`, kernels tuned faster in tuning_logs/<target>/ (`mobilec tune`) are scheduled
     from there (compile asks for that). `decode_activations` is the integer width of decode GEMV activations on CPUs
-    with an integer-dot variant (kernels/integer_dot_gemv/)."""
+    with an integer-dot variant (kernels/integer_dot_gemv/); None: the target file's (TargetSpec.decode_activations)."""
+    decode_activations = decode_activations or spec.decode_activations
     target = spec.tvm_target()
     gpu = spec.schedule["rules"] == "gpu"
     dot_family = integer_dot_gemv.family(target)
-    # Prefill in integers only where decode already rounds activations to int8 as llama.cpp does: the float
-    # prefill stays the default (int16 decode activations keep the float model's results).
+    # Prefill in integers only where decode already rounds activations to int8 as llama.cpp does (the ARM targets'
+    # default): with int16 decode activations, which keep the float model's results, prefill stays float.
     gemm_family = integer_dot_gemm.family(target) if decode_activations == "int8" else None
     # the KV cache's attention kernels run on the CPU the model is exported for (Hexagon: its ARM host)
     cpu_lanes = vector_lanes(spec.model_target())
@@ -104,7 +105,7 @@ def _reads_half_with_vload(spec: TargetSpec) -> bool:
 
 def run_steps(
     mod: tvm.IRModule, spec: TargetSpec, after_step: Callable[[int, str, tvm.IRModule], None] | None = None,
-    tuning: bool = False, decode_activations: str = "int16",
+    tuning: bool = False, decode_activations: str | None = None,
 ) -> tvm.IRModule:
     """Apply every step in order; `after_step(index, name, mod)` sees the IR after each (for inspection)."""
     with spec.tvm_target():
@@ -130,7 +131,7 @@ class _CheckKernels:
 
 def build(mod: tvm.IRModule, spec: TargetSpec, tuning: bool = False,
           after_step: Callable[[int, str, tvm.IRModule], None] | None = None,
-          decode_activations: str = "int16") -> tvm.runtime.Executable:
+          decode_activations: str | None = None) -> tvm.runtime.Executable:
     """Run the pipeline and generate code."""
     return generate(run_steps(mod, spec, after_step, tuning, decode_activations), spec)
 

@@ -14,7 +14,7 @@ from typing import Any
 import tvm
 
 from . import host, validate
-from .choices import KV_DTYPE_NAMES
+from .choices import DECODE_ACTIVATIONS, KV_DTYPE_NAMES
 from .data_files import data_dir
 from .errors import MobilecError
 from .quantization.schemes import SCHEMES
@@ -63,6 +63,12 @@ class TargetSpec:
 
     def tvm_target(self) -> tvm.target.Target:
         return tvm.target.Target(self.tvm_target_json)
+
+    @property
+    def decode_activations(self) -> str:
+        """The integer width of decode GEMV activations compile uses unless asked (--decode-activations): the file's
+        device.decode_activations, else int16 (the float model's results to ~2e-5)."""
+        return self.device.get("decode_activations", DECODE_ACTIVATIONS[0])
 
     def model_target(self) -> tvm.target.Target:
         """The target a model is exported under, which picks the KV cache's attention kernels: on Hexagon
@@ -135,7 +141,8 @@ def _check_gpu_fields(table: dict[str, Any], path: Path) -> None:
 def _check_no_unknown_fields(table: dict[str, Any], path: Path, link_method: str, rules: str) -> None:
     """A field we do not read (a typo such as `memory_bandwith_gbs`, an option of another version) is refused: a
     target file that silently means something other than it says builds the wrong library."""
-    device_fields = {*REQUIRED_DEVICE_FIELDS, "cpu", "kv_dtype", *(GPU_LIMIT_FIELDS if rules == "gpu" else ())}
+    device_fields = {*REQUIRED_DEVICE_FIELDS, "cpu", "kv_dtype", "decode_activations",
+                     *(GPU_LIMIT_FIELDS if rules == "gpu" else ())}
     known = {"": {"name", "description", "tvm", "link", "schedule", "device"}, "tvm": {"target"},
              "link": {"method", *LINK_FIELDS.get(link_method, {})},
              "schedule": {"rules", *(gpu_schedules.PARAMETERS if rules == "gpu" else ())},
@@ -159,6 +166,9 @@ def _check_device_values(device: dict[str, Any], path: Path) -> None:
     validate.compute_dtype(device["compute_dtype"], f"target file {path}: field 'device.compute_dtype'")
     if "kv_dtype" in device:  # what compile --kv-dtype auto picks (kv_cache_dtype.py)
         validate.choice(device["kv_dtype"], KV_DTYPE_NAMES, f"target file {path}: field 'device.kv_dtype'")
+    if "decode_activations" in device:  # what compile picks without --decode-activations
+        validate.choice(device["decode_activations"], DECODE_ACTIVATIONS,
+                        f"target file {path}: field 'device.decode_activations'")
     if device["max_alloc_gb"] > device["ram_gb"]:
         raise MobilecError(f"target file {path}: field 'device.max_alloc_gb' ({device['max_alloc_gb']:g}) is more "
                            f"than 'device.ram_gb' ({device['ram_gb']:g}); one buffer cannot exceed the RAM")

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from safetensors.numpy import save_file
 
 from compiler.cli import main
+from compiler.targets import TARGETS_DIR
 
 
 def _run(args):
@@ -124,6 +125,18 @@ def test_int8_decode_activations_without_integer_gemvs_is_refused(tmp_path, out)
     """x86 (AVX2, AVX-512) and aarch64 (dotprod, i8mm) CPUs have integer decode GEMVs; a GPU target does not."""
     result = _compile("default", out, "--target", "android-adreno", "--decode-activations", "int8")
     _assert_one_line_error(result, "--decode-activations int8", "android-adreno", "aarch64", "drop the option")
+    _assert_no_artifact(out)
+
+
+def test_int8_default_of_a_target_without_integer_gemvs_is_refused(tmp_path, out):
+    """A target file whose device.decode_activations asks for int8 on a GPU is refused by name: the option was not
+    given, so the field is what to change."""
+    path = tmp_path / "adreno-int8.toml"
+    path.write_text((TARGETS_DIR / "android-adreno.toml").read_text().replace(
+        'compute_dtype = "float16"\n', 'compute_dtype = "float16"\ndecode_activations = "int8"\n'))
+    assert 'decode_activations = "int8"' in path.read_text()
+    result = _compile("default", out, "--target", str(path))
+    _assert_one_line_error(result, str(path), "device.decode_activations", "int8", "remove the field")
     _assert_no_artifact(out)
 
 

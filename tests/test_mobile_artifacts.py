@@ -111,10 +111,15 @@ def test_arm64_decode_gemvs_use_the_dot_product(mobile_artifacts, target, tmp_pa
     mnemonics = set().union(*(_aarch64_mnemonics(f) for f in files))
     assert {"sdot", "addp", "scvtf"} <= mnemonics
     symbols = b"".join(f.read_bytes() for f in files)
-    # the default int16 activations; the shards hold the codes in the ARM kernels' order, and its GEMVs read it
+    # the ARM target files' default int8 activations (compiled without --decode-activations), which also take
+    # prefill to the integer GEMM (smmla with i8mm); the shards hold the codes in the ARM kernels' order
     config = json.loads((out / CONFIG_FILE).read_text())
+    assert config["decode_activations"] == "int8"
     assert config["quantization"]["code_order"] == "neon_pairs"  # 4-bit rows in pairs, a nibble each
-    assert re.search(rb"integer_dot_gemv_int4_g32_sym_float16_a16_\w+_neonpairs_n\d+", symbols)
+    assert re.search(rb"integer_dot_gemv_int4_g32_sym_float16_a8_\w+_neonpairs_n\d+", symbols)
+    assert not re.search(rb"integer_dot_gemv_\w+_a16_", symbols)
+    assert re.search(rb"integer_dot_gemm_\w+", symbols)
+    assert ("smmla" in mnemonics) == (target == "android-arm64")
 
 
 def test_hexagon_objects_and_coverage(mobile_artifacts):

@@ -47,12 +47,16 @@ def test_prefill_matmul_becomes_row_quantize_plus_integer_gemm(target, family):
 
 def test_pipeline_has_the_step_only_with_int8_decode_activations():
     """Numerics change against the float prefill (int8 activations, llama.cpp's rounding), so the GEMM comes with
-    `--decode-activations int8`, on aarch64 targets with i8mm or dotprod only."""
-    for name, int8_step in (("linux-arm64", True), ("android-arm64", True), ("x86-64-v3", False),
-                            ("android-adreno", False), ("host", integer_dot_gemm.available(HOST.tvm_target()))):
+    `--decode-activations int8`, on aarch64 targets with i8mm or dotprod only; int8 is the ARM target files' default
+    (device.decode_activations), not the others'."""
+    for name, int8_step, default in (("linux-arm64", True, "int8"), ("android-arm64", True, "int8"),
+                                     ("x86-64-v3", False, "int16"), ("android-adreno", False, "int16"),
+                                     ("host", integer_dot_gemm.available(HOST.tvm_target()), "int16")):
         spec = load_target(name)
+        assert spec.decode_activations == default
         assert ("integer-dot-gemm" in [s for s, _ in pipeline.steps(spec, decode_activations="int8")]) == int8_step
         assert "integer-dot-gemm" not in [s for s, _ in pipeline.steps(spec, decode_activations="int16")]
+        assert ("integer-dot-gemm" in [s for s, _ in pipeline.steps(spec)]) == (int8_step and default == "int8")
 
 
 def _disassembly(target_name: str, decode_activations: str, folder) -> str:

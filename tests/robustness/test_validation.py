@@ -33,6 +33,8 @@ def _edited(tmp_path, source, old, new):
 @pytest.mark.parametrize("source, old, new, needle", [
     ("x86-64-v3", 'compute_dtype = "float32"', 'compute_dtype = "banana"', "'device.compute_dtype' is 'banana'"),
     ("x86-64-v3", 'default_quant = "q4f16_g32"', 'default_quant = "q3f7"', "'device.default_quant' is 'q3f7'"),
+    ("linux-arm64", 'decode_activations = "int8"', 'decode_activations = "int4"',
+     "'device.decode_activations' is 'int4'; valid: int16, int8"),
     ("x86-64-v3", "memory_bandwidth_gbs = 20.0", "memory_bandwidth_gbs = 0.0", "must be a positive number"),
     ("x86-64-v3", "memory_bandwidth_gbs = 20.0", "memory_bandwidth_gbs = inf", "must be a positive number"),
     ("x86-64-v3", "ram_gb = 16.0", "ram_gb = -1.0", "must be a positive number"),

@@ -1,8 +1,9 @@
 """Decode GEMV on the CPU's integer multiply-add instructions: y = W x with W in 4/8-bit group codes.
 
-The activation x is quantized per 32 values (one float scale each) to int16 (default: errors ~1/65534 of a
-block's largest value, results equal to the float GEMV's to ~2e-5) or, with `--decode-activations int8`, to int8
-as llama.cpp does for its Q4/Q8 dot products (~100x the error, ~1.4x faster). The inner loop then multiplies
+The activation x is quantized per 32 values (one float scale each) to int16 (errors ~1/65534 of a block's largest
+value, results equal to the float GEMV's to ~2e-5; the default of targets whose file names none) or, with
+`--decode-activations int8` (the ARM targets' default, targets/*.toml device.decode_activations), to int8 as
+llama.cpp does for its Q4/Q8 dot products (~100x the error, ~1.4x faster). The inner loop then multiplies
 codes by activations in integer arithmetic instead of widening every code to float: the instructions are the
 CPU's integer dot-product family (compiler/isa.py), one variant file per architecture (x86.py: `vpmaddwd` for int16
 on AVX-512BW or AVX2, `vpdpbusd` for int8 with VNNI, else `vpmaddubsw` + `vpmaddwd`; arm.py: NEON `sdot`, `usdot`

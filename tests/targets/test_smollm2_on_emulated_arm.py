@@ -14,6 +14,7 @@ from compiler.compile_model import CompileOptions, compile_model
 from compiler.package import package
 from compiler.runtime.bench import prompt_ids
 from compiler.runtime.session import Session
+from compiler.targets import TARGETS_DIR
 
 PROMPT_LEN, GEN_LEN = 8, 6  # qemu runs SmolLM2 at a few tokens per second
 
@@ -41,15 +42,34 @@ INT8_NEAR_TIE = 0.5
 INT8_SAME_SHARE = 0.8
 
 
+def _target_file(target: str, folder) -> str:
+    """linux-arm64 itself; for android-arm64, its file with Linux's triple and Debian's cross linker, so that the
+    emulated Debian device loads the library: the same code for the phones' cores (Cortex-A715 with i8mm: the smmla
+    prefill GEMM, the i8mm decode GEMVs), built for another OS's ABI (Android's needs the NDK and an Android device)."""
+    if target == "linux-arm64":
+        return target
+    text = (TARGETS_DIR / f"{target}.toml").read_text()
+    for old, new in (('mtriple = "aarch64-linux-android"', 'mtriple = "aarch64-linux-gnu"'),
+                     ('method = "ndk"\nndk_api = 28', 'method = "cross"\ncompiler = "aarch64-linux-gnu-g++"\n'
+                                                     'package = "g++-aarch64-linux-gnu"')):
+        assert old in text, old
+        text = text.replace(old, new)
+    path = folder / f"{target}-on-linux.toml"
+    path.write_text(text)
+    return str(path)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("activations", [pytest.param("int16", marks=pytest.mark.extended), "int8"])
+@pytest.mark.parametrize("target, activations", [pytest.param("linux-arm64", "int16", marks=pytest.mark.extended),
+                                                 ("linux-arm64", "int8"), ("android-arm64", "int8")])
 def test_arm64_build_on_the_emulated_device_gives_the_x86_tokens(tmp_path, smollm2_gguf, smollm2_gguf_exact,
-                                                                  emulated_arm_device, activations):
-    """linux-arm64 with gguf, benched through the tracker, decodes with the aarch64 integer GEMVs (sdot,
-    kernels/integer_dot_gemv/arm.py). int16 activations (planes of int8 on ARM, vpmaddwd on x86): 32 greedy tokens
-    on the emulated device equal the x86 host build's. int8 (llama.cpp's rounding on both): fed the device's
-    tokens, the x86 build picks the same token at INT8_SAME_SHARE of the steps and at the others ranks the device's token
-    within INT8_NEAR_TIE of its own."""
+                                                                  emulated_arm_device, target, activations):
+    """linux-arm64 (and android-arm64's code, built for Linux: _target_file) with gguf, benched through the tracker,
+    decodes with the aarch64 integer GEMVs (sdot, usdot with i8mm: kernels/integer_dot_gemv/arm.py) and, with int8
+    activations, prefills with the integer GEMM (sdot, smmla with i8mm). int16 activations (planes of int8 on ARM,
+    vpmaddwd on x86): 32 greedy tokens on the emulated device equal the x86 host build's. int8 (llama.cpp's rounding
+    on both): fed the device's tokens, the x86 build picks the same token at INT8_SAME_SHARE of the steps and at the
+    others ranks the device's token within INT8_NEAR_TIE of its own."""
     from compiler.kernels import integer_dot_gemv
     from compiler.targets import load_target
 
@@ -57,8 +77,12 @@ def test_arm64_build_on_the_emulated_device_gives_the_x86_tokens(tmp_path, smoll
         pytest.skip("this CPU has no x86 integer GEMV to compare with")
     arm = tmp_path / "arm64"
     # int16: the float32 KV cache of smollm2_gguf_exact; int8: both builds with the default float16 cache
-    compile_model(CompileOptions(str(smollm2_gguf), "linux-arm64", "gguf", str(arm), context_window=512, progress=False,
-                                 decode_activations=activations, kv_dtype="f32" if activations == "int16" else "auto"))
+    compile_model(CompileOptions(str(smollm2_gguf), _target_file(target, tmp_path), "gguf", str(arm),
+                                 context_window=512, progress=False, decode_activations=activations,
+                                 kv_dtype="f32" if activations == "int16" else "auto"))
+    if target == "android-arm64":  # the phones' instruction family (linux-arm64's is dotprod)
+        symbols = load_artifact(arm).library.read_bytes()
+        assert b"_a8_i8mm_neonpairs_" in symbols and b"integer_dot_gemm_" in symbols
     host = smollm2_gguf_exact  # host, gguf, int16 activations
     if activations != "int16":
         host = tmp_path / "host"
@@ -67,12 +91,12 @@ def test_arm64_build_on_the_emulated_device_gives_the_x86_tokens(tmp_path, smoll
     assert load_artifact(arm).config["decode_activations"] == activations
     assert load_artifact(host).config["decode_activations"] == activations
     result = _bench_on_device(arm, emulated_arm_device, ACTIVATION_TOKENS, session_timeout=900)
-    assert result["target"] == "linux-arm64" and result["device"]["key"] == emulated_arm_device.key
+    assert result["target"] == target and result["device"]["key"] == emulated_arm_device.key
     assert result["upload"]["uploaded"] > 0 and result["decode_tok_s"] > 0
     device_tokens = result["tokens"]
     assert len(device_tokens) == ACTIVATION_TOKENS
     vocab = int(load_artifact(arm).config["model"]["config"]["vocab_size"])
-    if activations == "int8":
+    if target == "linux-arm64" and activations == "int8":
         # `mobilec package`'s aarch64 runner, run natively on the device (no Python, bare environment), decodes
         # what the Python runtime decoded there through RPC, token for token.
         package(arm, tmp_path / "package")

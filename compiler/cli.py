@@ -104,13 +104,27 @@ def main():
 
 
 @main.command()
-def targets():
-    """List the target files in targets/, one line each."""
+@json_option("the targets")
+def targets(as_json):
+    """List the target files in targets/, one line each: the name, the code's kind, the default scheme (--quant),
+    the decode GEMVs' default activations where the CPU has integer ones (--decode-activations; "-" elsewhere),
+    and what the target is."""
+    from .kernels import integer_dot_gemv  # pylint: disable=import-outside-toplevel
     from .targets import available_targets, load_target  # pylint: disable=import-outside-toplevel
 
+    rows = []
     for name in available_targets():
         spec = load_target(name)
-        click.echo(f"{name:16s} {spec.tvm_target_json['kind']:8s} {spec.description}")
+        integer = integer_dot_gemv.available(spec.tvm_target())
+        rows.append({"name": name, "kind": spec.tvm_target_json["kind"], "default_quant": spec.device["default_quant"],
+                     "decode_activations": spec.decode_activations if integer else None,
+                     "description": spec.description, "path": str(spec.path)})
+    if as_json:
+        click.echo(json.dumps({"targets": rows}))
+        return
+    for row in rows:
+        click.echo(f"{row['name']:16s} {row['kind']:8s} {row['default_quant']:10s} "
+                   f"{row['decode_activations'] or '-':6s} {row['description']}")
 
 
 @main.command()

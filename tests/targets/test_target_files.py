@@ -1,11 +1,14 @@
 """Target files: every shipped one loads; a bad or incomplete one fails with one line naming the field."""
 
+import json
 import shutil
 import tomllib
 
 import pytest
+from click.testing import CliRunner
 
 from compiler import host, link
+from compiler.cli import main
 from compiler.errors import MobilecError
 from compiler.isa import cpu_isa
 from compiler.targets import TARGETS_DIR, available_targets, load_target
@@ -19,6 +22,24 @@ def test_every_target_loads():
     for name in SHIPPED:
         spec = load_target(name)
         assert spec.name == name and len(spec.sha256) == 64
+
+
+def test_targets_command_lists_each_file_with_its_defaults():
+    """`mobilec targets` (text and --json): every shipped file with its default scheme and, where its CPU has integer
+    decode GEMVs, the activations compile picks without --decode-activations (int8 on the ARM files, which say so;
+    int16 on x86, whose files name none; none on a GPU)."""
+    result = CliRunner().invoke(main, ["targets", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {row["name"]: row for row in json.loads(result.output)["targets"]}
+    assert sorted(rows) == SHIPPED
+    assert {name: rows[name]["decode_activations"] for name in ("android-arm64", "linux-arm64", "x86-64-v3",
+                                                                "x86-64-v4", "android-adreno", "hexagon-npu")} == {
+        "android-arm64": "int8", "linux-arm64": "int8", "x86-64-v3": "int16", "x86-64-v4": "int16",
+        "android-adreno": None, "hexagon-npu": None}
+    assert all(row["default_quant"] == load_target(name).device["default_quant"] for name, row in rows.items())
+    text = CliRunner().invoke(main, ["targets"]).output.splitlines()
+    assert [line.split()[:4] for line in text if line.split()[0] in ("android-arm64", "android-mali")] == [
+        ["android-arm64", "llvm", "q4f16_g32", "int8"], ["android-mali", "opencl", "q4f16_g32", "-"]]
 
 
 def test_host_is_this_machine():

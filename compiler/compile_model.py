@@ -218,6 +218,7 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
         "artifact": str(out_dir),
         "target": spec.name,
         "quant": scheme.name,
+        "decode_activations": config["decode_activations"],  # None: no integer decode GEMVs on this target
         "build_seconds": round(build_seconds, 2),
         "total_seconds": round(time.perf_counter() - t_start, 2),
         "param_bytes": config["param_bytes"],

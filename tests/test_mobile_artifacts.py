@@ -100,7 +100,7 @@ def _aarch64_mnemonics(path) -> set[str]:
 def test_arm64_decode_gemvs_use_the_dot_product(mobile_artifacts, target, tmp_path):
     """The ARM libraries' decode GEMVs are the integer kernels (kernels/integer_dot_gemv/arm.py, `sdot`); the float
     GEMV they replace widened every code with a scalar `ucvtf`."""
-    out, _ = mobile_artifacts[target, "q4f16_g32"]
+    out, summary = mobile_artifacts[target, "q4f16_g32"]
     library = out / json.loads((out / CONFIG_FILE).read_text())["library"]
     if library.suffix == ".tar":
         with tarfile.open(library) as tar:
@@ -114,7 +114,7 @@ def test_arm64_decode_gemvs_use_the_dot_product(mobile_artifacts, target, tmp_pa
     # the ARM target files' default int8 activations (compiled without --decode-activations), which also take
     # prefill to the integer GEMM (smmla with i8mm); the shards hold the codes in the ARM kernels' order
     config = json.loads((out / CONFIG_FILE).read_text())
-    assert config["decode_activations"] == "int8"
+    assert config["decode_activations"] == summary["decode_activations"] == "int8"
     assert config["quantization"]["code_order"] == "neon_pairs"  # 4-bit rows in pairs, a nibble each
     assert re.search(rb"integer_dot_gemv_int4_g32_sym_float16_a8_\w+_neonpairs_n\d+", symbols)
     assert not re.search(rb"integer_dot_gemv_\w+_a16_", symbols)

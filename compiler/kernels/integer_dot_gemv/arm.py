@@ -41,9 +41,10 @@ order the activation kernel stores activations, and how many rows step together.
   the offset term drops out. Other 8-bit codes (GGUF Q5_K's asymmetric ones): with i8mm, `usdot` (unsigned codes x
   signed activations) takes them as they are; with dotprod alone they go in as c - 128 (one EOR per 16 codes,
   GemvShape.centered) and take 128 scales into each step's mins (c d + m = (c - 128) d + 128 d + m).
-- int16 activations (the float-accurate default): q = 256 h + l with l and h int8 (|q| <= 32639 so that h fits),
-  stored as two byte planes; each block is `sdot`ed with h, shifted left by 8 and `sdot`ed with l: 4 dot products
-  per 32 codes instead of 2, no widening (llvm-mca Neoverse-N2: ~1.5x the int8 cycles).
+- int16 activations (float-accurate; the ARM target files default to int8): q = 256 h + l with l and h int8
+  (|q| <= 32639 so that h fits), stored as two byte planes; each block is `sdot`ed with h, shifted left by 8 and
+  `sdot`ed with l: 4 dot products per 32 codes instead of 2, no widening (llvm-mca Neoverse-N2: ~1.5x the int8
+  cycles).
 
 Modelled by bench/arm_gemv_mca.py (llvm-mca-15, SmolLM2 shapes, steady-state loop, both built for the same -mcpu).
 Not done: `smmla`/`usmmla` (i8mm) multiply a 2x8 by an 8x2 block: with one activation row (decode) half of each

@@ -352,7 +352,9 @@ def report(artifact: Path, ggml: Path, work: Path) -> None:
         kind = (f"{m.kind} core {cores.get(m.kind, '?')} at {cores.get(m.kind + '_ghz', '?')} GHz "
                 f"x{cores.get(m.kind + '_count', '?')}" if m.stands_for(cores) else "loops only")
         print(f"  core model {m.label:<6} {m.mca} -mcpu={m.mcpu} (llama.cpp: {m.clang}): {kind}")
-    llama = {(m, cpu): _llama_loops(ggml, m, cpu, work) for m in models for cpu in (target_cpu, m.mcpu)}
+    # llama.cpp's loop per format, built for the target's CPU and for the modelled core: modelled once per artifact
+    llama = {(m, cpu, fmt): _figures(loops, 16, None, m) for m in models for cpu in (target_cpu, m.mcpu)
+             for fmt, loops in _llama_loops(ggml, m, cpu, work).items()}
     rows, token = [], {m: {"ours": 0.0, "llama": 0.0, "bound": 0.0} for m in models}
     weight_bytes = 0.0
     header = (f"{'GEMV (calls/token)':<50} {'format':<6} {'B/w':>6} {'model':<6} | {'mobilec':>7} {'(row)':>6} "
@@ -381,9 +383,9 @@ def report(artifact: Path, ggml: Path, work: Path) -> None:
         rebuilt = {cpu: _rebuilt_loops(shape, target_json, cpu) for cpu in {m.mcpu for m in models}}
         for m in models:
             lib = _figures(library, per_dot, row_weights, m)
-            lib_llama = _figures(llama[m, target_cpu][llama_fmt], 16, None, m)
+            lib_llama = llama[m, target_cpu, llama_fmt]
             own = _figures(rebuilt[m.mcpu], per_dot, row_weights, m)
-            own_llama = _figures(llama[m, m.mcpu][llama_fmt], 16, None, m)
+            own_llama = llama[m, m.mcpu, llama_fmt]
             row = lib.row_cycles if lib.row_cycles is not None else lib.cycles
             label = f"{name.removeprefix('integer_dot_gemv_')} ({calls})"
             print(f"{label:<50} {fmt:<6} {bpw:>6.4f} {m.label:<6} | {lib.cycles:>7.2f} {row:>6.2f} "

@@ -20,6 +20,7 @@ quantization (ours, llama.cpp's quantize_mat_q8_0) is left out of both.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import shutil
 import subprocess
@@ -96,17 +97,17 @@ def _ours(fmt: str, dot_family: str, cpu: str) -> tuple[tuple[Loop, int], Loop |
     return found, relay
 
 
+@functools.cache  # once per source, family and core model: every format of the report reads it
 def _llama(ggml: Path, source: str, dot_family: str, model: CoreModel, work: Path) -> dict[str, list]:
     """llama.cpp's ARM `source` compiled by the model's clang for its core (NEON, +nosve; +i8mm for the i8mm kernels)
     and disassembled: its inline assembly writes smmla as `.inst` words, which only the disassembler names."""
     features = "+nosve" + ("+i8mm" if dot_family == "i8mm" else "+noi8mm")
     obj = work / f"{source}-{model.clang}-{model.mcpu}-{dot_family}.o"
-    if not obj.exists():
-        compiler = model.clangxx if source.endswith(".cpp") else model.clang
-        subprocess.run([compiler, "--target=aarch64-linux-gnu", f"-mcpu={model.clang_cpu(model.mcpu)}{features}", "-O3",
-                        "-c", "-I", "include", "-I", "src", "-I", "src/ggml-cpu", "-D_GNU_SOURCE",
-                        f"src/ggml-cpu/arch/arm/{source}", "-o", str(obj)], cwd=ggml, check=True, capture_output=True,
-                       text=True)
+    compiler = model.clangxx if source.endswith(".cpp") else model.clang
+    subprocess.run([compiler, "--target=aarch64-linux-gnu", f"-mcpu={model.clang_cpu(model.mcpu)}{features}", "-O3",
+                    "-c", "-I", "include", "-I", "src", "-I", "src/ggml-cpu", "-D_GNU_SOURCE",
+                    f"src/ggml-cpu/arch/arm/{source}", "-o", str(obj)], cwd=ggml, check=True, capture_output=True,
+                   text=True)
     return _objdump_functions(obj)
 
 

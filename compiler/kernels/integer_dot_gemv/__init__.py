@@ -21,7 +21,8 @@ vector, and rows in pairs whose codes share each byte (the neon_pairs order: bot
 arm.py). 8-bit codes may also have a scale (and min) per 16 values (GGUF Q6_K) where the variant sums each half of
 a block in its own half of the lanes (x86.py, arm.py). Every variant file defines the same names: FAMILIES,
 CODE_ORDER, TAIL_STEPS, MINS_PER_STEP, HALF_BLOCK_GROUPS, FMA_CHAINS, reduce_rows, paired_tail_dot, pair_step_dot,
-second_of_pair_float, rows_together, chains, blocks_per_step, qmax, centered, split_int16, int32_lanes, activation_index and step_dot.
+second_of_pair_float, rows_together, chains, blocks_per_step, qmax, centered, split_int16, int32_lanes,
+activation_index and step_dot.
 
 SmolLM2 decode GEMVs, one Zen 3 core (AVX2), weights in cache, int16 activations: 4-bit gate_up 0.128 ms with
 vpmovzxbw widening, 0.093 ms widened in-lane (x86.py); int8 activations 0.062 ms. AVX2 code on one Zen 4 core,

@@ -106,6 +106,31 @@ def test_int8_activations_match_within_int8_rounding(bits, grp, symmetric, scale
     _assert_int8_rounding(got, ref, x, arrays, group.GroupLayout(bits, grp, symmetric, scale_dtype), k)
 
 
+@pytest.mark.parametrize("dot_family", [f for f in RUNNABLE if f.values[0] in ("avx2", "avxvnni")])
+def test_ymm_int16_8_bit_steps_take_two_blocks(dot_family):
+    """AVX2 int16, 8-bit codes (GGUF Q8_0) with an even number of blocks: a step is two 16-byte halves of each of
+    two blocks, lanes 0-3 one block and 4-7 the other, and matches numpy; an odd number keeps a block a step. The
+    activations of the other order (a block a step) give a wrong product: the order is the kernel's."""
+    shape, arrays, x, ref = _case(8, 32, True, "float16", 576, dot_family=dot_family)
+    assert (shape.blocks_per_step, shape.lanes_per_block) == (2, 4)
+    assert _case(8, 32, True, "float16", 96, dot_family=dot_family)[0].blocks_per_step == 1
+    lib = _build(shape)
+    assert "vinserti128" in assembly(lib)
+    got = _run(lib, shape, x, arrays)
+    tol = 2e-4 * np.abs(ref).max()
+    np.testing.assert_allclose(got, ref, rtol=2e-4, atol=tol)
+
+    def block_order(xq):  # the activations as a step of one block stores them: even codes, then odd, per block
+        values = np.empty_like(xq)
+        for b in range(shape.k // 32):
+            for j in range(32):
+                values[b * 32 + j % 2 * 16 + j // 2] = xq[b // 2 * 64 + (j // 16 * 2 + j % 2) * 16 + b % 2 * 8
+                                                          + j % 16 // 2]
+        return values
+
+    assert np.abs(_run(lib, shape, x, arrays, permute_activations=block_order) - ref).max() > 100 * tol
+
+
 def test_negative_controls_fail_the_same_tolerance():
     shape, arrays, x, ref = _case(4, 32, True, "float16", 192)
     lib = _build(shape)

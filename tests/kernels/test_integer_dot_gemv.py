@@ -154,6 +154,34 @@ def test_asymmetric_rows_whose_mins_leave_a_partial_vector(k, act_bits, dot_fami
     assert diff[3] == pytest.approx(expected, rel=1e-2) and np.delete(diff, 3).max() == 0
 
 
+def test_zmm_int16_4_bit_steps_take_four_blocks_and_end_in_two():
+    """AVX-512 int16, 4-bit codes: 64 code bytes a step as 32 words, a block in each 4 of the 16 lanes; a K of 4 n + 2
+    blocks (SmolLM2's 576) ends in a ymm step of 2 blocks (numerics: the LAYOUTS tests); 4 n + 1 or 3 is refused."""
+    shape = GemvShape(N, 576, 4, 32, True, "float16", 16, "avx512bw")
+    assert shape.supported()
+    assert (shape.blocks_per_step, shape.lanes_per_block, shape.steps, shape.tail_blocks) == (4, 4, 4, 2)
+    assert GemvShape(N, 1536, 4, 32, False, "float16", 16, "avx512vnni").tail_blocks == 0
+    assert not GemvShape(N, 544, 4, 32, True, "float16", 16, "avx512bw").supported()
+    # the 4 lanes of each block hold its codes' products: the activations of the ymm order give another sum
+    case = _case(4, 32, True, "float16", 576, dot_family="avx512bw")
+    if runs_here(X86_FAMILY_TARGETS["avx512bw"]):
+        _, arrays, x, ref = case
+        lib = _build(shape)
+        tol = 2e-4 * np.abs(ref).max()
+        np.testing.assert_allclose(_run(lib, shape, x, arrays), ref, rtol=2e-4, atol=tol)
+
+        def ymm_order(xq):  # blocks by pairs (the AVX2 order) where the whole steps take them by fours
+            values = xq.copy()
+            for b in range(16):
+                for j in range(32):
+                    nibble = j // 16 + j % 16 % 2 * 2
+                    values[b // 2 * 64 + nibble * 16 + b % 2 * 8 + j % 16 // 2] = xq[
+                        b // 4 * 128 + nibble * 32 + b % 4 * 8 + j % 16 // 2]
+            return values
+
+        assert np.abs(_run(lib, shape, x, arrays, permute_activations=ymm_order) - ref).max() > 100 * tol
+
+
 def test_negative_controls_fail_the_same_tolerance():
     shape, arrays, x, ref = _case(4, 32, True, "float16", 192)
     lib = _build(shape)
@@ -175,13 +203,13 @@ def test_refuses_shapes_it_cannot_step_through(bits, grp, k, symmetric):
     assert not GemvShape(N, k, bits, grp, symmetric, "float16").supported()
 
 
-# family -> (act bits -> instructions its GEMV must contain, and must not); ymm int16 codes are widened by shifts
+# family -> (act bits -> instructions its GEMV must contain, and must not); int16 4-bit codes are widened by shifts
 # and masks of their int16 words, with no shuffle (vpunpck, vpmovzxbw)
 INSTRUCTIONS = {
     "avx2": {16: (["vpmaddwd", "ymm", "vpsrlw"], ["zmm", "vpdpbusd", "vpunpck", "vpmovzxbw"]), 8: (["vpmaddubsw", "vpmaddwd"], ["zmm", "vpdpbusd"])},
     "avxvnni": {16: (["vpmaddwd", "ymm", "vpsrlw"], ["zmm", "vpunpck", "vpmovzxbw"]), 8: (["{vex} vpdpbusd"], ["vpmaddubsw", "zmm"])},
-    "avx512bw": {16: (["vpmaddwd", "zmm"], ["vpdpbusd"]), 8: (["vpmaddubsw"], ["vpdpbusd"])},
-    "avx512vnni": {16: (["vpmaddwd", "zmm"], []), 8: (["vpdpbusd"], ["vpmaddubsw", "{vex}"])},
+    "avx512bw": {16: (["vpmaddwd", "zmm", "vpsrlw"], ["vpdpbusd", "vpmovzxbw"]), 8: (["vpmaddubsw"], ["vpdpbusd"])},
+    "avx512vnni": {16: (["vpmaddwd", "zmm", "vpsrlw"], ["vpmovzxbw"]), 8: (["vpdpbusd"], ["vpmaddubsw", "{vex}"])},
 }
 
 

@@ -20,7 +20,7 @@ several rows at a time, the mins' term per step, a shorter last step of 2 blocks
 vector, and rows in pairs whose codes share each byte (the neon_pairs order: both rows' sums from the same loads,
 arm.py). 8-bit codes may also have a scale (and min) per 16 values (GGUF Q6_K) where the variant sums each half of
 a block in its own half of the lanes (x86.py, arm.py). Every variant file defines the same names: FAMILIES,
-CODE_ORDER, TAIL_STEPS, MINS_PER_STEP, HALF_BLOCK_GROUPS, FMA_CHAINS, reduce_rows, paired_tail_dot, pair_step_dot,
+CODE_ORDER, tail_steps, MINS_PER_STEP, HALF_BLOCK_GROUPS, FMA_CHAINS, reduce_rows, paired_tail_dot, pair_step_dot,
 second_of_pair_float, rows_together, chains, blocks_per_step, qmax, centered, split_int16, int32_lanes,
 activation_index and step_dot.
 
@@ -147,7 +147,7 @@ class GemvShape:
 
     @property
     def steps(self) -> int:
-        """Whole steps; a variant with TAIL_STEPS (arm.py) ends a K they leave over in one shorter step."""
+        """Whole steps; where the variant's tail_steps takes it, a K they leave over ends in one shorter step."""
         return self.k // (BLOCK * self.blocks_per_step)
 
     @property
@@ -216,7 +216,7 @@ class GemvShape:
                 and (not self.row_pairs or (self.rows_together % 2 == 0 and not self.half_block_groups
                                             and (not self.symmetric or self.offset == 8)))
                 and self.k % BLOCK == 0 and (self.group % BLOCK == 0 or self.half_block_groups)
-                and (self.tail_blocks == 0 or _variant(self.family).TAIL_STEPS)
+                and (self.tail_blocks == 0 or _variant(self.family).tail_steps(self))
                 and (self.group <= BLOCK or self.group % (BLOCK * self.blocks_per_step) == 0)
                 and (self.symmetric or (self.group <= BLOCK and (not self.centered or self.mins_per_step))))
 

@@ -1,11 +1,12 @@
-"""x86 variants of the integer decode GEMV's step: 32 bytes of codes times their activations into int32 lanes, per
+"""x86 variants of the integer decode GEMV's step: a vector of code bytes times their activations into int32 lanes, per
 integer dot-product family of compiler/isa.py, and the order the activation kernel stores activations in so that
 each instruction reads them contiguously. The algorithm around it (compiler/kernels/integer_dot_gemv) is the same
 for every family.
 
-- int16 activations: `vpmaddwd` (pairs of int16 products summed into int32). With AVX-512BW one zmm instruction
-  takes 32 codes widened by `vpmovzxbw`. With AVX2 the codes are widened without shuffles: the 32 code bytes read
-  as 16 int16 words, each word's four 4-bit codes (or two 8-bit ones) taken out by shift and mask. `vpmovzxbw` ymm
+- int16 activations: `vpmaddwd` (pairs of int16 products summed into int32). With AVX-512BW 8-bit codes go in 32
+  at a time widened by `vpmovzxbw`; 4-bit codes, and all codes with AVX2, are widened without shuffles: the code
+  bytes read as int16 words, each word's four 4-bit codes (or two 8-bit ones) taken out by shift and mask (ymm: 32
+  bytes, 16 words; zmm: 64 bytes, 32 words, 4 blocks a step, _zmm_words). `vpmovzxbw` ymm
   crosses 128-bit lanes and took 12 of the 22 cycles per 64 codes on Zen 3's two shuffle pipes (llvm-mca); the
   in-lane `vpunpck[lh]bw` that replaced it still took 4 shuffles per step. A word of a 4-bit step holds two codes
   of one block, so the two blocks of a step stay in lanes 0-3 and 4-7 of one int32x8 and a step also needs half the
@@ -20,14 +21,13 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 STEP_BYTES = 32  # one ymm of code bytes per step
-TAIL_STEPS = False  # K must be whole steps
 MINS_PER_STEP = False  # asymmetric codes: the mins' term once per row, a dot with the per-group activation sums
 # 8-bit codes: lanes 0 .. lanes/2 - 1 of a step sum its codes 0-15 (vpmaddwd after word or in-order widening,
 # vpdpbusd), so 16-value groups (GGUF Q6_K) take a scale per half of the lanes
 HALF_BLOCK_GROUPS = True
 CODE_ORDER = "plain"  # the weights stay in K order (quantization/group.CODE_ORDERS)
 reduce_rows = None  # each row's lanes summed on their own
-paired_tail_dot = None  # no shorter last step (TAIL_STEPS)
+paired_tail_dot = None  # a shorter last step (zmm words) is each row's own
 pair_step_dot = None  # rows stay apart (CODE_ORDER)
 second_of_pair_float = None
 FMA_CHAINS = False  # LLVM fuses the a * b + c of a step as it is
@@ -48,7 +48,24 @@ def chains(shape) -> int:
 
 
 def blocks_per_step(shape) -> int:
+    if _zmm_words(shape):
+        return 4
     return 2 if _paired_8_bit(shape) else STEP_BYTES * 8 // shape.bits // 32
+
+
+def tail_steps(shape) -> bool:
+    """Whether a K that leaves blocks past the whole steps ends in a shorter step: the 2 blocks after the 4-block
+    steps of zmm words, taken as one ymm word step. Else K must be whole steps."""
+    return _zmm_words(shape) and shape.tail_blocks == 2
+
+
+def _zmm_words(shape) -> bool:
+    """4-bit codes, int16 activations, AVX-512BW: a step is 64 code bytes read as 32 int16 words (no vpmovzxbw, which
+    widened 32 codes a step), 4 blocks, each in 4 of the 16 int32 lanes: one step of float work per 128 codes
+    instead of per 64. 1536 rows in cache, one Zen 4 core, ns per 32-weight block: K = 1536 0.95 -> 0.68, K = 576
+    (4 steps and a ymm step of 2 blocks) 0.98 -> 0.83; two float accumulators (chains) helped K = 576 (0.79) and
+    hurt K = 1536 (0.75)."""
+    return shape.act_bits == 16 and shape.family in _ZMM_MADD and shape.bits == 4
 
 
 def _paired_8_bit(shape) -> bool:
@@ -83,18 +100,24 @@ def int32_lanes(shape) -> int:
     one ymm), or 32 int8 products summed by fours (8 lanes)."""
     if shape.act_bits == 8 or _word_int16(shape):
         return 8
-    return 16
+    return 16  # zmm int16
 
 
 def activation_index(shape, b, j):
     """Where the activation of code j (0..31) of 32-value block b goes in xq."""
-    if _word_int16(shape):
+    if _word_int16(shape) or _zmm_words(shape):
         if shape.bits == 4:
-            # per step (blocks 2i, 2i+1): 4 vectors of 16 (_words_int16: low nibbles of even bytes, high of even,
-            # low of odd, high of odd), each word k of block 2i in lane k, of block 2i+1 in lane 8 + k; byte j of
-            # a block holds codes j (low nibble) and j + 16 (high)
+            # per step (blocks B i .. B i + B - 1, B = 2 for ymm words, 4 for zmm): 4 vectors of 8 B
+            # (_words_int16: low nibbles of even bytes, high of even, low of odd, high of odd), word k of block
+            # B i + c in lane 8 c + k; byte j of a block holds codes j (low nibble) and j + 16 (high). The shorter
+            # last step of zmm words is a ymm step (B = 2) after the whole ones.
             nibble = j // 16 + j % 16 % 2 * 2
-            return b // 2 * 64 + nibble * 16 + b % 2 * 8 + j % 16 // 2
+            per_step = shape.blocks_per_step
+            index = b // per_step * 32 * per_step + nibble * 8 * per_step + b % per_step * 8 + j % 16 // 2
+            if per_step == 4 and shape.tail_blocks > 0:
+                tail = shape.steps * 128 + nibble * 16 + b % 2 * 8 + j % 16 // 2
+                index = T.Select(b < shape.steps * 4, index, tail)
+            return index
         if _paired_8_bit(shape):
             # per step (blocks 2i, 2i+1): 4 vectors of 16 (_paired_8_bit's two ymm, each as _words_int16's low bytes
             # then high bytes), word k of block 2i in lane k, of block 2i+1 in lane 8 + k; codes 0-15 in the first ymm
@@ -107,21 +130,31 @@ def activation_index(shape, b, j):
     return b * 32 + j
 
 
-def _words_int16(codes, bits: int):
-    """uint8x32 -> its 16 int16 words' 4-bit (or 8-bit) fields, low to high, each zero-extended to int16x16: shifts
-    and masks only, which any vector ALU pipe issues (no shuffle)."""
-    words = T.reinterpret("uint16x16", codes)
+def _words_int16(codes, size: int, bits: int):
+    """`size` code bytes (uint8 x size) -> their size / 2 int16 words' 4-bit (or 8-bit) fields, low to high, each
+    zero-extended to int16 x (size / 2): shifts and masks only, which any vector ALU pipe issues (no shuffle)."""
+    count = size // 2
+    words = T.reinterpret(f"uint16x{count}", codes)
     fields = []
     for shift in range(0, 16, bits):
-        field = T.shift_right(words, T.broadcast(T.uint16(shift), 16)) if shift else words
+        field = T.shift_right(words, T.broadcast(T.uint16(shift), count)) if shift else words
         if shift + bits < 16:  # the top field needs no mask: the logical shift brought in zeros
-            field = T.bitwise_and(field, T.broadcast(T.uint16((1 << bits) - 1), 16))
-        fields.append(T.reinterpret("int16x16", field))
+            field = T.bitwise_and(field, T.broadcast(T.uint16((1 << bits) - 1), count))
+        fields.append(T.reinterpret(f"int16x{count}", field))
     return fields
 
 
-def _madd_int16x16(acc, codes, act):
-    return acc + T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", codes, act)
+def _word_dots(codes, size: int, bits: int, xq, base):
+    """The int32 lanes (ymm: 8, zmm: 16) of `size` code bytes read as words (_words_int16), field v dotted by
+    `vpmaddwd` with the activations from base + v x (words per vector)."""
+    fields = _words_int16(codes, size, bits)
+    count = size // 2
+    intrinsic = "llvm.x86.avx2.pmadd.wd" if count == 16 else "llvm.x86.avx512.pmaddw.d.512"
+    acc = T.broadcast(T.int32(0), count // 2)
+    for v, field in enumerate(fields):
+        acc = acc + T.call_llvm_pure_intrin(f"int32x{count // 2}", intrinsic, field, xq[T.ramp(base + v * count, 1,
+                                                                                                count)])
+    return acc
 
 
 def _dot(shape, acc, codes, act):
@@ -141,22 +174,25 @@ def _dot(shape, acc, codes, act):
     return acc + T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", pairs, T.broadcast(T.int16(1), 16))
 
 
-def step_dot(shape, w, xq, n, step):
-    """The int32 lanes of step `step` of row n: its 32 code bytes times their activations."""
+def step_dot(shape, w, xq, n, step, blocks: int | None = None):
+    """The int32 lanes of step `step` of row n: its code bytes times their activations (`blocks`: the shorter last
+    step of zmm words, 2 blocks as a ymm word step in lanes 0-7)."""
     zero = T.broadcast(T.int32(0), shape.lanes)
     codes = w[n, T.ramp(step * STEP_BYTES, 1, STEP_BYTES)]
+    if _zmm_words(shape):
+        if blocks is None:
+            return _word_dots(w[n, T.ramp(step * 2 * STEP_BYTES, 1, 2 * STEP_BYTES)], 2 * STEP_BYTES, 4, xq,
+                              step * 128)
+        return T.Shuffle([_word_dots(w[n, T.ramp(step * 2 * STEP_BYTES, 1, STEP_BYTES)], STEP_BYTES, 4, xq, step * 128),
+                          T.broadcast(T.int32(0), 8)], list(range(16)))
     if _paired_8_bit(shape):
         acc, start = zero, step * 2 * STEP_BYTES
         for half in range(2):
             halves = [w[n, T.ramp(start + block * STEP_BYTES + half * 16, 1, 16)] for block in range(2)]
-            for v, field in enumerate(_words_int16(T.Shuffle(halves, list(range(STEP_BYTES))), 8)):
-                acc = _madd_int16x16(acc, field, xq[T.ramp(step * 64 + (half * 2 + v) * 16, 1, 16)])
+            acc = acc + _word_dots(T.Shuffle(halves, list(range(STEP_BYTES))), STEP_BYTES, 8, xq, step * 64 + half * 32)
         return acc
     if _word_int16(shape):
-        acc, base = zero, step * STEP_BYTES * 8 // shape.bits
-        for v, field in enumerate(_words_int16(codes, shape.bits)):
-            acc = _madd_int16x16(acc, field, xq[T.ramp(base + v * 16, 1, 16)])
-        return acc
+        return _word_dots(codes, STEP_BYTES, shape.bits, xq, step * STEP_BYTES * 8 // shape.bits)
     if shape.act_bits == 16:
         # Widened first (one vpmovzxbw from memory): a 4-bit byte as int16 gives its low code with one AND and its
         # high code with one shift, no mask.

@@ -156,12 +156,15 @@ def test_asymmetric_rows_whose_mins_leave_a_partial_vector(k, act_bits, dot_fami
 
 def test_zmm_int16_4_bit_steps_take_four_blocks_and_end_in_two():
     """AVX-512 int16, 4-bit codes: 64 code bytes a step as 32 words, a block in each 4 of the 16 lanes; a K of 4 n + 2
-    blocks (SmolLM2's 576) ends in a ymm step of 2 blocks (numerics: the LAYOUTS tests); 4 n + 1 or 3 is refused."""
+    blocks (SmolLM2's 576) ends in a ymm step of 2 blocks (numerics: the LAYOUTS tests); 4 n + 1 or 3 is refused.
+    8-bit codes: 2 blocks a step, 8 lanes each, for an even number of blocks (else one, widened by vpmovzxbw)."""
     shape = GemvShape(N, 576, 4, 32, True, "float16", 16, "avx512bw")
     assert shape.supported()
     assert (shape.blocks_per_step, shape.lanes_per_block, shape.steps, shape.tail_blocks) == (4, 4, 4, 2)
     assert GemvShape(N, 1536, 4, 32, False, "float16", 16, "avx512vnni").tail_blocks == 0
     assert not GemvShape(N, 544, 4, 32, True, "float16", 16, "avx512bw").supported()
+    assert GemvShape(N, 576, 8, 32, True, "float16", 16, "avx512bw").lanes_per_block == 8
+    assert GemvShape(N, 96, 8, 32, True, "float16", 16, "avx512bw").blocks_per_step == 1
     # the 4 lanes of each block hold its codes' products: the activations of the ymm order give another sum
     case = _case(4, 32, True, "float16", 576, dot_family="avx512bw")
     if runs_here(X86_FAMILY_TARGETS["avx512bw"]):
@@ -180,6 +183,19 @@ def test_zmm_int16_4_bit_steps_take_four_blocks_and_end_in_two():
             return values
 
         assert np.abs(_run(lib, shape, x, arrays, permute_activations=ymm_order) - ref).max() > 100 * tol
+        shape8, arrays8, x8, ref8 = _case(8, 32, True, "float16", 576, dot_family="avx512bw")
+        lib8 = _build(shape8)
+        np.testing.assert_allclose(_run(lib8, shape8, x8, arrays8), ref8, rtol=2e-4, atol=2e-4 * np.abs(ref8).max())
+
+        def block_order(xq):  # a block a step (vpmovzxbw: its codes in order) where steps take blocks by pairs
+            values = xq.copy()
+            for b in range(18):
+                for j in range(32):
+                    values[b * 32 + j] = xq[b // 2 * 64 + j % 2 * 32 + b % 2 * 16 + j // 2]
+            return values
+
+        wrong = _run(lib8, shape8, x8, arrays8, permute_activations=block_order)
+        assert np.abs(wrong - ref8).max() > 100 * 2e-4 * np.abs(ref8).max()
 
 
 def test_negative_controls_fail_the_same_tolerance():

@@ -49,7 +49,7 @@ def chains(shape) -> int:
 
 def blocks_per_step(shape) -> int:
     if _zmm_words(shape):
-        return 4
+        return 4 if shape.bits == 4 else 2
     return 2 if _paired_8_bit(shape) else STEP_BYTES * 8 // shape.bits // 32
 
 
@@ -60,12 +60,15 @@ def tail_steps(shape) -> bool:
 
 
 def _zmm_words(shape) -> bool:
-    """4-bit codes, int16 activations, AVX-512BW: a step is 64 code bytes read as 32 int16 words (no vpmovzxbw, which
-    widened 32 codes a step), 4 blocks, each in 4 of the 16 int32 lanes: one step of float work per 128 codes
-    instead of per 64. 1536 rows in cache, one Zen 4 core, ns per 32-weight block: K = 1536 0.95 -> 0.68, K = 576
-    (4 steps and a ymm step of 2 blocks) 0.98 -> 0.83; two float accumulators (chains) helped K = 576 (0.79) and
-    hurt K = 1536 (0.75)."""
-    return shape.act_bits == 16 and shape.family in _ZMM_MADD and shape.bits == 4
+    """int16 activations, AVX-512BW: a step is 64 code bytes read as 32 int16 words (no vpmovzxbw, which widened 32
+    codes a step): 4-bit codes, 4 blocks, each in 4 of the 16 int32 lanes, one step of float work per 128 codes
+    instead of per 64; 8-bit codes (an even number of blocks, not in 16-value groups), 2 blocks in 8 lanes each,
+    one per 64 codes instead of per 32. 1536 rows in cache, one Zen 4 core, ns per 32-weight block: 4-bit K = 1536
+    0.95 -> 0.68, K = 576 (4 steps and a ymm step of 2 blocks) 0.98 -> 0.83 (two float accumulators, chains, helped
+    K = 576: 0.79, and hurt K = 1536: 0.75); 8-bit K = 576 (SmolLM2's lm_head) 1.29 -> 0.87."""
+    if shape.act_bits != 16 or shape.family not in _ZMM_MADD:
+        return False
+    return shape.bits == 4 or (not shape.half_block_groups and shape.k // 32 % 2 == 0)
 
 
 def _paired_8_bit(shape) -> bool:
@@ -118,6 +121,10 @@ def activation_index(shape, b, j):
                 tail = shape.steps * 128 + nibble * 16 + b % 2 * 8 + j % 16 // 2
                 index = T.Select(b < shape.steps * 4, index, tail)
             return index
+        if _zmm_words(shape):
+            # per step (blocks 2i, 2i+1): 2 vectors of 32 (_words_int16: low bytes, high bytes), word k of block
+            # 2i in lane k, of block 2i+1 in lane 16 + k
+            return b // 2 * 64 + j % 2 * 32 + b % 2 * 16 + j // 2
         if _paired_8_bit(shape):
             # per step (blocks 2i, 2i+1): 4 vectors of 16 (_paired_8_bit's two ymm, each as _words_int16's low bytes
             # then high bytes), word k of block 2i in lane k, of block 2i+1 in lane 8 + k; codes 0-15 in the first ymm
@@ -181,8 +188,8 @@ def step_dot(shape, w, xq, n, step, blocks: int | None = None):
     codes = w[n, T.ramp(step * STEP_BYTES, 1, STEP_BYTES)]
     if _zmm_words(shape):
         if blocks is None:
-            return _word_dots(w[n, T.ramp(step * 2 * STEP_BYTES, 1, 2 * STEP_BYTES)], 2 * STEP_BYTES, 4, xq,
-                              step * 128)
+            return _word_dots(w[n, T.ramp(step * 2 * STEP_BYTES, 1, 2 * STEP_BYTES)], 2 * STEP_BYTES, shape.bits, xq,
+                              step * 2 * STEP_BYTES * 8 // shape.bits)
         return T.Shuffle([_word_dots(w[n, T.ramp(step * 2 * STEP_BYTES, 1, STEP_BYTES)], STEP_BYTES, 4, xq, step * 128),
                           T.broadcast(T.int32(0), 8)], list(range(16)))
     if _paired_8_bit(shape):

@@ -3,15 +3,14 @@ integer dot-product family of compiler/isa.py, and the order the activation kern
 each instruction reads them contiguously. The algorithm around it (compiler/kernels/integer_dot_gemv) is the same
 for every family.
 
-- int16 activations: `vpmaddwd` (pairs of int16 products summed into int32). With AVX-512BW 8-bit codes go in 32
-  at a time widened by `vpmovzxbw`; 4-bit codes, and all codes with AVX2, are widened without shuffles: the code
-  bytes read as int16 words, each word's four 4-bit codes (or two 8-bit ones) taken out by shift and mask (ymm: 32
-  bytes, 16 words; zmm: 64 bytes, 32 words, 4 blocks a step, _zmm_words). `vpmovzxbw` ymm
-  crosses 128-bit lanes and took 12 of the 22 cycles per 64 codes on Zen 3's two shuffle pipes (llvm-mca); the
-  in-lane `vpunpck[lh]bw` that replaced it still took 4 shuffles per step. A word of a 4-bit step holds two codes
-  of one block, so the two blocks of a step stay in lanes 0-3 and 4-7 of one int32x8 and a step also needs half the
-  float work of two int32x8 halves; 8-bit steps take two blocks the same way, from half-vector loads
-  (_paired_8_bit).
+- int16 activations: `vpmaddwd` (pairs of int16 products summed into int32). Codes are widened without shuffles:
+  the code bytes read as int16 words, each word's four 4-bit codes (or two 8-bit ones) taken out by shift and mask
+  (ymm: 32 bytes, 16 words; zmm: 64 bytes, 32 words, _zmm_words); only AVX-512 8-bit codes of an odd number of
+  blocks or in 16-value groups go in 32 at a time widened by `vpmovzxbw`. `vpmovzxbw` ymm crosses 128-bit lanes
+  and took 12 of the 22 cycles per 64 codes on Zen 3's two shuffle pipes (llvm-mca); the in-lane `vpunpck[lh]bw`
+  that replaced it still took 4 shuffles per step. A word of a 4-bit step holds two codes of one block, so the two
+  blocks of a ymm step stay in lanes 0-3 and 4-7 of one int32x8 and a step also needs half the float work of two
+  int32x8 halves; 8-bit steps take two blocks the same way, from half-vector loads (_paired_8_bit).
 - int8 activations: `vpdpbusd` (4 uint8 x int8 products summed into each int32 lane) with AVX-512 VNNI (EVEX) or
   AVX-VNNI (VEX); else `vpmaddubsw` + `vpmaddwd` by ones (AVX2).
 """
@@ -201,14 +200,13 @@ def step_dot(shape, w, xq, n, step, blocks: int | None = None):
     if _word_int16(shape):
         return _word_dots(codes, STEP_BYTES, shape.bits, xq, step * STEP_BYTES * 8 // shape.bits)
     if shape.act_bits == 16:
-        # Widened first (one vpmovzxbw from memory): a 4-bit byte as int16 gives its low code with one AND and its
-        # high code with one shift, no mask.
-        codes = T.Cast("int16x32", codes)
+        # AVX-512 8-bit codes that no word step takes (an odd number of blocks, 16-value groups): widened by one
+        # vpmovzxbw from memory
+        return _dot(shape, zero, T.Cast("int16x32", codes), xq[T.ramp(step * STEP_BYTES, 1, STEP_BYTES)])
     if shape.bits == 8:
         return _dot(shape, zero, codes, xq[T.ramp(step * STEP_BYTES, 1, STEP_BYTES)])
-    mask, four = (T.int16(15), T.int16(4)) if shape.act_bits == 16 else (T.uint8(15), T.uint8(4))
-    low = T.bitwise_and(codes, T.broadcast(mask, STEP_BYTES))
-    high = T.shift_right(codes, T.broadcast(four, STEP_BYTES))
+    low = T.bitwise_and(codes, T.broadcast(T.uint8(15), STEP_BYTES))
+    high = T.shift_right(codes, T.broadcast(T.uint8(4), STEP_BYTES))
     act_low, act_high = xq[T.ramp(step * 64, 1, STEP_BYTES)], xq[T.ramp(step * 64 + STEP_BYTES, 1, STEP_BYTES)]
     if shape.act_bits == 8 and not FAMILIES[shape.family]:
         # The low and high nibbles' int16 pair sums go in the same lanes (same block): added as int16 (4 products

@@ -230,7 +230,7 @@ def _essential_loop(bits: int, act_bits: int, row_pairs: bool, symmetric: bool |
     body = [".Lloop:"]
     for r in range(rounds):
         extra = floats[(r + 1) % rounds] if floats else []
-        for i, text in enumerate(code[r]):  # extra[j] after code[r][(j + 1) * len(code) // len(extra) - 1]
+        for i, text in enumerate(code[r]):  # extra[j] after code[r][(j + 1) * len(code[r]) // len(extra) - 1]
             body.append(text)
             body += [f for j, f in enumerate(extra) if (j + 1) * len(code[r]) // len(extra) - 1 == i]
     body += [f"add x0, x0, #{rounds * 4 * bits * 4}", "subs x1, x1, #1", "b.ne .Lloop"]

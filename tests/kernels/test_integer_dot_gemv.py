@@ -166,9 +166,8 @@ def test_zmm_int16_4_bit_steps_take_four_blocks_and_end_in_two():
     assert GemvShape(N, 576, 8, 32, True, "float16", 16, "avx512bw").lanes_per_block == 8
     assert GemvShape(N, 96, 8, 32, True, "float16", 16, "avx512bw").blocks_per_step == 1
     # the 4 lanes of each block hold its codes' products: the activations of the ymm order give another sum
-    case = _case(4, 32, True, "float16", 576, dot_family="avx512bw")
     if runs_here(X86_FAMILY_TARGETS["avx512bw"]):
-        _, arrays, x, ref = case
+        _, arrays, x, ref = _case(4, 32, True, "float16", 576, dot_family="avx512bw")
         lib = _build(shape)
         tol = 2e-4 * np.abs(ref).max()
         np.testing.assert_allclose(_run(lib, shape, x, arrays), ref, rtol=2e-4, atol=tol)

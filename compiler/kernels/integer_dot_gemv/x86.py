@@ -67,7 +67,12 @@ def _zmm_words(shape) -> bool:
     K = 576: 0.79, and hurt K = 1536: 0.75); 8-bit K = 576 (SmolLM2's lm_head) 1.29 -> 0.87."""
     if shape.act_bits != 16 or shape.family not in _ZMM_MADD:
         return False
-    return shape.bits == 4 or (not shape.half_block_groups and shape.k // 32 % 2 == 0)
+    return shape.bits == 4 or _two_8_bit_blocks(shape)
+
+
+def _two_8_bit_blocks(shape) -> bool:
+    """8-bit codes a word step can take two blocks at a time: an even number of blocks, not in 16-value groups."""
+    return shape.bits == 8 and not shape.half_block_groups and shape.k // 32 % 2 == 0
 
 
 def _paired_8_bit(shape) -> bool:
@@ -77,7 +82,7 @@ def _paired_8_bit(shape) -> bool:
     (K = 576), 1024 rows in cache, one Zen 4 core running the AVX2 code: 22.0 -> 20.6 us; llvm-mca-19, the code built
     for each core, cycles per 32 weights: znver1 6.18 -> 5.88, znver2 5.71 -> 4.96, skylake 4.23 -> 3.40. Needs an
     even number of blocks; 16-value groups keep a block a step."""
-    return _word_int16(shape) and shape.bits == 8 and not shape.half_block_groups and shape.k // 32 % 2 == 0
+    return _word_int16(shape) and _two_8_bit_blocks(shape)
 
 
 def qmax(shape) -> int:

@@ -20,6 +20,7 @@ from tvm import relax, tirx
 
 from .errors import MobilecError
 from .passes.ir_walk import tir_statements
+from .pipeline import naming_failures
 from .targets import TargetSpec
 
 OBJECT = "hexagon/kernels.o"
@@ -119,8 +120,10 @@ def build_kernels(lowered: tvm.IRModule, spec: TargetSpec, lib_dir: Path) -> tup
     lower, finalize_host, _ = tirx.get_default_tir_pipeline(target)
     (lib_dir / OBJECT).parent.mkdir(parents=True, exist_ok=True)
     link = sdk_linker() is not None
-    with target, _keep_object(lib_dir, link):
-        tvm.get_global_func("target.build.hexagon")(finalize_host()(lower(mod)), target)
+    build = tvm.get_global_func("target.build.hexagon")
+    with target, _keep_object(lib_dir, link), \
+            naming_failures("NPU code generation", spec, mod, lambda one: build(finalize_host()(lower(one)), target)):
+        build(finalize_host()(lower(mod)), target)
     report = coverage(lowered, set(npu), cpu)
     report["library"] = SHARED if link else OBJECT
     if not link:

@@ -6,10 +6,12 @@ import contextlib
 from collections.abc import Callable
 
 import tvm
-from tvm import relax
+from tvm import relax, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 from tvm.s_tir import dlight
 
+from . import stop_signals
+from .errors import MobilecError
 from .kernels import integer_dot_gemm, integer_dot_gemv
 from .kernels.cpu_attention import vector_lanes
 from .passes.apply_tuning_database import ApplyTuningDatabase
@@ -18,6 +20,7 @@ from .passes.fuse_dequantize_matmul import FuseDequantizeMatmul
 from .passes.fuse_swiglu import FuseSwiGLU
 from .passes.fuse_transpose_matmul import FuseTransposeMatmul
 from .passes.integer_dot_gemm import IntegerDotGEMM
+from .passes.inline_let_expressions import InlineLetExpressions
 from .passes.integer_dot_gemv import IntegerDotGEMV
 from .passes.mark_noalias import MarkNoalias
 from .passes.replace_cpu_attention import ReplaceCPUAttention
@@ -84,6 +87,8 @@ def steps(spec: TargetSpec, tuning: bool = False, decode_activations: str | None
         # Kernels that tuned faster than our rules; dlight skips them (tirx.is_scheduled).
         (APPLY_TUNING_STEP, ApplyTuningDatabase(spec.name), tuning),
         ("schedule", dlight.ApplyDefaultSchedule(*schedule_rules), every_target),
+        # TVM's CSE binds a value after its use inside Let expressions (Llama 3 RoPE in its tree attention).
+        ("inline-let-expressions", InlineLetExpressions(), every_target),
         # After the schedule, which adds float16 local caches of the scales.
         ("vload-half", VloadHalf(), _reads_half_with_vload(spec)),
         ("lower-dataflow", _seq(cpu_generic.dataflow_lower_passes(target)), every_target),
@@ -110,7 +115,8 @@ def run_steps(
     """Apply every step in order; `after_step(index, name, mod)` sees the IR after each (for inspection)."""
     with spec.tvm_target():
         for index, (name, step) in enumerate(steps(spec, tuning, decode_activations)):
-            mod = step(mod)
+            with naming_failures(f"step {name}", spec, mod, step):
+                mod = step(mod)
             if after_step is not None:
                 after_step(index, name, mod)
     return mod
@@ -140,6 +146,39 @@ def generate(lowered: tvm.IRModule, spec: TargetSpec) -> tvm.runtime.Executable:
     """Code for a module the steps have lowered; the Relax passes are all ours, so TVM's default list is off."""
     current = tvm.transform.PassContext.current()
     half_pointers = opencl_half_pointers() if _reads_half_with_vload(spec) else contextlib.nullcontext()
+    target = spec.tvm_target()
     with tvm.transform.PassContext(opt_level=current.opt_level, config=current.config,
-                                   instruments=[*current.instruments, _CheckKernels(spec)]), half_pointers:
-        return tvm.compile(lowered, target=spec.tvm_target(), relax_pipeline=None)
+                                   instruments=[*current.instruments, _CheckKernels(spec)]), half_pointers, \
+            naming_failures("code generation", spec, lowered, lambda one: tvm.tirx.build(one, target=target)):
+        return tvm.compile(lowered, target=target, relax_pipeline=None)
+
+
+class InternalCompilerError(MobilecError):
+    """TVM or a pass of ours failed on a model it accepted: a compiler bug, told in one line with the kernel."""
+
+
+@contextlib.contextmanager
+def naming_failures(where: str, spec: TargetSpec, mod: tvm.IRModule, attempt: Callable[[tvm.IRModule], object]):
+    """Inside: an error that is not the user's (not MobilecError) becomes one line naming the kernel that fails,
+    found by running `attempt` (the step that failed) on each PrimFunc of `mod` alone, and the target."""
+    try:
+        yield
+    except MobilecError:
+        raise
+    except Exception as err:  # pylint: disable=broad-exception-caught
+        stop_signals.raise_if_received()  # a Ctrl-C that TVM turned into an error of its own
+        kernel = _failing_kernel(mod, attempt)
+        detail = (str(err).strip().splitlines() or [type(err).__name__])[-1].strip()
+        raise InternalCompilerError(
+            f"internal compiler error in {where}{f', kernel {kernel}' if kernel else ''} for target {spec.name}: "
+            f"{detail}; a bug in mobilec or TVM: please report this line with the model's config.json") from err
+
+
+def _failing_kernel(mod: tvm.IRModule, attempt: Callable[[tvm.IRModule], object]) -> str | None:
+    for gv, func in mod.functions_items():
+        if isinstance(func, tirx.PrimFunc):
+            try:
+                attempt(tvm.IRModule({gv: func}))
+            except Exception:  # pylint: disable=broad-exception-caught
+                return gv.name_hint
+    return None

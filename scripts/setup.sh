@@ -34,3 +34,13 @@ if ! [ -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 fi
 # The OpenCL device for TVM's runtime (compiler/runtime/opencl_device.py loads it); quick when up to date.
 bash scripts/build_opencl_runtime.sh >/dev/null
+# The OpenCL platforms mobilec's processes see (compiler/runtime/opencl_device.py points the ICD loader here unless
+# OCL_ICD_VENDORS is set): the system's ICD files, and Intel's CPU runtime from the venv, whose own ICD file names a
+# path that does not exist. Rerun this script after installing another OpenCL driver.
+vendors=build/native/opencl-vendors
+rm -rf "$vendors.tmp" && mkdir -p "$vendors.tmp"
+for icd in /etc/OpenCL/vendors/*.icd; do
+  if [ -e "$icd" ]; then ln -s "$icd" "$vendors.tmp/"; fi
+done
+if [ -f .venv/lib/libintelocl.so ]; then echo "$PWD/.venv/lib/libintelocl.so" > "$vendors.tmp/intel-cpu.icd"; fi
+rm -rf "$vendors" && mv "$vendors.tmp" "$vendors"

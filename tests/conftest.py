@@ -11,6 +11,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     for _variable in ("TVM_NUM_THREADS", "OMP_NUM_THREADS"):
         os.environ.setdefault(_variable, "1")
 
+# Float32 GPU artifacts run on PoCL in these processes (the fastest OpenCL here); tests of float16 ones start
+# processes that name Intel's runtime (tests/helpers/pocl_device.py).
+os.environ.setdefault("MOBILEC_OPENCL_PLATFORM", "pocl")
+
 import pytest  # noqa: E402  (after the thread counts)
 
 from compiler.loaders.default_model import default_model_path  # noqa: E402

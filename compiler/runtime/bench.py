@@ -298,6 +298,8 @@ def format_table(result: dict[str, Any]) -> str:
     """The figures as a table for people; --json has them all."""
     dev = result["device"]
     arch = f", {dev['triple'] or dev['arch']}" if dev["arch"] else ""
+    if dev.get("opencl"):
+        arch += f", OpenCL: {dev['opencl']['device']} ({dev['opencl']['platform']})"
     upload = result["upload"]
     staged = ("weights read in place" if dev["kind"] == "local" else
               f"upload: {upload['uploaded']} files sent ({upload['bytes'] / 1e6:.1f} MB), "

@@ -4,11 +4,17 @@ build/native/libmobilec_opencl.so, because the apache-tvm wheel's runtime has no
 `load()` puts it into this process once: it registers "device_api.opencl" (so `tvm.opencl(0)` exists and tensors
 live there) and "ffi.Module.load_from_bytes.opencl" (so `tvm.runtime.load_module` reads the OpenCL kernels a
 compiled library embeds). Call it before loading an OpenCL artifact. `available()` says whether it can.
+
+Which platform: MOBILEC_OPENCL_PLATFORM, a case-insensitive part of the platform's name, vendor or version
+("intel": Intel's CPU runtime, the one here with cl_khr_fp16; "pocl"); unset, the first platform with a GPU, else
+the first with any device. The platforms are those of the ICD files in OCL_ICD_VENDORS, or else of the folder
+scripts/setup.sh writes (the system's ICD files and Intel's runtime from the venv).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from pathlib import Path
 
@@ -21,6 +27,8 @@ LIBRARY = ROOT / "build" / "native" / "libmobilec_opencl.so"
 SOURCES = ROOT / "native" / "opencl"
 BUILD = "scripts/build_opencl_runtime.sh"
 INSTALL = "apt-get install ocl-icd-opencl-dev pocl-opencl-icd (or the GPU's OpenCL driver)"
+PLATFORM_VARIABLE = "MOBILEC_OPENCL_PLATFORM"  # read by native/opencl/opencl_device.cc
+VENDORS = ROOT / "build" / "native" / "opencl-vendors"
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -46,9 +54,28 @@ def _stale() -> bool:
     return any(p.stat().st_mtime > built for p in SOURCES.iterdir() if p.suffix in (".cc", ".h"))
 
 
+def use_installed_platforms() -> None:
+    """Point this process's OpenCL ICD loaders (the system's, and pyopencl's own) at the platforms scripts/setup.sh
+    registered, unless OCL_ICD_VENDORS says otherwise; before the first OpenCL call, which reads it once."""
+    if "OCL_ICD_VENDORS" not in os.environ and VENDORS.is_dir():
+        os.environ["OCL_ICD_VENDORS"] = str(VENDORS)
+
+
+def describe(function=tvm.get_global_func) -> dict[str, str | bool] | None:
+    """The OpenCL platform and device that kernels run on, from the device's runtime (`function`: a global
+    function lookup, local or over RPC); None for a runtime that is not ours (a TVM with its own OpenCL)."""
+    try:
+        text = function("mobilec.opencl.describe")(0)
+    except (AttributeError, ValueError):  # how a missing function shows over RPC, and locally
+        return None
+    platform, device, version, fp16 = str(text).split("\t")
+    return {"platform": platform, "device": device, "version": version, "fp16": fp16 == "fp16"}
+
+
 def load() -> None:
     """Load the OpenCL device into this process (once); MobilecError, naming the fix, where it cannot."""
     global _library
+    use_installed_platforms()
     with _lock:
         if _library is None:
             if tvm.get_global_func("device_api.opencl", allow_missing=True) is not None:
@@ -67,7 +94,8 @@ def load() -> None:
     count = tvm.get_global_func("mobilec.opencl.num_devices", allow_missing=True)
     if count is not None and count() == 0:
         reason = tvm.get_global_func("mobilec.opencl.init_error")()
-        raise NoOpenCLPlatform(f"no OpenCL device: {reason}: {INSTALL}")
+        fix = "unset it or name one of those" if reason.startswith(PLATFORM_VARIABLE) else INSTALL
+        raise NoOpenCLPlatform(f"no OpenCL device: {reason}: {fix}")
 
 
 def available() -> bool:

@@ -82,6 +82,7 @@ class Device:
             "LLVM's host CPU features on the device" if self.cpu.features is not None else None)
         self.description["total_ram_mb"] = round(total / 2**20) if total and total > 0 else None
         self.description["kernels_on"] = "cpu"  # until use_device_of picks the artifact's device
+        self.description["opencl"] = None  # the OpenCL platform and device, once use_device_of picks OpenCL
 
     def _triple(self) -> str | None:
         """The device's target triple, when its TVM has LLVM (a runtime-only build, as on phones, does not)."""
@@ -132,8 +133,17 @@ class Device:
                      f"{self.description['name']} has no OpenCL device: start its RPC server with --load-library "
                      f"{opencl_device.library_path()} (or use the TVM RPC app on a phone)")
             raise MobilecError(f"{artifact.library.name} runs its kernels on OpenCL, but {where}")
+        with self.bounded(), self.errors("asking for its OpenCL platform"):
+            opencl = opencl_device.describe(self.function)
+        if opencl is not None and artifact.config["compute_dtype"] == "float16" and not opencl["fp16"]:
+            raise MobilecError(
+                f"{artifact.library.name} computes in float16, but OpenCL device {opencl['device']} "
+                f"({opencl['platform']}) has no cl_khr_fp16: pick a platform that has it with "
+                f"{opencl_device.PLATFORM_VARIABLE} (here `intel`, Intel's CPU runtime that scripts/setup.sh "
+                f"installs), or compile with --compute-dtype float32")
         self.dev = dev
         self.description["kernels_on"] = "opencl"
+        self.description["opencl"] = opencl
 
     @property
     def devices(self) -> list:

@@ -25,6 +25,7 @@ from tvm import tirx
 from tvm.sym.analyzer import Analyzer
 
 from ..passes.ir_walk import tir_statements
+from ..runtime import opencl_device
 
 
 class Unsupported(Exception):
@@ -158,6 +159,7 @@ def random_args(func: tirx.PrimFunc, bindings: Mapping[str, int], rng: np.random
 def _context():
     import pyopencl as cl  # pylint: disable=import-outside-toplevel
 
+    opencl_device.use_installed_platforms()
     platforms = [p for p in cl.get_platforms() if "Portable Computing Language" in p.name]
     if not platforms:
         raise Unsupported("PoCL is not installed (apt-get install pocl-opencl-icd)")

@@ -36,6 +36,8 @@ std::string ErrorName(cl_int code);
 // Strings and fixed-size values from clGetDeviceInfo / clGetPlatformInfo.
 std::string DeviceString(cl_device_id device, cl_device_info what);
 std::string PlatformString(cl_platform_id platform, cl_platform_info what);
+// The environment variable that picks the platform (opencl_device.cc; compiler/runtime/opencl_device.py names it).
+inline constexpr char kPlatformVariable[] = "MOBILEC_OPENCL_PLATFORM";
 template <typename T>
 T DeviceValue(cl_device_id device, cl_device_info what, const char* name) {
   T value{};

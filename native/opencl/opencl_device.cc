@@ -1,12 +1,15 @@
 // opencl_device.cc: TVM's DeviceAPI for OpenCL (kDLOpenCL, device type 4), registered as "device_api.opencl".
-// The platform is chosen once, lazily: the first platform with a GPU, else the first with any device (PoCL's CPU
-// device); one context for its devices and one in-order queue per device. A tensor's data pointer is the cl_mem
+// The platform is chosen once, lazily: among the platforms MOBILEC_OPENCL_PLATFORM names (a case-insensitive part of
+// the platform's name, vendor or version, e.g. "intel" or "pocl"; all when unset), the first with a GPU, else the
+// first with any device (PoCL's or Intel's CPU device); one context for its devices and one in-order queue per device. A tensor's data pointer is the cl_mem
 // itself, so pointer arithmetic on the host is not allowed (offsets travel as byte_offset / from_offset).
 #include <tvm/ffi/any.h>
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/reflection/registry.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <sstream>
@@ -107,6 +110,11 @@ std::string DeviceString(cl_device_id device, cl_device_info what) {
   return value;
 }
 
+std::string Lower(std::string text) {
+  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::tolower(c); });
+  return text;
+}
+
 std::string PlatformString(cl_platform_id platform, cl_platform_info what) {
   size_t size = 0;
   MOBILEC_CL_CALL(clGetPlatformInfo(platform, what, 0, nullptr, &size));
@@ -136,6 +144,24 @@ void OpenCLRuntime::Init() {
     }
     std::vector<cl_platform_id> platforms(num_platforms);
     clGetPlatformIDs(num_platforms, platforms.data(), nullptr);
+    if (const char* wanted = std::getenv(kPlatformVariable); wanted != nullptr && *wanted != '\0') {
+      std::vector<cl_platform_id> named;
+      std::string installed;
+      for (cl_platform_id platform : platforms) {
+        std::string name = PlatformString(platform, CL_PLATFORM_NAME);
+        if (Lower(name + " " + PlatformString(platform, CL_PLATFORM_VENDOR) + " " +
+                  PlatformString(platform, CL_PLATFORM_VERSION)).find(Lower(wanted)) != std::string::npos) {
+          named.push_back(platform);
+        }
+        installed += (installed.empty() ? "" : "; ") + name;
+      }
+      if (named.empty()) {
+        init_error_ = std::string(kPlatformVariable) + "=" + wanted + " names no installed OpenCL platform (installed: " +
+                      installed + ")";
+        return;
+      }
+      platforms = std::move(named);
+    }
     // GPU first, on any platform; else any device type on the first platform that has one.
     std::vector<cl_device_id> chosen;
     cl_platform_id chosen_platform = nullptr;
@@ -428,5 +454,15 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       .def("mobilec.opencl.num_workspace_buffers",
            [](int device_id) { return mobilec::opencl::OpenCLRuntime::Global()->NumWorkspaceBuffers(device_id); })
       .def("mobilec.opencl.init_error",
-           []() { return tvm::ffi::String(mobilec::opencl::OpenCLRuntime::Global()->init_error()); });
+           []() { return tvm::ffi::String(mobilec::opencl::OpenCLRuntime::Global()->init_error()); })
+      // Platform, device, OpenCL version and whether it has cl_khr_fp16, tab-separated (a string crosses RPC).
+      .def("mobilec.opencl.describe", [](int device_id) {
+        mobilec::opencl::OpenCLRuntime* rt = mobilec::opencl::OpenCLRuntime::Global();
+        cl_device_id device = rt->device(device_id);
+        std::string extensions = mobilec::opencl::DeviceString(device, CL_DEVICE_EXTENSIONS);
+        return tvm::ffi::String(mobilec::opencl::PlatformString(rt->platform(), CL_PLATFORM_NAME) + "\t" +
+                                mobilec::opencl::DeviceString(device, CL_DEVICE_NAME) + "\t" +
+                                mobilec::opencl::DeviceString(device, CL_DEVICE_VERSION) + "\t" +
+                                (extensions.find("cl_khr_fp16") != std::string::npos ? "fp16" : "no-fp16"));
+      });
 }

@@ -192,6 +192,7 @@ def profile_decode_step(session: Session, context_len: int, steps: int = DEFAULT
         recorded.append(calls)
         positions.append(recorder.position)
         instrumented_wall.append(seconds)
+    device_times = _device_kernel_times(session, steps)
     session.reset()
 
     # The instrument's own cost per call: the cheapest builtin's median duration.
@@ -276,6 +277,8 @@ def profile_decode_step(session: Session, context_len: int, steps: int = DEFAULT
         c["gbs"] = _rate(c["category"], c["bytes_read"], c["ms"] / 1e3)
 
     cfg = artifact.config
+    layers = int(cfg["model"]["config"]["num_hidden_layers"])
+    kernel_calls = sum(k["calls_per_step"] for k in kernels)
     return {
         "artifact": str(artifact.path), "model": cfg["model"]["name"], "quant": cfg["quantization"]["name"],
         "target": cfg["target"]["name"], "threads": os.environ.get("TVM_NUM_THREADS"),
@@ -285,7 +288,8 @@ def profile_decode_step(session: Session, context_len: int, steps: int = DEFAULT
         "split_ms": {"kernels": ms(kernels_s), "vm_overhead": ms(vm_s), "host": ms(host_s),
                      "unattributed": ms(wall_s - kernels_s - vm_s - host_s)},
         "phases_ms": {k: ms(v) for k, v in phase_s.items()},
-        "kernel_calls_per_step": sum(k["calls_per_step"] for k in kernels),
+        "kernel_calls_per_step": kernel_calls,
+        "kernel_calls_per_layer": kernel_calls / layers,
         "vm_builtin_calls_per_step": builtin_calls,  # alloc, tuple, shape and check builtins: in vm_overhead
         "instrument_floor_us": floor * 1e6,
         "kernels_ms_rows_best": ms(sum(row_best.values())),  # the sum of the kernel rows (each its fastest)
@@ -295,7 +299,48 @@ def profile_decode_step(session: Session, context_len: int, steps: int = DEFAULT
         "call_sites_matched": matched,
         "categories": sorted(categories.values(), key=lambda c: -c["ms"]),
         "kernels": kernels,
+        "device": device_times and _device_summary(device_times, wall_s, layers),
     }
+
+
+def _device_kernel_times(session: Session, steps: int) -> list[list[tuple[str, float]]] | None:
+    """Per decode step, every OpenCL kernel launch's (kernel, seconds) as the device timed it (event profiling);
+    None where the kernels do not run on our OpenCL device."""
+    if session.device.description.get("opencl") is None:
+        return None
+    switch = session.device.function("mobilec.opencl.time_kernels")
+    read = session.device.function("mobilec.opencl.kernel_times")
+    switch(True)
+    try:
+        read()  # anything launched before
+        timed = []
+        for _ in range(steps):
+            session.decode(1)
+            lines = str(read()).splitlines()
+            timed.append([(kernel, int(ns) / 1e9) for kernel, ns in (line.split("\t") for line in lines)])
+    finally:
+        switch(False)
+    return timed
+
+
+def _device_summary(timed: list[list[tuple[str, float]]], wall_s: float, layers: int) -> dict[str, Any]:
+    """The device's own times: per OpenCL kernel (its fastest step), and the fastest step's sum against the
+    fastest wall-clock step."""
+    per_kernel: dict[str, list[float]] = {}
+    for step in timed:
+        seconds: dict[str, float] = {}
+        for kernel, s in step:
+            seconds[kernel] = seconds.get(kernel, 0.0) + s
+        for kernel, s in seconds.items():
+            per_kernel.setdefault(kernel, []).append(s)
+    launches = len(timed[0])
+    busy_s = min(sum(s for _, s in step) for step in timed)
+    kernels = [{"name": kernel, "launches_per_step": sum(k == kernel for k, _ in timed[0]),
+                "ms": min(values) * 1e3, "pct_of_step": 100 * min(values) / wall_s}
+               for kernel, values in per_kernel.items()]
+    return {"launches_per_step": launches, "launches_per_layer": launches / layers,
+            "kernels_ms": busy_s * 1e3, "fraction_of_step": busy_s / wall_s,
+            "kernels": sorted(kernels, key=lambda k: -k["ms"])}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -348,7 +393,8 @@ def format_profile(profile: dict[str, Any], top: int = 12) -> str:
         return f"  {label:13s} {value:8.3f} ms {100 * value / wall:6.1f}%  {note}"
 
     lines += [
-        part("kernels", split["kernels"], f"{profile['kernel_calls_per_step']:.0f} calls, less the instrument's "
+        part("kernels", split["kernels"], f"{profile['kernel_calls_per_step']:.0f} calls "
+             f"({profile['kernel_calls_per_layer']:.1f} per layer), less the instrument's "
              f"{profile['instrument_floor_us']:.2f} us per call; table: each kernel's fastest step"),
         part("VM overhead", split["vm_overhead"], f"embed + decode VM calls ({phases['embed_call']:.3f} + "
              f"{phases['decode_call']:.3f} ms) less their kernels; {profile['vm_builtin_calls_per_step']} "
@@ -372,9 +418,19 @@ def format_profile(profile: dict[str, Any], top: int = 12) -> str:
     for k in profile["kernels"][:top]:
         lines.append(f"  {k['name'][:44]:44s} {k['function']:8s} {k['calls_per_step']:5.0f} {k['ms']:8.3f} "
                      f"{k['pct_of_step']:6.1f}% {gbs(k['gbs'])}  {k['category']}")
-    noisy = split["vm_overhead"] < 0 or abs(split["unattributed"]) > 0.05 * wall \
-        or profile["wall_ms_p90"] > 1.5 * profile["wall_ms"] \
-        or profile["kernels_ms_rows_best"] < 0.9 * split["kernels"]
+    device = profile.get("device")
+    if device:
+        lines += ["", f"  OpenCL device times (event profiling): {device['launches_per_step']} launches per step "
+                      f"({device['launches_per_layer']:.1f} per layer), {device['kernels_ms']:.3f} ms busy = "
+                      f"{device['fraction_of_step']:.1%} of the fastest step",
+                  f"  {'OpenCL kernel (top ' + str(top) + ')':52s} {'launches':>8s} {'ms':>8s} {'% step':>7s}"]
+        for k in device["kernels"][:top]:
+            lines.append(f"  {k['name'][:52]:52s} {k['launches_per_step']:8d} {k['ms']:8.3f} {k['pct_of_step']:6.1f}%")
+        lines.append("  (the host-side kernel rows above time the enqueue calls; the device runs kernels after them)")
+    # (on OpenCL the host-side split holds the wait for the device, and enqueue times are too short to compare)
+    host_split_off = not device and (split["vm_overhead"] < 0 or abs(split["unattributed"]) > 0.05 * wall
+                                     or profile["kernels_ms_rows_best"] < 0.9 * split["kernels"])
+    noisy = host_split_off or profile["wall_ms_p90"] > 1.5 * profile["wall_ms"]
     if noisy:
         lines.append(f"  note: the machine was noisy: step p90 {profile['wall_ms_p90']:.3f} vs median "
                      f"{profile['wall_ms']:.3f} ms; the kernels' fastest calls add up to "

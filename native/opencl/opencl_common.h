@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace mobilec {
@@ -81,6 +82,14 @@ class OpenCLRuntime {
 
   cl_mem CreateBuffer(size_t nbytes);
 
+  // Device times per kernel launch (`mobilec profile`): on, every queue is made anew with profiling enabled and each
+  // launch's event is kept; KernelTimes() waits for the queues and returns (kernel, nanoseconds) per launch since the
+  // last call. Switch it between steps: the queues are replaced.
+  void SetKernelTiming(bool on);
+  bool kernel_timing() const { return kernel_timing_; }
+  void RecordLaunch(const std::string& kernel, cl_event event);
+  std::vector<std::pair<std::string, uint64_t>> KernelTimes();
+
   // The device that kernels launch on in this thread: what TVM's host code last set (__tvm_set_device).
   static int& CurrentDevice() {
     static thread_local int device_id = 0;
@@ -97,6 +106,9 @@ class OpenCLRuntime {
   cl_context context_{nullptr};
   std::vector<cl_device_id> devices_;
   std::vector<cl_command_queue> queues_;
+  bool kernel_timing_{false};
+  std::mutex launches_mutex_;
+  std::vector<std::pair<std::string, cl_event>> launches_;  // while timing: each launch's event, in order
 
   struct Block {
     size_t size;

@@ -234,6 +234,46 @@ cl_command_queue OpenCLRuntime::queue(int device_id) {
   return queues_[device_id];
 }
 
+void OpenCLRuntime::SetKernelTiming(bool on) {
+  Init();
+  if (on == kernel_timing_ || devices_.empty()) return;
+  for (size_t i = 0; i < queues_.size(); ++i) {
+    MOBILEC_CL_CALL(clFinish(queues_[i]), " (before switching kernel timing)");
+    cl_int err = CL_SUCCESS;
+    cl_command_queue queue = clCreateCommandQueue(context_, devices_[i], on ? CL_QUEUE_PROFILING_ENABLE : 0, &err);
+    if (err != CL_SUCCESS) ThrowCLError("clCreateCommandQueue", err, on ? " with profiling enabled" : "");
+    clReleaseCommandQueue(queues_[i]);
+    queues_[i] = queue;
+  }
+  kernel_timing_ = on;
+  if (!on) KernelTimes();  // release what was kept
+}
+
+void OpenCLRuntime::RecordLaunch(const std::string& kernel, cl_event event) {
+  std::lock_guard<std::mutex> lock(launches_mutex_);
+  launches_.emplace_back(kernel, event);
+}
+
+std::vector<std::pair<std::string, uint64_t>> OpenCLRuntime::KernelTimes() {
+  for (cl_command_queue queue : queues_) MOBILEC_CL_CALL(clFinish(queue), " (waiting for the timed kernels)");
+  std::vector<std::pair<std::string, cl_event>> launches;
+  {
+    std::lock_guard<std::mutex> lock(launches_mutex_);
+    launches.swap(launches_);
+  }
+  std::vector<std::pair<std::string, uint64_t>> times;
+  for (auto& [kernel, event] : launches) {
+    cl_ulong start = 0, end = 0;
+    MOBILEC_CL_CALL(clGetEventProfilingInfo(event, CL_PROFILING_COMMAND_START, sizeof(start), &start, nullptr),
+                    " (a kernel's start time)");
+    MOBILEC_CL_CALL(clGetEventProfilingInfo(event, CL_PROFILING_COMMAND_END, sizeof(end), &end, nullptr),
+                    " (a kernel's end time)");
+    clReleaseEvent(event);
+    times.emplace_back(kernel, end - start);
+  }
+  return times;
+}
+
 cl_mem OpenCLRuntime::CreateBuffer(size_t nbytes) {
   Init();
   if (context_ == nullptr) {
@@ -455,6 +495,15 @@ TVM_FFI_STATIC_INIT_BLOCK() {
            [](int device_id) { return mobilec::opencl::OpenCLRuntime::Global()->NumWorkspaceBuffers(device_id); })
       .def("mobilec.opencl.init_error",
            []() { return tvm::ffi::String(mobilec::opencl::OpenCLRuntime::Global()->init_error()); })
+      .def("mobilec.opencl.time_kernels", [](bool on) { mobilec::opencl::OpenCLRuntime::Global()->SetKernelTiming(on); })
+      // Each timed launch since the last call, "kernel\tnanoseconds" a line (a string crosses RPC).
+      .def("mobilec.opencl.kernel_times", []() {
+        std::string out;
+        for (const auto& [kernel, ns] : mobilec::opencl::OpenCLRuntime::Global()->KernelTimes()) {
+          out += kernel + "\t" + std::to_string(ns) + "\n";
+        }
+        return tvm::ffi::String(out);
+      })
       // Platform, device, OpenCL version and whether it has cl_khr_fp16, tab-separated (a string crosses RPC).
       .def("mobilec.opencl.describe", [](int device_id) {
         mobilec::opencl::OpenCLRuntime* rt = mobilec::opencl::OpenCLRuntime::Global();

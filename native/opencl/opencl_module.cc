@@ -451,8 +451,11 @@ class OpenCLModuleObj : public tvm::ffi::ModuleObj {
       }
       std::fprintf(stderr, "%s\n", os.str().c_str());
     }
-    cl_int err = clEnqueueNDRangeKernel(OpenCLRuntime::Global()->queue(device_id), k.kernel, plan.work_dim, nullptr,
-                                        global, local, 0, nullptr, nullptr);
+    OpenCLRuntime* rt = OpenCLRuntime::Global();
+    cl_event event = nullptr;
+    cl_int err = clEnqueueNDRangeKernel(rt->queue(device_id), k.kernel, plan.work_dim, nullptr, global, local, 0,
+                                        nullptr, rt->kernel_timing() ? &event : nullptr);
+    if (err == CL_SUCCESS && event != nullptr) rt->RecordLaunch(info.name, event);
     if (err != CL_SUCCESS) {
       std::ostringstream os;
       os << " in kernel " << info.name << " (global " << global[0] << " x " << global[1] << " x " << global[2]

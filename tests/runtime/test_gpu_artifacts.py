@@ -12,6 +12,7 @@ import pytest
 
 from compiler.artifact import CONFIG_FILE, load_artifact
 from compiler.compile_model import CompileOptions, compile_model
+from compiler.runtime.profile import profile_decode_step
 from compiler.runtime.session import Session
 from compiler.targets import load_target, with_overrides
 from tests.helpers.assertions import assert_mobilec_error
@@ -96,3 +97,23 @@ def test_host_target_applies_to_gpu_targets_only():
                          "CPU target file")
     assert_mobilec_error(lambda: with_overrides(load_target("android-adreno"), compute_dtype="int8"),
                          "--compute-dtype")
+
+
+def test_profile_reads_each_kernels_device_time_from_opencl_events(checkpoint):
+    """`mobilec profile` on an OpenCL artifact: every launch of a decode step timed by the device (event profiling),
+    one per OpenCL kernel the library holds, adding up to no more than the step's wall time (a tiny model's step is
+    mostly host work; SmolLM2's adds up to it: test_smollm2_float16_gpu_artifacts.py), while a CPU artifact has
+    no device table."""
+    gpu = _compile(checkpoint, "android-adreno", "q0f32", "android-adreno-q0f32", **ON_POCL)
+    art = load_artifact(gpu)
+    prof = profile_decode_step(Session(art), context_len=8, steps=4)
+    device = prof["device"]
+    layers = art.config["model"]["config"]["num_hidden_layers"]
+    assert device["launches_per_step"] >= prof["kernel_calls_per_step"] - 1  # the KV builtin launches kernels too
+    assert device["launches_per_layer"] == device["launches_per_step"] / layers
+    source = (art.path / "lib" / "kernels.cl").read_text()
+    assert all(f"__kernel void {k['name']}(" in source for k in device["kernels"])
+    assert sum(k["launches_per_step"] for k in device["kernels"]) == device["launches_per_step"]
+    assert 0 < device["kernels_ms"] and device["fraction_of_step"] <= 1.1, device
+    host = _compile(checkpoint, "host", "q0f32", "host-q0f32")
+    assert profile_decode_step(Session(load_artifact(host)), context_len=8, steps=2)["device"] is None

@@ -93,7 +93,9 @@ def test_bench_and_profile_name_the_fp16_device(artifacts):
     opencl = bench["device"]["opencl"]
     assert bench["device"]["kernels_on"] == "opencl" and opencl["fp16"] and "Intel" in opencl["platform"]
     profile = _json(_mobilec_process("profile", path, "--context-len", 8, "--steps", 2, "--json"))
-    assert profile["kernel_calls_per_step"] > 0
+    device = profile["device"]
+    assert device["launches_per_step"] >= profile["kernel_calls_per_step"] > 0
+    assert 0.9 <= device["fraction_of_step"] <= 1.1, device  # the device times add up to the step
 
 
 def test_bench_over_rpc_runs_on_the_servers_fp16_opencl(artifacts, tmp_path):

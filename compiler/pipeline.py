@@ -19,6 +19,7 @@ from .passes.fuse_add_rmsnorm import FuseAddRMSNorm
 from .passes.fuse_dequantize_matmul import FuseDequantizeMatmul
 from .passes.fuse_swiglu import FuseSwiGLU
 from .passes.fuse_transpose_matmul import FuseTransposeMatmul
+from .passes.guard_kv_append import GuardKVAppend
 from .passes.integer_dot_gemm import IntegerDotGEMM
 from .passes.inline_let_expressions import InlineLetExpressions
 from .passes.integer_dot_gemv import IntegerDotGEMV
@@ -71,6 +72,8 @@ def steps(spec: TargetSpec, tuning: bool = False, decode_activations: str | None
         ("cpu-attention", ReplaceCPUAttention(cpu_lanes), cpu_lanes is not None),
         # GPU targets, models with a sliding window or capped scores (else TVM's GPU kernels stay): ours.
         ("gpu-attention", ReplaceGPUAttention(), gpu),
+        # GPU targets: TVM's K/V append reads positions past the token count in its last thread group.
+        ("guard-kv-append", GuardKVAppend(), gpu),
         # Needs the NT_matmul calls above; before FuseOps, so bias/residual adds still fuse into the fused kernel.
         ("fuse-dequantize-matmul", FuseDequantizeMatmul(), every_target),
         # CPU rules: on high-level ops, before LegalizeOps; takes the residual add that FuseOps would put in the

@@ -13,10 +13,11 @@ if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v clang >/dev/nul
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ g++-aarch64-linux-gnu clang >/dev/null
 fi
 # OpenCL kernels and GPU artifacts run on the CPU with PoCL (Debian's, 3.1: fp32 only), through our OpenCL device
-# for TVM's runtime (native/opencl/, built below against the ICD loader and headers).
-if ! dpkg -s pocl-opencl-icd ocl-icd-opencl-dev opencl-c-headers >/dev/null 2>&1; then
+# for TVM's runtime (native/opencl/, built below against the ICD loader and headers); Oclgrind checks GPU kernels
+# for data races and out-of-bounds or uninitialized reads (tests/targets/test_oclgrind.py).
+if ! dpkg -s pocl-opencl-icd ocl-icd-opencl-dev opencl-c-headers oclgrind >/dev/null 2>&1; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pocl-opencl-icd ocl-icd-opencl-dev \
-    opencl-c-headers >/dev/null
+    opencl-c-headers oclgrind >/dev/null
 fi
 # tests/targets/test_emulated_arm.py runs aarch64 code on an emulated device (compiler/testing/emulated_arm.py).
 if ! dpkg -s qemu-user-static binfmt-support debootstrap >/dev/null 2>&1; then

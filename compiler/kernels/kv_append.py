@@ -15,6 +15,14 @@ def kv_append(kv_heads: int, head_dim: int, page_size: int, dtype: str) -> tirx.
     guards the block, so a thread past the last token reads no position (TVM's kernel tests it outside the blocks,
     reading position_map past its end: Oclgrind's "depends on uninitialized value")."""
 
+    @T.macro(hygienic=False)  # reads pages and position_map of the kernel it is expanded in
+    def append(slot: int, data, token, h, f):
+        vt, vh, vf = T.axis.remap("SSS", [token, h, f])
+        T.reads(position_map[vt], data[vt, vh, vf])
+        T.writes(pages[position_map[vt] // page_size, slot, vh, position_map[vt] % page_size, vf])
+        if position_map[vt] != -1:
+            pages[position_map[vt] // page_size, slot, vh, position_map[vt] % page_size, vf] = data[vt, vh, vf]
+
     # pylint: disable=too-many-locals,unused-variable
     @T.prim_func(private=True, s_tir=True)
     def kv_transpose_append(var_pages: T.handle, var_k_data: T.handle, var_v_data: T.handle,
@@ -31,16 +39,8 @@ def kv_append(kv_heads: int, head_dim: int, page_size: int, dtype: str) -> tirx.
         position_map = T.match_buffer(var_position_map, (ntoken,), "int32", elem_offset=position_map_elem_offset)
         for token, h, f in T.grid(ntoken, kv_heads, head_dim):
             with T.sblock("k_append"):
-                vt, vh, vf = T.axis.remap("SSS", [token, h, f])
-                T.reads(position_map[vt], k_data[vt, vh, vf])
-                T.writes(pages[position_map[vt] // page_size, 0, vh, position_map[vt] % page_size, vf])
-                if position_map[vt] != -1:
-                    pages[position_map[vt] // page_size, 0, vh, position_map[vt] % page_size, vf] = k_data[vt, vh, vf]
+                append(0, k_data, token, h, f)
             with T.sblock("v_append"):
-                vt, vh, vf = T.axis.remap("SSS", [token, h, f])
-                T.reads(position_map[vt], v_data[vt, vh, vf])
-                T.writes(pages[position_map[vt] // page_size, 1, vh, position_map[vt] % page_size, vf])
-                if position_map[vt] != -1:
-                    pages[position_map[vt] // page_size, 1, vh, position_map[vt] % page_size, vf] = v_data[vt, vh, vf]
+                append(1, v_data, token, h, f)
 
     return kv_transpose_append

@@ -6,9 +6,9 @@ an OpenCL target, reads the launches from the host function as it is just before
 `launch_params` naming the extents; global size = grid x block), takes the OpenCL source from the device module
 imported under the host module, and enqueues the kernels in order with concrete shapes.
 
-PoCL 3.1 has no cl_khr_fp16 and no subgroups, so only fp32 kernels run here (float16 buffers only as
-passes/vload_half.py reads them, built inside its `opencl_half_pointers`); and it accepts work-group sizes a
-real GPU refuses, so device limits are checked elsewhere (compiler/passes/verify_device_limits.py).
+PoCL 3.1 has no cl_khr_fp16 and no subgroups, so only fp32 kernels run on it (float16 buffers only as
+passes/vload_half.py reads them, built inside its `opencl_half_pointers`); float16 kernels run on Intel's CPU
+runtime (`platform=INTEL`). Both accept work-group sizes a real GPU refuses, so device limits are checked elsewhere (compiler/passes/verify_device_limits.py).
 `reference_llvm` runs a PrimFunc built for the CPU on the same arrays, for comparison.
 """
 
@@ -155,23 +155,29 @@ def random_args(func: tirx.PrimFunc, bindings: Mapping[str, int], rng: np.random
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def _context():
+POCL = "Portable Computing Language"
+INTEL = "Intel(R) OpenCL"  # Intel's CPU runtime: cl_khr_fp16, so float16 kernels run (scripts/setup.sh installs it)
+_INSTALL = {POCL: "apt-get install pocl-opencl-icd",
+            INTEL: "run scripts/setup.sh (it installs intel-opencl-rt into .venv and registers it)"}
+
+
+@functools.lru_cache(maxsize=2)
+def _context(platform: str = POCL):
     import pyopencl as cl  # pylint: disable=import-outside-toplevel
 
     opencl_device.use_installed_platforms()
-    platforms = [p for p in cl.get_platforms() if "Portable Computing Language" in p.name]
+    platforms = [p for p in cl.get_platforms() if platform in p.name]
     if not platforms:
-        raise Unsupported("PoCL is not installed (apt-get install pocl-opencl-icd)")
+        raise Unsupported(f"the OpenCL platform {platform!r} is not installed ({_INSTALL.get(platform, '')})")
     ctx = cl.Context(platforms[0].get_devices())
     return ctx, cl.CommandQueue(ctx)
 
 
 @functools.lru_cache(maxsize=256)
-def _program(source: str):
+def _program(source: str, platform: str):
     import pyopencl as cl  # pylint: disable=import-outside-toplevel
 
-    ctx, _ = _context()
+    ctx, _ = _context(platform)
     return {kernel.function_name: kernel for kernel in cl.Program(ctx, source).build().all_kernels()}
 
 
@@ -203,12 +209,13 @@ def _views_of_parameters(host: tirx.PrimFunc) -> dict[str, str]:
 
 
 def run_pocl(build: OpenCLBuild, args: Sequence, bindings: Mapping[str, int],
-             launch_hook: LaunchHook | None = None) -> list[np.ndarray | int | float]:
-    """Run the build's kernels in order on PoCL; return every argument after the run (buffers copied back).
-    `launch_hook(kernel, global_size, local_size)` may change a launch (negative controls)."""
+             launch_hook: LaunchHook | None = None, platform: str = POCL) -> list[np.ndarray | int | float]:
+    """Run the build's kernels in order on PoCL (or another platform, by name: INTEL for float16); return every
+    argument after the run (buffers copied back). `launch_hook(kernel, global_size, local_size)` may change a
+    launch (negative controls)."""
     import pyopencl as cl  # pylint: disable=import-outside-toplevel
 
-    ctx, queue = _context()
+    ctx, queue = _context(platform)
     func = build.func
     ana = _analyzer(func, bindings)
     by_name = {p.name: i for i, p in enumerate(func.params)}
@@ -228,7 +235,7 @@ def run_pocl(build: OpenCLBuild, args: Sequence, bindings: Mapping[str, int],
                 ana.bind(stmt.var, tirx.const(_const(ana, stmt.value), str(stmt.var.ty.dtype)))
             except (Unsupported, AttributeError):
                 pass
-    program = _program(build.source)
+    program = _program(build.source, platform)
     for launch in build.launches:
         kernel_args = []
         for arg in launch.args:

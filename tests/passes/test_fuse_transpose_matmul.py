@@ -128,3 +128,44 @@ def test_ir_in_ir_out():
     tvm.ir.assert_structural_equal(FuseTransposeMatmul()(_linear_module(bias=False)), _ExpectedNoBias)
     # negative control: the module before the pass is not the expected one
     assert not tvm_ffi.structural_equal(_linear_module(bias=False), _ExpectedNoBias)
+
+
+def _half_module(logits: bool):
+    """main(x[1, 1, 16], w[8, 16]) = x @ w.T in float16 (cast to float32 after, as the logits are, with `logits`)."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([1, 1, 16], "float16"))
+    w = relax.Var("w", relax.TensorType([8, 16], "float16"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w)))
+            if logits:
+                y = bb.emit(relax.op.astype(y, "float32"))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _bound_calls(mod):
+    calls = []
+    relax.analysis.post_order_visit(mod["main"], lambda e: calls.append(e) if isinstance(e, relax.Call) else None)
+    return [(c.op.name, str(c.ty.dtype)) for c in calls if isinstance(c.op, tvm.ir.Op)]
+
+
+@pytest.mark.parametrize("logits", [False, True])
+def test_float16_products_are_summed_in_float32(logits):
+    """The NT_matmul sums in float32 and is cast to float16 for its readers; a cast straight back to float32 (the
+    logits) reads the float32 sum instead (no rounding to float16 in between)."""
+    mod = FuseTransposeMatmul()(_half_module(logits))
+    (nt,) = _prim_funcs(mod).values()
+    assert [str(p.dtype) for p in nt.params] == ["float16", "float16", "float32"]
+    calls = _bound_calls(mod)
+    assert ("relax.astype", "float32") not in calls
+    assert (("relax.astype", "float16") in calls) != logits
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 1, 16)).astype("float16")
+    w = rng.standard_normal((8, 16)).astype("float16")
+    got = _build(mod)["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(w)).numpy()
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert got.dtype == (np.float32 if logits else np.float16)
+    # float32 sums of exact float16 products: the float32 result is that sum to float32's precision
+    np.testing.assert_allclose(got, want, rtol=1e-6 if logits else 2 ** -11, atol=1e-6)

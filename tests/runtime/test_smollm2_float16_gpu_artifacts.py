@@ -1,7 +1,7 @@
 """SmolLM2's phone GPU artifacts as the phones run them, computing in float16 (`--host-target host` only), run end
 to end on Intel's OpenCL CPU runtime, the implementation here with cl_khr_fp16: `generate` gives the host artifact
 of the same scheme's 16 greedy tokens (android-adreno q4f16_g32 and gguf, android-mali q8f16_g128), `eval` its
-perplexity within 0.3% on a short window, `bench` (locally and over RPC with the OpenCL device in the RPC server)
+perplexity within 0.3% on a 128-token window, `bench` (locally and over RPC with the OpenCL device in the RPC server)
 and `profile` run. PoCL, without cl_khr_fp16, refuses the artifact in one line naming the fix (negative control).
 
 Each command runs in a process of its own: the OpenCL platform is chosen once per process
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow,  # five SmolLM2 compiles; Intel's runtime compil
 
 PROMPT = "The three primary colors are"
 TOKENS = 16
-EVAL_WINDOW = 32
+EVAL_WINDOW = 128  # the ratio to the host was +0.38% on 32 tokens, +0.17% on 64, +0.03% on 128, +0.05% on 1024
 EVAL_TEXT = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
 # (target, scheme) of the float16 GPU artifacts; each is checked against the host artifact of its scheme
 GPU_ARTIFACTS = [("android-adreno", "q4f16_g32"), ("android-adreno", "gguf"), ("android-mali", "q8f16_g128")]

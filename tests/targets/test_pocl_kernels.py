@@ -15,23 +15,16 @@ Tolerance: max abs error <= 1e-4 x the largest reference value (1e-4 relative), 
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import numpy as np
 import pytest
-import tvm
 
 pytest.importorskip("pyopencl")
-from compiler import pipeline  # noqa: E402
 from compiler.testing import pocl  # noqa: E402
+from tests.helpers.scheduled_kernels import PREFILL, compare, kernels  # noqa: E402
 
 TARGETS = ["android-adreno", "android-mali"]
 QUANTS = ["q0f32", "q4f32_g32"]
-PREFILL = 7
 RTOL, ATOL = 1e-4, 1e-6
-# Dynamic dimensions of the KV-cache append/read kernels; 8 pages of 16 tokens.
-KV_DIMS = {"num_pages": 8, "page_size": 16, "layer_id": 3}
 # GPU-only TIR that the KV cache's C++ code launches with its page tables (attention over pages, page copies,
 # state merges): written with thread bindings already, so there is no CPU form here to compare against, and
 # meaningful inputs are the paged KV cache's runtime state.
@@ -56,63 +49,10 @@ pytestmark = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
-def _kernels(target_name: str, quant: str):
-    """(spec, {name: (scheduled PrimFunc, PrimFunc before scheduling)}) for SmolLM2 on the target, fp32."""
-    from compiler.importer import import_model
-    from compiler.loaders import open_checkpoint
-    from compiler.loaders.default_model import default_model_path
-    from compiler.quantization.schemes import get_scheme
-    from compiler.targets import load_target
-
-    spec = load_target(target_name)
-    spec = dataclasses.replace(spec, device={**spec.device, "compute_dtype": "float32"})  # PoCL: no fp16
-    with open_checkpoint(default_model_path()) as ckpt:
-        mod = import_model(ckpt, get_scheme(quant), spec, 512).mod
-    before = None
-    with spec.tvm_target():
-        for name, step in pipeline.steps(spec):
-            if name == "schedule":
-                # dlight schedules the module's functions in place; keep a copy of the unscheduled ones.
-                before = tvm.ir.load_json(tvm.ir.save_json(mod))
-            mod = step(mod)
-            if name == "schedule":
-                break
-    pairs = {}
-    for gv, func in mod.functions.items():
-        if isinstance(func, tvm.tirx.PrimFunc):
-            pairs[gv.name_hint] = (func, before[gv.name_hint])
-    return spec, pairs
-
-
-def _bindings(func, seq_len: int) -> dict[str, int]:
-    names = pocl.shape_vars(func)
-    # seq_len (model kernels), ntoken/seqlen (KV-cache append/read) are the token count of the step.
-    return {**KV_DIMS, **{n: seq_len for n in names if n not in KV_DIMS}}
-
-
-def _args(func, bindings, rng):
-    args = pocl.random_args(func, bindings, rng)
-    for i, param in enumerate(func.params):
-        if param.name == "position_map":  # distinct slots: repeated ones would race on the same page entry
-            capacity = KV_DIMS["num_pages"] * KV_DIMS["page_size"]
-            args[i] = rng.permutation(capacity)[: args[i].shape[0]].astype("int32")
-    return args
-
-
-def _compare(spec, scheduled, reference, seq_len, rng, launch_hook=None):
-    bindings = _bindings(scheduled, seq_len)
-    args = _args(scheduled, bindings, rng)
-    build = pocl.build_opencl(scheduled, spec.tvm_target())
-    got = pocl.run_pocl(build, args, bindings, launch_hook)
-    want = pocl.reference_llvm(reference, args)
-    return pocl.max_abs_error(got, want)
-
-
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("target_name", TARGETS)
 def test_kernels_match_cpu(target_name, quant):
-    spec, pairs = _kernels(target_name, quant)
+    spec, pairs = kernels(target_name, quant)
     rng = np.random.default_rng(0)
     rows, failures, not_run = [], [], {}
     for name, (scheduled, reference) in sorted(pairs.items()):
@@ -121,7 +61,7 @@ def test_kernels_match_cpu(target_name, quant):
             continue
         lengths = [1, PREFILL] if pocl.shape_vars(scheduled) else [1]
         for seq_len in lengths:
-            err, scale = _compare(spec, scheduled, reference, seq_len, rng)
+            err, scale = compare(spec, scheduled, reference, seq_len, rng)
             ok = err <= RTOL * scale + ATOL
             rows.append(f"  {name:42s} len={seq_len:<2d} max_abs_err={err:.3g} (max |ref| {scale:.3g})"
                         f"{'' if ok else '  FAIL'}")
@@ -137,11 +77,11 @@ def test_kernels_match_cpu(target_name, quant):
 
 def test_wrong_launch_size_fails():
     """Negative control: the decode GEMV launched with half its global size leaves outputs unwritten."""
-    spec, pairs = _kernels("android-adreno", "q4f32_g32")
+    spec, pairs = kernels("android-adreno", "q4f32_g32")
     gemv = next(n for n, (f, _) in pairs.items()
                 if n.startswith("fused_dequantize") and "NT_matmul" in n and not pocl.shape_vars(f))
     scheduled, reference = pairs[gemv]
-    err, scale = _compare(spec, scheduled, reference, 1, np.random.default_rng(1))
+    err, scale = compare(spec, scheduled, reference, 1, np.random.default_rng(1))
     assert err <= RTOL * scale + ATOL
 
     def halve(kernel, global_size, local_size):
@@ -150,6 +90,6 @@ def test_wrong_launch_size_fails():
         global_size[axis] = max(local_size[axis], global_size[axis] // 2 // local_size[axis] * local_size[axis])
         return global_size, local_size
 
-    err, scale = _compare(spec, scheduled, reference, 1, np.random.default_rng(1), launch_hook=halve)
+    err, scale = compare(spec, scheduled, reference, 1, np.random.default_rng(1), launch_hook=halve)
     print(f"\n{gemv} with half the global size: max_abs_err={err:.3g} (max |ref| {scale:.3g})")
     assert err > RTOL * scale + ATOL

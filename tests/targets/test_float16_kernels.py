@@ -1,0 +1,95 @@
+"""SmolLM2's GPU kernels computing in float16, as the phones run them, on Intel's OpenCL CPU runtime (the platform
+here with cl_khr_fp16) against the same PrimFuncs before scheduling built for this CPU, which rounds every
+float16 operation too (LLVM computes each in float32 and rounds). GEMV and matmul of each scheme, RMSNorm, RoPE
+and split, the KV append, embedding, SwiGLU: every kernel with a CPU form (the paged-attention kernels have none:
+test_pocl_kernels.NOT_RUN). Decode (1 token) and one prefill length (7).
+
+Tolerance: the two sum in different orders, each rounding to float16 (unit roundoff u = 2^-11) at every step; a
+sum of K terms in two orders differs by at most ~2 K u max|partial sum| in the worst case and ~2 sqrt(K) u for
+random signs. Allowed: 8 sqrt(K) u x max|reference| + 2 u (K the kernel's longest reduction, 1 for elementwise
+kernels), which random-signed data stays under with room and a wrong scale or order does not.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import tvm_ffi
+from tvm import s_tir, tirx
+from tvm.sym.analyzer import Analyzer
+
+from compiler.testing import pocl
+from tests.helpers.pocl_device import NEEDS_X86_FOR_FP16, fp16_platform_installed
+from tests.helpers.scheduled_kernels import PREFILL, bindings, compare, kernels
+from tests.targets.test_pocl_kernels import NOT_RUN
+
+pytestmark = [pytest.mark.slow, NEEDS_X86_FOR_FP16]
+
+U16 = 2.0 ** -11
+REDUCE = 2  # IterVar.CommReduce
+CASES = [("android-adreno", "q4f16_g32"), ("android-mali", "q8f16_g128"), ("android-adreno", "q0f16")]
+
+
+def _reduction_length(func: tirx.PrimFunc, values: dict[str, int]) -> int:
+    """The longest reduction among the function's blocks: the product of a block's reduce axes' extents."""
+    ana = Analyzer()
+    for name, var in pocl.shape_vars(func).items():
+        ana.bind(var, tirx.const(values[name], var.ty.dtype))
+    lengths = [1]
+
+    def visit(block: s_tir.SBlock):
+        lengths.append(math.prod(int(ana.simplify(iv.dom.extent)) for iv in block.iter_vars
+                                 if int(iv.iter_type) == REDUCE))
+
+    tvm_ffi.structural_walk(func.body, (s_tir.SBlock, visit))
+    return max(lengths)
+
+
+def _tolerance(reduction: int, scale: float) -> float:
+    return 8 * math.sqrt(reduction) * U16 * scale + 2 * U16
+
+
+@pytest.mark.parametrize("target_name,quant", CASES)
+def test_float16_kernels_match_cpu(target_name, quant):
+    fp16_platform_installed()
+    spec, pairs = kernels(target_name, quant, "float16")
+    rng = np.random.default_rng(0)
+    rows, failures = [], []
+    for name, (scheduled, reference) in sorted(pairs.items()):
+        if name in NOT_RUN:
+            continue
+        for seq_len in [1, PREFILL] if pocl.shape_vars(scheduled) else [1]:
+            k = _reduction_length(reference, bindings(reference, seq_len))
+            err, scale = compare(spec, scheduled, reference, seq_len, rng, platform=pocl.INTEL)
+            tol = _tolerance(k, scale)
+            rows.append(f"  {name:42s} len={seq_len:<2d} K={k:<5d} max_abs_err={err:.3g} tol={tol:.3g} "
+                        f"(max |ref| {scale:.3g}){'' if err <= tol else '  FAIL'}")
+            if err > tol:
+                failures.append(rows[-1])
+    print(f"\n{target_name} {quant} float16: {len(rows)} kernel runs on Intel's OpenCL vs llvm")
+    print("\n".join(rows))
+    assert not failures, "\n".join(failures)
+    assert len(rows) >= 15
+
+
+def test_a_gemv_fed_the_wrong_scales_fails():
+    """Negative control: the decode GEMV with its scales in another order is outside the tolerance."""
+    fp16_platform_installed()
+    spec, pairs = kernels("android-adreno", "q4f16_g32", "float16")
+    gemv = next(n for n, (f, _) in pairs.items()
+                if n.startswith("fused_dequantize") and "NT_matmul" in n and not pocl.shape_vars(f))
+    scheduled, reference = pairs[gemv]
+    scales = next(i for i, p in enumerate(scheduled.params) if "scale" in p.name)
+    k = _reduction_length(reference, {})
+
+    def shuffled(args):
+        args[scales] = np.random.default_rng(2).permutation(args[scales].reshape(-1)).reshape(args[scales].shape)
+        return args
+
+    err, scale = compare(spec, scheduled, reference, 1, np.random.default_rng(1), platform=pocl.INTEL)
+    assert err <= _tolerance(k, scale)
+    err, scale = compare(spec, scheduled, reference, 1, np.random.default_rng(1), platform=pocl.INTEL,
+                         change_args=shuffled)
+    assert err > _tolerance(k, scale), (err, scale)

@@ -1,8 +1,9 @@
 // opencl_device.cc: TVM's DeviceAPI for OpenCL (kDLOpenCL, device type 4), registered as "device_api.opencl".
 // The platform is chosen once, lazily: among the platforms MOBILEC_OPENCL_PLATFORM names (a case-insensitive part of
 // the platform's name, vendor or version, e.g. "intel" or "pocl"; all when unset), the first with a GPU, else the
-// first with any device (PoCL's or Intel's CPU device); one context for its devices and one in-order queue per device. A tensor's data pointer is the cl_mem
-// itself, so pointer arithmetic on the host is not allowed (offsets travel as byte_offset / from_offset).
+// first with any device (PoCL's or Intel's CPU device); one context for its devices and one in-order queue per
+// device. A tensor's data pointer is the cl_mem itself, so pointer arithmetic on the host is not allowed (offsets
+// travel as byte_offset / from_offset).
 #include <tvm/ffi/any.h>
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/reflection/registry.h>
@@ -156,8 +157,8 @@ void OpenCLRuntime::Init() {
         installed += (installed.empty() ? "" : "; ") + name;
       }
       if (named.empty()) {
-        init_error_ = std::string(kPlatformVariable) + "=" + wanted + " names no installed OpenCL platform (installed: " +
-                      installed + ")";
+        init_error_ = std::string(kPlatformVariable) + "=" + wanted +
+                      " names no installed OpenCL platform (installed: " + installed + ")";
         return;
       }
       platforms = std::move(named);
@@ -495,7 +496,8 @@ TVM_FFI_STATIC_INIT_BLOCK() {
            [](int device_id) { return mobilec::opencl::OpenCLRuntime::Global()->NumWorkspaceBuffers(device_id); })
       .def("mobilec.opencl.init_error",
            []() { return tvm::ffi::String(mobilec::opencl::OpenCLRuntime::Global()->init_error()); })
-      .def("mobilec.opencl.time_kernels", [](bool on) { mobilec::opencl::OpenCLRuntime::Global()->SetKernelTiming(on); })
+      .def("mobilec.opencl.time_kernels",
+           [](bool on) { mobilec::opencl::OpenCLRuntime::Global()->SetKernelTiming(on); })
       // Each timed launch since the last call, "kernel\tnanoseconds" a line (a string crosses RPC).
       .def("mobilec.opencl.kernel_times", []() {
         std::string out;

@@ -121,9 +121,12 @@ def build_kernels(lowered: tvm.IRModule, spec: TargetSpec, lib_dir: Path) -> tup
     (lib_dir / OBJECT).parent.mkdir(parents=True, exist_ok=True)
     link = sdk_linker() is not None
     build = tvm.get_global_func("target.build.hexagon")
-    with target, _keep_object(lib_dir, link), \
-            naming_failures("NPU code generation", spec, mod, lambda one: build(finalize_host()(lower(one)), target)):
-        build(finalize_host()(lower(mod)), target)
+
+    def generate(kernels: tvm.IRModule):
+        return build(finalize_host()(lower(kernels)), target)
+
+    with target, _keep_object(lib_dir, link), naming_failures("NPU code generation", spec, mod, generate):
+        generate(mod)
     report = coverage(lowered, set(npu), cpu)
     report["library"] = SHARED if link else OBJECT
     if not link:

@@ -8,7 +8,8 @@ imported under the host module, and enqueues the kernels in order with concrete 
 
 PoCL 3.1 has no cl_khr_fp16 and no subgroups, so only fp32 kernels run on it (float16 buffers only as
 passes/vload_half.py reads them, built inside its `opencl_half_pointers`); float16 kernels run on Intel's CPU
-runtime (`platform=INTEL`). Both accept work-group sizes a real GPU refuses, so device limits are checked elsewhere (compiler/passes/verify_device_limits.py).
+runtime (`platform=INTEL`). Both accept work-group sizes a real GPU refuses, so device limits are checked
+elsewhere (compiler/passes/verify_device_limits.py).
 `reference_llvm` runs a PrimFunc built for the CPU on the same arrays, for comparison.
 """
 

@@ -15,6 +15,14 @@ from compiler.testing import pocl
 PREFILL = 7  # a prefill length that is not a multiple of any tile, so padding paths run
 # Dynamic dimensions of the KV-cache append/read kernels; 8 pages of 16 tokens.
 KV_DIMS = {"num_pages": 8, "page_size": 16, "layer_id": 3}
+# GPU-only TIR that the KV cache's C++ code launches with its page tables (attention over pages, page copies,
+# state merges): written with thread bindings already, so there is no CPU form here to compare against, and
+# meaningful inputs are the paged KV cache's runtime state.
+NOT_RUN = {
+    "batch_prefill_ragged_kv", "batch_prefill_paged_kv", "batch_decode_paged_kv",
+    "batch_prefill_paged_kv_sliding_window", "batch_decode_paged_kv_sliding_window", "tree_attn_paged_kv",
+    "batch_tree_attn", "tir_attention_merge_state", "copy_single_page", "compact_kv_copy",
+}
 
 
 @functools.lru_cache(maxsize=None)

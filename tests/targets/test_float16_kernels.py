@@ -2,7 +2,7 @@
 here with cl_khr_fp16) against the same PrimFuncs before scheduling built for this CPU, which rounds every
 float16 operation too (LLVM computes each in float32 and rounds). GEMV and matmul of each scheme, RMSNorm, RoPE
 and split, the KV append, embedding, SwiGLU: every kernel with a CPU form (the paged-attention kernels have none:
-test_pocl_kernels.NOT_RUN). Decode (1 token) and one prefill length (7).
+scheduled_kernels.NOT_RUN). Decode (1 token) and one prefill length (7).
 
 Tolerance: the two sum in different orders, each rounding to float16 (unit roundoff u = 2^-11) at every step; a
 sum of K terms in two orders differs by at most ~2 K u max|partial sum| in the worst case and ~2 sqrt(K) u for
@@ -22,8 +22,7 @@ from tvm.sym.analyzer import Analyzer
 
 from compiler.testing import pocl
 from tests.helpers.pocl_device import NEEDS_X86_FOR_FP16, fp16_platform_installed
-from tests.helpers.scheduled_kernels import PREFILL, bindings, compare, kernels
-from tests.targets.test_pocl_kernels import NOT_RUN
+from tests.helpers.scheduled_kernels import NOT_RUN, PREFILL, bindings, compare, kernels
 
 pytestmark = [pytest.mark.slow, NEEDS_X86_FOR_FP16]
 

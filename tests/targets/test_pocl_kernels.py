@@ -20,19 +20,11 @@ import pytest
 
 pytest.importorskip("pyopencl")
 from compiler.testing import pocl  # noqa: E402
-from tests.helpers.scheduled_kernels import PREFILL, compare, kernels  # noqa: E402
+from tests.helpers.scheduled_kernels import NOT_RUN, PREFILL, compare, kernels  # noqa: E402
 
 TARGETS = ["android-adreno", "android-mali"]
 QUANTS = ["q0f32", "q4f32_g32"]
 RTOL, ATOL = 1e-4, 1e-6
-# GPU-only TIR that the KV cache's C++ code launches with its page tables (attention over pages, page copies,
-# state merges): written with thread bindings already, so there is no CPU form here to compare against, and
-# meaningful inputs are the paged KV cache's runtime state.
-NOT_RUN = {
-    "batch_prefill_ragged_kv", "batch_prefill_paged_kv", "batch_decode_paged_kv",
-    "batch_prefill_paged_kv_sliding_window", "batch_decode_paged_kv_sliding_window", "tree_attn_paged_kv",
-    "batch_tree_attn", "tir_attention_merge_state", "copy_single_page", "compact_kv_copy",
-}
 
 
 def _pocl_available() -> bool:

@@ -17,7 +17,8 @@ PREFILL = 7  # a prefill length that is not a multiple of any tile, so padding p
 KV_DIMS = {"num_pages": 8, "page_size": 16, "layer_id": 3}
 # GPU-only TIR that the KV cache's C++ code launches with its page tables (attention over pages, page copies,
 # state merges): written with thread bindings already, so there is no CPU form here to compare against, and
-# meaningful inputs are the paged KV cache's runtime state.
+# meaningful inputs are the paged KV cache's runtime state (test_float16_attention.py builds that state and runs
+# the attention kernels and the merge against numpy).
 NOT_RUN = {
     "batch_prefill_ragged_kv", "batch_prefill_paged_kv", "batch_decode_paged_kv",
     "batch_prefill_paged_kv_sliding_window", "batch_decode_paged_kv_sliding_window", "tree_attn_paged_kv",
@@ -72,10 +73,13 @@ def random_args(func, values, rng):
 
 def compare(spec, scheduled, reference, seq_len, rng, launch_hook=None, platform=pocl.POCL, change_args=None):
     """(max abs error, max |reference|) of the scheduled kernels on `platform` against the reference on this CPU,
-    on the same random inputs; `change_args(args)` alters the GPU run's inputs only (negative controls)."""
+    on the same random inputs; `change_args(args)` alters the GPU run's inputs only (negative controls: inputs it
+    replaces are left out of the comparison, which would otherwise fail on the altered input itself)."""
     values = bindings(scheduled, seq_len)
     args = random_args(scheduled, values, rng)
     build = pocl.build_opencl(scheduled, spec.tvm_target())
-    got = pocl.run_pocl(build, change_args(list(args)) if change_args else args, values, launch_hook, platform)
+    given = change_args(list(args)) if change_args else args
+    got = pocl.run_pocl(build, given, values, launch_hook, platform)
+    got = [arg if new is not arg else result for arg, new, result in zip(args, given, got)]
     want = pocl.reference_llvm(reference, args)
     return pocl.max_abs_error(got, want)

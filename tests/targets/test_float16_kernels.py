@@ -2,7 +2,8 @@
 here with cl_khr_fp16) against the same PrimFuncs before scheduling built for this CPU, which rounds every
 float16 operation too (LLVM computes each in float32 and rounds). GEMV and matmul of each scheme, RMSNorm, RoPE
 and split, the KV append, embedding, SwiGLU: every kernel with a CPU form (the paged-attention kernels have none:
-scheduled_kernels.NOT_RUN). Decode (1 token) and one prefill length (7).
+scheduled_kernels.NOT_RUN; test_float16_attention.py runs them against numpy). Decode (1 token) and one prefill
+length (7). A negative control for each family: the same comparison fails with a wrong scale or order.
 
 Tolerance: the two sum in different orders, each rounding to float16 (unit roundoff u = 2^-11) at every step; a
 sum of K terms in two orders differs by at most ~2 K u max|partial sum| in the worst case and ~2 sqrt(K) u for
@@ -73,22 +74,62 @@ def test_float16_kernels_match_cpu(target_name, quant):
     assert len(rows) >= 15
 
 
-def test_a_gemv_fed_the_wrong_scales_fails():
-    """Negative control: the decode GEMV with its scales in another order is outside the tolerance."""
-    fp16_platform_installed()
-    spec, pairs = kernels("android-adreno", "q4f16_g32", "float16")
-    gemv = next(n for n, (f, _) in pairs.items()
-                if n.startswith("fused_dequantize") and "NT_matmul" in n and not pocl.shape_vars(f))
-    scheduled, reference = pairs[gemv]
-    scales = next(i for i, p in enumerate(scheduled.params) if "scale" in p.name)
-    k = _reduction_length(reference, {})
+def _matmul(pairs: dict, dynamic: bool) -> str:
+    """The smallest GEMV (decode: no symbolic dimension) or matmul (prefill) among the kernels."""
+    names = [n for n, (f, _) in pairs.items() if "NT_matmul" in n and bool(pocl.shape_vars(f)) == dynamic]
 
-    def shuffled(args):
-        args[scales] = np.random.default_rng(2).permutation(args[scales].reshape(-1)).reshape(args[scales].shape)
+    def weight_elements(name):
+        return max(math.prod(int(d) for d in p.shape) for p in pairs[name][0].params
+                   if pocl.is_buffer(p) and "weight" in p.name)
+
+    return min(names, key=weight_elements)
+
+
+# What each negative control gives a kernel in place of one input (found by a part of its name).
+WRONG = {
+    "shuffled": lambda x, rng: rng.permutation(x.reshape(-1)).reshape(x.shape),
+    "rows permuted": lambda x, rng: x[rng.permutation(len(x))],
+    "reversed": lambda x, rng: x[..., ::-1].copy(),
+    "shifted by one": lambda x, rng: x + 1,
+    "rolled": lambda x, rng: np.roll(x, 1),
+    "halves swapped": lambda x, rng: np.concatenate(np.split(x, 2, axis=-1)[::-1], axis=-1),
+}
+ADRENO_Q4, MALI_Q8, ADRENO_Q0 = CASES
+NEGATIVE_CONTROLS = [  # (target and scheme, kernel (GEMV / matmul: the smallest), token count, input, how it is wrong)
+    (ADRENO_Q4, "GEMV", 1, "scale", "shuffled"),
+    (ADRENO_Q4, "matmul", PREFILL, "scale", "shuffled"),
+    (MALI_Q8, "GEMV", 1, "scale", "shuffled"),
+    (MALI_Q8, "matmul", PREFILL, "scale", "shuffled"),
+    (ADRENO_Q0, "GEMV", 1, "weight", "rows permuted"),
+    (ADRENO_Q0, "matmul", PREFILL, "weight", "rows permuted"),
+    (ADRENO_Q4, "rms_norm1", PREFILL, "weight", "reversed"),
+    (ADRENO_Q4, "fused_rope", PREFILL, "position_map", "shifted by one"),
+    (ADRENO_Q4, "tir_kv_cache_transpose_append", PREFILL, "position_map", "rolled"),
+    (ADRENO_Q4, "take_dequantize", PREFILL, "scale", "shuffled"),
+    (ADRENO_Q0, "take", PREFILL, "input_ids", "shifted by one"),
+    (ADRENO_Q4, "swiglu1", PREFILL, "matmul", "halves swapped"),
+]
+
+
+@pytest.mark.parametrize("case,kernel,seq_len,param,wrong", NEGATIVE_CONTROLS,
+                         ids=[f"{c[0][1]}-{c[1]}-{c[3]}-{c[4]}" for c in NEGATIVE_CONTROLS])
+def test_a_kernel_fed_a_wrong_scale_or_order_fails(case, kernel, seq_len, param, wrong):
+    """Negative controls, a kernel of each family: the comparison above passes on these inputs and fails with one
+    of them wrong (the altered input itself left out of the comparison: the kernel's outputs must show it)."""
+    fp16_platform_installed()
+    spec, pairs = kernels(*case, "float16")
+    name = _matmul(pairs, dynamic=kernel == "matmul") if kernel in ("GEMV", "matmul") else kernel
+    scheduled, reference = pairs[name]
+    index = next(i for i, p in enumerate(scheduled.params) if param in p.name)
+    k = _reduction_length(reference, bindings(reference, seq_len))
+
+    def altered(args):
+        args[index] = WRONG[wrong](args[index], np.random.default_rng(2))
         return args
 
-    err, scale = compare(spec, scheduled, reference, 1, np.random.default_rng(1), platform=pocl.INTEL)
-    assert err <= _tolerance(k, scale)
-    err, scale = compare(spec, scheduled, reference, 1, np.random.default_rng(1), platform=pocl.INTEL,
-                         change_args=shuffled)
-    assert err > _tolerance(k, scale), (err, scale)
+    err, scale = compare(spec, scheduled, reference, seq_len, np.random.default_rng(1), platform=pocl.INTEL)
+    assert err <= _tolerance(k, scale), (name, err, scale)
+    err, scale = compare(spec, scheduled, reference, seq_len, np.random.default_rng(1), platform=pocl.INTEL,
+                         change_args=altered)
+    print(f"\n  {name} len={seq_len} {param} {wrong}: max_abs_err={err:.3g} tol={_tolerance(k, scale):.3g}")
+    assert err > _tolerance(k, scale), (name, err, scale)

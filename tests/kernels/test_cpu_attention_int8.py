@@ -235,6 +235,11 @@ def test_split_rotary_quantizes_k_after_rope_and_v(apply_rope):
         np.testing.assert_allclose(got[:, H_KV:], ref_car[:, H_KV:], rtol=1e-5)  # the scales
         scales = got[:, H_KV, :H_KV]
         np.testing.assert_allclose(codes * scales[..., None], ref_deq, atol=1.01 * scales.max())
+        # rounded to the nearest code: every value within half its row's step (1e-5: the kernel's own RoPE);
+        # negative control: truncated codes are not
+        half_step = 0.5 * scales[..., None] + 1e-5
+        assert (np.abs(codes * scales[..., None] - want) <= half_step).all()
+        assert not (np.abs(np.trunc(want / scales[..., None]) * scales[..., None] - want) <= half_step).all()
 
 
 def _split_pair(scale: float, scaling: dict):

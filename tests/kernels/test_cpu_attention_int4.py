@@ -311,8 +311,12 @@ def test_split_rotary_quantizes_k_after_rope_and_v(apply_rope):
         np.testing.assert_allclose(mins, ref_mins, rtol=2**-7, atol=1e-30)
         got_deq = dequantize(codes, scales, mins, kv)
         np.testing.assert_allclose(got_deq, ref_deq, atol=1.01 * scales.max() + 1e-6)
-        # half a step from the codes, and the min's bfloat16 rounding
-        assert np.abs(got_deq - want).max() <= 0.51 * scales.max() + 2**-8 * np.abs(mins).max() + 1e-6
+        # half a step from the codes, and the min's bfloat16 rounding; negative control: truncated codes are not
+        bound = 0.51 * scales.max() + 2**-8 * np.abs(mins).max() + 1e-6
+        assert np.abs(got_deq - want).max() <= bound
+        steps = (want.reshape(*scales.shape, -1) - mins[..., None]) / np.where(scales > 0, scales, 1)[..., None]
+        truncated = np.clip(np.floor(steps), 0, 15).reshape(want.shape)
+        assert np.abs(dequantize(truncated, scales, mins, kv) - want).max() > bound
     constant = v.numpy()[4]
     for group in range(D // CARRIER.group(1)):
         scale, low = uncell(constant[CARRIER.param_position(0, group, 1)])

@@ -106,7 +106,6 @@ NEGATIVE_CONTROLS = [  # (target and scheme, kernel (GEMV / matmul: the smallest
     (ADRENO_Q4, "fused_rope", PREFILL, "position_map", "shifted by one"),
     (ADRENO_Q4, "tir_kv_cache_transpose_append", PREFILL, "position_map", "rolled"),
     (ADRENO_Q4, "take_dequantize", PREFILL, "scale", "shuffled"),
-    (ADRENO_Q0, "take", PREFILL, "input_ids", "shifted by one"),
     (ADRENO_Q4, "swiglu1", PREFILL, "matmul", "halves swapped"),
 ]
 

@@ -85,6 +85,20 @@ def json_option(what: str):
     return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as one JSON object instead of text.")
 
 
+def rpc_device_options(command):
+    """--rpc, --tracker with --key, --session-timeout: a device reached through TVM RPC (bench, profile)."""
+    for option in reversed((
+            click.option("--rpc", default=None, metavar="HOST:PORT",
+                         help="A TVM RPC server (python -m tvm.exec.rpc_server, or the TVM RPC app on a phone)."),
+            click.option("--tracker", default=None, metavar="HOST:PORT",
+                         help="A TVM RPC tracker (python -m tvm.exec.rpc_tracker) to get a device from; with --key."),
+            click.option("--key", default=None, help="The tracker key of the device, e.g. android."),
+            click.option("--session-timeout", "session_timeout_s", type=float, default=600, show_default=True,
+                         help="Seconds an RPC session may last; the device ends it after that."))):
+        command = option(command)
+    return command
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="mobilec")
 def main():
@@ -280,6 +294,8 @@ def estimate(as_json, **options):
 @click.option("--max-tokens", type=int, default=1024, show_default=True, help="Evaluate the first N tokens.")
 @click.option("--window", type=int, default=512, show_default=True, help="Tokens per window (capped by the artifact).")
 @click.option("--threads", type=int, default=None, help="CPU threads for the compiled model.")
+@click.option("--no-reference", "compare", is_flag=True, flag_value=False, default=True,
+              help="The artifact's perplexity alone: no float model loaded, no layer cosines (quicker).")
 @json_option("the perplexities and similarities")
 def evaluate(as_json, **options):
     """Perplexity of ARTIFACT vs its float reference, and per-layer cosine similarity of hidden states."""
@@ -289,6 +305,9 @@ def evaluate(as_json, **options):
     result = run_eval(EvalOptions(**options))
     if as_json:
         click.echo(json.dumps(result))
+        return
+    if result["ref_ppl"] is None:
+        click.echo(f"perplexity {result['ppl']:.3f} over {result['tokens']} tokens, {result['quant']}")
         return
     click.echo(f"perplexity {result['ppl']:.3f} vs float reference {result['ref_ppl']:.3f} "
                f"({result['ppl_delta_pct']:+.2f}%) over {result['tokens']} tokens, {result['quant']}")
@@ -369,11 +388,7 @@ def package(as_json, artifact, target, output, overwrite, tvm_runtime):
 @click.argument("artifact", type=click.Path())
 @click.option("--device", type=click.Choice(["local"]), default=None,
               help="Run in this process (the default without --rpc or --tracker).")
-@click.option("--rpc", default=None, metavar="HOST:PORT",
-              help="A TVM RPC server (python -m tvm.exec.rpc_server, or the TVM RPC app on a phone).")
-@click.option("--tracker", default=None, metavar="HOST:PORT",
-              help="A TVM RPC tracker (python -m tvm.exec.rpc_tracker) to get a device from; with --key.")
-@click.option("--key", default=None, help="The tracker key of the device, e.g. android.")
+@rpc_device_options
 @click.option("--prompt-len", type=int, default=128, show_default=True,
               help="Prompt tokens (random ids from the vocabulary, fixed seed).")
 @click.option("--gen-len", type=int, default=64, show_default=True, help="Tokens generated greedily per run.")
@@ -381,8 +396,6 @@ def package(as_json, artifact, target, output, overwrite, tvm_runtime):
 @click.option("--sustained", "sustained_s", type=float, default=None, metavar="SECONDS",
               help="Then decode this long and record tok/s per second (throttling shows as a falling rate).")
 @click.option("--threads", type=int, default=None, help="CPU threads on the device (default: its TVM default).")
-@click.option("--session-timeout", "session_timeout_s", type=float, default=600, show_default=True,
-              help="Seconds an RPC session may last; the device ends it after that.")
 @click.option("--device-ram-mb", type=float, default=None,
               help="The device's RAM (default: the target's ram_gb); a larger memory estimate is refused before upload.")
 @json_option("every figure")
@@ -408,10 +421,15 @@ def bench(as_json, **options):
               help="Tokens in the sequence (KV cache) before the profiled decode steps.")
 @click.option("--steps", type=int, default=16, show_default=True,
               help="Decode steps measured, each three ways: plain, call by call, under the VM instrument.")
+@rpc_device_options
 @json_option("every figure")
 def profile(as_json, **options):
     """Where one decode step of ARTIFACT spends its time on this CPU: per kernel (grouped by projection),
-    VM overhead between kernels, host-side Python/FFI; and the floor the memory bandwidth (measured) sets."""
+    VM overhead between kernels, host-side Python/FFI; and the floor the memory bandwidth (measured) sets.
+    An OpenCL artifact also gets each kernel's device time (OpenCL event profiling).
+
+    With --rpc or --tracker: the step timed on that device, and on its OpenCL device each kernel's device time
+    (the host-side split needs this process)."""
     # pylint: disable=import-outside-toplevel
     from .runtime.profile import ProfileOptions, format_profile, profile_report
 

@@ -80,9 +80,6 @@ def resolve(name: str, spec: TargetSpec, scheme: Scheme) -> str:
     if name not in names_for(spec):
         raise MobilecError(f"--kv-dtype {name} on {spec.name}: not implemented there (mobilec's quantized-cache "
                            f"kernels are for LLVM CPU and GPU targets); use f16")
-    if dtype in CODE_FORMATS and compute != "float32":
-        raise MobilecError(f"--kv-dtype {name} needs float32 activations (its carrier is the float32 projection "
-                           f"output), not {compute}; use --compute-dtype float32, or --kv-dtype f16")
     if gpu and dtype == "float16" and compute == "float32":
         raise MobilecError(f"--kv-dtype f16 on {spec.name} computing in float32: its attention kernels would compute "
                            f"in float16, which the device lacks (--compute-dtype float32); use --kv-dtype f32")
@@ -202,9 +199,11 @@ def scratch_bytes_per_token(dtype: str, heads: int, kv_heads: int, head_dim: int
 
 def conversion_bytes_per_token(dtype: str, activations: str, heads: int, kv_heads: int, head_dim: int) -> int:
     """Bytes per prefill token of what a cache in `dtype` adds to the activations: the q/k/v and output cast to a
-    float dtype other than the activations', or (int8, int4) the real output copied out of the carrier's rows."""
+    float dtype other than the activations', or (int8, int4) the real output copied out of the carrier's rows
+    (and, under float16 activations, q/k/v widened to the float32 carrier)."""
     if dtype in CODE_FORMATS:
-        return heads * head_dim * 4
+        widened = 0 if activations == "float32" else (heads + 2 * kv_heads) * head_dim * 4
+        return widened + heads * head_dim * 4
     if dtype == activations:
         return 0
     return (2 * heads + 2 * kv_heads) * head_dim * tvm.DataType(dtype).bits // 8
@@ -218,8 +217,8 @@ def names_for(spec: TargetSpec) -> list[str]:
 
 
 def names_taken(spec: TargetSpec, scheme: Scheme) -> list[str]:
-    """The --kv-dtype names (not auto) `resolve` takes for `spec` and `scheme` (a quantized cache needs float32
-    activations; a GPU computing in float32 has no float16 cache)."""
+    """The --kv-dtype names (not auto) `resolve` takes for `spec` and `scheme` (a GPU computing in float32 has no
+    float16 cache)."""
     taken = []
     for name in names_for(spec):
         try:

@@ -63,10 +63,9 @@ def test_auto_keeps_float32_for_the_unquantized_reference_and_float32_gpus():
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
 @pytest.mark.parametrize("target", ["android-mali", "android-adreno"])
-def test_quantized_caches_on_gpu_targets_need_float32_compute(target, name):
-    """The phone GPUs compute in float16 by default: one line naming --compute-dtype float32, which takes them."""
-    assert_mobilec_error(lambda: resolve(name, load_target(target), get_scheme("q4f16_g32")), f"--kv-dtype {name}",
-                         "--compute-dtype float32")
+def test_quantized_caches_are_taken_by_gpu_targets_computing_in_float16_or_float32(target, name):
+    """The phone GPUs' float16 default widens q/k/v to the float32 carrier (models/llama.py); PoCL's float32 too."""
+    assert resolve(name, load_target(target), get_scheme("q4f16_g32")) == name
     float32 = with_overrides(load_target(target), compute_dtype="float32")
     assert resolve(name, float32, get_scheme("q4f16_g32")) == name
     assert resolve(name, load_target("host"), get_scheme("q4f16_g32")) == name
@@ -233,18 +232,18 @@ def test_estimate_names_the_longest_context_per_kv_dtype(kv_dtype, tmp_path):
 
 
 def test_estimate_lists_only_the_kv_dtypes_the_target_takes(tiny_hf):
-    """A phone GPU computing in float16 has no quantized cache; the same GPU computing in float32 (PoCL) no float16
-    one; the host all four."""
+    """A phone GPU computing in float16 takes all four; the same GPU computing in float32 (PoCL) no float16 cache;
+    the host all four."""
     def listed(target, **overrides):
         spec = with_overrides(load_target(target), **overrides) if overrides else load_target(target)
         return sorted(kv_cache_dtype.names_taken(spec, get_scheme("q4f16_g32")))
-    assert listed("android-adreno") == ["f16", "f32"]
+    assert listed("android-adreno") == ["f16", "f32", "int4", "int8"]
     assert listed("android-adreno", **ON_POCL) == ["f32", "int4", "int8"]
     assert listed("host") == ["f16", "f32", "int4", "int8"]
     result = CliRunner().invoke(main, ["estimate", "--model", str(tiny_hf), "--target", "android-adreno", "--quant",
                                        "q4f16_g32", "--context-window", "64", "--json"])
     assert result.exit_code == 0, result.output
-    assert sorted(json.loads(result.output)["context_by_kv_dtype"]) == ["f16", "f32"]
+    assert sorted(json.loads(result.output)["context_by_kv_dtype"]) == ["f16", "f32", "int4", "int8"]
 
 
 def test_estimate_cli_takes_kv_dtype(tiny_hf):

@@ -335,14 +335,20 @@ class LlamaAttention(nn.Module):
     def _carrier_attention(self, qkv: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
         """Attention over a quantized cache declared as its float32 carrier (kv_cache_dtype.Carrier): the float32
         q/k/v reshaped to the carrier's rows (no copy), and the real output taken back from the start of the
-        declared output rows. Our split kernel quantizes K/V into the carrier's cells."""
+        declared output rows. Our split kernel quantizes K/V into the carrier's cells. Float16 activations (a
+        phone GPU's) are widened to float32 for the carrier and the output narrowed back: the kernels then
+        compute scores and sums in float32, where float16 would overflow."""
         b, s, _, _ = qkv.shape
         c = self.carrier
+        dtype = qkv.dtype
+        if dtype != "float32":
+            qkv = qkv.astype("float32")
         out = kv_cache.attention_with_fused_qkv(
             layer_id, op.reshape(qkv, (b, s, c.fused_rows, c.cell)), c.declared_heads, sm_scale=self.sm_scale)
         if c.declared_heads > c.q_rows:
             out = op.split(out, [c.q_rows], axis=2)[0]
-        return op.reshape(out, (b, s, self.num_q_heads * self.head_dim))
+        out = op.reshape(out, (b, s, self.num_q_heads * self.head_dim))
+        return out.astype(dtype) if dtype != "float32" else out
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -28,7 +28,7 @@ from ..errors import MobilecError
 from ..roofline import artifact_read_bytes
 from ..targets import load_target
 from .generate import peak_rss_mb
-from .remote import Device, check_runs_on, connect
+from .remote import Device, check_device_options, check_runs_on, connect
 from .session import Session
 
 SUSTAINED_INTERVAL_S = 1.0
@@ -64,18 +64,9 @@ class BenchOptions:  # pylint: disable=too-many-instance-attributes
     def check(self, context_window: int | None = None) -> None:
         """Every option, address and output path by itself and, given the artifact's context window, against it;
         the threads are this machine's when local (else the device's)."""
-        if sum(x is not None for x in (self.device, self.rpc, self.tracker)) > 1:
-            raise MobilecError("pass only one of --device local, --rpc HOST:PORT and --tracker HOST:PORT")
-        if (self.tracker is None) != (self.key is None):
-            raise MobilecError("--tracker and --key go together: pass the tracker's address and the device's key")
+        check_device_options(self.device, self.rpc, self.tracker, self.key, self.session_timeout_s)
         if self.plot_file and self.sustained_s is None:
             raise MobilecError("--plot draws the --sustained run; add --sustained SECONDS")
-        validate.seconds(self.session_timeout_s, "--session-timeout")
-        for address, option in ((self.rpc, "--rpc"), (self.tracker, "--tracker")):
-            if address is not None:
-                validate.address(address, option)
-        if self.key is not None:
-            validate.device_key(self.key)
         validate.output_file(self.plot_file, "--plot", "png")
         validate.tokens(self.prompt_len, "--prompt-len")
         validate.tokens(self.gen_len, "--gen-len", least=2)

@@ -98,6 +98,7 @@ class EvalOptions:
     max_tokens: int = 1024  # evaluate the first N tokens
     window: int = 512  # tokens per window (capped by the artifact)
     threads: int | None = None
+    compare: bool = True  # False: the artifact's perplexity alone (no reference model loaded, no layer cosines)
 
 
 def evaluate(options: EvalOptions, progress=lambda done, total: None) -> dict[str, Any]:
@@ -110,31 +111,35 @@ def evaluate(options: EvalOptions, progress=lambda done, total: None) -> dict[st
     artifact = load_artifact(options.artifact)
     max_tokens, window = options.max_tokens, options.window
     windows = eval_windows(artifact, text, max_tokens, window)
-    reference_path = check_reference(options.reference or artifact.config["model"]["path"])
+    if options.compare:
+        reference_path = check_reference(options.reference or artifact.config["model"]["path"])
+    elif options.reference is not None:
+        raise MobilecError("--reference names the model to compare with, which --no-reference skips; drop one")
     set_threads(options.threads)
-    reference = load_reference(reference_path)
+    reference = load_reference(reference_path) if options.compare else None
     window = _window_cap(artifact, window)
     session = Session(artifact)
     nll, ref_nll, layer_cosine = [], [], []
     for n, chunk in enumerate(windows):
         targets = np.asarray(chunk[1:])
         session.reset()
-        if n == 0:
+        if n == 0 and reference is not None:
             hidden = session.prefill_hidden_states(chunk)
             session.reset()
         logits = session.prefill_all_logits(chunk)
-        ref_logits, ref_layers = _reference_logits_and_layers(reference, chunk)
-        if n == 0:
-            layer_cosine = [_mean_token_cosine(h, r) for h, r in zip(hidden, ref_layers)]
         nll.append(_nll(logits[:-1], targets))
-        ref_nll.append(_nll(ref_logits[:-1], targets))
+        if reference is not None:
+            ref_logits, ref_layers = _reference_logits_and_layers(reference, chunk)
+            if n == 0:
+                layer_cosine = [_mean_token_cosine(h, r) for h, r in zip(hidden, ref_layers)]
+            ref_nll.append(_nll(ref_logits[:-1], targets))
         progress(n + 1, len(windows))
     ppl = float(np.exp(np.concatenate(nll).mean()))
-    ref_ppl = float(np.exp(np.concatenate(ref_nll).mean()))
+    ref_ppl = float(np.exp(np.concatenate(ref_nll).mean())) if reference is not None else None
     return {
         "ppl": ppl,
         "ref_ppl": ref_ppl,
-        "ppl_delta_pct": 100.0 * (ppl - ref_ppl) / ref_ppl,
+        "ppl_delta_pct": 100.0 * (ppl - ref_ppl) / ref_ppl if reference is not None else None,
         "layer_cosine": layer_cosine,
         "tokens": sum(len(w) for w in windows),
         "window": window,

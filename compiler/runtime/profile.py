@@ -26,11 +26,13 @@ from typing import Any
 import numpy as np
 
 from .. import kv_cache_dtype, validate
-from ..artifact import load_artifact
+from ..artifact import Artifact, load_artifact
 from ..call_sites import ATTENTION_BUILTIN, stored_call_sites
 from ..errors import MobilecError
 from ..host import measure_read_bandwidth, set_threads
 from ..roofline import artifact_read_bytes, floor_figures
+from .bench import device_decode_s
+from .remote import check_device_options, connect
 from .session import Session
 
 # ---------------------------------------------------------------------------------------------------------
@@ -356,15 +358,27 @@ class ProfileOptions:
     context_len: int = 128  # tokens in the KV cache before the profiled decode steps
     steps: int = DEFAULT_STEPS  # decode steps measured
     bandwidth_mb: float | None = None  # the buffer the bandwidth is measured with (default: host.py's)
+    rpc: str | None = None  # HOST:PORT of a TVM RPC server: profile there (remote_profile)
+    tracker: str | None = None  # HOST:PORT of a TVM RPC tracker, with key
+    key: str | None = None
+    session_timeout_s: float = 600  # how long an RPC session may last
+
+    @property
+    def local(self) -> bool:
+        return self.rpc is None and self.tracker is None
 
 
 def profile_report(options: ProfileOptions) -> dict[str, Any]:
     """Per-kernel, VM and host time of one decode step of the artifact on this CPU, against the floor the
-    measured memory bandwidth sets. Options are checked before the library loads."""
+    measured memory bandwidth sets; over RPC, the device's own times (remote_profile). Options are checked
+    before the library loads."""
     threads, context_len, steps = options.threads, options.context_len, options.steps
-    validate.threads(threads)
+    check_device_options(None, options.rpc, options.tracker, options.key, options.session_timeout_s)
+    validate.threads(threads, local=options.local)
     artifact = load_artifact(options.artifact)
     _check_room(int(artifact.config["context_window"]), context_len, steps)  # before the library loads
+    if not options.local:
+        return remote_profile(artifact, options)
     set_threads(threads)
     session = Session(artifact)
     bandwidth = measure_read_bandwidth(threads, options.bandwidth_mb)
@@ -374,8 +388,66 @@ def profile_report(options: ProfileOptions) -> dict[str, Any]:
             **floor_figures(read, bandwidth, profile["tok_s"])}
 
 
+def remote_profile(artifact: Artifact, options: ProfileOptions) -> dict[str, Any]:
+    """A decode step of the artifact on an RPC device, timed there: the step by time_evaluator (RPC round trips
+    excluded) and, on an OpenCL device, every kernel's device time (event profiling). The host-side split of
+    the local profile needs the VM's instrument, which calls back into this process: not over RPC."""
+    device = connect(options.rpc, options.tracker, options.key, options.session_timeout_s)
+    try:
+        with device.bounded():
+            if options.threads is not None:
+                with device.errors("setting the thread count"):
+                    device.set_threads(options.threads)
+            session = Session(artifact, device)
+            with device.errors("profiling the decode step"):
+                _fill(session, options.context_len)
+                step_s = [device_decode_s(session, 1) for _ in range(options.steps)]
+                device_times = _device_kernel_times(session, options.steps)
+    finally:
+        device.close()
+    cfg = artifact.config
+    best = min(step_s)
+    layers = int(cfg["model"]["config"]["num_hidden_layers"])
+    return {
+        "artifact": str(artifact.path), "model": cfg["model"]["name"], "quant": cfg["quantization"]["name"],
+        "target": cfg["target"]["name"], "remote": device.description, "threads": options.threads,
+        "context_len": options.context_len, "steps": options.steps,
+        "wall_ms": statistics.median(step_s) * 1e3, "wall_ms_best": best * 1e3,
+        "tok_s": 1.0 / statistics.median(step_s),
+        "device": device_times and _device_summary(device_times, best, layers),
+    }
+
+
+def format_remote_profile(profile: dict[str, Any], top: int = 12) -> str:
+    """remote_profile's figures as a table for people."""
+    remote = profile["remote"]
+    lines = [f"{profile['artifact']} ({profile['model']}, {profile['quant']}) on {remote['name']}: decode step at "
+             f"context {profile['context_len']}, {profile['steps']} steps",
+             f"step on the device {profile['wall_ms']:.3f} ms median (fastest {profile['wall_ms_best']:.3f}) = "
+             f"{profile['tok_s']:.1f} tok/s (time_evaluator there, RPC round trips excluded)"]
+    device = profile["device"]
+    if not device:
+        lines.append("  per-kernel times need the OpenCL device over RPC (a CPU device: run profile on the device "
+                     "itself for its kernels)")
+        return "\n".join(lines)
+    return "\n".join(lines + _device_table(device, top))
+
+
+def _device_table(device: dict[str, Any], top: int) -> list[str]:
+    """_device_summary's figures as table lines."""
+    lines = [f"  OpenCL device times (event profiling): {device['launches_per_step']} launches per step "
+             f"({device['launches_per_layer']:.1f} per layer), {device['kernels_ms']:.3f} ms busy = "
+             f"{device['fraction_of_step']:.1%} of the fastest step",
+             f"  {'OpenCL kernel (top ' + str(top) + ')':52s} {'launches':>8s} {'ms':>8s} {'% step':>7s}"]
+    for k in device["kernels"][:top]:
+        lines.append(f"  {k['name'][:52]:52s} {k['launches_per_step']:8d} {k['ms']:8.3f} {k['pct_of_step']:6.1f}%")
+    return lines
+
+
 def format_profile(profile: dict[str, Any], top: int = 12) -> str:
     """A decode-step profile (profile_decode_step, or profile_report with the floor) as a table for people."""
+    if "remote" in profile:
+        return format_remote_profile(profile, top)
     wall = profile["wall_ms_best"]
     split, phases = profile["split_ms"], profile["phases_ms"]
     title = (f"{profile['artifact']} ({profile['model']}, {profile['quant']}): decode step at context "
@@ -420,12 +492,7 @@ def format_profile(profile: dict[str, Any], top: int = 12) -> str:
                      f"{k['pct_of_step']:6.1f}% {gbs(k['gbs'])}  {k['category']}")
     device = profile.get("device")
     if device:
-        lines += ["", f"  OpenCL device times (event profiling): {device['launches_per_step']} launches per step "
-                      f"({device['launches_per_layer']:.1f} per layer), {device['kernels_ms']:.3f} ms busy = "
-                      f"{device['fraction_of_step']:.1%} of the fastest step",
-                  f"  {'OpenCL kernel (top ' + str(top) + ')':52s} {'launches':>8s} {'ms':>8s} {'% step':>7s}"]
-        for k in device["kernels"][:top]:
-            lines.append(f"  {k['name'][:52]:52s} {k['launches_per_step']:8d} {k['ms']:8.3f} {k['pct_of_step']:6.1f}%")
+        lines += ["", *_device_table(device, top)]
         lines.append("  (the host-side kernel rows above time the enqueue calls; the device runs kernels after them)")
     # (on OpenCL the host-side split holds the wait for the device, and enqueue times are too short to compare)
     host_split_off = not device and (split["vm_overhead"] < 0 or abs(split["unattributed"]) > 0.05 * wall

@@ -357,6 +357,22 @@ def local_device() -> Device:
     return Device(None, {"kind": "local", "name": "this process"}, math.inf)
 
 
+def check_device_options(device: str | None, rpc_address: str | None, tracker_address: str | None,
+                         key: str | None, session_timeout_s: float) -> None:
+    """The options that pick the device (bench, profile): one of --device local, --rpc and --tracker (with
+    --key), each address well formed."""
+    if sum(x is not None for x in (device, rpc_address, tracker_address)) > 1:
+        raise MobilecError("pass only one of --device local, --rpc HOST:PORT and --tracker HOST:PORT")
+    if (tracker_address is None) != (key is None):
+        raise MobilecError("--tracker and --key go together: pass the tracker's address and the device's key")
+    validate.seconds(session_timeout_s, "--session-timeout")
+    for address, option in ((rpc_address, "--rpc"), (tracker_address, "--tracker")):
+        if address is not None:
+            validate.address(address, option)
+    if key is not None:
+        validate.device_key(key)
+
+
 def connect(rpc_address: str | None, tracker_address: str | None, key: str | None,
             session_timeout_s: float) -> Device:
     """This process when neither address is given; else a session on a direct RPC server or one from a tracker.

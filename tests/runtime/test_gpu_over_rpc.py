@@ -25,7 +25,14 @@ from compiler.runtime.session import Session
 from compiler.testing.local_rpc import start_server, start_tracker, wait_until_free
 from compiler.tune import TuneOptions, tune
 from tests.helpers.assertions import assert_mobilec_error
-from tests.helpers.pocl_device import NEEDS_OPENCL, ON_POCL
+from tests.helpers.pocl_device import (
+    FP16_PLATFORM,
+    NEEDS_OPENCL,
+    NEEDS_X86_FOR_FP16,
+    ON_FP16_OPENCL,
+    ON_POCL,
+    fp16_platform_installed,
+)
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 pytestmark = [pytest.mark.slow,  # three compiles, a tuning run and RPC servers: ~3 minutes on 2 cores
@@ -36,6 +43,8 @@ OPENCL_KEY, PLAIN_KEY = "mobilec-opencl", "mobilec-plain"
 PROMPT_LEN, GEN_LEN = 12, 8
 GEMV = "fused_dequantize4_NT_matmul4"  # the MLP's down projection, once per layer and decode step
 TRIALS = 2
+FP16_QUANT, FP16_KEY = "q4f16_g32", "mobilec-opencl-fp16"
+FP16_GEMV = "fused_dequantize4_NT_matmul4"  # (its float16 form)
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +146,47 @@ def test_tuning_on_the_rpc_servers_opencl_and_compile_follows_the_log(checkpoint
     assert _local_tokens(tuned) == _local_tokens(artifact)
     _set_latencies(logs, default_us=1.0, tuned_us=1e6)  # negative control: slower than our rules
     assert _compile(checkpoint, "declined", logs)[1]["tuned_kernels"] == []
+
+
+@NEEDS_X86_FOR_FP16
+def test_tuning_a_float16_kernel_on_a_servers_fp16_opencl(checkpoint, tmp_path, monkeypatch):
+    """The phones' float16 default (q4f16_g32, no --compute-dtype): a short MetaSchedule run on one GEMV measured
+    on an RPC server whose OpenCL is Intel's runtime (cl_khr_fp16); compile applies the record (forced faster) and
+    the tuned artifact, benched on that server, gives the untuned one's tokens."""
+    fp16_platform_installed()
+    logs = tmp_path / "tuning_logs"
+    monkeypatch.setenv(tuning_log.TUNING_LOGS_ENV, str(logs))
+    tracker_proc, port = start_tracker(tmp_path / "tracker.log")
+    processes = [tracker_proc]
+    try:
+        processes.append(start_server(tmp_path / "server.log", port, FP16_KEY,
+                                      ("--load-library", str(opencl_device.library_path())), env=FP16_PLATFORM)[0])
+        wait_until_free(port, {FP16_KEY: 1}, processes[1:])
+        tracker = f"127.0.0.1:{port}"
+        summary = tune(TuneOptions(str(checkpoint / "hf"), TARGET, FP16_QUANT, TRIALS, tracker=tracker,
+                                   key=FP16_KEY, kernel_patterns=[FP16_GEMV], **ON_FP16_OPENCL))
+        (row,) = summary["kernels"]
+        assert row["functions"] == [FP16_GEMV] and row["default_us"] > 0 and row["tuned_us"] > 0
+        log = tuning_log.read_log(logs / TARGET, "")
+        assert any(r.mean_us is not None for r in log.records), "no record measured on the server"
+        assert {r.json[2]["kind"] for r in log.records} == {"opencl"}
+        _set_latencies(logs, default_us=1e6, tuned_us=1.0)
+        tokens = {}
+        for name, tuning_logs in (("fp16-default", None), ("fp16-tuned", logs)):
+            with pytest.MonkeyPatch.context() as env:
+                if tuning_logs is not None:
+                    env.setenv(tuning_log.TUNING_LOGS_ENV, str(tuning_logs))
+                compiled = compile_model(CompileOptions(
+                    str(checkpoint / "hf"), TARGET, FP16_QUANT, str(checkpoint / name), context_window=64,
+                    progress=False, no_tuning=tuning_logs is None, **ON_FP16_OPENCL))
+            assert compiled["tuned_kernels"] == ([FP16_GEMV] if tuning_logs else [])
+            result = _bench(str(checkpoint / name), tracker, FP16_KEY)
+            assert result.exit_code == 0, result.output
+            tokens[name] = json.loads(result.stdout)["tokens"]
+        assert tokens["fp16-tuned"] == tokens["fp16-default"]
+    finally:
+        for process in processes:
+            process.kill()
 
 
 def test_tuning_opencl_kernels_without_a_tracker_is_told_to_pass_one(checkpoint):

@@ -22,6 +22,7 @@ import os
 import socket
 import struct
 import sys
+import time
 from pathlib import Path
 
 OPENCL_LIBRARY = "libmobilec_opencl.so"
@@ -105,13 +106,23 @@ def check_tvm(requirements: Path) -> None:
 
 
 def check_tracker(host: str, port: int) -> None:
-    """That a TVM RPC tracker answers at host:port within CONNECT_TIMEOUT_S."""
+    """That a TVM RPC tracker answers at host:port within CONNECT_TIMEOUT_S (one refusing connections is retried
+    that long: a tracker started together with this server may not listen yet)."""
     where = f"{host}:{port}"
-    try:
-        sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
-    except OSError as err:
-        raise ServerError(f"cannot reach the tracker at {where} ({err.strerror or err}): start it there (python -m "
-                          f"tvm.exec.rpc_tracker --host 0.0.0.0 --port {port}) or fix --tracker") from None
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() < deadline:
+                time.sleep(0.5)
+                continue
+            reason = "connection refused"
+        except OSError as err:
+            reason = err.strerror or str(err)
+        raise ServerError(f"cannot reach the tracker at {where} ({reason}): start it there (python -m "
+                          f"tvm.exec.rpc_tracker --host 0.0.0.0 --port {port}) or fix --tracker")
     with sock:
         try:
             sock.sendall(struct.pack("<i", TRACKER_MAGIC))

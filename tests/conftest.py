@@ -20,8 +20,7 @@ import pytest  # noqa: E402  (after the thread counts)
 from compiler.loaders.default_model import default_model_path  # noqa: E402
 
 # Each compiles or runs the real SmolLM2 model, or starts the emulated arm64 device: a minute or more on 2 cores.
-SLOW_FIXTURES = frozenset({"smollm2_reference", "smollm2_q0f32", "smollm2_gguf_exact", "emulated_arm_device",
-                           "emulated_board_with_opencl"})
+SLOW_FIXTURES = frozenset({"smollm2_reference", "smollm2_q0f32", "smollm2_gguf_exact", "emulated_arm_device"})
 
 
 def pytest_collection_modifyitems(items):
@@ -77,9 +76,11 @@ def smollm2_gguf_exact(tmp_path_factory) -> Path:
     return _compiled_once(tmp_path_factory, "smollm2-gguf", "gguf", kv_dtype="f32")
 
 
-def _emulated_device(pytestconfig, **options):
-    """An emulated arm64 device (compiler/testing/emulated_arm.py) started with start_device's `options`; the image
-    is built on first use (about a minute) and cached."""
+@pytest.fixture(scope="session")
+def emulated_arm_device(pytestconfig):
+    """An emulated arm64 device (compiler/testing/emulated_arm.py): a handle with tracker_host, tracker_port, key
+    and request(); its server is a board's, with the aarch64 OpenCL device on the image's PoCL. The image is built on
+    first use (about a minute) and cached; the device starts in ~30 s."""
     import os
 
     from compiler.testing.emulated_arm import build_image, prepare_host, start_device
@@ -90,17 +91,5 @@ def _emulated_device(pytestconfig, **options):
     # Show the build's progress lines: minutes of silence look like a hang.
     with pytestconfig.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
         image = build_image()
-    with start_device(image=image, **options) as device:
+    with start_device(image=image, opencl=True) as device:
         yield device
-
-
-@pytest.fixture(scope="session")
-def emulated_arm_device(pytestconfig):
-    """An emulated arm64 device: a handle with tracker_host, tracker_port, key and request(); starts in ~10 s."""
-    yield from _emulated_device(pytestconfig)
-
-
-@pytest.fixture(scope="session")
-def emulated_board_with_opencl(pytestconfig):
-    """An emulated arm64 board whose device server loads the aarch64 OpenCL device (PoCL in the image); ~30 s."""
-    yield from _emulated_device(pytestconfig, key="emulated-arm64-opencl", opencl=True)

@@ -1,4 +1,4 @@
-"""An emulated arm64 Linux device for tests: TVM's RPC server in a Debian arm64 chroot under qemu-user.
+"""An emulated arm64 Linux board for tests: a board's device server in a Debian arm64 chroot under qemu-user.
 
 `build_image()` makes, once, a Debian bookworm arm64 root filesystem with a Python venv at /opt/tvm holding the
 aarch64 wheels of the versions pinned in pyproject.toml, as a directory in emulated-arm64/ in mobilec's cache
@@ -9,7 +9,8 @@ scripts: Python needs none), and the host's pip installs the aarch64 wheels into
 `start_device()` mounts the image read-only at a temporary directory (with its own /proc and scratch /tmp),
 starts an RPC tracker on loopback (host Python) and, inside that chroot (qemu-aarch64 through binfmt_misc), the
 device server a board runs (compiler/device_server.py; with opencl=True, the aarch64 OpenCL device too, on the
-image's PoCL), and returns a handle once the tracker offers the server.
+image's PoCL, whose compiled kernels are kept beside the image), and returns a handle once the tracker offers
+the server.
 Clients then use `tvm.rpc.connect_tracker(device.tracker_host, device.tracker_port).request(device.key)`.
 
 Needs root and `apt-get install qemu-user-static binfmt-support debootstrap`. qemu's default CPU advertises
@@ -66,8 +67,8 @@ REMOTE_PYTHON = f"{REMOTE_VENV}/bin/python"
 REMOTE_SITE_PACKAGES = f"{REMOTE_VENV}/lib/python{REMOTE_PYTHON_VERSION}/site-packages"
 # Carries random_fill_for_measure, which MetaSchedule's RPC runner calls.
 REMOTE_EXTRA_LIBRARY = f"{REMOTE_SITE_PACKAGES}/tvm/lib/libtvm_runtime_extra.so"
-# PoCL keeps the kernels it compiles in $HOME/.cache, which is read-only here: the device's /tmp instead.
-POCL_CACHE = "POCL_CACHE_DIR=/tmp/pocl-cache"
+# PoCL keeps the kernels it compiles in $HOME/.cache, read-only here; this folder outlives the device instead.
+REMOTE_POCL_CACHE = "/tmp/pocl-cache"
 # A clean environment for commands in the chroot: host PIP_* and PYTHON* variables must not leak in.
 CHROOT_ENV = ("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "LANG=C.UTF-8")
 # Dropped from the image: not needed to run.
@@ -450,7 +451,19 @@ def start_device(key: str = DEFAULT_KEY, tracker_port: int | None = None, image:
         scratch.mkdir()
         scratch.chmod(0o1777)
         _mount("--bind", str(scratch), str(root / "tmp"))
+        # PoCL's compiled kernels outlive the device, kept beside the image: PoCL compiles each kernel with LLVM
+        # under qemu (a tiny Llama's first bench: ~110 s of 117; 10 s with the cache).
+        pocl_cache = image.parent / f"{image.name}-pocl-cache"
+        pocl_cache.mkdir(exist_ok=True)
+        (scratch / Path(REMOTE_POCL_CACHE).relative_to("/tmp")).mkdir()
+        _mount("--bind", str(pocl_cache), str(root / REMOTE_POCL_CACHE.lstrip("/")))
         _mount("-t", "tmpfs", "-o", "mode=1777", "tmpfs", str(root / "dev" / "shm"))
+        # The device serves itself as a board would: the folder `mobilec board-folder` writes, in its /tmp.
+        if opencl:
+            write_board_folder(scratch / "board", "aarch64")
+        else:
+            (scratch / "board").mkdir()
+            shutil.copyfile(device_server.__file__, scratch / "board" / Path(device_server.__file__).name)
         tracker_log = work / "tracker.log"
         # The tracker needs only TVM's runtime library, which loads seconds faster than the compiler.
         tracker = _spawn([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", host,
@@ -461,17 +474,12 @@ def start_device(key: str = DEFAULT_KEY, tracker_port: int | None = None, image:
         # Started together, not one after the other: each takes ~6 s to come up (the tracker imports tvm in two
         # processes, the server under qemu), so the server usually finds no tracker yet and retries 5 s later,
         # which is still sooner than waiting for the tracker before starting the server.
-        # The device serves itself as a board would: the folder `mobilec board-folder` writes, in its /tmp.
-        if opencl:
-            write_board_folder(scratch / "board", "aarch64")
-        else:
-            (scratch / "board").mkdir()
-            shutil.copyfile(device_server.__file__, scratch / "board" / Path(device_server.__file__).name)
         server_port = free_port()
         server = _spawn(_chroot_command(root, REMOTE_PYTHON, f"/tmp/board/{Path(device_server.__file__).name}",
                                         "--host", host, "--port", str(server_port), "--port-end", str(server_port + 1),
                                         "--tracker", f"{host}:{device.tracker_port}", "--key", key,
-                                        *(() if opencl else ("--no-opencl",)), env=(POCL_CACHE,)),
+                                        *(() if opencl else ("--no-opencl",)),
+                                        env=(f"POCL_CACHE_DIR={REMOTE_POCL_CACHE}",)),
                         device.server_log)
         device.processes.append(server)
         # connect_tracker retries a refused connection for a minute: ask the tracker only once it listens.

@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 from tvm import rpc
 
+from compiler import device_server
 from compiler.cli import main
 from compiler.testing.local_rpc import HOST, LocalProcess, free_port, start_tracker, wait_until_free
 from tests.helpers.pocl_device import NEEDS_OPENCL
@@ -71,7 +72,8 @@ def _refused(args: list[str]) -> str:
     return lines[0]
 
 
-def test_an_unreachable_tracker_is_one_line_naming_the_fix():
+def test_an_unreachable_tracker_is_one_line_naming_the_fix(monkeypatch):
+    monkeypatch.setattr(device_server, "CONNECT_TIMEOUT_S", 1.0)  # how long a refusing tracker is retried
     port = free_port()
     line = _refused(["--tracker", f"{HOST}:{port}", "--key", KEY])
     assert f"cannot reach the tracker at {HOST}:{port}" in line and "tvm.exec.rpc_tracker" in line

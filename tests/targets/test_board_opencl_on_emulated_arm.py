@@ -41,8 +41,8 @@ def artifacts(tmp_path_factory) -> dict[str, str]:
     return {host: _compile(root, host) for host in ("linux-arm64", "host")}
 
 
-def test_bench_on_the_boards_opencl_gives_the_x86_builds_tokens(artifacts, emulated_board_with_opencl):
-    board = emulated_board_with_opencl
+def test_bench_on_the_boards_opencl_gives_the_x86_builds_tokens(artifacts, emulated_arm_device):
+    board = emulated_arm_device
     first = board.server_log.read_text().splitlines()
     said = [line for line in first if line.startswith("device-server: ")][0]
     assert said.startswith("device-server: OpenCL device ") and "Portable Computing Language" in said, said

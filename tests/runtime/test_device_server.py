@@ -6,7 +6,9 @@ tests/targets/test_board_opencl_on_emulated_arm.py."""
 
 from __future__ import annotations
 
+import re
 import socket
+import subprocess
 import threading
 
 import pytest
@@ -113,5 +115,11 @@ def test_board_folder_holds_the_server_the_aarch64_library_and_the_pins(tmp_path
     assert sorted(p.name for p in folder.iterdir()) == ["device_server.py", "libmobilec_opencl.so", "requirements.txt"]
     header = (folder / "libmobilec_opencl.so").read_bytes()[:20]
     assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64
+    dynamic = subprocess.run(["readelf", "-d", str(folder / "libmobilec_opencl.so")], capture_output=True, text=True,
+                             check=True).stdout
+    # What a board has once TVM's wheels are installed: nothing of this machine's, no rpath into it.
+    assert set(re.findall(r"\(NEEDED\)\s+Shared library: \[([^]]+)\]", dynamic)) == {
+        "libtvm_runtime.so", "libtvm_ffi.so", "libOpenCL.so.1", "libstdc++.so.6", "libgcc_s.so.1", "libc.so.6"}
+    assert "RPATH" not in dynamic and "RUNPATH" not in dynamic
     pins = (folder / "requirements.txt").read_text().split()
     assert any(pin.startswith("apache-tvm==") for pin in pins) and any(p.startswith("apache-tvm-ffi==") for p in pins)

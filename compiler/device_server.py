@@ -27,8 +27,6 @@ from pathlib import Path
 
 OPENCL_LIBRARY = "libmobilec_opencl.so"
 REQUIREMENTS = "requirements.txt"
-# TVM's RPC tracker handshake (tvm/rpc/base.py): the magic number sent, and answered by a tracker.
-TRACKER_MAGIC = 0x2F271
 CONNECT_TIMEOUT_S = 10.0
 DEFAULT_PORT = 9090
 # Ports tried after --port when it is taken (TVM's own server ends its range at 9199).
@@ -108,6 +106,8 @@ def check_tvm(requirements: Path) -> None:
 def check_tracker(host: str, port: int) -> None:
     """That a TVM RPC tracker answers at host:port within CONNECT_TIMEOUT_S (one refusing connections is retried
     that long: a tracker started together with this server may not listen yet)."""
+    from tvm.rpc.base import RPC_TRACKER_MAGIC  # pylint: disable=import-outside-toplevel
+
     where = f"{host}:{port}"
     deadline = time.monotonic() + CONNECT_TIMEOUT_S
     while True:
@@ -125,11 +125,11 @@ def check_tracker(host: str, port: int) -> None:
                           f"tvm.exec.rpc_tracker --host 0.0.0.0 --port {port}) or fix --tracker")
     with sock:
         try:
-            sock.sendall(struct.pack("<i", TRACKER_MAGIC))
+            sock.sendall(struct.pack("<i", RPC_TRACKER_MAGIC))
             reply = sock.recv(4)
         except OSError:  # reset, or silent past the timeout
             reply = b""
-    if len(reply) != 4 or struct.unpack("<i", reply)[0] != TRACKER_MAGIC:
+    if len(reply) != 4 or struct.unpack("<i", reply)[0] != RPC_TRACKER_MAGIC:
         raise ServerError(f"{where} accepts connections but did not answer as a TVM RPC tracker within "
                           f"{CONNECT_TIMEOUT_S:g} s: fix --tracker (an RPC server's address goes to `mobilec bench "
                           f"--rpc`)")
@@ -188,8 +188,9 @@ def serve(args: argparse.Namespace) -> None:
         message = str(err).strip().splitlines()
         raise ServerError(f"the RPC server did not start ({message[-1] if message else type(err).__name__}); "
                           f"check --host and the port range [{args.port}, {args.port_end})") from None
+    address = "THIS-DEVICE" if args.host == "0.0.0.0" else args.host
     where = f"key {args.key!r} at the tracker {args.tracker[0]}:{args.tracker[1]}" if args.tracker else \
-        f"mobilec bench --rpc {args.host}:{server.port}"
+        f"mobilec bench --rpc {address}:{server.port}"
     print(f"device-server: listening on {args.host}:{server.port} for {where} (Ctrl-C stops)", flush=True)
     try:
         server.proc.join()

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 from tvm import rpc
 
-from compiler import device_server
+from compiler import board_folder, device_server
 from compiler.cli import main
 from compiler.testing.local_rpc import HOST, LocalProcess, free_port, start_tracker, wait_until_free
 from tests.helpers.pocl_device import NEEDS_OPENCL
@@ -123,3 +123,13 @@ def test_board_folder_holds_the_server_the_aarch64_library_and_the_pins(tmp_path
     assert "RPATH" not in dynamic and "RUNPATH" not in dynamic
     pins = (folder / "requirements.txt").read_text().split()
     assert any(pin.startswith("apache-tvm==") for pin in pins) and any(p.startswith("apache-tvm-ffi==") for p in pins)
+
+
+def test_tvm_versions_other_than_the_librarys_are_refused(tmp_path):
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text(board_folder.requirements())
+    device_server.check_tvm(requirements)  # this machine's own versions pass
+    requirements.write_text(board_folder.requirements().replace("apache-tvm-ffi==", "apache-tvm-ffi==0.0.1-was-"))
+    with pytest.raises(device_server.ServerError, match=r"apache-tvm-ffi \S+ is installed, the OpenCL device here was "
+                                                        r"built for 0\.0\.1-was-"):
+        device_server.check_tvm(requirements)

@@ -53,6 +53,11 @@ else
   opencl=-l:libOpenCL.so.1
 fi
 
+# One build at a time (test workers start emulated boards together): a second waits, then finds it up to date.
+mkdir -p build/native
+exec 9>build/native/.build_opencl_runtime.lock
+flock 9
+
 # Up to date: newer than its sources, this script and the libraries it links.
 if [ -f "$out" ]; then
   stale=0

@@ -435,3 +435,41 @@ def profile(as_json, **options):
 
     result = profile_report(ProfileOptions(**options))
     click.echo(json.dumps(result) if as_json else format_profile(result))
+
+
+@main.command(name="device-server", add_help_option=False,
+              context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
+def device_server_command(server_args):
+    """Serve this machine to `mobilec bench`/`tune` over TVM RPC, its OpenCL device loaded where a platform exists
+    (options: `mobilec device-server --help`; a board runs the same server from `mobilec board-folder`)."""
+    # pylint: disable=import-outside-toplevel
+    from . import device_server
+    from .runtime import opencl_device
+
+    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")  # the server's session processes need no compiler
+    opencl_device.use_installed_platforms()
+    try:
+        device_server.run(list(server_args), opencl_device.library_path(), "mobilec device-server")
+    except device_server.ServerError as err:
+        raise MobilecError(str(err)) from None
+
+
+@main.command(name="board-folder")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--arch", type=click.Choice(["aarch64", "host"]), default="aarch64", show_default=True,
+              help="The board's CPU: aarch64 (RK3588-class boards, cross-built) or this machine's.")
+@json_option("the files written")
+def board_folder(as_json, directory, arch):
+    """Write DIRECTORY for a Linux board: the device server, our OpenCL device built for --arch and the TVM
+    versions it needs. Copy it there, `pip install -r DIRECTORY/requirements.txt`, then run
+    `python3 DIRECTORY/device_server.py --tracker HOST:9190 --key KEY`."""
+    from pathlib import Path  # pylint: disable=import-outside-toplevel
+
+    from .board_folder import write_board_folder  # pylint: disable=import-outside-toplevel
+
+    written = write_board_folder(Path(directory), arch)
+    if as_json:
+        click.echo(json.dumps(written))
+        return
+    click.echo(f"{written['folder']}: copy it to the board, then there: {written['install']}; {written['serve']}")

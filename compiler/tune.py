@@ -161,8 +161,8 @@ def _tuning_target(spec: TargetSpec, on_device: bool) -> tvm.target.Target:
     if kind == "opencl" and spec.schedule["rules"] == "gpu":
         if not on_device:
             raise MobilecError(f"{spec.name} kernels run on OpenCL, which tune measures over RPC: pass --tracker "
-                               f"HOST:PORT --key KEY (a server started with --load-library and the absolute path of "
-                               f"build/native/libmobilec_opencl.so, or the TVM RPC app on a phone)")
+                               f"HOST:PORT --key KEY (a server started with `mobilec device-server`, on a board from "
+                               f"`mobilec board-folder`, or the TVM RPC app on a phone)")
         return tvm.target.Target(spec.tvm_target_json)
     if kind != "llvm" or spec.schedule["rules"] != "cpu":
         raise MobilecError(f"tuning covers CPU targets (kind llvm, cpu rules) and OpenCL GPU targets; {spec.name} is "

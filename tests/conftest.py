@@ -79,7 +79,8 @@ def smollm2_gguf_exact(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def emulated_arm_device(pytestconfig):
     """An emulated arm64 device (compiler/testing/emulated_arm.py): a handle with tracker_host, tracker_port, key
-    and request(). The image is built on first use (about a minute) and cached; the device starts in ~10 s."""
+    and request(); its server is a board's, with the aarch64 OpenCL device on the image's PoCL. The image is built on
+    first use (about a minute) and cached; the device starts in ~30 s."""
     import os
 
     from compiler.testing.emulated_arm import build_image, prepare_host, start_device
@@ -90,5 +91,5 @@ def emulated_arm_device(pytestconfig):
     # Show the build's progress lines: minutes of silence look like a hang.
     with pytestconfig.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
         image = build_image()
-    with start_device(image=image) as device:
+    with start_device(image=image, opencl=True) as device:
         yield device

@@ -204,7 +204,8 @@ def test_unknown_key_lists_the_trackers_keys(tiny_artifact, tracker):
 def test_unreachable_server_and_tracker_fail_fast(tiny_artifact):
     port = free_port()
     _assert_one_line_error(_bench(tiny_artifact, *BENCH_ARGS, "--rpc", f"127.0.0.1:{port}", timeout=30),
-                           f"cannot connect to the RPC server at 127.0.0.1:{port}", "rpc_server")
+                           f"cannot connect to the RPC server at 127.0.0.1:{port}", "rpc_server",
+                           f"--port {port} --port-end {port + 1}", "mobilec device-server")
     _assert_one_line_error(_bench(tiny_artifact, *BENCH_ARGS, "--tracker", f"127.0.0.1:{port}", "--key", KEY,
                                   timeout=30), f"cannot reach the RPC tracker at 127.0.0.1:{port}", "rpc_tracker")
 

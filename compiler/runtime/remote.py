@@ -112,9 +112,8 @@ class Device:
 
     def use_device_of(self, artifact: Artifact) -> None:
         """Run the artifact's kernels where its target puts them: the CPU, or OpenCL (this process loads our
-        OpenCL device, runtime/opencl_device.py; an RPC server must have been started with it:
-        `python -m tvm.exec.rpc_server --load-library /abs/path/build/native/libmobilec_opencl.so`, absolute because
-        the server loads it from each session's work directory)."""
+        OpenCL device, runtime/opencl_device.py; an RPC server must have been started with it: `mobilec
+        device-server`, or on a board the device_server.py that `mobilec board-folder` writes)."""
         kind = artifact.config["target"]["tvm_target"]["kind"]
         if kind != "opencl":
             return
@@ -130,8 +129,9 @@ class Device:
         if not exists:
             where = ("this machine has no OpenCL device: apt-get install pocl-opencl-icd (or the GPU's driver)"
                      if self.session is None else
-                     f"{self.description['name']} has no OpenCL device: start its RPC server with --load-library "
-                     f"{opencl_device.library_path()} (or use the TVM RPC app on a phone)")
+                     f"{self.description['name']} has no OpenCL device: serve it with `mobilec device-server` (on a "
+                     f"board, from the folder `mobilec board-folder` writes; its first line names the OpenCL device "
+                     f"or why there is none), or use the TVM RPC app on a phone")
             raise MobilecError(f"{artifact.library.name} runs its kernels on OpenCL, but {where}")
         with self.bounded(), self.errors("asking for its OpenCL platform"):
             opencl = opencl_device.describe(self.function)
@@ -311,6 +311,11 @@ def _recv_some(sock: socket.socket, n: int) -> bytes:
     return data
 
 
+# How to start a server for `--rpc HOST:PORT`: TVM's own refuses a --port above its default --port-end (9199).
+_SERVER_HINT = ("mobilec device-server --port {port} --port-end {port_end}, or python -m tvm.exec.rpc_server "
+                "--host 0.0.0.0 --port {port} --port-end {port_end}")
+
+
 def check_rpc_server(host: str, port: int) -> None:
     """That a TVM RPC server listens at host:port, within CONNECT_TIMEOUT_S (rpc_peers): TVM's own connect waits
     forever on a socket that accepts and never answers (a busy server, or something else listening there)."""
@@ -319,7 +324,7 @@ def check_rpc_server(host: str, port: int) -> None:
         sock = socket.create_connection((host, port), timeout=rpc_peers.CONNECT_TIMEOUT_S)
     except OSError as err:
         raise MobilecError(f"cannot connect to the RPC server at {where} ({err.strerror or err}); start one there "
-                           f"(python -m tvm.exec.rpc_server --host 0.0.0.0 --port {port}) or fix --rpc") from None
+                           f"({_SERVER_HINT.format(port=port, port_end=port + 1)}) or fix --rpc") from None
     with sock:
         try:
             sock.sendall(struct.pack("<ii", rpc.base.RPC_MAGIC, len(_PROBE_KEY)) + _PROBE_KEY)
@@ -394,7 +399,8 @@ def connect(rpc_address: str | None, tracker_address: str | None, key: str | Non
                 session = rpc.connect(host, port, session_timeout=timeout)
         except RuntimeError as err:
             raise MobilecError(f"cannot connect to the RPC server at {host}:{port} ({last_line(err)}); "
-                               f"start one there (python -m tvm.exec.rpc_server --host 0.0.0.0 --port {port}) or fix --rpc") from None
+                               f"start one there ({_SERVER_HINT.format(port=port, port_end=port + 1)}) or fix "
+                               f"--rpc") from None
     else:
         host, port = validate.address(tracker_address, "--tracker")
         validate.device_key(key)

@@ -1,4 +1,4 @@
-"""An emulated arm64 Linux device for tests: TVM's RPC server in a Debian arm64 chroot under qemu-user.
+"""An emulated arm64 Linux board for tests: a board's device server in a Debian arm64 chroot under qemu-user.
 
 `build_image()` makes, once, a Debian bookworm arm64 root filesystem with a Python venv at /opt/tvm holding the
 aarch64 wheels of the versions pinned in pyproject.toml, as a directory in emulated-arm64/ in mobilec's cache
@@ -7,8 +7,10 @@ final check: debootstrap's first stage downloads the packages, they are unpacked
 scripts: Python needs none), and the host's pip installs the aarch64 wheels into the venv's site-packages
 (--platform --target): about a minute, where debootstrap's second stage and pip under qemu took 16.
 `start_device()` mounts the image read-only at a temporary directory (with its own /proc and scratch /tmp),
-starts an RPC tracker on loopback (host Python) and TVM's RPC server inside that chroot (qemu-aarch64 through
-binfmt_misc), and returns a handle once the tracker offers the server.
+starts an RPC tracker on loopback (host Python) and, inside that chroot (qemu-aarch64 through binfmt_misc), the
+device server a board runs (compiler/device_server.py; with opencl=True, the aarch64 OpenCL device too, on the
+image's PoCL, whose compiled kernels are kept beside the image), and returns a handle once the tracker offers
+the server.
 Clients then use `tvm.rpc.connect_tracker(device.tracker_host, device.tracker_port).request(device.key)`.
 
 Needs root and `apt-get install qemu-user-static binfmt-support debootstrap`. qemu's default CPU advertises
@@ -41,15 +43,18 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
+from .. import device_server
+from ..board_folder import write_board_folder
 from ..errors import MobilecError
 from ..user_cache import cache_path
 from . import processes
 from .local_rpc import free_port
 
 # Bump when the image recipe changes, so cached images are rebuilt.
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 DEBIAN_SUITE = "bookworm"
-DEBIAN_PACKAGES = ("python3",)
+# PoCL, an OpenCL platform on the CPU, and the ICD loader, for the OpenCL device of a board (mobilec device-server).
+DEBIAN_PACKAGES = ("python3", "pocl-opencl-icd", "ocl-icd-libopencl1")
 # bookworm's Python; the wheels are downloaded for it.
 REMOTE_PYTHON_VERSION = "3.11"
 # Packages pinned in pyproject.toml that the device needs: the runtime and the RPC server's dependencies.
@@ -62,6 +67,8 @@ REMOTE_PYTHON = f"{REMOTE_VENV}/bin/python"
 REMOTE_SITE_PACKAGES = f"{REMOTE_VENV}/lib/python{REMOTE_PYTHON_VERSION}/site-packages"
 # Carries random_fill_for_measure, which MetaSchedule's RPC runner calls.
 REMOTE_EXTRA_LIBRARY = f"{REMOTE_SITE_PACKAGES}/tvm/lib/libtvm_runtime_extra.so"
+# PoCL keeps the kernels it compiles in $HOME/.cache, read-only here; this folder outlives the device instead.
+REMOTE_POCL_CACHE = "/tmp/pocl-cache"
 # A clean environment for commands in the chroot: host PIP_* and PYTHON* variables must not leak in.
 CHROOT_ENV = ("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "LANG=C.UTF-8")
 # Dropped from the image: not needed to run.
@@ -414,8 +421,9 @@ def _server_available(host: str, port: int, key: str) -> bool:
 
 
 def start_device(key: str = DEFAULT_KEY, tracker_port: int | None = None, image: Path | None = None,
-                 timeout_s: float = 120.0) -> EmulatedArmDevice:
-    """Start the emulated device from the cached image (build it first with build_image); return its handle."""
+                 timeout_s: float = 120.0, opencl: bool = False) -> EmulatedArmDevice:
+    """Start the emulated device from the cached image (build it first with build_image); return its handle.
+    With `opencl`, its server loads the aarch64 OpenCL device, whose kernels run on the image's PoCL."""
     prepare_host()
     image = image or image_path()
     if not image.is_dir():
@@ -436,11 +444,26 @@ def start_device(key: str = DEFAULT_KEY, tracker_port: int | None = None, image:
         _mount("--make-private", str(root))
         _mount("-o", "remount,bind,ro", str(root))
         _mount_proc(root)
+        # PoCL learns the CPU's cores and memory from sysfs (hwloc); without it, it aborts.
+        _mount("--bind", "/sys", str(root / "sys"))
+        _mount("-o", "remount,bind,ro", str(root / "sys"))
         scratch = work / "tmp"
         scratch.mkdir()
         scratch.chmod(0o1777)
         _mount("--bind", str(scratch), str(root / "tmp"))
+        # PoCL's compiled kernels outlive the device, kept beside the image: PoCL compiles each kernel with LLVM
+        # under qemu (a tiny Llama's first bench: ~110 s of 117; 10 s with the cache).
+        pocl_cache = image.parent / f"{image.name}-pocl-cache"
+        pocl_cache.mkdir(exist_ok=True)
+        (scratch / Path(REMOTE_POCL_CACHE).relative_to("/tmp")).mkdir()
+        _mount("--bind", str(pocl_cache), str(root / REMOTE_POCL_CACHE.lstrip("/")))
         _mount("-t", "tmpfs", "-o", "mode=1777", "tmpfs", str(root / "dev" / "shm"))
+        # The device serves itself as a board would: the folder `mobilec board-folder` writes, in its /tmp.
+        if opencl:
+            write_board_folder(scratch / "board", "aarch64")
+        else:
+            (scratch / "board").mkdir()
+            shutil.copyfile(device_server.__file__, scratch / "board" / Path(device_server.__file__).name)
         tracker_log = work / "tracker.log"
         # The tracker needs only TVM's runtime library, which loads seconds faster than the compiler.
         tracker = _spawn([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", host,
@@ -452,10 +475,11 @@ def start_device(key: str = DEFAULT_KEY, tracker_port: int | None = None, image:
         # processes, the server under qemu), so the server usually finds no tracker yet and retries 5 s later,
         # which is still sooner than waiting for the tracker before starting the server.
         server_port = free_port()
-        server = _spawn(_chroot_command(root, REMOTE_PYTHON, "-m", "tvm.exec.rpc_server", "--host", host,
-                                        "--port", str(server_port), "--port-end", str(server_port + 1),
+        server = _spawn(_chroot_command(root, REMOTE_PYTHON, f"/tmp/board/{Path(device_server.__file__).name}",
+                                        "--host", host, "--port", str(server_port), "--port-end", str(server_port + 1),
                                         "--tracker", f"{host}:{device.tracker_port}", "--key", key,
-                                        "--load-library", REMOTE_EXTRA_LIBRARY, env=("TVM_USE_RUNTIME_LIB=1",)),
+                                        *(() if opencl else ("--no-opencl",)),
+                                        env=(f"POCL_CACHE_DIR={REMOTE_POCL_CACHE}",)),
                         device.server_log)
         device.processes.append(server)
         # connect_tracker retries a refused connection for a minute: ask the tracker only once it listens.
@@ -480,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     serve = commands.add_parser("serve", help="build if needed, start the device and serve until Ctrl-C")
     serve.add_argument("--key", default=DEFAULT_KEY, help=f"the device key in the tracker (default {DEFAULT_KEY})")
     serve.add_argument("--tracker-port", type=int, default=None, help="the tracker's port (default: a free one)")
+    serve.add_argument("--opencl", action="store_true", help="load the aarch64 OpenCL device (kernels on PoCL)")
     args = parser.parse_args(argv)
     try:
         image = build_image()
@@ -488,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         began = time.monotonic()
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the device on `kill` too
-        with start_device(args.key, args.tracker_port, image) as device:
+        with start_device(args.key, args.tracker_port, image, opencl=args.opencl) as device:
             print(f"tracker {device.tracker_host}:{device.tracker_port} key {device.key} "
                   f"(ready in {time.monotonic() - began:.0f} s; Ctrl-C stops)", flush=True)
             while True:

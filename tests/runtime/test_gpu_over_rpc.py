@@ -111,7 +111,7 @@ def test_a_server_without_the_opencl_device_is_told_how_to_start(artifact, track
     result = _bench(artifact, tracker, PLAIN_KEY)
     lines = result.stderr.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1, result.output
-    assert "has no OpenCL device" in lines[0] and f"--load-library {opencl_device.library_path()}" in lines[0]
+    assert "has no OpenCL device" in lines[0] and "mobilec device-server" in lines[0]
 
 
 def _set_latencies(logs, default_us: float, tuned_us: float) -> None:
@@ -191,4 +191,4 @@ def test_tuning_a_float16_kernel_on_a_servers_fp16_opencl(checkpoint, tmp_path, 
 
 def test_tuning_opencl_kernels_without_a_tracker_is_told_to_pass_one(checkpoint):
     assert_mobilec_error(lambda: tune(TuneOptions(str(checkpoint / "hf"), TARGET, QUANT, TRIALS, **ON_POCL)),
-                         "kernels run on OpenCL", "--tracker HOST:PORT --key KEY", "--load-library")
+                         "kernels run on OpenCL", "--tracker HOST:PORT --key KEY", "mobilec device-server")

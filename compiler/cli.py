@@ -89,7 +89,7 @@ def rpc_device_options(command):
     """--rpc, --tracker with --key, --session-timeout: a device reached through TVM RPC (bench, profile)."""
     for option in reversed((
             click.option("--rpc", default=None, metavar="HOST:PORT",
-                         help="A TVM RPC server (python -m tvm.exec.rpc_server, or the TVM RPC app on a phone)."),
+                         help="A TVM RPC server (mobilec device-server, or the TVM RPC app on a phone)."),
             click.option("--tracker", default=None, metavar="HOST:PORT",
                          help="A TVM RPC tracker (python -m tvm.exec.rpc_tracker) to get a device from; with --key."),
             click.option("--key", default=None, help="The tracker key of the device, e.g. android."),

@@ -51,8 +51,8 @@ MODELS = {"llama_gqa": ("llama_gqa", {}), "qwen3": ("qwen3", {}), "qwen3-head64"
 # its clang emits for a division and a remainder by one constant that is not a power of two: TVM's K/V append
 # (tir_kv_cache_transpose_append) on a quantized cache's carrier divides by its 3 declared KV heads, so the append
 # would not run and every later read of the pages would be reported. These artifacts run with the race and
-# out-of-bounds checks only; int8's uninitialized check passed by hand under `--build-options -cl-opt-disable` (no
-# freeze, 0 findings, ~190 s: too slow for CI).
+# out-of-bounds checks only; their uninitialized check passed by hand under `--build-options -cl-opt-disable` (no
+# freeze; 0 findings and PoCL's tokens, 190 s for int8 and 230 s for int4: too slow for CI).
 WITHOUT_UNINITIALIZED = {"adreno-kv-int8", "adreno-kv-int4"}
 # Its cache writes the length rows of its sliding layers at offsets, which the OpenCL device writes from offset 0 on
 # Oclgrind (native/opencl): the tokens must be PoCL's (PoCL's kernel builds cost ~10 s, so only here)

@@ -810,6 +810,22 @@ def row_quantizer(shape: AttentionShape, kv: int):
     return {"int8": quantize_int8, "int4": quantize_int4}[shape.dtype]
 
 
+def param_padding_zeroer(shape: AttentionShape, kv: int):
+    """A T.macro zeroing the cells of token s's K (kv 0) or V (kv 1) parameter rows that hold no parameter (the
+    rows' cells after the last KV head's): no kernel reads them, but the cache's append copies whole declared rows
+    into the pages, which would copy memory never written (Oclgrind's uninitialized-value check found it)."""
+    c = shape.carrier
+    assert c is not None, shape
+    used = c.kv_heads * c.row_params(kv)
+
+    @T.macro
+    def zero_padding(params, s):
+        for i in range(c.param_rows * c.cell - used):
+            params[s, c.kv_heads + (used + i) // c.cell, (used + i) % c.cell] = T.float32(0)
+
+    return zero_padding
+
+
 def quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale: float = 1.0,
                            rope_scaling: dict[str, Any] | None = None) -> tirx.PrimFunc:
     """A quantized cache's `tir_split_rotary` (TVM's `fused_rope` signature: qkv, position_map, q, k, v, apply_rope),
@@ -824,6 +840,7 @@ def quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale:
     HALF = D // 2
     angle = rope_angle(D, rope_theta, rope_scale, rope_scaling)
     quantize_k, quantize_v = row_quantizer(shape, 0), row_quantizer(shape, 1)
+    pad_k, pad_v = param_padding_zeroer(shape, 0), param_padding_zeroer(shape, 1)
 
     @T.macro
     def body(qkv_rows, position_map, q_rows, k_codes, v_codes, k, v, apply_rope, seq_len):
@@ -854,6 +871,8 @@ def quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale:
                 for d in range(D):
                     row[d] = qkv_rows[s, H_qo + H_kv + h, d]
                 quantize_v(row, v_codes, v, s, h, stat)
+            pad_k(k, s)
+            pad_v(v, s)
 
     return split_rotary_signature(shape, body)
 

@@ -47,6 +47,7 @@ from .cpu_attention import (
     SLIDING_SUFFIX,
     AttentionShape,
     carrier_merge_signature,
+    param_padding_zeroer,
     rope_angle,
     row_quantizer,
     split_rotary_signature,
@@ -335,18 +336,25 @@ def gpu_attention_prefill_paged(shape: AttentionShape, *, sliding: bool = False,
 @T.macro
 def _merge(V, S, V_other, S_other, N, H, D):
     """V, S <- the merge of the attention states (V, S) and (V_other, S_other) of N rows of H heads of D channels, one
-    work-group per row and head: S read by every work-item, then (after a barrier) written by one."""
+    work-group per row and head: work-item 0 reads S and S_other, shares the weights in local memory and (after
+    the barrier) writes S, so no other work-item touches S (a barrier with a local fence orders no global one)."""
     for n in T.thread_binding(N, thread="blockIdx.x"):
         for h in T.thread_binding(H, thread="blockIdx.y"):
             for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
                 with T.sblock("merge"):
                     T.reads()
                     T.writes()
-                    st = T.sblock_alloc_buffer((3,), "float32", scope="local")  # max, then the two weights
-                    st[0] = T.max(S[n, h], S_other[n, h])
-                    st[1] = T.exp2(S[n, h] - st[0])
-                    st[2] = T.exp2(S_other[n, h] - st[0])
-                    T.tvm_storage_sync("shared")  # every work-item has read S
+                    w = T.sblock_alloc_buffer((3,), "float32", scope="shared")  # max, then the two weights
+                    st = T.sblock_alloc_buffer((3,), "float32", scope="local")  # w computed, then each one's copy
+                    if tx == 0:
+                        st[0] = T.max(S[n, h], S_other[n, h])
+                        st[1] = T.exp2(S[n, h] - st[0])
+                        st[2] = T.exp2(S_other[n, h] - st[0])
+                        for i in T.unroll(3):
+                            w[i] = st[i]
+                    T.tvm_storage_sync("shared")
+                    for i in T.unroll(3):
+                        st[i] = w[i]
                     for c in T.serial(T.ceildiv(D, THREADS)):
                         if c * THREADS + tx < D:
                             V[n, h, c * THREADS + tx] = T.Cast(V.dtype, (
@@ -362,7 +370,7 @@ def gpu_merge_state(dtype: str) -> tirx.PrimFunc:
     units), without its race: there every work-item of a head reads S and then writes the merged S back, so one
     that reads after another's write merges twice. That is harmless only where a head's work-items run in lockstep
     (a GPU wave), and it broke every chunked prefill on PoCL (a tiny Llama's logits off by 1.2 relative from the
-    second chunk on). Here S is read by all, then (after a barrier) written by one."""
+    second chunk on). Here one work-item reads and writes S (_merge)."""
 
     @T.prim_func(private=True, s_tir=True)
     def merge_state_inplace(v: T.handle, s: T.handle, v_other: T.handle, s_other: T.handle):
@@ -400,6 +408,7 @@ def gpu_quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_sc
     HALF = D // 2
     angle = rope_angle(D, rope_theta, rope_scale, rope_scaling)
     quantize_k, quantize_v = row_quantizer(shape, 0), row_quantizer(shape, 1)
+    pad_k, pad_v = param_padding_zeroer(shape, 0), param_padding_zeroer(shape, 1)
 
     @T.macro
     def body(qkv_rows, position_map, q_rows, k_codes, v_codes, k, v, apply_rope, seq_len):
@@ -428,5 +437,9 @@ def gpu_quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_sc
                         quantize_k(row, k_codes, k, s, h - H_qo, stat)
                     else:
                         quantize_v(row, v_codes, v, s, h - H_qo - H_kv, stat)
+                    if h == H_qo:  # one work-item per plane writes its parameter rows' padding
+                        pad_k(k, s)
+                    elif h == H_qo + H_kv:
+                        pad_v(v, s)
 
     return split_rotary_signature(shape, body)

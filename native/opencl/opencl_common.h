@@ -74,6 +74,11 @@ class OpenCLRuntime {
     Init();
     return platform_;
   }
+  // Whether the platform is Oclgrind (a simulator that checks kernels; see CopyDataFromTo).
+  bool oclgrind() {
+    Init();
+    return oclgrind_;
+  }
   // Buffers for TVM's workspace (kernels' temporaries): reused by size, per device.
   void* AllocWorkspace(int device_id, size_t nbytes);
   void FreeWorkspace(int device_id, void* ptr);
@@ -103,6 +108,7 @@ class OpenCLRuntime {
   std::once_flag init_once_;
   std::string init_error_;
   cl_platform_id platform_{nullptr};
+  bool oclgrind_{false};
   cl_context context_{nullptr};
   std::vector<cl_device_id> devices_;
   std::vector<cl_command_queue> queues_;

@@ -9,7 +9,9 @@ import functools
 import numpy as np
 import pytest
 import tvm
+from tvm.script import tirx as T
 
+from compiler.kernels import gpu_attention
 from compiler.kernels.cpu_attention import AttentionShape
 from compiler.kernels.gpu_attention import (
     gpu_attention_decode,
@@ -93,3 +95,31 @@ def test_split_rotary_quantizes_k_after_rope_and_v(on_gpu):
         assert np.abs(codes - want_codes).max() <= 1
     assert np.abs(split(on_gpu._build, 0)[0] - q).max() > 0.1
 
+
+
+def test_split_rotary_writes_every_carrier_cell(on_gpu, monkeypatch):
+    """TVM's append copies whole declared K/V rows into the pages, so the split writes every cell of their
+    parameter rows (the code rows are whole cells of codes), the unused ones as 0 (they start as NaN here); negative
+    control: without param_padding_zeroer (a macro that writes nothing) the GPU split leaves NaN in them."""
+    n = 5
+    qkv = np.random.default_rng(4).standard_normal((n, on_gpu.CARRIER.fused_rows, on_gpu.CELL)).astype("float32")
+
+    def split(build):
+        q = np.zeros((n, on_gpu.HQ_DECL, on_gpu.CELL), "float32")
+        k, v = (np.full((n, on_gpu.HKV_DECL, on_gpu.CELL), np.nan, "float32") for _ in range(2))
+        args = [tvm.runtime.tensor(x) for x in (qkv, np.arange(n, dtype="int32"), q, k, v)]
+        build(*args, 1)
+        return [a.numpy()[:, on_gpu.H_KV:].reshape(n, -1) for a in args[3:]]  # the parameter cells
+
+    shape = on_gpu.SHAPE
+    for k, v in (split(_gpu_kernel("split", shape.dtype)), split(ORIGINAL_BUILDS[on_gpu.__name__]("split"))):
+        assert not np.isnan(k).any() and not np.isnan(v).any()
+        for params, kv in ((k, 0), (v, 1)):
+            assert (params[:, on_gpu.H_KV * on_gpu.CARRIER.row_params(kv):] == 0).all()
+
+    @T.macro
+    def writes_nothing(params, s):  # pylint: disable=unused-argument
+        T.evaluate(0)
+
+    monkeypatch.setattr(gpu_attention, "param_padding_zeroer", lambda shape, kv: writes_nothing)
+    assert np.isnan(np.concatenate(split(_OnPocl(gpu_quantized_split_rotary(shape, ROPE_THETA, ROPE_SCALE))))).any()

@@ -1,4 +1,4 @@
-"""Every common model shape compiles for the x86 target files (host: this machine's), as
+"""Every common model shape compiles for the x86 target files (x86-64-v3, x86-64-v4; host is one of them), as
 test_real_shapes_gpu_npu_arm.py does for the others."""
 
 import pytest

@@ -447,7 +447,6 @@ def device_server_command(server_args):
     from . import device_server
     from .runtime import opencl_device
 
-    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")  # the server's session processes need no compiler
     opencl_device.use_installed_platforms()
     try:
         device_server.run(list(server_args), opencl_device.library_path(), "mobilec device-server")

@@ -181,6 +181,9 @@ def serve(args: argparse.Namespace) -> None:
         check_tracker(*args.tracker)
     loaded, said = libraries(args)
     print(f"device-server: {said}", flush=True)
+    # The server's processes load TVM's runtime library alone (set here, not on import: `mobilec device-server`
+    # runs in a process that may go on using the compiler after a refused start)
+    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
     try:
         server = tvm.rpc.Server(args.host, args.port, args.port_end, tracker_addr=args.tracker, key=args.key or "",
                                 load_library=":".join(loaded))

@@ -90,10 +90,10 @@ def test_quantized_caches_are_refused_where_no_kernel_of_ours_runs(name):
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
-def test_quantized_caches_need_float32_activations(name):
+def test_quantized_caches_take_float16_activations(name):
+    """q/k/v widened to the float32 carrier (models/llama.py), on a CPU as on a GPU."""
     half = with_overrides(load_target("host"), compute_dtype="float16")
-    assert_mobilec_error(lambda: resolve(name, half, get_scheme("q4f16_g32")), f"--kv-dtype {name}", "float32",
-                         "float16")
+    assert resolve(name, half, get_scheme("q4f16_g32")) == name
 
 
 def test_quantized_caches_need_whole_codes_per_carrier_cell():

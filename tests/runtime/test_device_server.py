@@ -6,6 +6,7 @@ tests/targets/test_board_opencl_on_emulated_arm.py."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -68,9 +69,13 @@ def test_without_the_library_it_serves_the_cpu_and_says_why(tmp_path, tracker_po
 
 
 def _refused(args: list[str]) -> str:
+    before = os.environ.get("TVM_USE_RUNTIME_LIB")
     result = CliRunner().invoke(main, ["device-server", *args])
     lines = result.stderr.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1, result.output
+    # a refused start leaves this process's environment alone: with TVM_USE_RUNTIME_LIB=1 inherited, every later
+    # `mobilec` subprocess of the test worker would load TVM's runtime library only and fail to compile
+    assert os.environ.get("TVM_USE_RUNTIME_LIB") == before
     return lines[0]
 
 

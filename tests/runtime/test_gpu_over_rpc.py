@@ -44,7 +44,6 @@ PROMPT_LEN, GEN_LEN = 12, 8
 GEMV = "fused_dequantize4_NT_matmul4"  # the MLP's down projection, once per layer and decode step
 TRIALS = 2
 FP16_QUANT, FP16_KEY = "q4f16_g32", "mobilec-opencl-fp16"
-FP16_GEMV = "fused_dequantize4_NT_matmul4"  # (its float16 form)
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +53,14 @@ def checkpoint(tmp_path_factory):
     return root
 
 
-def _compile(root, name: str, tuning_logs=None) -> tuple[str, dict]:
-    """An android-adreno artifact that runs here, and compile's summary; with tuning_logs, compiled with them."""
+def _compile(root, name: str, tuning_logs=None, quant: str = QUANT, here=ON_POCL) -> tuple[str, dict]:
+    """An android-adreno artifact that runs here (`here`: the options that make it run on this machine's OpenCL),
+    and compile's summary; with tuning_logs, compiled with them."""
     with pytest.MonkeyPatch.context() as env:
         if tuning_logs is not None:
             env.setenv(tuning_log.TUNING_LOGS_ENV, str(tuning_logs))
-        summary = compile_model(CompileOptions(str(root / "hf"), TARGET, QUANT, str(root / name), context_window=64,
-                                               progress=False, no_tuning=tuning_logs is None, **ON_POCL))
+        summary = compile_model(CompileOptions(str(root / "hf"), TARGET, quant, str(root / name), context_window=64,
+                                               progress=False, no_tuning=tuning_logs is None, **here))
     return str(root / name), summary
 
 
@@ -150,7 +150,9 @@ def test_tuning_on_the_rpc_servers_opencl_and_compile_follows_the_log(checkpoint
 
 @NEEDS_X86_FOR_FP16
 def test_tuning_a_float16_kernel_on_a_servers_fp16_opencl(checkpoint, tmp_path, monkeypatch):
-    """The phones' float16 default (q4f16_g32, no --compute-dtype): a short MetaSchedule run on one GEMV measured
+    """The phones' float16 default (q4f16_g32, no --compute-dtype): a short MetaSchedule run on the same GEMV (its
+    float16 form) measured on an RPC server whose OpenCL is Intel's runtime (cl_khr_fp16); compile applies the record
+    (forced faster) and the tuned artifact, benched on that server, gives the untuned one's tokens."""The phones' float16 default (q4f16_g32, no --compute-dtype): a short MetaSchedule run on the same GEMV (its float16 form) measured
     on an RPC server whose OpenCL is Intel's runtime (cl_khr_fp16); compile applies the record (forced faster) and
     the tuned artifact, benched on that server, gives the untuned one's tokens."""
     fp16_platform_installed()
@@ -164,23 +166,18 @@ def test_tuning_a_float16_kernel_on_a_servers_fp16_opencl(checkpoint, tmp_path, 
         wait_until_free(port, {FP16_KEY: 1}, processes[1:])
         tracker = f"127.0.0.1:{port}"
         summary = tune(TuneOptions(str(checkpoint / "hf"), TARGET, FP16_QUANT, TRIALS, tracker=tracker,
-                                   key=FP16_KEY, kernel_patterns=[FP16_GEMV], **ON_FP16_OPENCL))
+                                   key=FP16_KEY, kernel_patterns=[GEMV], **ON_FP16_OPENCL))
         (row,) = summary["kernels"]
-        assert row["functions"] == [FP16_GEMV] and row["default_us"] > 0 and row["tuned_us"] > 0
+        assert row["functions"] == [GEMV] and row["default_us"] > 0 and row["tuned_us"] > 0
         log = tuning_log.read_log(logs / TARGET, "")
         assert any(r.mean_us is not None for r in log.records), "no record measured on the server"
         assert {r.json[2]["kind"] for r in log.records} == {"opencl"}
         _set_latencies(logs, default_us=1e6, tuned_us=1.0)
         tokens = {}
         for name, tuning_logs in (("fp16-default", None), ("fp16-tuned", logs)):
-            with pytest.MonkeyPatch.context() as env:
-                if tuning_logs is not None:
-                    env.setenv(tuning_log.TUNING_LOGS_ENV, str(tuning_logs))
-                compiled = compile_model(CompileOptions(
-                    str(checkpoint / "hf"), TARGET, FP16_QUANT, str(checkpoint / name), context_window=64,
-                    progress=False, no_tuning=tuning_logs is None, **ON_FP16_OPENCL))
-            assert compiled["tuned_kernels"] == ([FP16_GEMV] if tuning_logs else [])
-            result = _bench(str(checkpoint / name), tracker, FP16_KEY)
+            path, compiled = _compile(checkpoint, name, tuning_logs, FP16_QUANT, ON_FP16_OPENCL)
+            assert compiled["tuned_kernels"] == ([GEMV] if tuning_logs else [])
+            result = _bench(path, tracker, FP16_KEY)
             assert result.exit_code == 0, result.output
             tokens[name] = json.loads(result.stdout)["tokens"]
         assert tokens["fp16-tuned"] == tokens["fp16-default"]

@@ -152,9 +152,7 @@ def test_tuning_on_the_rpc_servers_opencl_and_compile_follows_the_log(checkpoint
 def test_tuning_a_float16_kernel_on_a_servers_fp16_opencl(checkpoint, tmp_path, monkeypatch):
     """The phones' float16 default (q4f16_g32, no --compute-dtype): a short MetaSchedule run on the same GEMV (its
     float16 form) measured on an RPC server whose OpenCL is Intel's runtime (cl_khr_fp16); compile applies the record
-    (forced faster) and the tuned artifact, benched on that server, gives the untuned one's tokens."""The phones' float16 default (q4f16_g32, no --compute-dtype): a short MetaSchedule run on the same GEMV (its float16 form) measured
-    on an RPC server whose OpenCL is Intel's runtime (cl_khr_fp16); compile applies the record (forced faster) and
-    the tuned artifact, benched on that server, gives the untuned one's tokens."""
+    (forced faster) and the tuned artifact, benched on that server, gives the untuned one's tokens."""
     fp16_platform_installed()
     logs = tmp_path / "tuning_logs"
     monkeypatch.setenv(tuning_log.TUNING_LOGS_ENV, str(logs))

@@ -55,7 +55,7 @@ from compiler.roofline import (
     gguf_read_bytes,
     kv_bytes_per_token,
 )
-from compiler.runtime.profile import DEFAULT_STEPS, WARMUP_STEPS, format_profile, profile_decode_step
+from compiler.runtime.profile import DEFAULT_STEPS, decoded_positions, format_profile, profile_decode_step
 from compiler.runtime.session import Session
 
 PROMPT_TEXT = (
@@ -103,12 +103,13 @@ def llama_kv_type(choice: str, artifact: Artifact) -> str:
 
 def check_context(artifacts: list[Artifact], args) -> None:
     """Refuse an artifact whose context window cannot hold the run (prompt + gen, and the profile's steps)."""
-    need = [] if args.profile_only else [(args.prompt_len + args.gen_len, "--prompt-len + --gen-len")]
-    if args.profile_steps:  # profile_decode_step's own check, made before anything runs
-        need.append((args.prompt_len + WARMUP_STEPS + 3 * args.profile_steps,
-                     f"--prompt-len + {WARMUP_STEPS} warm-up + 3 x --profile-steps"))
-    tokens, what = max(need)
     for artifact in artifacts:
+        need = [] if args.profile_only else [(args.prompt_len + args.gen_len, "--prompt-len + --gen-len")]
+        if args.profile_steps:  # profile_decode_step's own check, made before anything runs
+            opencl = artifact.config["target"]["tvm_target"]["kind"] == "opencl"
+            need.append((args.prompt_len + decoded_positions(args.profile_steps, opencl),
+                         "--prompt-len + the profile's decode steps"))
+        tokens, what = max(need)
         window = int(artifact.config["context_window"])
         if tokens > window:
             fail(f"{artifact.path} has a context window of {window} tokens; this run needs {tokens} ({what}): "

@@ -17,6 +17,7 @@ achieved GB/s is known, whatever the kernel's name.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import statistics
@@ -65,14 +66,21 @@ WARMUP_STEPS = 2
 DEFAULT_STEPS = 16
 
 
-def _check_room(context_window: int, context_len: int, steps: int) -> None:
+def decoded_positions(steps: int, opencl: bool) -> int:
+    """The positions a profile of `steps` decodes after its context: the warm-up, 3 x steps (wall, phased,
+    instrumented steps) and, for OpenCL kernels, steps + 1 more (_device_kernel_times)."""
+    return WARMUP_STEPS + 3 * steps + (steps + 1 if opencl else 0)
+
+
+def _check_room(context_window: int, context_len: int, steps: int, opencl: bool) -> None:
     validate.tokens(context_len, "--context-len")
     validate.count(steps, "--steps")
-    need = context_len + WARMUP_STEPS + 3 * steps
-    if need > context_window:
-        raise MobilecError(f"--context-len {context_len} + {3 * steps + WARMUP_STEPS} decode steps (3 x --steps "
-                           f"+ {WARMUP_STEPS} warm-up) exceeds the artifact's context window of "
-                           f"{context_window}; lower them or recompile with a larger --context-window")
+    decoded = decoded_positions(steps, opencl)
+    if context_len + decoded > context_window:
+        raise MobilecError(f"--context-len {context_len} + {decoded} decode steps (3 x --steps"
+                           f"{' + --steps + 1 timed on the OpenCL device' if opencl else ''} + {WARMUP_STEPS} "
+                           f"warm-up) exceeds the artifact's context window of {context_window}; lower them or "
+                           f"recompile with a larger --context-window")
 
 
 def _fill(session: Session, context_len: int) -> None:
@@ -171,7 +179,7 @@ def profile_decode_step(session: Session, context_len: int, steps: int = DEFAULT
     adds time, and parts measured in different steps are only comparable without it. A kernel's time still
     includes the instrument converting its arguments for Python (~0.1 us each), so with very short kernels
     the kernels part is a little high and vm_overhead a little low."""
-    _check_room(session.context_window, context_len, steps)
+    _check_room(session.context_window, context_len, steps, session.device.description.get("opencl") is not None)
     artifact = session.artifact
     tensors = artifact.index["tensors"]
     if "call_sites" not in artifact.config:
@@ -301,47 +309,72 @@ def profile_decode_step(session: Session, context_len: int, steps: int = DEFAULT
         "call_sites_matched": matched,
         "categories": sorted(categories.values(), key=lambda c: -c["ms"]),
         "kernels": kernels,
-        "device": device_times and _device_summary(device_times, wall_s, layers),
+        "device": device_times and _device_summary(device_times, layers),
     }
 
 
-def _device_kernel_times(session: Session, steps: int) -> list[list[tuple[str, float]]] | None:
-    """Per decode step, every OpenCL kernel launch's (kernel, seconds) as the device timed it (event profiling);
-    None where the kernels do not run on our OpenCL device."""
+def _device_kernel_times(session: Session, steps: int) -> list[DeviceTimedStep] | None:
+    """`steps` decode steps timed on the device (device_decode_s), every OpenCL kernel launch of their runs timed
+    by the device (event profiling); None where the kernels do not run on our OpenCL device. The kernel times
+    and the step time come from the same runs, so a busy machine slows both alike."""
     if session.device.description.get("opencl") is None:
         return None
     switch = session.device.function("mobilec.opencl.time_kernels")
     read = session.device.function("mobilec.opencl.kernel_times")
+
+    def launches() -> list[tuple[str, float]]:
+        return [(kernel, int(ns) / 1e9) for kernel, ns in (line.split("\t") for line in str(read()).splitlines())]
+
     switch(True)
     try:
-        read()  # anything launched before
+        launches()  # anything launched before
+        session.decode(1)
+        step = launches()  # one step's launches in order
         timed = []
         for _ in range(steps):
-            session.decode(1)
-            lines = str(read()).splitlines()
-            timed.append([(kernel, int(ns) / 1e9) for kernel, ns in (line.split("\t") for line in lines)])
+            step_s = device_decode_s(session, 1)
+            seconds: dict[str, float] = collections.defaultdict(float)
+            count: collections.Counter = collections.Counter()
+            for kernel, s in launches():
+                seconds[kernel] += s
+                count[kernel] += 1
+            # each kernel's mean launch time the device measured, times its launches in one step
+            per_step = collections.Counter(kernel for kernel, _ in step)
+            if missing := sorted(set(per_step) - set(count)):
+                raise MobilecError(f"the timed decode steps launched no {', '.join(missing)}, which a decode step "
+                                   f"launches: the device's kernel times cannot be matched to its steps")
+            timed.append(DeviceTimedStep(step_s, step, {k: seconds[k] / count[k] * n for k, n in per_step.items()}))
     finally:
         switch(False)
     return timed
 
 
-def _device_summary(timed: list[list[tuple[str, float]]], wall_s: float, layers: int) -> dict[str, Any]:
-    """The device's own times: per OpenCL kernel (its fastest step), and the fastest step's sum against the
-    fastest wall-clock step."""
-    per_kernel: dict[str, list[float]] = {}
-    for step in timed:
-        seconds: dict[str, float] = {}
-        for kernel, s in step:
-            seconds[kernel] = seconds.get(kernel, 0.0) + s
-        for kernel, s in seconds.items():
-            per_kernel.setdefault(kernel, []).append(s)
-    launches = len(timed[0])
-    busy_s = min(sum(s for _, s in step) for step in timed)
-    kernels = [{"name": kernel, "launches_per_step": sum(k == kernel for k, _ in timed[0]),
-                "ms": min(values) * 1e3, "pct_of_step": 100 * min(values) / wall_s}
-               for kernel, values in per_kernel.items()]
+@dataclasses.dataclass(frozen=True)
+class DeviceTimedStep:
+    """One device_decode_s measurement: its mean step time, one step's launches (kernel, seconds) in order, and
+    each kernel's device seconds per step in the same runs."""
+
+    step_s: float
+    launches: list[tuple[str, float]]
+    kernel_s: dict[str, float]
+
+    @property
+    def busy_s(self) -> float:
+        return sum(self.kernel_s.values())
+
+
+def _device_summary(timed: list[DeviceTimedStep], layers: int) -> dict[str, Any]:
+    """The device's own times: per OpenCL kernel (its fastest measurement), and the kernels' sum against the step
+    time of the same runs (the measurement whose step was fastest)."""
+    fastest = min(timed, key=lambda t: t.step_s)
+    launches = len(fastest.launches)
+    kernels = [{"name": kernel, "launches_per_step": sum(k == kernel for k, _ in fastest.launches),
+                "ms": min(t.kernel_s[kernel] for t in timed) * 1e3,
+                "pct_of_step": 100 * min(t.kernel_s[kernel] for t in timed) / fastest.step_s}
+               for kernel in fastest.kernel_s]
     return {"launches_per_step": launches, "launches_per_layer": launches / layers,
-            "kernels_ms": busy_s * 1e3, "fraction_of_step": busy_s / wall_s,
+            "kernels_ms": fastest.busy_s * 1e3, "step_ms": fastest.step_s * 1e3,
+            "fraction_of_step": fastest.busy_s / fastest.step_s,
             "kernels": sorted(kernels, key=lambda k: -k["ms"])}
 
 
@@ -376,7 +409,8 @@ def profile_report(options: ProfileOptions) -> dict[str, Any]:
     check_device_options(None, options.rpc, options.tracker, options.key, options.session_timeout_s)
     validate.threads(threads, local=options.local)
     artifact = load_artifact(options.artifact)
-    _check_room(int(artifact.config["context_window"]), context_len, steps)  # before the library loads
+    opencl = artifact.config["target"]["tvm_target"]["kind"] == "opencl"
+    _check_room(int(artifact.config["context_window"]), context_len, steps, opencl)  # before the library loads
     if not options.local:
         return remote_profile(artifact, options)
     set_threads(threads)
@@ -414,7 +448,7 @@ def remote_profile(artifact: Artifact, options: ProfileOptions) -> dict[str, Any
         "context_len": options.context_len, "steps": options.steps,
         "wall_ms": statistics.median(step_s) * 1e3, "wall_ms_best": best * 1e3,
         "tok_s": 1.0 / statistics.median(step_s),
-        "device": device_times and _device_summary(device_times, best, layers),
+        "device": device_times and _device_summary(device_times, layers),
     }
 
 
@@ -437,7 +471,7 @@ def _device_table(device: dict[str, Any], top: int) -> list[str]:
     """_device_summary's figures as table lines."""
     lines = [f"  OpenCL device times (event profiling): {device['launches_per_step']} launches per step "
              f"({device['launches_per_layer']:.1f} per layer), {device['kernels_ms']:.3f} ms busy = "
-             f"{device['fraction_of_step']:.1%} of the fastest step",
+             f"{device['fraction_of_step']:.1%} of the {device['step_ms']:.3f} ms step they ran in",
              f"  {'OpenCL kernel (top ' + str(top) + ')':52s} {'launches':>8s} {'ms':>8s} {'% step':>7s}"]
     for k in device["kernels"][:top]:
         lines.append(f"  {k['name'][:52]:52s} {k['launches_per_step']:8d} {k['ms']:8.3f} {k['pct_of_step']:6.1f}%")

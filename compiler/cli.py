@@ -160,7 +160,8 @@ def targets(as_json):
 @click.option("--calib-text", default=None, type=click.Path(dir_okay=False),
               help="UTF-8 text for --calibrate (default: CPython's pydoc topics, pydoc_data/topics.py).")
 @click.option("--force", is_flag=True,
-              help="Compile even when `mobilec estimate` says the model does not fit the target's memory.")
+              help="Compile even when `mobilec estimate` says the model does not fit the target's memory, or "
+                   "this machine has less memory available than the compile needs (estimate's 'compile here').")
 @click.option("--no-tuning", is_flag=True,
               help="Ignore tuning_logs/<target>/ (`mobilec tune`): every kernel gets the default schedule rules.")
 @click.option("--decode-activations", type=click.Choice(DECODE_ACTIVATIONS), default=None,
@@ -191,10 +192,13 @@ def compile(as_json, **options):  # pylint: disable=redefined-builtin
     --output must be a new path, an empty directory, or an artifact (replaced only with --overwrite); anything
     else is refused, so no file of yours is replaced. The artifact is written to a temporary directory beside it
     and renamed at the end: a failed or interrupted compile leaves nothing behind.
+
+    Each step (import, build, weights, write) is reported on stderr as it starts and ends, with its time and peak
+    memory; the weights step counts tensors (a bar on a terminal, a line every 10 s otherwise).
     """
     from .compile_model import CompileOptions, compile_model  # pylint: disable=import-outside-toplevel
 
-    summary = compile_model(CompileOptions(**options, progress=not as_json))
+    summary = compile_model(CompileOptions(**options))
     if as_json:
         click.echo(json.dumps(summary))
         return
@@ -298,11 +302,15 @@ def estimate(as_json, **options):
               help="The artifact's perplexity alone: no float model loaded, no layer cosines (quicker).")
 @json_option("the perplexities and similarities")
 def evaluate(as_json, **options):
-    """Perplexity of ARTIFACT vs its float reference, and per-layer cosine similarity of hidden states."""
+    """Perplexity of ARTIFACT vs its float reference, and per-layer cosine similarity of hidden states.
+
+    Windows done and the time left are reported on stderr (a line every 10 s)."""
     from .runtime.evaluate import EvalOptions  # pylint: disable=import-outside-toplevel
     from .runtime.evaluate import evaluate as run_eval  # pylint: disable=import-outside-toplevel
 
-    result = run_eval(EvalOptions(**options))
+    from .progress import Steps  # pylint: disable=import-outside-toplevel
+
+    result = run_eval(EvalOptions(**options), progress=Steps("eval", 0).reporter("windows"))
     if as_json:
         click.echo(json.dumps(result))
         return

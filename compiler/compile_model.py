@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
+import math
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tvm
-from tqdm import tqdm
 
 from . import chat_prompt, hexagon, kv_cache_dtype, link, pipeline, validate
 from .artifact import (
@@ -27,12 +26,13 @@ from .call_sites import call_site_map
 from .choices import DECODE_ACTIVATIONS
 from .cpu_check import cpu_entry
 from .errors import MobilecError
-from .estimate import RecordMemoryPlan, estimate_imported, over_budget_message, recording
+from .estimate import RecordMemoryPlan, check_compile_fits, estimate_imported, over_budget_message, recording
 from .export import ShardWriter, atomic_directory, check_output
 from .importer import PAGE_SIZE, ImportedModel, import_model, resolve_model_path, target_and_scheme
 from .kernels import integer_dot_gemv
 from .loaders import Checkpoint, open_checkpoint
 from .loaders.tokenizer import load_tokenizer
+from .progress import Steps
 from .passes.apply_tuning_database import tuned_kernels
 from .quantization import awq
 from .targets import TargetSpec, with_overrides
@@ -61,16 +61,17 @@ def _stored_array(ckpt: Checkpoint, imported: ImportedModel, name: str, made: di
     return imported.calibration.float_param(name, array) if imported.calibration else array
 
 
-def write_params(ckpt: Checkpoint, imported: ImportedModel, out: Path, progress: bool):
+def write_params(ckpt: Checkpoint, imported: ImportedModel, out: Path, steps: Steps):
     """Convert weights one layer at a time, so only one layer is in memory beyond the checkpoint's map."""
     writer = ShardWriter(out / PARAMS_DIR)
     made: dict[str, dict[str, np.ndarray]] = {}
-    for name, param in tqdm(imported.params, desc="weights", unit="tensor", disable=not progress, file=sys.stderr):
+    sizes = [math.prod(int(d) for d in param.shape) * tvm.DataType(param.dtype).bits // 8 for _, param in imported.params]
+    for name, param in steps.counted(imported.params, sizes, "tensors"):
         array = _stored_array(ckpt, imported, name, made)
         if tuple(array.shape) != tuple(int(d) for d in param.shape):
             raise MobilecError(
                 f"tensor {name} has shape {tuple(array.shape)} in the checkpoint but the config implies "
-                f"{tuple(int(d) for d in param.shape)}; the checkpoint and its config.json disagree"
+                f"{tuple(int(d) for d in param.shape)}; the checkpoint and its config disagree"
             )
         writer.add(name, array.astype(param.dtype, copy=False))
     return writer.finish(out)
@@ -100,7 +101,7 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     quant: str | None = None  # None: the target's default scheme
     output: str | None = None  # None: build/<model>-<quant>-<target>
     context_window: int | None = None
-    progress: bool = True  # progress lines on stderr (only when it is a terminal)
+    progress: bool = True  # step lines on stderr (progress.Steps); False: silent
     quant_skip: tuple[str, ...] | list[str] = ()
     calibrate: str | None = None  # "awq"
     calib_text: str | None = None
@@ -133,98 +134,103 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
     model_path = resolve_model_path(o.model)
     out_dir = Path(o.output) if o.output else default_output(model_path, scheme.name, spec.name)
     check_output(out_dir, overwrite)
-    progress = o.progress and sys.stderr.isatty()  # progress text is for people; logs and pipes stay clean
-    log = (lambda msg: print(msg, file=sys.stderr)) if progress else (lambda msg: None)
+    steps = Steps("compile", 4, o.progress)
     t_start = time.perf_counter()
     with open_checkpoint(model_path) as ckpt, atomic_directory(out_dir, overwrite) as tmp:
-        log(f"importing {ckpt.description}")
-        calibration = awq.calibrate(ckpt, scheme.layout, o.calib_text, log) if o.calibrate else None
-        imported = import_model(ckpt, scheme, spec, o.context_window, quant_skip, calibration=calibration,
-                                kv_dtype=o.kv_dtype)
+        with steps.step("import", ckpt.description):
+            calibration = awq.calibrate(ckpt, scheme.layout, o.calib_text, steps.log) if o.calibrate else None
+            imported = import_model(ckpt, scheme, spec, o.context_window, quant_skip, calibration=calibration,
+                                    kv_dtype=o.kv_dtype)
+            if not o.force:
+                check_compile_fits(ckpt.description, imported)
         family, cfg = imported.family, imported.cfg
-        log(f"compiling {family.name} for {spec.name} ({scheme.name})")
-        t_build = time.perf_counter()
         tuned: list[str] = []
 
         def note_tuned(_index: int, step: str, mod: tvm.IRModule) -> None:
             if step == pipeline.APPLY_TUNING_STEP:
                 tuned.extend(tuned_kernels(mod))
 
-        # The memory estimate reads the activation storage the pipeline plans, so it is made on the way and a
-        # model that does not fit is refused before code generation.
-        recorder = RecordMemoryPlan()
-        with recording(recorder):
-            lowered = pipeline.run_steps(imported.mod, spec, note_tuned, tuning=not o.no_tuning,
-                                         decode_activations=decode_activations)
-        memory = estimate_imported(ckpt, imported, scheme, spec, quant_skip, plan=recorder.plan(), kv_dtype=o.kv_dtype)
-        if not memory.fits and not o.force:
-            raise MobilecError(f"{over_budget_message(memory)}; or --force to compile it anyway")
-        (tmp / LIBRARY_DIR).mkdir()
-        npu, call_sites = None, None
-        if spec.link["method"] == "hexagon":
-            name, npu = hexagon.build_kernels(lowered, spec, tmp / LIBRARY_DIR)
-            note = npu.get("note")
-        else:
-            executable = pipeline.generate(lowered, spec)
-            call_sites = call_site_map(executable.mod, len(imported.params))
-            name, note = link.export_library(executable, spec, tmp / LIBRARY_DIR)
-        library = f"{LIBRARY_DIR}/{name}"
-        build_seconds = time.perf_counter() - t_build
-        index = write_params(ckpt, imported, tmp, progress)
-        ckpt.save_tokenizer(tmp / TOKENIZER_DIR)
-        config = {
-            "format_version": FORMAT_VERSION,
-            "model": {
-                "name": model_name(model_path),
-                "path": str(model_path.resolve()),
-                "family": family.name,
-                "source": ckpt.description,
-                "config": dataclasses.asdict(cfg),
-            },
-            "quantization": {**scheme.to_json(), "skip": list(quant_skip), "quantized_layers": sorted(imported.plan),
-                             "calibration": calibration.summary if calibration else None,
-                             # how the shards order the codes (quantization/group.CODE_ORDERS): the target's kernels'
-                             "code_order": integer_dot_gemv.stored_code_order(spec.tvm_target())},
-            "compute_dtype": imported.dtype,
-            "kv_dtype": cfg.kv_dtype,
-            "decode_activations": decode_activations if integer_dot_gemv.available(spec.tvm_target()) else None,
-            "target": {
-                "name": spec.name,
-                "description": spec.description,
-                "tvm_target": spec.tvm_target_json,
-                "file_sha256": spec.sha256,
-                **({"overrides": spec.overrides} if spec.overrides else {}),
-            },
-            # the CPU the library's code needs (arch, features): a CPU without them refuses it (cpu_check.py)
-            "cpu": cpu_entry(spec.tvm_target()),
-            "library": library,
-            **({"npu_coverage": npu} if npu else {}),
-            # which parameters each VM call reads (call_sites.py): what `mobilec profile` labels kernels by
-            **({"call_sites": call_sites} if call_sites else {}),
-            # one user message's prompt as the chat template renders it, split around the message (chat_prompt.py)
-            "chat_prompt": chat_prompt.split(load_tokenizer(tmp / TOKENIZER_DIR)),
-            "context_window": cfg.context_window_size,
-            "prefill_chunk": cfg.prefill_chunk_size,
-            "page_size": PAGE_SIZE,
-            "param_bytes": sum(t["nbytes"] for t in index["tensors"]),
-            "memory_estimate": memory.to_json(),
-            "versions": installed_versions(),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        # every file but this config, with its size and sha256 (the shards' computed as they were written)
-        config["files"] = file_manifest(tmp, {f"{PARAMS_DIR}/{s['file']}": s["sha256"] for s in index["shards"]})
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=1))
+        with steps.step("build", f"{family.name} for {spec.name} ({scheme.name})"):
+            # The memory estimate reads the activation storage the pipeline plans, so it is made on the way and a
+            # model that does not fit is refused before code generation.
+            recorder = RecordMemoryPlan()
+            with recording(recorder):
+                lowered = pipeline.run_steps(imported.mod, spec, note_tuned, tuning=not o.no_tuning,
+                                             decode_activations=decode_activations)
+            memory = estimate_imported(ckpt, imported, scheme, spec, quant_skip, plan=recorder.plan(),
+                                       kv_dtype=o.kv_dtype)
+            if not memory.fits and not o.force:
+                raise MobilecError(f"{over_budget_message(memory)}; or --force to compile it anyway")
+            (tmp / LIBRARY_DIR).mkdir()
+            npu, call_sites = None, None
+            if spec.link["method"] == "hexagon":
+                name, npu = hexagon.build_kernels(lowered, spec, tmp / LIBRARY_DIR)
+                note = npu.get("note")
+            else:
+                executable = pipeline.generate(lowered, spec)
+                call_sites = call_site_map(executable.mod, len(imported.params))
+                name, note = link.export_library(executable, spec, tmp / LIBRARY_DIR)
+            library = f"{LIBRARY_DIR}/{name}"
+        with steps.step("weights", f"{len(imported.params)} tensors ({scheme.name})"):
+            index = write_params(ckpt, imported, tmp, steps)
+        with steps.step("write", str(out_dir)):
+            ckpt.save_tokenizer(tmp / TOKENIZER_DIR)
+            config = {
+                "format_version": FORMAT_VERSION,
+                "model": {
+                    "name": model_name(model_path),
+                    "path": str(model_path.resolve()),
+                    "family": family.name,
+                    "source": ckpt.description,
+                    "config": dataclasses.asdict(cfg),
+                },
+                "quantization": {**scheme.to_json(), "skip": list(quant_skip),
+                                 "quantized_layers": sorted(imported.plan),
+                                 "calibration": calibration.summary if calibration else None,
+                                 # how the shards order the codes (quantization/group.CODE_ORDERS): the target's
+                                 # kernels'
+                                 "code_order": integer_dot_gemv.stored_code_order(spec.tvm_target())},
+                "compute_dtype": imported.dtype,
+                "kv_dtype": cfg.kv_dtype,
+                "decode_activations": decode_activations if integer_dot_gemv.available(spec.tvm_target()) else None,
+                "target": {
+                    "name": spec.name,
+                    "description": spec.description,
+                    "tvm_target": spec.tvm_target_json,
+                    "file_sha256": spec.sha256,
+                    **({"overrides": spec.overrides} if spec.overrides else {}),
+                },
+                # the CPU the library's code needs (arch, features): a CPU without them refuses it (cpu_check.py)
+                "cpu": cpu_entry(spec.tvm_target()),
+                "library": library,
+                **({"npu_coverage": npu} if npu else {}),
+                # which parameters each VM call reads (call_sites.py): what `mobilec profile` labels kernels by
+                **({"call_sites": call_sites} if call_sites else {}),
+                # one user message's prompt as the chat template renders it, split around the message (chat_prompt.py)
+                "chat_prompt": chat_prompt.split(load_tokenizer(tmp / TOKENIZER_DIR)),
+                "context_window": cfg.context_window_size,
+                "prefill_chunk": cfg.prefill_chunk_size,
+                "page_size": PAGE_SIZE,
+                "param_bytes": sum(t["nbytes"] for t in index["tensors"]),
+                "memory_estimate": memory.to_json(),
+                "versions": installed_versions(),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+            # every file but this config, with its size and sha256 (the shards' computed as they were written)
+            config["files"] = file_manifest(tmp, {f"{PARAMS_DIR}/{s['file']}": s["sha256"] for s in index["shards"]})
+            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=1))
     summary = {
         "artifact": str(out_dir),
         "target": spec.name,
         "quant": scheme.name,
         "decode_activations": config["decode_activations"],  # None: no integer decode GEMVs on this target
-        "build_seconds": round(build_seconds, 2),
+        "build_seconds": steps.record["build"]["seconds"],
         "total_seconds": round(time.perf_counter() - t_start, 2),
+        "steps": steps.record,  # each step's seconds and peak resident memory (progress.Steps)
         "param_bytes": config["param_bytes"],
         "tuned_kernels": tuned,
         **({"note": note} if note else {}),
         **({"npu_coverage": npu} if npu else {}),
     }
-    log(f"wrote {out_dir} in {summary['total_seconds']:.1f} s (library built in {build_seconds:.1f} s)")
+    steps.log(f"wrote {out_dir} in {summary['total_seconds']:.1f} s")
     return summary

@@ -24,6 +24,7 @@ from .errors import MobilecError
 from .importer import PAGE_SIZE, ImportedModel, import_model, open_model, param_bytes, target_and_scheme
 from .loaders import Checkpoint, ConfigCheckpoint
 from .models.llama import LlamaConfig
+from .quantization import group
 from .quantization.schemes import SCHEMES, Scheme
 from .targets import TargetSpec
 
@@ -31,6 +32,9 @@ MARGIN = 0.2  # the runtime, library, tokenizer and allocator slack the count ab
 GIB = 2**30  # target files give ram_gb and max_alloc_gb in GiB, as passes/verify_device_limits.py reads the latter
 PLANNED_FUNCTIONS = ("prefill", "decode")  # what a deployed model runs (prefill_logits serves `eval` only)
 MIN_SUGGESTED_CONTEXT = 128  # shorter windows are of no use for a conversation
+# compile's own peak beside the weights it holds: Python, TVM and the library build (measured: 0.4-0.7 GiB for
+# SmolLM2 to Llama-3-8B shapes, CPU and GPU targets; bench/compile_memory.py)
+COMPILE_BASE_BYTES = 1 * GIB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +67,7 @@ class MemoryEstimate:  # pylint: disable=too-many-instance-attributes
     # the longest context (a multiple of the page size, within the model's) that fits, per KV dtype: exact for
     # kv_dtype, at most that for the others (their activations are bounded, not planned)
     context_by_kv_dtype: dict[str, int] = dataclasses.field(default_factory=dict)
+    compile_bytes: int = 0  # peak memory of `compile` itself on the machine that compiles (compile_peak_bytes)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -167,6 +172,36 @@ def _longest_context(cfg: LlamaConfig, fixed: int, kv_dtype: str, ram: int, max_
     return max(0, min(pages * PAGE_SIZE, cfg.max_position_embeddings))
 
 
+def compile_peak_bytes(imported: ImportedModel) -> int:
+    """What `compile` holds at most on the machine that compiles: COMPILE_BASE_BYTES, plus, while the weights are
+    written a layer at a time, the layer with the most: its stored arrays, and its float32 weight where it is joined
+    from several checkpoint tensors (q/k/v, gate/up; one tensor is read a slice of rows at a time, group.quantize)
+    or kept in float. A calibrated layer holds its float32 weight whole."""
+    stored: dict[str, int] = {}
+    for name, param in imported.params:
+        layer = name.rpartition(".")[0]
+        key = layer if layer in imported.plan else name
+        stored[key] = stored.get(key, 0) + _tensor_bytes(param)
+    held, shapes = 0, imported.cfg.source_shapes()
+    for key, nbytes in stored.items():
+        sources = imported.sources.get(f"{key}.weight" if key in imported.plan else key, [])
+        float32 = 4 * sum(functools.reduce(operator.mul, shapes[source], 1) for source in sources)
+        joined = key not in imported.plan or len(sources) > 1 or imported.calibration is not None
+        held = max(held, nbytes + (float32 if joined else group.QUANTIZE_CHUNK_BYTES * os.cpu_count()))
+    return COMPILE_BASE_BYTES + held
+
+
+def machine_available_bytes() -> int | None:
+    """Memory this machine can give a new process now (MemAvailable); None off Linux."""
+    try:
+        for line in open("/proc/meminfo", encoding="ascii"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def _budget(description: str, spec: TargetSpec, quant: str, cfg: LlamaConfig, params: list, dtype: str,
             plan: ActivationPlan) -> MemoryEstimate:
     """The estimate of a model with these parameters at `cfg`'s context window, prefill chunk and KV dtype."""
@@ -259,8 +294,9 @@ def estimate_imported(ckpt: Checkpoint, imported: ImportedModel, scheme: Scheme,
     (RecordMemoryPlan); when it does not fit, with the smaller scheme (its KV cache as `kv_dtype`, the
     --kv-dtype name `imported` was made with) and the shorter context window that would."""
     plans = {imported.dtype: plan or plan_activations(imported.mod, spec)}
-    est = _budget(ckpt.description, spec, scheme.name, imported.cfg, imported.params, imported.dtype,
-                  plans[imported.dtype])
+    est = dataclasses.replace(_budget(ckpt.description, spec, scheme.name, imported.cfg, imported.params,
+                                      imported.dtype, plans[imported.dtype]),
+                              compile_bytes=compile_peak_bytes(imported))
     if est.fits:
         return est
     by_quant = _fitting_quant(ckpt, imported, scheme, spec, plans, list(quant_skip), kv_dtype)
@@ -296,6 +332,15 @@ def estimate_memory(options: EstimateOptions) -> MemoryEstimate:
     with ckpt:
         imported = import_model(ckpt, scheme, spec, options.context_window, quant_skip, kv_dtype=options.kv_dtype)
         return estimate_imported(ckpt, imported, scheme, spec, quant_skip, kv_dtype=options.kv_dtype)
+
+
+def check_compile_fits(description: str, imported: ImportedModel) -> None:
+    """Refuse in one line, before the build, a compile this machine has not the memory for (compile_peak_bytes
+    against MemAvailable)."""
+    need, available = compile_peak_bytes(imported), machine_available_bytes()
+    if available is not None and need > available:
+        raise MobilecError(f"compiling {description} needs about {_size(need)} of memory on this machine, which has "
+                           f"{_size(available)} available; close other programs, or --force to compile it anyway")
 
 
 def _size(nbytes: float) -> str:
@@ -344,6 +389,9 @@ def format_budget(est: MemoryEstimate) -> str:
     ]
     rows += [("longest context", f"{tokens} tokens", f"with a {name} KV cache")
              for name, tokens in est.context_by_kv_dtype.items()]
+    available = machine_available_bytes()
+    rows.append(("compile here", _size(est.compile_bytes), "peak of `compile` itself" + (
+        f", of {_size(available)} available on this machine" if available else "")))
     lines = [f"{est.model} on {est.target}"] + [f"  {label:18s} {value:>16s}  {note}".rstrip()
                                                 for label, value, note in rows]
     if not est.fits:

@@ -11,6 +11,7 @@ from safetensors.numpy import save_file
 
 from compiler.cli import main
 from compiler.targets import TARGETS_DIR
+from tests.helpers.assertions import without_progress
 
 
 def _run(args):
@@ -22,7 +23,7 @@ def _run(args):
 
 def _assert_one_line_error(result, *needles):
     assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
+    lines = without_progress(result.stderr)
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("mobilec: error: ")
     assert "Traceback" not in result.output

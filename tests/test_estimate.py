@@ -13,7 +13,7 @@ from compiler.cli import main
 from compiler.compile_model import CompileOptions, compile_model
 from compiler.estimate import GIB, EstimateOptions, estimate_memory
 from compiler.targets import TARGETS_DIR
-from tests.helpers.assertions import assert_mobilec_error
+from tests.helpers.assertions import assert_mobilec_error, without_progress
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 pytestmark = pytest.mark.slow  # compiles SmolLM2: ~6 minutes
@@ -156,8 +156,9 @@ def test_compile_refuses_a_model_over_the_target_ram(tiny_hf, tmp_path):
             "-o", str(out)]
     refused = _run(args)
     assert refused.exit_code == 2, refused.output
-    message = refused.stderr.strip()
-    assert len(message.splitlines()) == 1 and message.startswith("mobilec: error: ")
+    lines = without_progress(refused.stderr)
+    message = lines[0]
+    assert len(lines) == 1 and message.startswith("mobilec: error: "), refused.stderr
     for needle in ("does not fit tiny-ram", "over the", " by ", "--quant q", "fits", "--force"):
         assert needle in message, message
     assert not out.exists() and not list(out.parent.glob(f".{out.name}*"))

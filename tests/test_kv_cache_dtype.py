@@ -29,6 +29,7 @@ from compiler.quantization.schemes import get_scheme
 from compiler.runtime.session import Session
 from compiler.targets import TARGETS_DIR, available_targets, load_target, with_overrides
 from tests.helpers.assertions import assert_mobilec_error
+from tests.helpers.assertions import without_progress
 from tests.helpers.pocl_device import NEEDS_OPENCL, ON_POCL
 from tests.helpers.reference import kv_fake_quantized, reference_greedy
 from tests.helpers.tiny_models import build_model, random_model, save_compilable_checkpoint
@@ -115,8 +116,8 @@ def test_compile_refuses_a_head_dim_in_one_line(tmp_path):
         result = CliRunner().invoke(main, ["compile", "--model", str(tmp_path / "hf"), "--quant", "q0f32",
                                            "--kv-dtype", name, "-o", str(out)])
         assert result.exit_code == 2, result.output
-        message = result.stderr.strip()
-        assert len(message.splitlines()) == 1 and f"--kv-dtype {name}: head_dim 18" in message, message
+        lines = without_progress(result.stderr)
+        assert len(lines) == 1 and f"--kv-dtype {name}: head_dim 18" in lines[0], result.stderr
         assert not out.exists()
 
 

@@ -36,6 +36,7 @@ from compiler.targets import load_target
 from compiler.testing.local_rpc import start_server, start_tracker, wait_until_free
 from compiler.testing.processes import spawn
 from compiler.tune import TuneOptions, tune
+from tests.helpers.assertions import without_progress
 from tests.helpers.reference import fake_quantized, reference_greedy
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
@@ -159,7 +160,7 @@ def _one_line_error(args: list[str], *needles: str) -> str:
     if result.exception and not isinstance(result.exception, SystemExit):
         raise result.exception
     assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
+    lines = without_progress(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("mobilec: error: "), result.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,10 @@ class Checkpoint:
         """One tensor's shape in HF layout, without reading its values (readers override this)."""
         return tuple(self.get(name).shape)
 
+    def rows(self, name: str) -> np.ndarray | Rows:
+        """One tensor as `get` gives it or, from a reader that can, as Rows read a slice at a time."""
+        return self.get(name)
+
     def get_gguf_blocks(self, name: str) -> tuple[str, np.ndarray, tuple[int, int]]:
         """The still-quantized rows of a GGUF tensor; only GGUF checkpoints have them."""
         raise MobilecError(
@@ -55,6 +60,23 @@ class Checkpoint:
         names = self.tensor_names()
         hint = f" (it has {len(names)} tensors, e.g. {names[0]!r})" if names else ""
         return MobilecError(f"tensor {name!r} is not in {self.description}{hint}; check the tensor name")
+
+
+class Rows:
+    """A tensor read a slice of rows at a time: `rows[a:b]` is a float32 array of its own, `np.asarray(rows)` the
+    whole tensor. A quantizer that takes it in slices never holds it whole (an 8B model's embedding: 2 GB)."""
+
+    def __init__(self, shape: tuple[int, ...], read: Callable[[slice], np.ndarray]):
+        self.shape, self._read = shape, read
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        return self._read(rows)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:  # pylint: disable=unused-argument
+        return self._read(slice(None)).astype(dtype or np.float32, copy=False)
 
 
 class ConfigCheckpoint(Checkpoint):

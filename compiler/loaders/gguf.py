@@ -18,7 +18,7 @@ from gguf.quants import dequantize
 
 from ..errors import MobilecError
 from ..models.longrope import longrope_attention_factor
-from .checkpoint import Checkpoint, one_line
+from .checkpoint import Checkpoint, Rows, one_line
 from .gguf_file import GGUFFile, GGUFFormatError, GGUFTensor
 from .tokenizer import save_auto_tokenizer
 
@@ -334,13 +334,7 @@ class GGUFCheckpoint(Checkpoint):
 
     def get(self, name: str) -> np.ndarray:
         t = self._tensor(name)
-        try:
-            values = dequantize(t.data, t.tensor_type)
-        except NotImplementedError as e:
-            raise MobilecError(
-                f"{name} is stored as {t.tensor_type.name}, which cannot be dequantized; "
-                "use a GGUF quantized as Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F16 or F32"
-            ) from e
+        values = self._dequantized(name, t, t.data)
         order = self._row_order(name, values.shape[0])
         if order is not None:
             values = values[order]
@@ -349,6 +343,25 @@ class GGUFCheckpoint(Checkpoint):
         # np.require copies views of the read-only mapping, so callers get an array they own.
         return np.require(values, np.float32, ["C", "W", "O"])
 
+    def rows(self, name: str) -> np.ndarray | Rows:
+        t = self._tensor(name)
+        if len(t.shape) != 2 or self._row_order(name, int(t.shape[1])) is not None:
+            return self.get(name)
+        return Rows(self.shape(name), lambda rows: np.require(self._dequantized(name, t, t.data[rows]), np.float32,
+                                                                ["C", "W", "O"]))
+
+    def _dequantized(self, name: str, t: GGUFTensor, data: np.ndarray) -> np.ndarray:
+        """`data` (rows of tensor `name`'s blocks, t) as float values; the map's pages read before are given back first
+        (gguf_file.GGUFFile.release)."""
+        self._reader.release()
+        try:
+            return dequantize(data, t.tensor_type)
+        except NotImplementedError as e:
+            raise MobilecError(
+                f"{name} is stored as {t.tensor_type.name}, which cannot be dequantized; "
+                "use a GGUF quantized as Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F16 or F32"
+            ) from e
+
     def get_gguf_blocks(self, name: str) -> tuple[str, np.ndarray, tuple[int, int]]:
         """(ggml type name, raw bytes [rows, bytes_per_row], (rows, cols)); q/k rows put in HF order.
 
@@ -356,6 +369,7 @@ class GGUFCheckpoint(Checkpoint):
         read-only view of the file. A 1-D tensor is one row.
         """
         t = self._tensor(name)
+        self._reader.release()
         cols = int(t.shape[0])  # ggml lists dimensions innermost first
         rows = int(np.prod(t.shape[1:], dtype=np.int64))
         raw = np.asarray(t.data).view(np.uint8).reshape(rows, -1)

@@ -6,6 +6,7 @@ merges, on every compile. This reads the same file in well under a second.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,12 @@ class GGUFFile:
         alignment = int(self.fields.get("general.alignment", _DEFAULT_ALIGNMENT))
         data_start = -(-self._pos // alignment) * alignment
         self.tensors = [self._tensor(name, dims, kind, data_start + offset) for name, dims, kind, offset in infos]
+
+    def release(self) -> None:
+        """Give the pages of the map this process touched back to the page cache (MADV_DONTNEED: they stay
+        cached, and views into the map stay valid, read again on their next access), so reading tensor by
+        tensor keeps about one tensor resident instead of the whole file."""
+        self._map._mmap.madvise(mmap.MADV_DONTNEED)  # pylint: disable=protected-access
 
     def _take(self, n: int) -> memoryview:
         end = self._pos + n

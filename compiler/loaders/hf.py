@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from ..errors import MobilecError
-from .checkpoint import Checkpoint, one_line
+from .checkpoint import Checkpoint, Rows, one_line
+from .safetensors_file import SafetensorsFile, SafetensorsFormatError
 from .tokenizer import save_auto_tokenizer
 
 # Checked in this order: an index wins over a single file, safetensors over pickled .bin.
@@ -55,19 +55,19 @@ def _weight_files(model_dir: Path) -> tuple[list[Path], str, str]:
 class _SafetensorsShard:
     def __init__(self, path: Path):
         try:
-            # safe_open checks the header's offsets against the file size, so a truncated file fails here.
-            self._file = safe_open(str(path), framework="pt")
-        except Exception as e:
+            # the header's offsets are checked against the file size, so a truncated file fails here
+            self._file = SafetensorsFile(path)
+        except (OSError, SafetensorsFormatError) as e:
             raise MobilecError(
                 f"safetensors file {str(path)!r} is truncated or corrupt ({one_line(e)}); re-download it"
             ) from e
-        self.names = list(self._file.keys())
+        self.names = self._file.names
 
-    def tensor(self, name: str) -> torch.Tensor:
-        return self._file.get_tensor(name)
+    def float32(self, name: str, rows: slice = slice(None)) -> np.ndarray:
+        return self._file.float32(name, rows)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._file.get_slice(name).get_shape())
+        return self._file.shape(name)
 
 
 class _TorchShard:
@@ -85,8 +85,12 @@ class _TorchShard:
         self._state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
         self.names = list(self._state)
 
-    def tensor(self, name: str) -> torch.Tensor:
-        return self._state[name]
+    def float32(self, name: str) -> np.ndarray:
+        # One copy into a fresh float32 buffer: converts bf16/fp16 and detaches the result from the mapping.
+        src = self._state[name]
+        out = torch.empty(src.shape, dtype=torch.float32)
+        out.copy_(src)
+        return out.numpy()
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._state[name].shape)
@@ -136,11 +140,13 @@ class HFCheckpoint(Checkpoint):
         shard = self._where.get(name)
         if shard is None:
             raise self._missing(name)
-        src = shard.tensor(name)
-        # One copy into a fresh float32 buffer: converts bf16/fp16 and detaches the result from the mapping.
-        out = torch.empty(src.shape, dtype=torch.float32)
-        out.copy_(src)
-        return out.numpy()
+        return shard.float32(name)
+
+    def rows(self, name: str) -> np.ndarray | Rows:
+        shard = self._where.get(name)
+        if not isinstance(shard, _SafetensorsShard):
+            return self.get(name)
+        return Rows(shard.shape(name), lambda rows: shard.float32(name, rows))
 
     def save_tokenizer(self, out_dir: str | os.PathLike) -> None:
         if not any((self._dir / f).is_file() for f in _TOKENIZER_FILES):

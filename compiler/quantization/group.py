@@ -3,9 +3,15 @@ kernels inline is in dequantize_te.py)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..loaders.checkpoint import Rows
 
 # 4-bit codes are stored as ggml's Q4 blocks are: 32 codes in 16 bytes, code j in the low nibble of byte j and
 # code j+16 in the high nibble. A CPU vector of 16 consecutive codes is then one 16-byte load and one constant
@@ -260,9 +266,31 @@ def _symmetric_codes(g: np.ndarray, s: np.ndarray, layout: GroupLayout) -> np.nd
     return np.clip(q, 0, (1 << layout.bits) - 1)
 
 
-def quantize(w: np.ndarray, layout: GroupLayout) -> dict[str, np.ndarray]:
+QUANTIZE_CHUNK_BYTES = 8 << 20  # float32 rows quantized at a time, so the temporaries stay small for any tensor
+
+
+def quantize(w: np.ndarray | Rows, layout: GroupLayout) -> dict[str, np.ndarray]:
     """Float [n, k] -> the stored arrays. Searched scales (8 bits): codes computed from the scale as stored (after
-    dtype rounding); the plain grid (4 bits): as llama.cpp's Q4_0 (_symmetric)."""
+    dtype rounding); the plain grid (4 bits): as llama.cpp's Q4_0 (_symmetric). Rows are independent, so they are
+    quantized QUANTIZE_CHUNK_BYTES at a time (`w` may be checkpoint Rows, read as they are quantized) (an even count: neon_pairs pairs rows), on every core (numpy lets go
+    of the GIL in its loops): an 8B model's embedding would otherwise need ~8 float32 copies of itself."""
+    n, k = w.shape
+    step = max(2, QUANTIZE_CHUNK_BYTES // (4 * max(k, 1)) // 2 * 2)
+    first = _quantize_rows(w[0:step], layout)
+    if n <= step:
+        return first
+    out = {key: np.empty((n, *a.shape[1:]), a.dtype) for key, a in first.items()}
+
+    def chunk(start: int) -> None:
+        for key, a in (first if start == 0 else _quantize_rows(w[start:start + step], layout)).items():
+            out[key][start:start + step] = a
+
+    with concurrent.futures.ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
+        list(pool.map(chunk, range(0, n, step)))
+    return out
+
+
+def _quantize_rows(w: np.ndarray, layout: GroupLayout) -> dict[str, np.ndarray]:
     n, k = w.shape
     kp = layout.padded_k(k)
     wp = np.zeros((n, kp), np.float32)

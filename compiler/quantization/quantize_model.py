@@ -10,6 +10,7 @@ from tvm.relax.frontend import nn
 
 from ..errors import MobilecError
 from ..loaders import Checkpoint
+from ..loaders.checkpoint import Rows
 from .awq import Calibration
 from .gguf_blocks import convert_joined, layout_for
 from .group import GroupLayout, quantize
@@ -85,11 +86,15 @@ def quantize_model(
             layout = output_layer_layout(scheme.layout) if _is_output_layer(path, layer) else scheme.layout
             layout = layout.with_code_order(code_order, _rows(layer))
             quantizer = calibration.quantize if calibration else lambda _path, w, lay: quantize(w, lay)
-            plan[path] = lambda p=path, s=weight_sources, lay=layout, q=quantizer: q(
-                p, np.concatenate([ckpt.get(x) for x in s], axis=0), lay
-            )
+            plan[path] = lambda p=path, s=weight_sources, lay=layout, q=quantizer: q(p, _float_weight(ckpt, s), lay)
         setattr(parent, attr, _replacement(layer, layout, dtype))
     return plan
+
+
+def _float_weight(ckpt: Checkpoint, sources: list[str]) -> np.ndarray | Rows:
+    """A layer's float weight [n, k]: one checkpoint tensor as its Rows (quantized a slice at a time), or several
+    (q/k/v, gate/up) joined along n."""
+    return ckpt.rows(sources[0]) if len(sources) == 1 else np.concatenate([ckpt.get(x) for x in sources], axis=0)
 
 
 def _rows(layer: nn.Module) -> int:

@@ -18,3 +18,9 @@ def assert_mobilec_error(fn: Callable[[], Any], *fragments: str) -> str:
     for fragment in fragments:
         assert fragment.lower() in message.lower(), f"{fragment!r} not in {message!r}"
     return message
+
+
+def without_progress(stderr: str) -> list[str]:
+    """stderr's lines less compile's step and count lines (compiler/progress.py: "compile: ..."), which come
+    before an error met after a step began."""
+    return [line for line in stderr.strip().splitlines() if not line.startswith("compile: ")]

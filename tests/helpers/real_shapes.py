@@ -4,9 +4,12 @@ checkpoints: every tensor shape, head layout, RoPE scaling and vocabulary of the
 from __future__ import annotations
 
 import json
+import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
                           Qwen3Config)
 
@@ -75,6 +78,22 @@ SHAPES: dict[str, tuple[type, dict[str, Any]]] = {
 }
 
 
+# Shapes bench/compile_memory.py writes besides SHAPES, left out of the compile matrix because its layers' shapes are
+# there already: Llama-3.2-3B (hidden 3072 as Phi-3-mini, vocabulary and RoPE as Llama-3-8B, tied).
+LARGER_SHAPES: dict[str, tuple[type, dict[str, Any]]] = {
+    "llama-3.2-3b": (LlamaConfig, dict(hidden_size=3072, intermediate_size=8192, num_attention_heads=24,
+                                       num_key_value_heads=8, vocab_size=128256,
+                                       tie_word_embeddings=True, max_position_embeddings=131072,
+                                       rope_parameters={**_LLAMA3_ROPE, "factor": 32.0})),
+}
+
+
+# decoder layers of the released models (SHAPES' configs hold one or two); the Gemmas' layer patterns are left out
+RELEASED_LAYERS = {"llama-2-7b": 32, "llama-3-8b": 32, "mistral-7b": 32, "qwen2.5-0.5b": 24, "qwen2.5-1.5b": 28,
+                   "qwen2.5-3b": 36, "qwen2.5-7b": 28, "qwen3-0.6b": 28, "qwen3-1.7b": 28, "qwen3-4b": 36,
+                   "qwen3-8b": 36, "phi-3-mini": 32, "smollm2-360m": 32, "smollm2-1.7b": 24, "llama-3.2-3b": 28}
+
+
 def write_config(name: str, out_dir: Path) -> Path:
     """A directory holding only `name`'s config.json (one layer unless the shape says two)."""
     config_cls, sizes = SHAPES[name]
@@ -82,6 +101,64 @@ def write_config(name: str, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config.to_dict()))
     return out_dir
+
+
+SHARD_BYTES = 4 << 30  # Hugging Face's own shard size for these models is 4-5 GB
+
+
+def write_checkpoint(name: str, out_dir: Path, layers: int | None = None, seed: int = 0) -> Path:
+    """`name`'s shape with `layers` decoder layers (default: the released model's count) as a random bf16
+    safetensors checkpoint in shards of SHARD_BYTES, written tensor by tensor (one tensor in memory at a time):
+    values normal(0, 0.02) from a generator per tensor, norms ones, and a tiny word tokenizer."""
+    from compiler.models.registry import family_for  # pylint: disable=import-outside-toplevel
+
+    from .tiny_tokenizer import save_tiny_tokenizer  # pylint: disable=import-outside-toplevel
+
+    config_cls, sizes = (SHAPES | LARGER_SHAPES)[name]
+    config = config_cls(**{**sizes, "num_hidden_layers": layers or RELEASED_LAYERS[name]}).to_dict()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config))
+    save_tiny_tokenizer(out_dir)
+    shapes = family_for(config).config_class.from_hf(config, None).source_shapes()
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for tensor, shape in shapes.items():
+        nbytes = 2 * int(np.prod(shape))
+        if size and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append((tensor, shape))
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _write_shard(out_dir / file, shard, seed)
+        weight_map |= dict.fromkeys((t for t, _ in shard), file)
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out_dir
+
+
+def _write_shard(path: Path, tensors: list[tuple[str, tuple[int, ...]]], seed: int) -> None:
+    """One safetensors file: its header, then each tensor's bf16 values as they are drawn."""
+    header, offset = {}, 0
+    for tensor, shape in tensors:
+        nbytes = 2 * int(np.prod(shape))
+        header[tensor] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for tensor, shape in tensors:
+            rows = shape[0]
+            step = max(1, (64 << 20) // max(1, 4 * int(np.prod(shape[1:]))))  # 64 MB of float32 at a time
+            rng = np.random.default_rng([seed, zlib.crc32(tensor.encode())])
+            for start in range(0, rows, step):
+                if tensor.endswith("norm.weight"):
+                    values = np.ones((min(step, rows - start), *shape[1:]), np.float32)
+                else:
+                    values = rng.standard_normal((min(step, rows - start), *shape[1:]), np.float32) * 0.02
+                f.write((values.view(np.uint32) >> 16).astype(np.uint16).tobytes())
 
 
 def target_files(x86: bool) -> list[str]:

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from compiler.cli import main
 from compiler.compile_model import CompileOptions, compile_model
+from tests.helpers.assertions import without_progress
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 CONTEXT = 64
@@ -55,7 +56,7 @@ def one_line_error(result, *needles: str) -> str:
     code = result.exit_code if hasattr(result, "exit_code") else result.returncode
     out = result.output if hasattr(result, "output") else result.stdout + result.stderr
     assert code == 2, out
-    lines = result.stderr.strip().splitlines()
+    lines = without_progress(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("mobilec: error: "), result.stderr
     assert "Traceback" not in out
     for needle in needles:

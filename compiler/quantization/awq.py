@@ -329,31 +329,28 @@ def calibrate(ckpt: Checkpoint, layout: GroupLayout, text_file: str | None, stor
         layer.to("meta")  # frees the weights
         log(f"calibration: layer {i + 1}/{len(base.layers)} done, {time.perf_counter() - t0:.1f} s")
 
-    hooks = []
-    for i, layer in enumerate(base.layers):
+    for i, layer in enumerate(base.layers):  # the model is thrown away after this run: hooks are left on it
         p, attn, mlp = f"model.layers.{i}", layer.self_attn, layer.mlp
-        hooks += [layer.register_forward_pre_hook(load_layer), layer.register_forward_hook(calibrate_layer)]
+        layer.register_forward_pre_hook(load_layer)
+        layer.register_forward_hook(calibrate_layer)
         for path, module in ((f"{p}.self_attn.qkv_proj", attn.q_proj), (f"{p}.self_attn.o_proj", attn.o_proj),
                              (f"{p}.mlp.gate_up_proj", mlp.gate_proj), (f"{p}.mlp.down_proj", mlp.down_proj)):
-            hooks.append(module.register_forward_pre_hook(lambda _m, args, path=path: record(path, args[0])))
+            module.register_forward_pre_hook(lambda _m, args, path=path: record(path, args[0]))
     embed = base.get_input_embeddings()
     for module in base.children():  # the final norm and such: small, loaded for the whole run
         if module is not embed and module is not base.layers:
             _load(module, prefixes[module], ckpt, names)
-    try:
-        with torch.inference_mode():
-            _load(embed, prefixes[embed], ckpt, names)
-            embedded = embed(torch.tensor(windows))  # the embedding module, which scales its output in some families
-            embed.to("meta")
-            out = base(inputs_embeds=embedded, use_cache=False).last_hidden_state  # the output layer's input
-    finally:
-        for hook in hooks:
-            hook.remove()
+    log(f"calibration: {cal.summary['tokens']} tokens of {text_name}, one decoder layer at a time")
+    with torch.inference_mode():
+        _load(embed, prefixes[embed], ckpt, names)
+        embedded = embed(torch.tensor(windows))  # the embedding module, which scales its output in some families
+        embed.to("meta")
+        out = base(inputs_embeds=embedded, use_cache=False).last_hidden_state  # the output layer's input
     # the output layer (the token table when tied): GPTQ only, nothing produces its input that could take a scale
     path = "model.embed_tokens" if model.config.tie_word_embeddings else "lm_head"
     x = out.numpy().reshape(-1, out.shape[-1])
     cal.round_layer(path, ckpt.get(f"{path}.weight"), x.T @ x, output_layer_layout(layout))
-    log(f"calibration: {cal.summary['tokens']} tokens of {text_name}, AWQ + GPTQ in {time.perf_counter() - t0:.1f} s")
+    log(f"calibration: output layer rounded, {time.perf_counter() - t0:.1f} s in all")
     return cal
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -136,9 +137,12 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
     check_output(out_dir, overwrite)
     steps = Steps("compile", 4, o.progress)
     t_start = time.perf_counter()
-    with open_checkpoint(model_path) as ckpt, atomic_directory(out_dir, overwrite) as tmp:
+    # calib_dir: --calibrate's rounded layers, until the artifact's writer has read them
+    with open_checkpoint(model_path) as ckpt, atomic_directory(out_dir, overwrite) as tmp, \
+            tempfile.TemporaryDirectory(prefix="mobilec-calibration-") as calib_dir:
         with steps.step("import", ckpt.description):
-            calibration = awq.calibrate(ckpt, scheme.layout, o.calib_text, steps.log) if o.calibrate else None
+            calibration = (awq.calibrate(ckpt, scheme.layout, o.calib_text, Path(calib_dir), steps.log)
+                           if o.calibrate else None)
             imported = import_model(ckpt, scheme, spec, o.context_window, quant_skip, calibration=calibration,
                                     kv_dtype=o.kv_dtype)
             if not o.force:

@@ -176,7 +176,7 @@ def compile_peak_bytes(imported: ImportedModel) -> int:
     """What `compile` holds at most on the machine that compiles: COMPILE_BASE_BYTES, plus, while the weights are
     written a layer at a time, the layer with the most: its stored arrays, and its float32 weight where it is joined
     from several checkpoint tensors (q/k/v, gate/up; one tensor is read a slice of rows at a time, group.quantize)
-    or kept in float. A calibrated layer holds its float32 weight whole."""
+    or kept in float. (--calibrate's own run, a decoder layer at a time, is not counted: it runs before this check.)"""
     stored: dict[str, int] = {}
     for name, param in imported.params:
         layer = name.rpartition(".")[0]
@@ -186,7 +186,7 @@ def compile_peak_bytes(imported: ImportedModel) -> int:
     for key, nbytes in stored.items():
         sources = imported.sources.get(f"{key}.weight" if key in imported.plan else key, [])
         float32 = 4 * sum(functools.reduce(operator.mul, shapes[source], 1) for source in sources)
-        joined = key not in imported.plan or len(sources) > 1 or imported.calibration is not None
+        joined = key not in imported.plan or len(sources) > 1
         held = max(held, nbytes + (float32 if joined else group.QUANTIZE_CHUNK_BYTES * os.cpu_count()))
     return COMPILE_BASE_BYTES + held
 

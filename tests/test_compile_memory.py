@@ -18,7 +18,7 @@ from compiler.cli import main
 from compiler.estimate import COMPILE_BASE_BYTES, EstimateOptions, estimate_memory, format_budget
 from compiler.loaders import open_checkpoint
 from compiler.quantization import group
-from compiler.quantization.quantize_model import output_layer_layout
+from compiler.quantization.group import output_layer_layout
 from compiler.quantization.schemes import get_scheme
 from tests.helpers.real_shapes import write_checkpoint, write_config
 from tests.helpers.tiny_models import build_model, save_hf, state_dict

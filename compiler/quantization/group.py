@@ -120,6 +120,12 @@ class GroupLayout:
         return f"int{self.bits} {kind}, group {self.group}, {self.scale_dtype} scales{order}"
 
 
+def output_layer_layout(layout: GroupLayout) -> GroupLayout:
+    """The token table and output projection keep 8 bits in groups of 32, as llama.cpp's 4-bit files do: int4
+    there alone cost SmolLM2 +3.6% perplexity. An untied table costs nothing per token (decode reads one row)."""
+    return GroupLayout(8, 32, True, layout.scale_dtype)
+
+
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     """uint codes [n, kc] -> uint8 [n, kc * bits / 8] (for 4 bits kc is a multiple of 32; see NIBBLE_BLOCK)."""
     if bits == 8:

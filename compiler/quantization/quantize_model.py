@@ -13,7 +13,7 @@ from ..loaders import Checkpoint
 from ..loaders.checkpoint import Rows
 from .awq import Calibration
 from .gguf_blocks import convert_joined, layout_for
-from .group import GroupLayout, quantize
+from .group import GroupLayout, output_layer_layout, quantize
 from .modules import QuantizedEmbedding, QuantizedLinear
 from .schemes import Scheme
 
@@ -39,12 +39,6 @@ def _skipped(path: str, patterns: list[str], tied: bool) -> bool:
     if tied and path == "model.embed_tokens":
         names.add("lm_head")  # with tied embeddings the embedding table is the output layer
     return any(fnmatch.fnmatch(n, p) or fnmatch.fnmatch(n, f"{p}.*") for n in names for p in patterns)
-
-
-def output_layer_layout(layout: GroupLayout) -> GroupLayout:
-    """The token table and output projection keep 8 bits in groups of 32, as llama.cpp's 4-bit files do: int4
-    there alone cost SmolLM2 +3.6% perplexity. An untied table costs nothing per token (decode reads one row)."""
-    return GroupLayout(8, 32, True, layout.scale_dtype)
 
 
 def _is_output_layer(path: str, layer: nn.Module) -> bool:
@@ -85,8 +79,10 @@ def quantize_model(
         else:
             layout = output_layer_layout(scheme.layout) if _is_output_layer(path, layer) else scheme.layout
             layout = layout.with_code_order(code_order, _rows(layer))
-            quantizer = calibration.quantize if calibration else lambda _path, w, lay: quantize(w, lay)
-            plan[path] = lambda p=path, s=weight_sources, lay=layout, q=quantizer: q(p, _float_weight(ckpt, s), lay)
+            # the weight is read only where it is rounded here: calibrated layers were rounded as calibration ran
+            quantizer = calibration.quantize if calibration else lambda _path, weight, lay: quantize(weight(), lay)
+            plan[path] = lambda p=path, s=weight_sources, lay=layout, q=quantizer: q(
+                p, lambda: _float_weight(ckpt, s), lay)
         setattr(parent, attr, _replacement(layer, layout, dtype))
     return plan
 

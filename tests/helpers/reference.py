@@ -80,7 +80,6 @@ def fake_quantized(model, layout):
     import copy
 
     from compiler.quantization import group
-    from compiler.quantization.quantize_model import output_layer_layout
 
     clone = copy.deepcopy(model)
     output_layers = {id(clone.get_input_embeddings()), id(clone.get_output_embeddings())}
@@ -89,7 +88,7 @@ def fake_quantized(model, layout):
         for module in clone.modules():
             if isinstance(module, torch.nn.Linear | torch.nn.Embedding) and id(module.weight) not in done:
                 done.add(id(module.weight))
-                lay = output_layer_layout(layout) if id(module) in output_layers else layout
+                lay = group.output_layer_layout(layout) if id(module) in output_layers else layout
                 w = module.weight.numpy()
                 module.weight.copy_(torch.from_numpy(group.dequantize(group.quantize(w, lay), lay, w.shape[1])))
     return clone

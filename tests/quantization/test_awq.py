@@ -2,6 +2,7 @@
 have outlier channels (and not where they don't), and bad option combinations are one-line errors."""
 
 import json
+import weakref
 
 import numpy as np
 import pytest
@@ -47,25 +48,90 @@ def test_folded_scales_leave_the_float_model_unchanged(gqa_model, tmp_path, monk
     assert quantization["calibration"] == {"method": "awq", "text": str(calib), "tokens": 512}
 
 
-def test_calibration_scales_every_layer_group(gqa_model):
+def test_calibration_scales_every_layer_group(gqa_model, tmp_path, monkeypatch):
     """The scales really are folded (not all ones), with o_proj's shared by the query heads of one kv head."""
     hf_dir, calib, _ = gqa_model
     from compiler.loaders import open_checkpoint
 
-    awq_alphas = awq.ALPHAS
+    monkeypatch.setattr(awq, "ALPHAS", np.array([1.0]))
     with open_checkpoint(hf_dir) as ckpt:
-        awq.ALPHAS = np.array([1.0])
-        try:
-            cal = awq.calibrate(ckpt, G32, str(calib))
-        finally:
-            awq.ALPHAS = awq_alphas
+        cal = awq.calibrate(ckpt, G32, str(calib), tmp_path)
     for layer in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
         s = cal.columns[f"model.layers.1.{layer}.weight"]
         assert s.std() > 0.05 * s.mean()
     o = cal.columns["model.layers.0.self_attn.o_proj.weight"].reshape(2, 2, 16)  # (kv heads, q per kv, head dim)
     np.testing.assert_array_equal(o[:, 0], o[:, 1])
     assert set(cal.rows["model.layers.0.mlp.gate_up_proj.weight"][0][1].shape) == {96}  # up rows, by down's s
-    assert "model.embed_tokens" in cal.hessians  # tied: the lm_head's input calibrates the shared table
+    assert "model.embed_tokens" in cal.rounded  # tied: the lm_head's input calibrates the shared table
+    assert {f.name for f in tmp_path.iterdir()} == {f"{path}.npz" for path in cal.rounded}
+    assert len(cal.rounded) == 4 * 2 + 1
+
+
+class _CountingCheckpoint:
+    """A checkpoint whose tensors, as `get` hands them out, are tracked until freed."""
+
+    def __init__(self, ckpt):
+        self._ckpt, self.alive, self.reads, self.most_layers_alive = ckpt, set(), [], 0
+
+    def __getattr__(self, name):
+        return getattr(self._ckpt, name)
+
+    def get(self, name):
+        array = self._ckpt.get(name)
+        self.reads.append(name)
+        self.alive.add(name)
+        weakref.finalize(array, self.alive.discard, name)
+        layers = {n.split(".")[2] for n in self.alive if n.startswith("model.layers.")}
+        self.most_layers_alive = max(self.most_layers_alive, len(layers))
+        return array
+
+
+def test_calibration_holds_one_decoder_layer_at_a_time(gqa_model, tmp_path):
+    """Each decoder layer's tensors are read once and freed before the next layer's are read (the float model
+    whole would not fit with an 8B model's hessians in 8 GB), and each layer logs its line."""
+    hf_dir, calib, _ = gqa_model
+    from compiler.loaders import open_checkpoint
+
+    lines = []
+    with open_checkpoint(hf_dir) as real:
+        ckpt = _CountingCheckpoint(real)
+        awq.calibrate(ckpt, G32, str(calib), tmp_path, lines.append)
+        names = real.tensor_names()
+    assert ckpt.most_layers_alive == 1
+    layer_reads = [n for n in ckpt.reads if n.startswith("model.layers.")]
+    assert sorted(layer_reads) == sorted(n for n in names if n.startswith("model.layers."))
+    assert ckpt.reads.count("model.embed_tokens.weight") == 2  # to embed the windows, and to round it (tied)
+    assert [line.split(" done")[0] for line in lines[1:3]] == ["calibration: layer 1/2", "calibration: layer 2/2"]
+
+
+def test_gptq_in_row_chunks_is_bit_identical(monkeypatch):
+    """GPTQ rounds GPTQ_ROWS rows at a time (an 8B output layer has 128256): rows are independent given H."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((300, 200)).astype(np.float32)
+    x = rng.standard_normal((1000, 200)).astype(np.float32)
+    for layout in (G32, group.output_layer_layout(G32)):
+        whole = awq.gptq_quantize(w, x.T @ x, layout)
+        monkeypatch.setattr(awq, "GPTQ_ROWS", 128)
+        chunked = awq.gptq_quantize(w, x.T @ x, layout)
+        monkeypatch.undo()
+        for key, value in whole.items():
+            np.testing.assert_array_equal(chunked[key], value)
+
+
+def test_stored_layers_take_the_targets_code_order(tmp_path):
+    """A layer GPTQ rounded while calibrating is stored in the plain order and handed out in the layout's."""
+    rng = np.random.default_rng(6)
+    w, x = rng.standard_normal((64, 128)).astype(np.float32), rng.standard_normal((500, 128)).astype(np.float32)
+    s = rng.uniform(0.5, 2.0, 128).astype(np.float32)
+    cal = awq.Calibration({"fc.weight": s}, {}, tmp_path, set(), {})
+    cal.round_layer("fc", w, x.T @ x, G32)
+    hessian = x.T @ x / s[:, None] / s[None, :]  # of the scaled model's inputs x / s
+    for order in group.CODE_ORDERS:
+        layout = G32.with_code_order(order, 64)
+        expected = awq.gptq_quantize(w * s, hessian, layout)
+        got = cal.quantize("fc", lambda: pytest.fail("a rounded layer's weight is not read again"), layout)
+        for key, value in expected.items():
+            np.testing.assert_array_equal(got[key], value)
 
 
 def _outlier_inputs(rng, outliers: bool, t: int = 1024, k: int = 256):

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.helpers.real_shapes import LARGER_SHAPES, SHAPES, write_checkpoint  # noqa: E402  pylint: disable=wrong-import-position
+from tests.helpers.real_shapes import RELEASED_LAYERS, write_checkpoint  # noqa: E402  pylint: disable=C0413
 
 DEFAULT_SHAPES = ("smollm2-1.7b", "llama-3.2-3b", "llama-3-8b", "qwen2.5-7b")
 DEFAULT_TARGETS = ("host", "android-adreno")
@@ -38,14 +38,13 @@ def measured(command: list[str], work: Path) -> tuple[subprocess.CompletedProces
     """(the finished process, its wall seconds, its peak resident bytes: this child's alone, from wait4)."""
     start = time.perf_counter()
     with open(work / "stdout", "w+") as out, open(work / "stderr", "w+") as err:
-        process = subprocess.Popen(command, stdout=out, stderr=err, text=True)
-        _, status, usage = os.wait4(process.pid, 0)
-        process.returncode = os.waitstatus_to_exitcode(status)
+        pid = subprocess.Popen(command, stdout=out, stderr=err).pid  # pylint: disable=consider-using-with
+        _, status, usage = os.wait4(pid, 0)
         seconds = time.perf_counter() - start
         out.seek(0)
         err.seek(0)
-        return subprocess.CompletedProcess(command, process.returncode, out.read(), err.read()), seconds, \
-            usage.ru_maxrss * 1024
+        done = subprocess.CompletedProcess(command, os.waitstatus_to_exitcode(status), out.read(), err.read())
+    return done, seconds, usage.ru_maxrss * 1024
 
 
 def compile_row(checkpoint: Path, target: str, calibrate: str | None, work: Path) -> dict:
@@ -65,7 +64,7 @@ def compile_row(checkpoint: Path, target: str, calibrate: str | None, work: Path
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
-    parser.add_argument("--shape", action="append", choices=sorted(SHAPES | LARGER_SHAPES), help="repeatable (default: %s)"
+    parser.add_argument("--shape", action="append", choices=sorted(RELEASED_LAYERS), help="repeatable (default: %s)"
                         % ", ".join(DEFAULT_SHAPES))
     parser.add_argument("--target", action="append", help="repeatable (default: %s)" % ", ".join(DEFAULT_TARGETS))
     parser.add_argument("--calibrate", choices=["awq"], help="also compile with --calibrate (first target only)")

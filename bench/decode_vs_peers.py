@@ -106,8 +106,7 @@ def check_context(artifacts: list[Artifact], args) -> None:
     for artifact in artifacts:
         need = [] if args.profile_only else [(args.prompt_len + args.gen_len, "--prompt-len + --gen-len")]
         if args.profile_steps:  # profile_decode_step's own check, made before anything runs
-            opencl = artifact.config["target"]["tvm_target"]["kind"] == "opencl"
-            need.append((args.prompt_len + decoded_positions(args.profile_steps, opencl),
+            need.append((args.prompt_len + decoded_positions(args.profile_steps, artifact.config),
                          "--prompt-len + the profile's decode steps"))
         tokens, what = max(need)
         window = int(artifact.config["context_window"])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from .cpu_check import cpu_entry
 from .errors import MobilecError
 from .estimate import RecordMemoryPlan, check_compile_fits, estimate_imported, over_budget_message, recording
 from .export import ShardWriter, atomic_directory, check_output
-from .importer import PAGE_SIZE, ImportedModel, import_model, resolve_model_path, target_and_scheme
+from .importer import PAGE_SIZE, ImportedModel, import_model, resolve_model_path, target_and_scheme, tensor_bytes
 from .kernels import integer_dot_gemv
 from .loaders import Checkpoint, open_checkpoint
 from .loaders.tokenizer import load_tokenizer
@@ -66,13 +65,13 @@ def write_params(ckpt: Checkpoint, imported: ImportedModel, out: Path, steps: St
     """Convert weights one layer at a time, so only one layer is in memory beyond the checkpoint's map."""
     writer = ShardWriter(out / PARAMS_DIR)
     made: dict[str, dict[str, np.ndarray]] = {}
-    sizes = [math.prod(int(d) for d in param.shape) * tvm.DataType(param.dtype).bits // 8 for _, param in imported.params]
+    sizes = [tensor_bytes(param) for _, param in imported.params]
     for name, param in steps.counted(imported.params, sizes, "tensors"):
         array = _stored_array(ckpt, imported, name, made)
         if tuple(array.shape) != tuple(int(d) for d in param.shape):
             raise MobilecError(
                 f"tensor {name} has shape {tuple(array.shape)} in the checkpoint but the config implies "
-                f"{tuple(int(d) for d in param.shape)}; the checkpoint and its config disagree"
+                f"{tuple(int(d) for d in param.shape)}; the checkpoint and its config.json disagree"
             )
         writer.add(name, array.astype(param.dtype, copy=False))
     return writer.finish(out)
@@ -191,8 +190,7 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
                 "quantization": {**scheme.to_json(), "skip": list(quant_skip),
                                  "quantized_layers": sorted(imported.plan),
                                  "calibration": calibration.summary if calibration else None,
-                                 # how the shards order the codes (quantization/group.CODE_ORDERS): the target's
-                                 # kernels'
+                                 # how the shards order the codes (group.CODE_ORDERS): the target's kernels'
                                  "code_order": integer_dot_gemv.stored_code_order(spec.tvm_target())},
                 "compute_dtype": imported.dtype,
                 "kv_dtype": cfg.kv_dtype,

@@ -19,14 +19,15 @@ import tvm
 from tvm import relax, tirx
 from tvm.sym.analyzer import Analyzer
 
-from . import kv_cache_dtype, pipeline, roofline
+from . import host, kv_cache_dtype, pipeline, roofline
 from .errors import MobilecError
-from .importer import PAGE_SIZE, ImportedModel, import_model, open_model, param_bytes, target_and_scheme
+from .importer import PAGE_SIZE, ImportedModel, import_model, open_model, target_and_scheme, tensor_bytes
 from .loaders import Checkpoint, ConfigCheckpoint
 from .models.llama import LlamaConfig
 from .quantization import group
 from .quantization.schemes import SCHEMES, Scheme
 from .targets import TargetSpec
+from .validate import USABLE_CORES
 
 MARGIN = 0.2  # the runtime, library, tokenizer and allocator slack the count above does not see
 GIB = 2**30  # target files give ram_gb and max_alloc_gb in GiB, as passes/verify_device_limits.py reads the latter
@@ -144,10 +145,6 @@ def recording(instrument) -> tvm.transform.PassContext:
                                      instruments=[*current.instruments, instrument])
 
 
-def _tensor_bytes(param) -> int:
-    return param_bytes([(None, param)])
-
-
 def _kv_layer_bytes(cfg: LlamaConfig, context: int, kv_dtype: str) -> int:
     """One layer's pages as the runtime allocates them: (pages, 2, kv heads, page size, head dim) as declared
     (kv_cache_dtype.bytes_per_token_layer), one page more than the context needs."""
@@ -181,31 +178,20 @@ def compile_peak_bytes(imported: ImportedModel) -> int:
     for name, param in imported.params:
         layer = name.rpartition(".")[0]
         key = layer if layer in imported.plan else name
-        stored[key] = stored.get(key, 0) + _tensor_bytes(param)
+        stored[key] = stored.get(key, 0) + tensor_bytes(param)
     held, shapes = 0, imported.cfg.source_shapes()
     for key, nbytes in stored.items():
         sources = imported.sources.get(f"{key}.weight" if key in imported.plan else key, [])
         float32 = 4 * sum(functools.reduce(operator.mul, shapes[source], 1) for source in sources)
         joined = key not in imported.plan or len(sources) > 1
-        held = max(held, nbytes + (float32 if joined else group.QUANTIZE_CHUNK_BYTES * os.cpu_count()))
+        held = max(held, nbytes + (float32 if joined else group.QUANTIZE_CHUNK_BYTES * USABLE_CORES))
     return COMPILE_BASE_BYTES + held
-
-
-def machine_available_bytes() -> int | None:
-    """Memory this machine can give a new process now (MemAvailable); None off Linux."""
-    try:
-        for line in open("/proc/meminfo", encoding="ascii"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _budget(description: str, spec: TargetSpec, quant: str, cfg: LlamaConfig, params: list, dtype: str,
             plan: ActivationPlan) -> MemoryEstimate:
     """The estimate of a model with these parameters at `cfg`'s context window, prefill chunk and KV dtype."""
-    weights = {name: _tensor_bytes(p) for name, p in params}
+    weights = {name: tensor_bytes(p) for name, p in params}
     kv_layer = _kv_layer_bytes(cfg, cfg.context_window_size, cfg.kv_dtype)
     read = roofline.decode_read(
         ((name.startswith(roofline.EMBEDDING), weights[name], int(p.shape[0])) for name, p in params),
@@ -337,7 +323,7 @@ def estimate_memory(options: EstimateOptions) -> MemoryEstimate:
 def check_compile_fits(description: str, imported: ImportedModel) -> None:
     """Refuse in one line, before the build, a compile this machine has not the memory for (compile_peak_bytes
     against MemAvailable)."""
-    need, available = compile_peak_bytes(imported), machine_available_bytes()
+    need, available = compile_peak_bytes(imported), host.available_bytes()
     if available is not None and need > available:
         raise MobilecError(f"compiling {description} needs about {_size(need)} of memory on this machine, which has "
                            f"{_size(available)} available; close other programs, or --force to compile it anyway")
@@ -389,7 +375,7 @@ def format_budget(est: MemoryEstimate) -> str:
     ]
     rows += [("longest context", f"{tokens} tokens", f"with a {name} KV cache")
              for name, tokens in est.context_by_kv_dtype.items()]
-    available = machine_available_bytes()
+    available = host.available_bytes()
     rows.append(("compile here", _size(est.compile_bytes), "peak of `compile` itself" + (
         f", of {_size(available)} available on this machine" if available else "")))
     lines = [f"{est.model} on {est.target}"] + [f"  {label:18s} {value:>16s}  {note}".rstrip()

@@ -91,12 +91,26 @@ def host_features() -> frozenset[str]:
     return frozenset(str(f) for f in llvm_get_cpu_features(tvm.target.Target(host_target_json())))
 
 
-def ram_gb() -> float:
+def _meminfo_kib(field: str) -> int | None:
+    """A /proc/meminfo field in KiB; None off Linux."""
     try:
         text = Path("/proc/meminfo").read_text()
     except OSError:
+        return None
+    return int(re.search(rf"^{field}:\s*(\d+) kB", text, re.MULTILINE).group(1))
+
+
+def ram_gb() -> float:
+    total = _meminfo_kib("MemTotal")
+    if total is None:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 2**30
-    return int(re.search(r"^MemTotal:\s*(\d+) kB", text, re.MULTILINE).group(1)) / 2**20
+    return total / 2**20
+
+
+def available_bytes() -> int | None:
+    """Memory this machine can give a new process now (MemAvailable); None off Linux."""
+    kib = _meminfo_kib("MemAvailable")
+    return None if kib is None else kib * 1024
 
 
 def set_threads(threads: int | None) -> None:

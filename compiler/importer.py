@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import tvm
@@ -47,15 +48,14 @@ def target_and_scheme(target: str, quant: str | None) -> tuple[TargetSpec, Schem
     return spec, scheme_for(spec, quant)
 
 
+def tensor_bytes(param) -> int:
+    """Bytes of one nn.Parameter as stored."""
+    return math.prod(int(d) for d in param.shape) * tvm.DataType(param.dtype).bits // 8
+
+
 def param_bytes(params) -> int:
     """Bytes of (name, nn.Parameter) pairs as stored: the weights a decode step reads once each."""
-    total = 0
-    for _, p in params:
-        n = 1
-        for d in p.shape:
-            n *= int(d)
-        total += n * tvm.DataType(p.dtype).bits // 8
-    return total
+    return sum(tensor_bytes(p) for _, p in params)
 
 
 @dataclasses.dataclass

@@ -68,8 +68,8 @@ class _StepPeak:
 
 class Steps:
     """Numbered steps of one command: `with steps.step("build"):` prints the step as it starts and its seconds and
-    peak resident memory as it ends; `steps.counted(items, total, what)` reports progress inside it. `record`
-    holds each step's figures for the command's summary."""
+    peak resident memory as it ends; `steps.counted(items, sizes, what)` and `steps.reporter(what)` report progress
+    inside it. `record` holds each step's figures for the command's summary."""
 
     def __init__(self, command: str, total: int, enabled: bool = True):
         self.command, self.total, self.enabled = command, total, enabled
@@ -77,17 +77,14 @@ class Steps:
         self.record: dict[str, dict[str, Any]] = {}
         self._index = 0
 
-    def _print(self, message: str) -> None:
+    def log(self, message: str) -> None:
         if self.enabled:
             print(f"{self.command}: {message}", file=sys.stderr, flush=True)
-
-    def log(self, message: str) -> None:
-        self._print(message)
 
     @contextlib.contextmanager
     def step(self, name: str, detail: str = "") -> Iterator[None]:
         self._index += 1
-        self._print(f"[{self._index}/{self.total}] {name}{': ' + detail if detail else ''}")
+        self.log(f"[{self._index}/{self.total}] {name}{': ' + detail if detail else ''}")
         memory = _StepPeak()
         start = time.perf_counter()
         try:
@@ -98,7 +95,7 @@ class Steps:
         self.record[name] = {"seconds": round(seconds, 2), "start_rss_bytes": memory.start_rss,
                              "peak_rss_bytes": peak}
         figure = f", peak memory {peak / 2**30:.2f} GiB" if peak is not None else ""
-        self._print(f"[{self._index}/{self.total}] {name} done in {seconds:.1f} s{figure}")
+        self.log(f"[{self._index}/{self.total}] {name} done in {seconds:.1f} s{figure}")
 
     def reporter(self, what: str) -> Callable[[int, int], None]:
         """A (done, total) callback for work in equal parts (eval's windows): a line at most every LINE_EVERY_S
@@ -109,7 +106,7 @@ class Steps:
         def report(done: int, total: int) -> None:
             now = time.perf_counter()
             if self.enabled and done and (now - last[0] >= LINE_EVERY_S or done == total):
-                self._print(f"  {what} {done}/{total}, {(now - start) / done * (total - done):.0f} s left")
+                self.log(f"  {what} {done}/{total}, {(now - start) / done * (total - done):.0f} s left")
                 last[0] = now
 
         return report
@@ -132,5 +129,5 @@ class Steps:
             now = time.perf_counter()
             if now - last >= LINE_EVERY_S or done == total:
                 left = (now - start) / max(done_size, 1) * (whole - done_size)
-                self._print(f"  {what} {done}/{total} ({100 * done_size / whole:.0f}% of the bytes), {left:.0f} s left")
+                self.log(f"  {what} {done}/{total} ({100 * done_size / whole:.0f}% of the bytes), {left:.0f} s left")
                 last = now

@@ -13,7 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from compiler import estimate
+from compiler import host
 from compiler.cli import main
 from compiler.estimate import COMPILE_BASE_BYTES, EstimateOptions, compile_peak_bytes, estimate_memory, format_budget
 from compiler.importer import import_model, open_model, target_and_scheme
@@ -123,7 +123,7 @@ def test_estimate_gives_the_compiles_own_memory_and_compile_refuses_a_machine_wi
 
     path = write_checkpoint("smollm2-360m", tmp_path / "ckpt", layers=1)
     assert "compile here" in format_budget(estimate_memory(EstimateOptions(str(path), "host", "q4f16_g32", 64)))
-    monkeypatch.setattr(estimate, "machine_available_bytes", lambda: 256 * MB)
+    monkeypatch.setattr(host, "available_bytes", lambda: 256 * MB)
     result = CliRunner().invoke(main, ["compile", "--model", str(path), "-o", str(tmp_path / "art")])
     assert result.exit_code != 0 and not (tmp_path / "art").exists()
     line = result.output.strip().splitlines()[-1]

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import os
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from ..validate import USABLE_CORES
 
 if TYPE_CHECKING:
     from ..loaders.checkpoint import Rows
@@ -278,8 +279,9 @@ QUANTIZE_CHUNK_BYTES = 8 << 20  # float32 rows quantized at a time, so the tempo
 def quantize(w: np.ndarray | Rows, layout: GroupLayout) -> dict[str, np.ndarray]:
     """Float [n, k] -> the stored arrays. Searched scales (8 bits): codes computed from the scale as stored (after
     dtype rounding); the plain grid (4 bits): as llama.cpp's Q4_0 (_symmetric). Rows are independent, so they are
-    quantized QUANTIZE_CHUNK_BYTES at a time (`w` may be checkpoint Rows, read as they are quantized) (an even count: neon_pairs pairs rows), on every core (numpy lets go
-    of the GIL in its loops): an 8B model's embedding would otherwise need ~8 float32 copies of itself."""
+    quantized QUANTIZE_CHUNK_BYTES at a time (an even count: neon_pairs pairs rows) on every core (numpy lets go of
+    the GIL in its loops); `w` may be checkpoint Rows, read as they are quantized. Whole, an 8B model's embedding
+    would need ~8 float32 copies of itself."""
     n, k = w.shape
     step = max(2, QUANTIZE_CHUNK_BYTES // (4 * max(k, 1)) // 2 * 2)
     first = _quantize_rows(w[0:step], layout)
@@ -291,7 +293,7 @@ def quantize(w: np.ndarray | Rows, layout: GroupLayout) -> dict[str, np.ndarray]
         for key, a in (first if start == 0 else _quantize_rows(w[start:start + step], layout)).items():
             out[key][start:start + step] = a
 
-    with concurrent.futures.ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
+    with concurrent.futures.ThreadPoolExecutor(USABLE_CORES) as pool:
         list(pool.map(chunk, range(0, n, step)))
     return out
 

@@ -66,16 +66,22 @@ WARMUP_STEPS = 2
 DEFAULT_STEPS = 16
 
 
-def decoded_positions(steps: int, opencl: bool) -> int:
-    """The positions a profile of `steps` decodes after its context: the warm-up, 3 x steps (wall, phased,
-    instrumented steps) and, for OpenCL kernels, steps + 1 more (_device_kernel_times)."""
-    return WARMUP_STEPS + 3 * steps + (steps + 1 if opencl else 0)
+def _opencl(config: dict[str, Any]) -> bool:
+    """Whether an artifact's kernels are OpenCL (the device times them: _device_kernel_times)."""
+    return config["target"]["tvm_target"]["kind"] == "opencl"
 
 
-def _check_room(context_window: int, context_len: int, steps: int, opencl: bool) -> None:
+def decoded_positions(steps: int, config: dict[str, Any]) -> int:
+    """The positions a profile of `steps` decodes after its context on the artifact of `config`: the warm-up, 3 x
+    steps (wall, phased, instrumented steps) and, for OpenCL kernels, steps + 1 more (_device_kernel_times)."""
+    return WARMUP_STEPS + 3 * steps + (steps + 1 if _opencl(config) else 0)
+
+
+def _check_room(config: dict[str, Any], context_len: int, steps: int) -> None:
     validate.tokens(context_len, "--context-len")
     validate.count(steps, "--steps")
-    decoded = decoded_positions(steps, opencl)
+    context_window, opencl = int(config["context_window"]), _opencl(config)
+    decoded = decoded_positions(steps, config)
     if context_len + decoded > context_window:
         raise MobilecError(f"--context-len {context_len} + {decoded} decode steps (3 x --steps"
                            f"{' + --steps + 1 timed on the OpenCL device' if opencl else ''} + {WARMUP_STEPS} "
@@ -179,7 +185,7 @@ def profile_decode_step(session: Session, context_len: int, steps: int = DEFAULT
     adds time, and parts measured in different steps are only comparable without it. A kernel's time still
     includes the instrument converting its arguments for Python (~0.1 us each), so with very short kernels
     the kernels part is a little high and vm_overhead a little low."""
-    _check_room(session.context_window, context_len, steps, session.device.description.get("opencl") is not None)
+    _check_room(session.artifact.config, context_len, steps)
     artifact = session.artifact
     tensors = artifact.index["tensors"]
     if "call_sites" not in artifact.config:
@@ -330,6 +336,7 @@ def _device_kernel_times(session: Session, steps: int) -> list[DeviceTimedStep] 
         launches()  # anything launched before
         session.decode(1)
         step = launches()  # one step's launches in order
+        per_step = collections.Counter(kernel for kernel, _ in step)
         timed = []
         for _ in range(steps):
             step_s = device_decode_s(session, 1)
@@ -338,11 +345,10 @@ def _device_kernel_times(session: Session, steps: int) -> list[DeviceTimedStep] 
             for kernel, s in launches():
                 seconds[kernel] += s
                 count[kernel] += 1
-            # each kernel's mean launch time the device measured, times its launches in one step
-            per_step = collections.Counter(kernel for kernel, _ in step)
             if missing := sorted(set(per_step) - set(count)):
                 raise MobilecError(f"the timed decode steps launched no {', '.join(missing)}, which a decode step "
                                    f"launches: the device's kernel times cannot be matched to its steps")
+            # each kernel's mean launch time the device measured, times its launches in one step
             timed.append(DeviceTimedStep(step_s, step, {k: seconds[k] / count[k] * n for k, n in per_step.items()}))
     finally:
         switch(False)
@@ -409,8 +415,7 @@ def profile_report(options: ProfileOptions) -> dict[str, Any]:
     check_device_options(None, options.rpc, options.tracker, options.key, options.session_timeout_s)
     validate.threads(threads, local=options.local)
     artifact = load_artifact(options.artifact)
-    opencl = artifact.config["target"]["tvm_target"]["kind"] == "opencl"
-    _check_room(int(artifact.config["context_window"]), context_len, steps, opencl)  # before the library loads
+    _check_room(artifact.config, context_len, steps)  # before the library loads
     if not options.local:
         return remote_profile(artifact, options)
     set_threads(threads)

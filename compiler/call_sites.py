@@ -12,7 +12,9 @@ import tvm
 
 _FUNC_LINE = re.compile(r"^@(\S+):\s*$")
 _CALL_LINE = re.compile(r"^\s*call\s+(\S+)\s+in:(.*?)\s*dst:\s*(\S+)\s*$")
-ATTENTION_BUILTIN = "vm.builtin.attention_kv_cache"  # the paged KV cache runs its attention kernels inside it
+# The paged KV cache's attention call (every model's, compiler/models/llama.py), which runs its kernels inside it; the
+# cache's other builtins (query positions) launch none.
+ATTENTION_BUILTIN = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
 
 
 @dataclasses.dataclass(frozen=True)

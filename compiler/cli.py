@@ -255,17 +255,24 @@ def tune(as_json, **options):
 @click.option("--pass", "only_step", default=None, metavar="NAME", help="Only write the IR after this step.")
 @json_option("the table")
 def inspect(as_json, **options):
-    """Show what each pipeline step does: Relax functions, TIR kernels and parameter bytes after it."""
+    """Show what each pipeline step does: Relax functions, TIR kernels, parameter bytes and the kernel launches of
+    one decode step after it."""
     from .inspect_ir import InspectOptions, inspect_model  # pylint: disable=import-outside-toplevel
 
     rows = inspect_model(InspectOptions(**options))
     if as_json:
         click.echo(json.dumps(rows))
         return
-    click.echo(f"{'#':>2s}  {'step':28s} {'relax funcs':>11s} {'TIR kernels':>11s} {'param MB':>9s}")
+    click.echo(f"{'#':>2s}  {'step':28s} {'relax funcs':>11s} {'TIR kernels':>11s} {'param MB':>9s} "
+               f"{'decode launches':>15s}")
     for r in rows:
+        launches = "" if r["decode_launches"] is None else \
+            f"{r['decode_launches']} ({r['decode_launches_per_layer']:.1f}/layer)"
         click.echo(f"{r['index']:2d}  {r['step']:28s} {r['relax_functions']:11d} {r['tir_kernels']:11d} "
-                   f"{r['param_bytes'] / 1e6:9.1f}")
+                   f"{r['param_bytes'] / 1e6:9.1f} {launches:>15s}")
+    last = rows[-1]
+    click.echo(f"decode: {last['decode_launches']} kernel launches per token, "
+               f"{last['decode_launches_per_layer']:.1f} per layer (the KV cache's attention counted as one)")
     if options["dump"]:
         click.echo(f"IR written to {options['dump']}/")
 

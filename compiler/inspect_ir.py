@@ -11,19 +11,52 @@ import tvm
 from tvm import relax, tirx
 
 from . import pipeline, validate
+from .call_sites import ATTENTION_BUILTIN
 from .errors import MobilecError
 from .importer import import_model, open_model, target_and_scheme
 from .targets import load_target
 
 
-def _summary(index: int, step: str, mod: tvm.IRModule, param_bytes: int) -> dict[str, Any]:
+_CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+_CALL_DPS_PACKED = tvm.ir.Op.get("relax.call_dps_packed")
+
+
+def kernel_launches(mod: tvm.IRModule, function: str = "decode") -> int | None:
+    """Kernels one call of `function` launches, as `mobilec profile` counts them: its calls of the module's TIR
+    kernels (call_tir, or direct calls once lowered) and of the KV cache's attention (one builtin, which runs its
+    own kernels inside); None where the module has no such Relax function."""
+    gv = next((g for g in mod.get_global_vars() if g.name_hint == function), None)
+    if gv is None or not isinstance(mod[gv], relax.Function):
+        return None
+    count = 0
+
+    def visit(expr) -> None:
+        nonlocal count
+        if not isinstance(expr, relax.Call):
+            return
+        op, args = expr.op, expr.args
+        if op in (_CALL_TIR, _CALL_DPS_PACKED):
+            op = args[0]
+        if isinstance(op, tvm.ir.GlobalVar):
+            count += isinstance(mod[op], tirx.PrimFunc)
+        elif isinstance(op, relax.ExternFunc):
+            count += op.global_symbol.startswith(ATTENTION_BUILTIN)
+
+    relax.analysis.post_order_visit(mod[gv], visit)
+    return count
+
+
+def _summary(index: int, step: str, mod: tvm.IRModule, param_bytes: int, layers: int) -> dict[str, Any]:
     funcs = mod.functions.values()
+    launches = kernel_launches(mod)
     return {
         "index": index,
         "step": step,
         "relax_functions": sum(isinstance(f, relax.Function) for f in funcs),
         "tir_kernels": sum(isinstance(f, tirx.PrimFunc) for f in funcs),
         "param_bytes": param_bytes,
+        "decode_launches": launches,
+        "decode_launches_per_layer": None if launches is None else launches / layers,
     }
 
 
@@ -87,7 +120,7 @@ def inspect_model(options: InspectOptions) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
 
     def record(index: int, step: str, mod: tvm.IRModule, param_bytes: int) -> None:
-        rows.append(_summary(index, step, mod, param_bytes))
+        rows.append(_summary(index, step, mod, param_bytes, float_model.cfg.num_hidden_layers))
         if out is not None and only_step in (None, step):
             (out / f"{index:02d}-{re.sub(r'[^a-z0-9-]', '-', step)}.py").write_text(mod.script())
 

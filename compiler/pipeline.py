@@ -15,6 +15,7 @@ from .errors import MobilecError
 from .kernels import integer_dot_gemm, integer_dot_gemv
 from .kernels.cpu_attention import vector_lanes
 from .passes.apply_tuning_database import ApplyTuningDatabase
+from .passes.chain_kernels import ChainKernels
 from .passes.fuse_add_rmsnorm import FuseAddRMSNorm
 from .passes.fuse_dequantize_matmul import FuseDequantizeMatmul
 from .passes.fuse_swiglu import FuseSwiGLU
@@ -92,6 +93,9 @@ def steps(spec: TargetSpec, tuning: bool = False, decode_activations: str | None
         ("schedule", dlight.ApplyDefaultSchedule(*schedule_rules), every_target),
         # TVM's CSE binds a value after its use inside Let expressions (Llama 3 RoPE in its tree attention).
         ("inline-let-expressions", InlineLetExpressions(), every_target),
+        # CPU targets, once every kernel is scheduled: a projection's kernel and the small kernels around it (norms,
+        # activation quantization, SwiGLU, casts) become one VM call.
+        ("chain-kernels", ChainKernels(), spec.tvm_target_json["kind"] == "llvm"),
         # After the schedule, which adds float16 local caches of the scales.
         ("vload-half", VloadHalf(), _reads_half_with_vload(spec)),
         ("lower-dataflow", _seq(cpu_generic.dataflow_lower_passes(target)), every_target),

@@ -44,7 +44,9 @@ def _schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
     first, *rest = sch.get_child_blocks(sch.get_sblock("root"))
     *lead, _ = sch.get_loops(first)
     rows = sch.fuse(*lead) if len(lead) > 1 else lead[0]
-    sch.parallel(rows)
+    # one row (decode): waking the thread pool for it costs more than the row
+    if not (isinstance(sch.get(rows).extent, tirx.IntImm) and int(sch.get(rows).extent) == 1):
+        sch.parallel(rows)
     for block in rest:
         sch.reverse_compute_at(block, rows)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)

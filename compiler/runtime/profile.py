@@ -44,12 +44,14 @@ def _category(function: str, name: str, params: list[str]) -> str:
     if name.startswith(ATTENTION_BUILTIN):
         return "attention"
     modules = [p.rsplit(".", 1)[0].rsplit(".", 1)[-1] for p in params]
-    if any("norm" in m for m in modules):
-        return "rmsnorm"
-    if "embed_tokens" in modules:
+    # a chained kernel (passes/chain_kernels.py) reads its norms' weights beside its projection's: the projection
+    projections = [m for m in modules if "norm" not in m]
+    if "embed_tokens" in projections:
         return "embedding" if function == "embed" else "gemv lm_head (tied embedding)"
+    if projections:
+        return f"gemv {projections[0]}"
     if modules:
-        return f"gemv {modules[0]}"
+        return "rmsnorm"
     lowered = name.lower()
     for needle, category in (("rms_norm", "rmsnorm"), ("attention", "attention"), ("matmul", "gemv"),
                              ("gemv", "gemv"), ("take", "embedding"), ("swiglu", "activation"),

@@ -1,0 +1,250 @@
+"""ChainKernels: consecutive CPU kernels of a Relax function become one kernel per weight-reading kernel (its
+prologue and epilogue), so that a decode step launches one kernel per projection instead of one per operation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tvm
+import tvm_ffi
+from tvm import relax, s_tir, tirx
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from .ir_walk import rewrite_relax_functions
+
+_CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+# OpPatternKind::kOpaque, as the kernels it chains.
+_OPAQUE = 8
+
+
+@dataclasses.dataclass
+class _Chain:
+    """Kernel-call bindings run in this order as one kernel (`anchor`: the one that reads a weight, if any), and the
+    pure bindings between them that read none of their results, emitted before it."""
+
+    bindings: list[relax.VarBinding]
+    anchor: relax.VarBinding | None = None
+    hoisted: list[relax.VarBinding] = dataclasses.field(default_factory=list)
+
+
+def _kernel_call(binding) -> relax.Call | None:
+    """The call_tir of `binding` when it calls a PrimFunc with plain arguments (no symbolic-shape arguments)."""
+    value = binding.value if isinstance(binding, relax.VarBinding) else None
+    if isinstance(value, relax.Call) and value.op == _CALL_TIR and len(value.args) == 2:
+        return value
+    return None
+
+
+def _outputs(call: relax.Call) -> list:
+    return list(call.ty.fields) if isinstance(call.ty, relax.TupleType) else [call.ty]
+
+
+def _reads(expr) -> list:
+    found = []
+    relax.analysis.post_order_visit(expr, lambda e: found.append(e) if isinstance(e, relax.Var) else None)
+    return found
+
+
+class _Planner:
+    """Splits each binding block into chains. A run is a sequence of kernel calls with nothing between them but the
+    tuple items of their results and pure calls that read none of them (the KV cache's query positions); in a run,
+    each kernel that reads a weight of two or more dimensions (a projection, the embedding) takes the kernels
+    before it since the previous one (its prologue), and the last one also those after it (its epilogue)."""
+
+    def __init__(self, mod: tvm.IRModule, func: relax.Function):
+        self.mod = mod
+        self.weights = self._weights(func)
+
+    @staticmethod
+    def _weights(func: relax.Function) -> set:
+        """The variables bound to items of the function's parameter tuple (the packed weights) of 2+ dims."""
+        params = {p for p in func.params if isinstance(p.ty, relax.TupleType)}
+        found = set()
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                value = binding.value
+                if (isinstance(value, relax.TupleGetItem) and any(value.tuple_value.same_as(p) for p in params)
+                        and isinstance(binding.var.ty, relax.TensorType) and binding.var.ty.ndim >= 2):
+                    found.add(binding.var)
+        return found
+
+    def _independent(self, binding, produced: set) -> bool:
+        """A binding a chain may run after: a pure call or tuple item that reads nothing the run produced."""
+        value = binding.value if isinstance(binding, relax.VarBinding) else None
+        pure = isinstance(value, relax.TupleGetItem) or (
+            isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.call_pure_packed"))
+        return pure and not any(v in produced for v in _reads(value))
+
+    def chains(self, block) -> list[_Chain]:
+        runs, run, between, produced = [], [], [], set()
+        for binding in block.bindings:
+            call = _kernel_call(binding)
+            if call is not None and isinstance(self.mod[call.args[0]], tirx.PrimFunc):
+                run.append(binding)
+                produced.add(binding.var)
+            elif (run and isinstance(binding.value, relax.TupleGetItem)
+                  and any(binding.value.tuple_value.same_as(v) for v in produced)):
+                produced.add(binding.var)
+            elif run and self._independent(binding, produced):
+                between.append((len(run), binding))  # after run[len(run) - 1]
+            else:
+                runs.append((run, between))
+                run, between, produced = [], [], set()
+        runs.append((run, between))
+        chains = []
+        for members, others in runs:
+            split = self._split(members)
+            start = 0
+            for chain in split:
+                end = start + len(chain.bindings)
+                chain.hoisted = [b for after, b in others if start < after < end]
+                start = end
+            chains.extend(c for c in split if len(c.bindings) > 1)
+        return chains
+
+    def _split(self, run: list[relax.VarBinding]) -> list[_Chain]:
+        chains, current = [], _Chain([])
+        for binding in run:
+            reads_weight = any(isinstance(a, relax.Var) and a in self.weights for a in binding.value.args[1].fields)
+            if reads_weight and current.anchor is not None:
+                chains.append(current)
+                current = _Chain([])
+            current.bindings.append(binding)
+            if reads_weight:
+                current.anchor = binding
+        chains.append(current)
+        # kernels after a chain's anchor but before the next chain's belong to the next: moved forward
+        for earlier, later in zip(chains, chains[1:]):
+            if earlier.anchor is not None:
+                cut = earlier.bindings.index(earlier.anchor) + 1
+                later.bindings[:0], earlier.bindings[cut:] = earlier.bindings[cut:], []
+        return [chain for chain in chains if chain.bindings]
+
+
+def _same_buffer(a, b) -> bool:
+    return a.dtype == b.dtype and len(a.shape) == len(b.shape)
+
+
+def _chained_func(mod: tvm.IRModule, chain: _Chain, items: dict) -> tuple[tirx.PrimFunc, list[relax.Expr]] | None:
+    """One PrimFunc running the chain's kernels in order, and its Relax inputs; `items` maps a tuple item's var to
+    (tuple var, index). None where a kernel's parameter does not take the buffer it is given as it stands (another
+    dtype or rank)."""
+    inputs: list[relax.Expr] = []
+    input_params, output_params, bodies = [], [], []
+    produced: dict = {}  # (Relax var of a chain kernel's result, index) -> the output buffer that holds it
+    seen = set()
+    for binding in chain.bindings:
+        func = mod[binding.value.args[0]]
+        if binding.value.args[0] in seen:  # a kernel that comes twice: a copy with variables of its own
+            func = tvm.ir.load_json(tvm.ir.save_json(func))
+        seen.add(binding.value.args[0])
+        args, params = list(binding.value.args[1].fields), list(func.params)
+        pairs: list[tuple] = []  # this kernel's buffers (and their shape variables) -> the chain's
+        for arg, param in zip(args, params):
+            key = items.get(arg, (arg, 0))
+            source = produced.get(key)
+            if source is None:
+                index = next((i for i, known in enumerate(inputs) if known.same_as(arg)), None)
+                if index is None:
+                    inputs.append(arg)
+                    input_params.append(param)
+                    continue
+                source = input_params[index]
+            if not _same_buffer(param, source):
+                return None
+            pairs.append((param, source))
+            pairs.extend((d, s) for d, s in zip(param.shape, source.shape) if isinstance(d, tirx.Var))
+        for i, out in enumerate(params[len(args):]):
+            output_params.append(out)
+            produced[(binding.var, i)] = out
+
+        def replace(var, pairs=pairs):
+            return next((new for old, new in pairs if var.same_as(old)), var)
+
+        bodies.append(tvm_ffi.structural_map(func.body, [(tvm.ir.expr.Var, replace)]) if pairs else func.body)
+    root = s_tir.SBlock([], [], [], "root", tirx.SeqStmt(bodies))
+    # s_tir: the kernels' blocks are s_tir blocks, as each part says of itself
+    marks = {key: True for key in ("s_tir",) if any(mod[b.value.args[0]].attrs.get(key) for b in chain.bindings)}
+    merged = tirx.PrimFunc([*input_params, *output_params], s_tir.SBlockRealize([], True, root)).with_attrs(
+        {"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": _OPAQUE, **marks})
+    return merged, inputs
+
+
+@mutator
+class _Rewriter(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule):
+        super().__init__(mod)
+        self.mod = mod
+        self.first: dict = {}  # var of a chain's first binding -> (chain, its PrimFunc, its inputs)
+        self.later: set = set()  # vars of the chains' other bindings (and the bindings they hoist): emitted first
+        self.items: dict = {}  # var of a chain kernel's tuple result -> (the chained call's var, its first index)
+        self.kernels: list[tuple[tirx.PrimFunc, relax.GlobalVar]] = []
+
+    def plan(self, func: relax.Function) -> None:
+        self.first, self.later = {}, set()
+        planner = _Planner(self.mod, func)
+        for block in func.body.blocks:
+            items = {b.var: (b.value.tuple_value, b.value.index) for b in block.bindings
+                     if isinstance(b.value, relax.TupleGetItem)}
+            for chain in planner.chains(block):
+                built = _chained_func(self.mod, chain, items)
+                if built is None:
+                    continue
+                self.first[chain.bindings[0].var] = (chain, *built)
+                self.later.update(b.var for b in chain.bindings[1:] + chain.hoisted)
+
+    def _kernel(self, func: tirx.PrimFunc, name: str) -> relax.GlobalVar:
+        for known, gv in self.kernels:
+            if tvm_ffi.structural_equal(known, func, map_free_vars=True):
+                return gv
+        gv = self.builder_.add_func(func, name)
+        self.kernels.append((func, gv))
+        return gv
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        if binding.var in self.later:
+            return
+        value = binding.value
+        if isinstance(value, relax.TupleGetItem) and value.tuple_value in self.items:
+            merged, offset = self.items[value.tuple_value]
+            emit = self.builder_.emit if isinstance(binding.var, relax.DataflowVar) else self.builder_.emit_output
+            self.set_var_remap(binding.var, emit(relax.TupleGetItem(merged, offset + value.index), binding.var.name))
+            return
+        if binding.var not in self.first:
+            super().visit_var_binding_(binding)
+            return
+        chain, func, inputs = self.first[binding.var]
+        for hoisted in chain.hoisted:
+            super().visit_var_binding_(hoisted)
+        anchor = chain.anchor or chain.bindings[0]
+        gv = self._kernel(func, f"{anchor.value.args[0].name_hint}_chained")
+        outputs = [ty for b in chain.bindings for ty in _outputs(b.value)]
+        merged = self.builder_.emit(relax.call_tir(gv, [self.visit_expr(i) for i in inputs], outputs),
+                                    "chained")
+        offset = 0
+        for b in chain.bindings:
+            count = len(_outputs(b.value))
+            if isinstance(b.value.ty, relax.TupleType):
+                # its tuple items are read from the chained call's; the tuple itself, where something else reads it
+                self.items[b.var] = (merged, offset)
+                value = relax.Tuple([relax.TupleGetItem(merged, offset + i) for i in range(count)])
+            else:
+                value = relax.TupleGetItem(merged, offset)
+            emit = self.builder_.emit if isinstance(b.var, relax.DataflowVar) else self.builder_.emit_output
+            self.set_var_remap(b.var, emit(value, b.var.name))
+            offset += count
+
+
+@tvm.transform.module_pass(opt_level=0, name="ChainKernels")
+class ChainKernels:  # pylint: disable=too-few-public-methods
+    """Chain consecutive scheduled CPU kernels (compiler/passes/chain_kernels.py); after the schedule step, before
+    the dataflow is lowered. Each chained kernel runs its parts' code unchanged, in the same order, writing the
+    same outputs: results are bit-identical, one VM call replaces several."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        rewriter = _Rewriter(mod)
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                rewriter.plan(func)
+                rewriter.builder_.update_func(gv, relax.analysis.remove_all_unused(rewriter.visit_expr(func)))
+        return rewriter.builder_.get()

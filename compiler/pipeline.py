@@ -27,6 +27,7 @@ from .passes.integer_dot_gemv import IntegerDotGEMV
 from .passes.mark_noalias import MarkNoalias
 from .passes.replace_cpu_attention import ReplaceCPUAttention
 from .passes.replace_gpu_attention import ReplaceGPUAttention
+from .passes.reuse_host_scalars import ReuseHostScalars
 from .passes.verify_alignment import VerifyAlignment
 from .passes.verify_device_limits import VerifyDeviceLimits
 from .passes.vload_half import VloadHalf, opencl_half_pointers
@@ -100,6 +101,7 @@ def steps(spec: TargetSpec, tuning: bool = False, decode_activations: str | None
         ("vload-half", VloadHalf(), _reads_half_with_vload(spec)),
         ("lower-dataflow", _seq(cpu_generic.dataflow_lower_passes(target)), every_target),
         ("plan-memory-and-lower", _seq(cpu_generic.finalize_passes(target)), every_target),
+        ("reuse-host-scalars", ReuseHostScalars(), every_target),
         # Once every kernel exists: TVM 0.27's LLVM codegen gives all kernels the noalias setting of the last one.
         ("mark-noalias", MarkNoalias(), every_target),
         # Buffers here; kernels' threads, local memory and arguments again in build(), once split from the host.

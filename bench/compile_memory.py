@@ -9,6 +9,7 @@ as soon as they are measured unless --keep.
     .venv/bin/python bench/compile_memory.py                                 # all shapes, host and android-adreno
     .venv/bin/python bench/compile_memory.py --shape llama-3-8b --target android-arm64 --json
     .venv/bin/python bench/compile_memory.py --shape llama-3.2-3b --calibrate awq
+    .venv/bin/python bench/compile_memory.py --shape llama-3-8b --layers 4 --target host --calibrate awq
 
 `host` compiles with --quant q4f16_g32 (its default, q0f32, would write the float32 model).
 """
@@ -68,6 +69,8 @@ def main() -> None:
                         % ", ".join(DEFAULT_SHAPES))
     parser.add_argument("--target", action="append", help="repeatable (default: %s)" % ", ".join(DEFAULT_TARGETS))
     parser.add_argument("--calibrate", choices=["awq"], help="also compile with --calibrate (first target only)")
+    # --calibrate's peak is one decoder layer's and its time grows with the layers: a few layers measure both
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the released model's)")
     parser.add_argument("--work", type=Path, default=ROOT / "build" / "compile-memory")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -75,17 +78,18 @@ def main() -> None:
     shapes, targets = args.shape or list(DEFAULT_SHAPES), args.target or list(DEFAULT_TARGETS)
     rows = []
     for shape in shapes:
-        work = args.work / shape
+        work = args.work / (shape + (f"-{args.layers}-layers" if args.layers else ""))
         checkpoint = work / "checkpoint"
         start = time.perf_counter()
         if not (checkpoint / "model.safetensors.index.json").is_file():
-            write_checkpoint(shape, checkpoint)
+            write_checkpoint(shape, checkpoint, args.layers)
         written = time.perf_counter() - start
         size = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
         runs = [compile_row(checkpoint, t, None, work) for t in targets]
         if args.calibrate:
             runs.append(compile_row(checkpoint, targets[0], args.calibrate, work))
-        rows.append({"shape": shape, "checkpoint_bytes": size, "write_s": round(written, 1), "compiles": runs})
+        rows.append({"shape": shape, "layers": args.layers or RELEASED_LAYERS[shape], "checkpoint_bytes": size,
+                     "write_s": round(written, 1), "compiles": runs})
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
         if not args.json:
@@ -96,7 +100,8 @@ def main() -> None:
 
 def print_rows(rows: list[dict]) -> None:
     for row in rows:
-        print(f"{row['shape']}: checkpoint {row['checkpoint_bytes'] / GIB:.1f} GiB (written in {row['write_s']} s)")
+        print(f"{row['shape']} ({row['layers']} layers): checkpoint {row['checkpoint_bytes'] / GIB:.1f} GiB "
+              f"(written in {row['write_s']} s)")
         for c in row["compiles"]:
             if "error" in c:
                 print(f"  {c['target']:16s} failed: {c['error']}")

@@ -286,6 +286,8 @@ def inspect(as_json, **options):
 @click.option("--context-window", type=int, default=None,
               help="Tokens the KV cache holds, as `compile --context-window`; default min(model max, 2048).")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="auto", show_default=True, help="As for `compile`.")
+@click.option("--calibrate", default=None, metavar="awq",
+              help="As for `compile`: 'compile here' counts the calibration's run, a decoder layer at a time.")
 @json_option("the estimate")
 def estimate(as_json, **options):
     """Memory MODEL needs on TARGET (weights, KV cache, activations, 20% margin) against its RAM and largest

@@ -140,6 +140,9 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
     with open_checkpoint(model_path) as ckpt, atomic_directory(out_dir, overwrite) as tmp, \
             tempfile.TemporaryDirectory(prefix="mobilec-calibration-") as calib_dir:
         with steps.step("import", ckpt.description):
+            if o.calibrate and not o.force:  # refused before the calibration's run, the largest peak
+                check_compile_fits(ckpt.description, import_model(ckpt, scheme, spec, o.context_window, quant_skip,
+                                                                  export=False, kv_dtype=o.kv_dtype), o.calibrate)
             calibration = (awq.calibrate(ckpt, scheme.layout, o.calib_text, Path(calib_dir), steps.log)
                            if o.calibrate else None)
             imported = import_model(ckpt, scheme, spec, o.context_window, quant_skip, calibration=calibration,
@@ -161,7 +164,7 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
                 lowered = pipeline.run_steps(imported.mod, spec, note_tuned, tuning=not o.no_tuning,
                                              decode_activations=decode_activations)
             memory = estimate_imported(ckpt, imported, scheme, spec, quant_skip, plan=recorder.plan(),
-                                       kv_dtype=o.kv_dtype)
+                                       kv_dtype=o.kv_dtype, calibrate=o.calibrate)
             if not memory.fits and not o.force:
                 raise MobilecError(f"{over_budget_message(memory)}; or --force to compile it anyway")
             (tmp / LIBRARY_DIR).mkdir()

@@ -24,7 +24,7 @@ from .errors import MobilecError
 from .importer import PAGE_SIZE, ImportedModel, import_model, open_model, target_and_scheme, tensor_bytes
 from .loaders import Checkpoint, ConfigCheckpoint
 from .models.llama import LlamaConfig
-from .quantization import group
+from .quantization import awq, group
 from .quantization.schemes import SCHEMES, Scheme
 from .targets import TargetSpec
 from .validate import USABLE_CORES
@@ -69,6 +69,7 @@ class MemoryEstimate:  # pylint: disable=too-many-instance-attributes
     # kv_dtype, at most that for the others (their activations are bounded, not planned)
     context_by_kv_dtype: dict[str, int] = dataclasses.field(default_factory=dict)
     compile_bytes: int = 0  # peak memory of `compile` itself on the machine that compiles (compile_peak_bytes)
+    calibrate: str | None = None  # the --calibrate method compile_bytes counts
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -169,11 +170,11 @@ def _longest_context(cfg: LlamaConfig, fixed: int, kv_dtype: str, ram: int, max_
     return max(0, min(pages * PAGE_SIZE, cfg.max_position_embeddings))
 
 
-def compile_peak_bytes(imported: ImportedModel) -> int:
+def compile_peak_bytes(imported: ImportedModel, calibrate: str | None = None) -> int:
     """What `compile` holds at most on the machine that compiles: COMPILE_BASE_BYTES, plus, while the weights are
     written a layer at a time, the layer with the most: its stored arrays, and its float32 weight where it is joined
     from several checkpoint tensors (q/k/v, gate/up; one tensor is read a slice of rows at a time, group.quantize)
-    or kept in float. (--calibrate's own run, a decoder layer at a time, is not counted: it runs before this check.)"""
+    or kept in float; with `calibrate`, at least calibrate_peak_bytes."""
     stored: dict[str, int] = {}
     for name, param in imported.params:
         layer = name.rpartition(".")[0]
@@ -185,7 +186,25 @@ def compile_peak_bytes(imported: ImportedModel) -> int:
         float32 = 4 * sum(functools.reduce(operator.mul, shapes[source], 1) for source in sources)
         joined = key not in imported.plan or len(sources) > 1
         held = max(held, nbytes + (float32 if joined else group.QUANTIZE_CHUNK_BYTES * USABLE_CORES))
-    return COMPILE_BASE_BYTES + held
+    return max(COMPILE_BASE_BYTES + held, calibrate_peak_bytes(imported.cfg) if calibrate else 0)
+
+
+def calibrate_peak_bytes(cfg: LlamaConfig) -> int:
+    """What `--calibrate awq` holds at most (awq.calibrate, a decoder layer at a time): COMPILE_BASE_BYTES plus
+    the larger of a decoder layer's working set (its float32 weights twice, as loaded and as joined into q/k/v and
+    gate/up, and GPTQ's k x k matrices of its widest input) and the output layer's weight as it is read whole: its
+    float32 copy beside the 16-bit checkpoint's pages (measured: Llama-3-8B shape 6.28 GiB in a decoder layer's GPTQ,
+    Llama-3.2-3B's 2.79 GiB there and 3.05 GiB as its tied token table is read)."""
+    shapes = cfg.source_shapes()
+    layers: dict[str, list[tuple[int, ...]]] = {}
+    for name, shape in shapes.items():
+        if name.startswith("model.layers."):
+            layers.setdefault(name.split(".")[2], []).append(shape)
+    layer = max(8 * sum(functools.reduce(operator.mul, shape, 1) for shape in layer_shapes)
+                + awq.GPTQ_BYTES_PER_INPUT_SQUARED * max(shape[1] for shape in layer_shapes if len(shape) == 2) ** 2
+                for layer_shapes in layers.values())
+    output = (4 + 2) * functools.reduce(operator.mul, shapes.get("lm_head.weight", shapes["model.embed_tokens.weight"]))
+    return COMPILE_BASE_BYTES + max(layer, output)
 
 
 def _budget(description: str, spec: TargetSpec, quant: str, cfg: LlamaConfig, params: list, dtype: str,
@@ -275,14 +294,15 @@ def _fitting_context(ckpt: Checkpoint, imported: ImportedModel, scheme: Scheme, 
 
 def estimate_imported(ckpt: Checkpoint, imported: ImportedModel, scheme: Scheme, spec: TargetSpec,
                       quant_skip: list[str] = (), plan: ActivationPlan | None = None,
-                      kv_dtype: str = "auto") -> MemoryEstimate:
+                      kv_dtype: str = "auto", calibrate: str | None = None) -> MemoryEstimate:
     """The estimate of an imported (exported) model, with its activation `plan` if the pipeline already ran
     (RecordMemoryPlan); when it does not fit, with the smaller scheme (its KV cache as `kv_dtype`, the
-    --kv-dtype name `imported` was made with) and the shorter context window that would."""
+    --kv-dtype name `imported` was made with) and the shorter context window that would. The compile's own peak
+    counts the `calibrate` method's run."""
     plans = {imported.dtype: plan or plan_activations(imported.mod, spec)}
     est = dataclasses.replace(_budget(ckpt.description, spec, scheme.name, imported.cfg, imported.params,
                                       imported.dtype, plans[imported.dtype]),
-                              compile_bytes=compile_peak_bytes(imported))
+                              compile_bytes=compile_peak_bytes(imported, calibrate), calibrate=calibrate)
     if est.fits:
         return est
     by_quant = _fitting_quant(ckpt, imported, scheme, spec, plans, list(quant_skip), kv_dtype)
@@ -305,25 +325,28 @@ class EstimateOptions:
     context_window: int | None = None
     quant_skip: tuple[str, ...] | list[str] = ()
     kv_dtype: str = "auto"
+    calibrate: str | None = None
 
 
 def estimate_memory(options: EstimateOptions) -> MemoryEstimate:
     """The estimate for `options.model` on `options.target`, with the target's scheme unless `quant` says."""
     model, quant_skip = options.model, list(options.quant_skip)
     spec, scheme = target_and_scheme(options.target, options.quant)
+    awq.check_options(options.calibrate, None, scheme.layout)
     if isinstance(model, dict):
         ckpt: Checkpoint = ConfigCheckpoint(model, f"a {model.get('model_type')} config")
     else:
         ckpt = open_model(model, weights_required=False)
     with ckpt:
         imported = import_model(ckpt, scheme, spec, options.context_window, quant_skip, kv_dtype=options.kv_dtype)
-        return estimate_imported(ckpt, imported, scheme, spec, quant_skip, kv_dtype=options.kv_dtype)
+        return estimate_imported(ckpt, imported, scheme, spec, quant_skip, kv_dtype=options.kv_dtype,
+                                 calibrate=options.calibrate)
 
 
-def check_compile_fits(description: str, imported: ImportedModel) -> None:
-    """Refuse in one line, before the build, a compile this machine has not the memory for (compile_peak_bytes
-    against MemAvailable)."""
-    need, available = compile_peak_bytes(imported), host.available_bytes()
+def check_compile_fits(description: str, imported: ImportedModel, calibrate: str | None = None) -> None:
+    """Refuse in one line, before the build (and before `calibrate`'s run), a compile this machine has not the
+    memory for (compile_peak_bytes against MemAvailable)."""
+    need, available = compile_peak_bytes(imported, calibrate), host.available_bytes()
     if available is not None and need > available:
         raise MobilecError(f"compiling {description} needs about {_size(need)} of memory on this machine, which has "
                            f"{_size(available)} available; close other programs, or --force to compile it anyway")
@@ -376,7 +399,8 @@ def format_budget(est: MemoryEstimate) -> str:
     rows += [("longest context", f"{tokens} tokens", f"with a {name} KV cache")
              for name, tokens in est.context_by_kv_dtype.items()]
     available = host.available_bytes()
-    rows.append(("compile here", _size(est.compile_bytes), "peak of `compile` itself" + (
+    command = "compile" + (f" --calibrate {est.calibrate}" if est.calibrate else "")
+    rows.append(("compile here", _size(est.compile_bytes), f"peak of `{command}` itself" + (
         f", of {_size(available)} available on this machine" if available else "")))
     lines = [f"{est.model} on {est.target}"] + [f"  {label:18s} {value:>16s}  {note}".rstrip()
                                                 for label, value, note in rows]

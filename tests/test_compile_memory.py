@@ -15,16 +15,17 @@ from click.testing import CliRunner
 
 from compiler import host
 from compiler.cli import main
-from compiler.estimate import COMPILE_BASE_BYTES, EstimateOptions, compile_peak_bytes, estimate_memory, format_budget
+from compiler.estimate import (COMPILE_BASE_BYTES, EstimateOptions, calibrate_peak_bytes, compile_peak_bytes,
+                               estimate_memory, format_budget)
 from compiler.importer import import_model, open_model, target_and_scheme
 from compiler.loaders import open_checkpoint
-from compiler.quantization import group
+from compiler.quantization import awq, group
 from compiler.quantization.group import output_layer_layout
 from compiler.quantization.schemes import get_scheme
 from tests.helpers.real_shapes import write_checkpoint, write_config
 from tests.helpers.tiny_models import build_model, save_hf, state_dict
 
-MB = 1 << 20
+MB, GIB = 1 << 20, 1 << 30
 
 
 @pytest.mark.parametrize("quant", ["q4f16_g32", "q4f16_g32_asym", "q8f16_g128"])
@@ -128,6 +129,32 @@ def test_estimate_gives_the_compiles_own_memory_and_compile_refuses_a_machine_wi
     assert result.exit_code != 0 and not (tmp_path / "art").exists()
     line = result.output.strip().splitlines()[-1]
     assert "needs about" in line and "256.0 MiB available" in line and "--force" in line, result.output
+
+
+def test_estimate_counts_calibrations_peak_and_compile_refuses_before_calibrating(tmp_path, monkeypatch):
+    """--calibrate awq holds a decoder layer's float32 weights twice and GPTQ's k x k matrices of its widest input:
+    for Llama-3-8B (down_proj, k = 14336) 6.28 GiB measured on a 4-layer checkpoint of its shape
+    (bench/compile_memory.py --layers 4), 6.45 GiB counted; estimate's 'compile here' counts it, and compile refuses
+    before the calibration's run where the machine has less available."""
+    spec, scheme = target_and_scheme("host", "q4f16_g32")
+    with open_model(str(write_config("llama-3-8b", tmp_path / "8b")), weights_required=False) as ckpt:
+        imported = import_model(ckpt, scheme, spec, None, export=False)
+    calibrated = compile_peak_bytes(imported, "awq")
+    assert calibrated == calibrate_peak_bytes(imported.cfg) > compile_peak_bytes(imported)
+    assert 6.28 * GIB <= calibrated <= 6.28 * GIB * 1.1, calibrated / GIB
+
+    path = write_checkpoint("smollm2-360m", tmp_path / "ckpt", layers=1)
+    est = estimate_memory(EstimateOptions(str(path), "host", "q4f16_g32", 64, calibrate="awq"))
+    assert "peak of `compile --calibrate awq` itself" in format_budget(est)
+    plain = estimate_memory(EstimateOptions(str(path), "host", "q4f16_g32", 64)).compile_bytes
+    assert est.compile_bytes > plain
+    monkeypatch.setattr(host, "available_bytes", lambda: (plain + est.compile_bytes) // 2)
+    monkeypatch.setattr(awq, "calibrate", lambda *_args: pytest.fail("calibrated before the memory check"))
+    result = CliRunner().invoke(main, ["compile", "--model", str(path), "--quant", "q4f16_g32", "--calibrate", "awq",
+                                       "-o", str(tmp_path / "art")])
+    assert result.exit_code != 0 and not (tmp_path / "art").exists()
+    line = result.output.strip().splitlines()[-1]
+    assert "needs about" in line and "--force" in line, result.output
 
 
 def test_gguf_rows_read_a_slice_and_the_whole(smollm2_gguf):

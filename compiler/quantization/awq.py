@@ -37,6 +37,9 @@ GPTQ_DAMP = 0.1  # of H's mean diagonal, added to its diagonal: H from a few tho
 GPTQ_BLOCK = 128  # columns rounded before the lazy update of the rest; a multiple of every group size
 GPTQ_ROWS = 4096  # rows rounded at a time (rows are independent given H): an 8B model's output layer has
 # 128256, whose float32 working copies would be 2 GB each
+# bytes GPTQ holds per k^2 for a layer with k inputs: H in float32, and two float64 [k, k] matrices at once while
+# _inverse_factor factors and inverts it (k = 14336, an 8B down_proj: 4.1 GB); estimate counts it
+GPTQ_BYTES_PER_INPUT_SQUARED = 4 + 2 * 8
 
 
 def default_calibration_text() -> tuple[str, str]:
@@ -154,12 +157,14 @@ def _inverse_factor(hessian: np.ndarray, kp: int):
     diagonal = h.diagonal()
     diagonal[:k] += torch.where(diagonal[:k] == 0, 1.0, 0.0)  # never-active inputs
     diagonal += GPTQ_DAMP * diagonal[:k].mean()
-    # at most two float64 [kp, kp] matrices alive at once
+    # at most two float64 [kp, kp] matrices alive at once; the float32 copy is made beside the last one only
     factor = torch.linalg.cholesky(h)
     del h, diagonal
     inverse = torch.cholesky_inverse(factor)
     del factor
-    return torch.linalg.cholesky(inverse, upper=True).float()
+    upper = torch.linalg.cholesky(inverse, upper=True)
+    del inverse
+    return upper.float()
 
 
 def _gptq_rows(w: np.ndarray, u, layout: GroupLayout) -> tuple[np.ndarray, np.ndarray]:

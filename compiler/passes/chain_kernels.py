@@ -10,9 +10,8 @@ import tvm_ffi
 from tvm import relax, s_tir, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .ir_walk import rewrite_relax_functions
-
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+_CALL_PURE_PACKED = tvm.ir.Op.get("relax.call_pure_packed")
 # OpPatternKind::kOpaque, as the kernels it chains.
 _OPAQUE = 8
 
@@ -79,8 +78,8 @@ class _Planner:
     def _independent(self, binding, produced: set) -> bool:
         """A binding a chain may run after: a pure call or tuple item that reads nothing the run produced."""
         value = binding.value if isinstance(binding, relax.VarBinding) else None
-        pure = isinstance(value, relax.TupleGetItem) or (
-            isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.call_pure_packed"))
+        call = isinstance(value, relax.Call) and value.op == _CALL_PURE_PACKED
+        pure = call or isinstance(value, relax.TupleGetItem)
         return pure and not any(v in produced for v in _reads(value))
 
     def chains(self, block) -> list[_Chain]:
@@ -130,6 +129,7 @@ class _Planner:
 
 
 def _same_buffer(a, b) -> bool:
+    """Whether kernel parameter `a` can be bound to the chain's buffer `b` as it stands (fixed shapes: by rank)."""
     return a.dtype == b.dtype and len(a.shape) == len(b.shape)
 
 
@@ -147,7 +147,7 @@ def _chained_func(mod: tvm.IRModule, chain: _Chain, items: dict) -> tuple[tirx.P
             func = tvm.ir.load_json(tvm.ir.save_json(func))
         seen.add(binding.value.args[0])
         args, params = list(binding.value.args[1].fields), list(func.params)
-        pairs: list[tuple] = []  # this kernel's buffers (and their shape variables) -> the chain's
+        pairs: list[tuple] = []  # this kernel's parameter buffers -> the chain's
         for arg, param in zip(args, params):
             key = items.get(arg, (arg, 0))
             source = produced.get(key)
@@ -161,7 +161,6 @@ def _chained_func(mod: tvm.IRModule, chain: _Chain, items: dict) -> tuple[tirx.P
             if not _same_buffer(param, source):
                 return None
             pairs.append((param, source))
-            pairs.extend((d, s) for d, s in zip(param.shape, source.shape) if isinstance(d, tirx.Var))
         for i, out in enumerate(params[len(args):]):
             output_params.append(out)
             produced[(binding.var, i)] = out

@@ -35,7 +35,13 @@ class ReuseHostScalars:  # pylint: disable=too-few-public-methods
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         rewriter = _Rewriter(mod)
         for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
+            if isinstance(func, relax.Function) and not _branches(func):  # a branch's variables stay in it
                 rewriter.first = {}  # a function's variables are its own
                 rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
         return rewriter.builder_.get()
+
+
+def _branches(func: relax.Function) -> bool:
+    found = []
+    relax.analysis.post_order_visit(func, lambda e: found.append(e) if isinstance(e, relax.If) else None)
+    return bool(found)

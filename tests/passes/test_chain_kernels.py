@@ -126,65 +126,47 @@ def test_launch_count_of_the_example():
     assert (kernel_launches(_Before), kernel_launches(_chained(_Before))) == (5, 3)
 
 
-def test_a_value_read_by_a_binding_between_them_ends_the_chain():
-    """Negative control: a kernel whose result a non-kernel binding reads before the next kernel runs (a reshape
-    here) cannot run inside one kernel with that next one."""
+@I.ir_module(check_well_formed=False)
+class _Apart:
+    """Negative controls. reshaped: a kernel's result read by a non-kernel binding (a reshape) before the next kernel
+    runs; ranks: a parameter declared with another rank than the buffer the chain would hand it (which Relax's
+    well-formedness check refuses, but a hand-written kernel may declare). Neither pair may become one kernel."""
 
-    @I.ir_module
-    class Split:
-        @T.prim_func(private=True, s_tir=True)
-        def scale(x: T.Buffer((1, 4), "float32"), y: T.Buffer((1, 4), "float32")):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-            for i in range(4):
-                y[0, i] = x[0, i] * T.float32(2)
+    @T.prim_func(private=True, s_tir=True)
+    def scale(x: T.Buffer((1, 4), "float32"), y: T.Buffer((1, 4), "float32")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        for i in range(4):
+            y[0, i] = x[0, i] * T.float32(2)
 
-        @T.prim_func(private=True, s_tir=True)
-        def copy(x: T.Buffer((4,), "float32"), y: T.Buffer((4,), "float32")):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-            for i in range(4):
-                y[i] = x[i]
+    @T.prim_func(private=True, s_tir=True)
+    def copy(x: T.Buffer((4,), "float32"), y: T.Buffer((4,), "float32")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        for i in range(4):
+            y[i] = x[i]
 
-        @R.function
-        def main(x: R.Tensor((1, 4), "float32")):
-            cls = Split
-            with R.dataflow():
-                s = R.call_tir(cls.scale, (x,), out_ty=R.Tensor((1, 4), "float32"))
-                flat = R.reshape(s, (4,))
-                t = R.call_tir(cls.copy, (flat,), out_ty=R.Tensor((4,), "float32"))
-                R.output(t)
-            return t
+    @R.function
+    def reshaped(x: R.Tensor((1, 4), "float32")):
+        cls = _Apart
+        with R.dataflow():
+            s = R.call_tir(cls.scale, (x,), out_ty=R.Tensor((1, 4), "float32"))
+            flat = R.reshape(s, (4,))
+            t = R.call_tir(cls.copy, (flat,), out_ty=R.Tensor((4,), "float32"))
+            R.output(t)
+        return t
 
-    assert kernel_launches(_chained(Split), "main") == 2
+    @R.function
+    def ranks(x: R.Tensor((1, 4), "float32")):
+        cls = _Apart
+        with R.dataflow():
+            s = R.call_tir(cls.scale, (x,), out_ty=R.Tensor((1, 4), "float32"))
+            t = R.call_tir(cls.copy, (s,), out_ty=R.Tensor((4,), "float32"))
+            R.output(t)
+        return t
 
 
-def test_a_kernel_taking_another_rank_is_left_alone():
-    """Negative control: a parameter declared with another rank than the buffer the chain holds (which Relax's
-    well-formedness check would refuse, but a hand-written kernel may declare) is not rewritten."""
-
-    @I.ir_module(check_well_formed=False)
-    class Ranks:
-        @T.prim_func(private=True, s_tir=True)
-        def scale(x: T.Buffer((1, 4), "float32"), y: T.Buffer((1, 4), "float32")):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-            for i in range(4):
-                y[0, i] = x[0, i] * T.float32(2)
-
-        @T.prim_func(private=True, s_tir=True)
-        def flat(x: T.Buffer((4,), "float32"), y: T.Buffer((4,), "float32")):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-            for i in range(4):
-                y[i] = x[i]
-
-        @R.function
-        def main(x: R.Tensor((1, 4), "float32")):
-            cls = Ranks
-            with R.dataflow():
-                s = R.call_tir(cls.scale, (x,), out_ty=R.Tensor((1, 4), "float32"))
-                t = R.call_tir(cls.flat, (s,), out_ty=R.Tensor((4,), "float32"))
-                R.output(t)
-            return t
-
-    assert kernel_launches(_chained(Ranks), "main") == 2
+@pytest.mark.parametrize("function", ["reshaped", "ranks"])
+def test_kernels_that_cannot_run_as_one_stay_apart(function):
+    assert kernel_launches(_chained(_Apart), function) == 2
 
 
 # Decode launches per layer: every CPU target class (x86 AVX2/AVX-512 integer GEMVs, the float path of q0f32, ARM

@@ -271,8 +271,9 @@ def inspect(as_json, **options):
         click.echo(f"{r['index']:2d}  {r['step']:28s} {r['relax_functions']:11d} {r['tir_kernels']:11d} "
                    f"{r['param_bytes'] / 1e6:9.1f} {launches:>15s}")
     last = rows[-1]
-    click.echo(f"decode: {last['decode_launches']} kernel launches per token, "
-               f"{last['decode_launches_per_layer']:.1f} per layer (the KV cache's attention counted as one)")
+    if last["decode_launches"] is not None:
+        click.echo(f"decode: {last['decode_launches']} kernel launches per token, "
+                   f"{last['decode_launches_per_layer']:.1f} per layer (the KV cache's attention counted as one)")
     if options["dump"]:
         click.echo(f"IR written to {options['dump']}/")
 

@@ -188,7 +188,7 @@ class _Rewriter(PyExprMutator):
         self.kernels: list[tuple[tirx.PrimFunc, relax.GlobalVar]] = []
 
     def plan(self, func: relax.Function) -> None:
-        self.first, self.later = {}, set()
+        self.first, self.later, self.items = {}, set(), {}
         planner = _Planner(self.mod, func)
         for block in func.body.blocks:
             items = {b.var: (b.value.tuple_value, b.value.index) for b in block.bindings

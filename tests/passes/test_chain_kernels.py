@@ -1,6 +1,7 @@
 """ChainKernels: IR in/IR out (Before/Expected), the chains' boundaries (negative controls), the decode launches per
 layer of each architecture family on every target class, and bit-identical results against the unchained build."""
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -187,16 +188,26 @@ def checkpoints(tmp_path_factory):
                                                                                           "gemma3")}
 
 
-def _lowered(checkpoint: Path, target: str, quant: str | None) -> tuple[tvm.IRModule, int]:
-    spec, scheme = target_and_scheme(target, quant)
-    with open_model(str(checkpoint)) as ckpt:
-        imported = import_model(ckpt, scheme, spec, 64)
-    return pipeline.run_steps(imported.mod, spec), imported.cfg.num_hidden_layers
+@pytest.fixture(scope="module")
+def lowered(checkpoints):
+    """(family, target, quant) -> (the module after every step, the module after chain-kernels, its layers), each
+    lowered once for the tests that read it."""
+
+    @functools.cache
+    def lower(family: str, target: str, quant: str | None) -> tuple[tvm.IRModule, tvm.IRModule | None, int]:
+        spec, scheme = target_and_scheme(target, quant)
+        with open_model(str(checkpoints[family])) as ckpt:
+            imported = import_model(ckpt, scheme, spec, 64)
+        after: dict[str, tvm.IRModule] = {}
+        final = pipeline.run_steps(imported.mod, spec, lambda _, step, mod: after.setdefault(step, mod))
+        return final, after.get("chain-kernels"), imported.cfg.num_hidden_layers
+
+    return lower
 
 
 @pytest.mark.parametrize("family,target,quant", CPU_CASES)
-def test_cpu_decode_launches_five_kernels_per_layer(checkpoints, family, target, quant):
-    mod, layers = _lowered(checkpoints[family], target, quant)
+def test_cpu_decode_launches_five_kernels_per_layer(lowered, family, target, quant):
+    mod, _, layers = lowered(family, target, quant)
     # the four projections (their norms, quantization, SwiGLU and casts inside) and the attention
     assert kernel_launches(mod, "decode") == 5 * layers + 2
     # prefill's kernels of sequence-long results stay apart (chain_kernels._static): its norms are kernels
@@ -206,24 +217,20 @@ def test_cpu_decode_launches_five_kernels_per_layer(checkpoints, family, target,
 @pytest.mark.parametrize("target", GPU_TARGETS)
 @pytest.mark.xfail(strict=True, reason="GPU targets still launch the norms and SwiGLU as kernels of their own "
                                        "(8 per layer): fusing them needs GEMV kernels of ours (issue 41)")
-def test_gpu_decode_launches_at_most_six_kernels_per_layer(checkpoints, target):
-    mod, layers = _lowered(checkpoints["llama_gqa"], target, None)
+def test_gpu_decode_launches_at_most_six_kernels_per_layer(lowered, target):
+    mod, _, layers = lowered("llama_gqa", target, None)
     assert kernel_launches(mod) - 2 <= MAX_LAUNCHES_PER_LAYER * layers
 
 
-def test_nothing_runs_between_the_qkv_projection_and_attention(checkpoints):
+def test_nothing_runs_between_the_qkv_projection_and_attention(lowered):
     """Each attention call reads the result of the kernel that computed its layer's QKV projection (RoPE and the KV
     append run inside the cache's attention)."""
-    spec, scheme = target_and_scheme("x86-64-v3", None)
-    with open_model(str(checkpoints["qwen3"])) as ckpt:
-        imported = import_model(ckpt, scheme, spec, 64)
-    chained = {}
-    pipeline.run_steps(imported.mod, spec, lambda _, step, mod: chained.setdefault(step, mod))
-    func = chained["chain-kernels"]["decode"]
+    _, chained, layers = lowered("qwen3", "x86-64-v3", None)
+    func = chained["decode"]
     bindings = {b.var: b.value for block in func.body.blocks for b in block.bindings}
     attention = [v for v in bindings.values() if isinstance(v, relax.Call) and len(v.args) > 1
                  and isinstance(v.args[0], relax.ExternFunc) and "attention_with_fused_qkv" in v.args[0].global_symbol]
-    assert len(attention) == imported.cfg.num_hidden_layers
+    assert len(attention) == layers
     for layer, call in enumerate(attention):
         qkv = bindings[call.args[1].fields[-1]]
         kernel = bindings[qkv.tuple_value] if isinstance(qkv, relax.TupleGetItem) else qkv

@@ -183,6 +183,8 @@ class GemmaAttention(LlamaAttention):
     """Llama's fused q/k/v projection, q/k norms (Gemma 3's own) and cache; this layer's RoPE applied in the graph
     (rotary.py)."""
 
+    QK_NORM_WEIGHT_OFFSET = 1.0
+
     def __init__(self, cfg: GemmaConfig, layer_id: int):
         super().__init__(cfg)
         self.sm_scale = 1.0 / math.sqrt(cfg.query_pre_attn_scalar)

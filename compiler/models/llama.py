@@ -285,6 +285,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    QK_NORM_WEIGHT_OFFSET = 0.0  # the q/k norms scale by weight + this (Gemma: 1)
+
     def __init__(self, cfg: LlamaConfig):
         self.num_q_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -292,6 +294,7 @@ class LlamaAttention(nn.Module):
         self.kv_dtype = cfg.kv_dtype
         self.carrier = cfg.kv_carrier
         self.qk_norm = cfg.qk_norm
+        self.qk_norm_eps = cfg.rms_norm_eps
         self.rotary = cfg.rotary_in_model()
         qkv_rows = (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_rows, bias=cfg.attention_bias)
@@ -308,8 +311,26 @@ class LlamaAttention(nn.Module):
         qkv = op.reshape(self.qkv_proj(x), (b, s, self.num_q_heads + 2 * self.num_kv_heads, self.head_dim))
         if not self.qk_norm:
             return qkv
-        q, k, v = op.split(qkv, [self.num_q_heads, self.num_q_heads + self.num_kv_heads], axis=2)
-        return op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
+        q_heads, normed_heads, eps = self.num_q_heads, self.num_q_heads + self.num_kv_heads, self.qk_norm_eps
+        offset = self.QK_NORM_WEIGHT_OFFSET
+
+        def qk_norm(x: te.Tensor, q_weight: te.Tensor, k_weight: te.Tensor) -> te.Tensor:
+            """One kernel (a GPU launch, not split / two norms / concat): the q and k heads RMS-normalized over
+            head_dim in float32, each by its weight (+ the offset), the v heads as they are."""
+            d = x.shape[-1]
+            k = te.reduce_axis((0, d), name="k")
+            sum_sq = te.compute(x.shape[:-1], lambda *i: te.sum(
+                x(*i, k).astype("float32") * x(*i, k).astype("float32"), axis=k), name="qk_sum_sq")
+
+            def value(*i):
+                weight = tirx.if_then_else(i[2] < q_heads, q_weight[i[3]], k_weight[i[3]]).astype("float32")
+                rsqrt = tirx.rsqrt(sum_sq(*i[:-1]) / tirx.const(int(d), "float32") + tirx.const(eps, "float32"))
+                normed = (rsqrt * x(*i).astype("float32") * (weight + tirx.const(offset, "float32"))).astype(x.dtype)
+                return tirx.if_then_else(i[2] < normed_heads, normed, x(*i))
+
+            return te.compute(x.shape, value, name="qk_norm")
+
+        return op.tensor_expr_op(qk_norm, "qk_norm", [qkv, self.q_norm.weight, self.k_norm.weight])
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
         qkv = self._qkv(x)

@@ -10,6 +10,8 @@ import tvm_ffi
 from tvm import relax, s_tir, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .ir_walk import packed_weights
+
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 _CALL_PURE_PACKED = tvm.ir.Op.get("relax.call_pure_packed")
 # OpPatternKind::kOpaque, as the kernels it chains.
@@ -26,7 +28,7 @@ class _Chain:
     hoisted: list[relax.VarBinding] = dataclasses.field(default_factory=list)
 
 
-def _kernel_call(binding) -> relax.Call | None:
+def kernel_call(binding) -> relax.Call | None:
     """The call_tir of `binding` when it calls a PrimFunc with plain arguments (no symbolic-shape arguments)."""
     value = binding.value if isinstance(binding, relax.VarBinding) else None
     if isinstance(value, relax.Call) and value.op == _CALL_TIR and len(value.args) == 2:
@@ -38,7 +40,7 @@ def _outputs(call: relax.Call) -> list:
     return list(call.ty.fields) if isinstance(call.ty, relax.TupleType) else [call.ty]
 
 
-def _static(call: relax.Call) -> bool:
+def fixed_shapes(call: relax.Call) -> bool:
     """Whether every result of `call` has a fixed shape (decode). Prefill's sequence-long results are left apart: a
     chain's results are all allocated at once, where the memory plan reuses one kernel's storage for a later one's
     (SmolLM2's prefill activations would grow 77 -> 98 MB), and prefill is bound by compute, not launches."""
@@ -60,20 +62,7 @@ class _Planner:
 
     def __init__(self, mod: tvm.IRModule, func: relax.Function):
         self.mod = mod
-        self.weights = self._weights(func)
-
-    @staticmethod
-    def _weights(func: relax.Function) -> set:
-        """The variables bound to items of the function's parameter tuple (the packed weights) of 2+ dims."""
-        params = {p for p in func.params if isinstance(p.ty, relax.TupleType)}
-        found = set()
-        for block in func.body.blocks:
-            for binding in block.bindings:
-                value = binding.value
-                if (isinstance(value, relax.TupleGetItem) and any(value.tuple_value.same_as(p) for p in params)
-                        and isinstance(binding.var.ty, relax.TensorType) and binding.var.ty.ndim >= 2):
-                    found.add(binding.var)
-        return found
+        self.weights = packed_weights(func)
 
     def _independent(self, binding, produced: set) -> bool:
         """A binding a chain may run after: a pure call or tuple item that reads nothing the run produced."""
@@ -85,8 +74,8 @@ class _Planner:
     def chains(self, block) -> list[_Chain]:
         runs, run, between, produced = [], [], [], set()
         for binding in block.bindings:
-            call = _kernel_call(binding)
-            if call is not None and isinstance(self.mod[call.args[0]], tirx.PrimFunc) and _static(call):
+            call = kernel_call(binding)
+            if call is not None and isinstance(self.mod[call.args[0]], tirx.PrimFunc) and fixed_shapes(call):
                 run.append(binding)
                 produced.add(binding.var)
             elif (run and isinstance(binding.value, relax.TupleGetItem)

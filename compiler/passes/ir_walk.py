@@ -34,6 +34,15 @@ def use_counts(func: relax.Function) -> dict[relax.Var, int]:
     return counts
 
 
+def packed_weights(func: relax.Function) -> set:
+    """The variables bound to items of the function's parameter tuple (the packed weights) of 2+ dimensions: the
+    projections' and the embedding's, not the norms' vectors."""
+    params = {p for p in func.params if isinstance(p.ty, relax.TupleType)}
+    return {b.var for block in func.body.blocks for b in block.bindings
+            if isinstance(b.value, relax.TupleGetItem) and any(b.value.tuple_value.same_as(p) for p in params)
+            and isinstance(b.var.ty, relax.TensorType) and b.var.ty.ndim >= 2}
+
+
 def rewrite_relax_functions(mod: tvm.IRModule, rewriter, track_uses: bool = False) -> tvm.IRModule:
     """Run `rewriter` (a PyExprMutator built over `mod`) on every Relax function and drop the bindings the
     rewrite left unread. With `track_uses`, `rewriter.uses` holds each function's use counts while it runs."""

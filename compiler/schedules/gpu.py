@@ -13,8 +13,9 @@ from typing import Any
 
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight
-from tvm.s_tir.dlight.analysis import SBlockInfo, is_broadcast_epilogue
-from tvm.s_tir.dlight.base import get_extent
+from tvm.s_tir.dlight.analysis import (SBlockInfo, collect_block_iter_vars_used_in_access_region,
+                                       is_broadcast_epilogue, is_gemv, normalize, normalize_prim_func)
+from tvm.s_tir.dlight.base import get_extent, try_inline_contiguous_spatial
 from tvm.target import Target
 
 from ..quantization.group import NIBBLE_BLOCK
@@ -73,7 +74,48 @@ class GEMV(dlight.gpu.GEMV):
         self.params = params
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
-        return super().apply(func, _device_only(target), tunable)
+        target = _device_only(target)
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        prologue = _row_values(sch, infos)
+        if not prologue:
+            return super().apply(func, target, tunable)
+        return self._with_prologue(sch, target, infos, prologue)
+
+    def takes(self, func: tirx.PrimFunc, target: Target) -> bool:
+        """Whether this rule schedules `func`. dlight's analyses assert, and schedule primitives raise, on access
+        patterns they do not take: for a kernel a pass only proposes, any failure means no."""
+        try:
+            return self.apply(func, target, False) is not None
+        except Exception:  # pylint: disable=broad-exception-caught
+            return False
+
+    def _with_prologue(self, sch: s_tir.Schedule, target: Target, infos: list[SBlockInfo],
+                       prologue: list[SBlockInfo]):
+        """A GEMV whose vector operand is computed in the kernel from values of the whole input row (RMSNorm's sum
+        of squares and its rsqrt, passes/fuse_gemv_prologue.py): each work group reduces the row itself, across
+        its K threads, before its share of the GEMV; the elementwise rest is inlined into the GEMV's loads."""
+        rest = try_inline_contiguous_spatial(sch, [info for info in infos if info not in prologue])
+        if rest is None or len(rest) > 2 or (len(rest) == 2 and not rest[1].is_injective()):
+            return None
+        gemv = rest[0]
+        vector_buffers = is_gemv(sch, gemv) if len(gemv.iters) in (2, 3) else None
+        if vector_buffers is None or normalize(sch, gemv) is not True:
+            return None
+        sch = self.sch_inner_reduction(sch, target, gemv.block_rv, vector_buffers, rest[1] if len(rest) == 2 else None)
+        work_group = sch.get_loops(gemv.block_rv)[0]
+        tag_r = ROW_THREAD_TAGS[1 - ROW_THREAD_TAGS.index(self.params["row_threads"])]
+        for info in reversed(prologue):  # each before its readers, which are in the work group by now
+            sch.compute_at(info.block_rv, work_group, preserve_unit_loops=True)
+            if info.is_reduction():
+                _, threads = sch.split(sch.get_loops(info.block_rv)[-1], factors=[None, self.params["tr"]])
+                sch.bind(threads, tag_r)
+                sch.set_scope(info.block_rv, 0, "shared")
+            else:
+                sch.set_scope(info.block_rv, 0, "local")
+        return sch
 
     def sch_inner_reduction(  # pylint: disable=too-many-arguments,too-many-locals,unused-argument
         self, sch: s_tir.Schedule, target: Target, block, vector_input_buffers, epilogue_info: SBlockInfo | None
@@ -105,7 +147,8 @@ class GEMV(dlight.gpu.GEMV):
         sch.bind(t_s, tag_s)
         sch.bind(t_r, tag_r)
         sch.vectorize(v)
-        weights = sch.cache_read(rf, read_buffer_index=1, storage_scope="local")
+        weights = sch.cache_read(rf, read_buffer_index=_matrix_read(sch, rf), storage_scope="local",
+                                 consumer_blocks=[rf])
         sch.compute_at(weights, r, preserve_unit_loops=True)
         if code_loads.code_read_index(sch, rf) is not None:
             code_loads.stage_codes(sch, rf, r)
@@ -152,6 +195,33 @@ class GEMV(dlight.gpu.GEMV):
                 sch.bind(sch.fuse(outer, t_s), tag_s)
                 sch.set_scope(block, 0, "local")
         return sch
+
+
+def _matrix_read(sch: s_tir.Schedule, block) -> int:
+    """The index of the first buffer `block` reads at every one of its iterators (a weight matrix, not the vector
+    operand or a value of the whole row)."""
+    stmt = sch.get(block)
+    return next(i for i, read in enumerate(stmt.reads)
+                if len(collect_block_iter_vars_used_in_access_region(stmt, read.region)) == len(stmt.iter_vars))
+
+
+def _row_values(sch: s_tir.Schedule, infos: list[SBlockInfo] | None) -> list[SBlockInfo]:
+    """The blocks before a function's last reduction that write one value (a decode row's sum of squares and its
+    rsqrt) where a reduction is among them; [] for any other function."""
+    if not infos:
+        return []
+    reductions = [i for i, info in enumerate(infos) if info.is_reduction()]
+    if len(reductions) < 2:
+        return []
+    scalars = [info for info in infos[:reductions[-1]]
+               if all(_extent(d) == 1 for d in sch.get(info.block_rv).writes[0].source.shape)]
+    if not all(infos[i] in scalars for i in reductions[:-1]):
+        return []
+    return scalars
+
+
+def _extent(dim) -> int | None:
+    return dim.value if isinstance(dim, tirx.IntImm) else None
 
 
 def _max_factor(n: int, factors: list[int]) -> int:

@@ -210,15 +210,28 @@ def test_cpu_decode_launches_five_kernels_per_layer(lowered, family, target, qua
     mod, _, layers = lowered(family, target, quant)
     # the four projections (their norms, quantization, SwiGLU and casts inside) and the attention
     assert kernel_launches(mod, "decode") == 5 * layers + 2
-    # prefill's kernels of sequence-long results stay apart (chain_kernels._static): its norms are kernels
+    # prefill's kernels of sequence-long results stay apart (chain_kernels.fixed_shapes): its norms are kernels
     assert kernel_launches(mod, "prefill") >= 7 * layers
 
 
 @pytest.mark.parametrize("target", GPU_TARGETS)
-@pytest.mark.xfail(strict=True, reason="GPU targets still launch the norms and SwiGLU as kernels of their own "
-                                       "(8 per layer): fusing them needs GEMV kernels of ours (issue 41)")
 def test_gpu_decode_launches_at_most_six_kernels_per_layer(lowered, target):
+    """Llama: each RMSNorm inside the GEMV that reads it (passes/fuse_gemv_prologue.py); the QKV, O, gate/up and down
+    projections, SwiGLU and the attention."""
     mod, _, layers = lowered("llama_gqa", target, None)
+    # outside the layers: lm_head with the last norm, the attention scale's host function
+    assert kernel_launches(mod) == 6 * layers + 2
+
+
+@pytest.mark.parametrize("target", GPU_TARGETS)
+@pytest.mark.parametrize("family", [
+    pytest.param("qwen3", marks=pytest.mark.xfail(strict=True, reason="Qwen3 on GPUs: 7 per layer, its q/k norm (one "
+                                                                        "kernel) beside Llama's six (issue 41)")),
+    pytest.param("gemma3", marks=pytest.mark.xfail(strict=True, reason="Gemma 3 on GPUs: its float32 norm-weight casts "
+                                                                         "(1 + w), post-norms and GeGLU are kernels of "
+                                                                         "their own (issue 41)"))])
+def test_other_families_gpu_decode_launches_at_most_six_kernels_per_layer(lowered, family, target):
+    mod, _, layers = lowered(family, target, None)
     assert kernel_launches(mod) - 2 <= MAX_LAUNCHES_PER_LAYER * layers
 
 

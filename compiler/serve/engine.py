@@ -225,9 +225,8 @@ class Engine:
         """Admit waiting requests, prefill one chunk, decode every generating sequence once. False when idle."""
         for seq in [s for s in self.active if s.request.cancelled]:
             self._end(seq, seq.finished("cancelled"), keep=False)
+            self.metrics.cancelled.inc()
         self._admit()
-        if not self.active:
-            return False
         prefilling = next((s for s in self.active if s.pending), None)
         if prefilling is not None:
             self._guarded([prefilling], self._prefill_chunk)
@@ -238,7 +237,7 @@ class Engine:
         self.metrics.sequences_cached.set(len(self.cached))
         self.metrics.kv_pages_used.set(self.total_pages - int(self._free_pages(self.kv_cache)))
         self.metrics.queue_length.set(self.queue_length)
-        return True
+        return prefilling is not None or bool(decoding)
 
     def _guarded(self, seqs: list[_Sequence], run: Callable[[list[_Sequence]], None]) -> None:
         """A model call that fails ends the requests in it, never the engine."""

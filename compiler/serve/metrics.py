@@ -57,6 +57,8 @@ class Histogram:
 class Metrics:
     def __init__(self):
         self.requests = Counter("mobilec_requests_total", "Generation requests accepted by the engine.")
+        self.cancelled = Counter("mobilec_cancelled_requests_total",
+                                 "Requests stopped before their end (a client that went away), sequences freed.")
         self.generated_tokens = Counter("mobilec_generated_tokens_total", "Tokens generated.")
         self.prefilled_tokens = Counter("mobilec_prefilled_tokens_total", "Prompt tokens run through the model.")
         self.prefix_reused_tokens = Counter("mobilec_prefix_reused_tokens_total",

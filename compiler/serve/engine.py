@@ -2,7 +2,8 @@
 
 Each step feeds one prompt chunk of a newly admitted sequence (so streams keep flowing while a long prompt is read)
 and then decodes every sequence that is generating in ONE model call: `prefill_logits` over the concatenated last
-tokens, one per sequence (begin_forward with lengths [1] * B), so the weights are read once for all of them.
+tokens, one per sequence (begin_forward with lengths [1] * B), so the weights are read once for all of them (a lone
+sequence uses the `decode` function).
 Finished sequences stay in the cache as prefixes; a request whose tokens start with one forks it and prefills only
 the rest. Not thread-safe except submit() and cancel(); one thread calls step() (run() loops it)."""
 
@@ -332,7 +333,10 @@ class Engine:
             self._take(seq, logits, now)
 
     def _decode(self, seqs: list[_Sequence]) -> None:
-        logits = self._forward(self.model._prefill_logits, seqs, [[s.generated[-1]] for s in seqs])[0]
+        # one sequence: the decode function (its GEMV kernels are the fastest single-row path); several: one
+        # prefill_logits call over their concatenated tokens, each token with its own sequence's cache
+        func = self.model._decode if len(seqs) == 1 else self.model._prefill_logits
+        logits = self._forward(func, seqs, [[s.generated[-1]] for s in seqs]).reshape(len(seqs), -1)
         now = time.perf_counter()
         for seq, row in zip(seqs, logits):
             self.metrics.token_latency_s.observe(now - seq.last_token_at)

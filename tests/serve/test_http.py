@@ -276,3 +276,18 @@ def test_sigterm_lets_the_stream_finish_then_exits(tiny_artifact):
     assert process.proc.wait(30) in (-signal.SIGTERM, 128 + signal.SIGTERM)
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", process.port), timeout=2)
+
+
+def test_second_chat_turn_reuses_the_first_turns_cache(server, client, reference):
+    greedy_text, tokenizer = reference
+    first = [{"role": "user", "content": "a dog sat on the mat and ran"}]
+    answer = client.chat.completions.create(model=MODEL, messages=first, max_tokens=6, temperature=0)
+    second = first + [{"role": "assistant", "content": answer.choices[0].message.content},
+                      {"role": "user", "content": "the cat ran"}]
+    reused_before = server.metric("mobilec_prefix_reused_tokens_total")
+    prefilled_before = server.metric("mobilec_prefilled_tokens_total")
+    reply = client.chat.completions.create(model=MODEL, messages=second, max_tokens=6, temperature=0)
+    reused = server.metric("mobilec_prefix_reused_tokens_total") - reused_before
+    assert reused >= len(chat_ids(tokenizer, first))  # at least the whole first prompt came from the cache
+    assert server.metric("mobilec_prefilled_tokens_total") - prefilled_before == reply.usage.prompt_tokens - reused
+    assert reply.choices[0].message.content == greedy_text(chat_ids(tokenizer, second), 6)

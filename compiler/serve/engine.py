@@ -15,6 +15,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import tvm
@@ -41,6 +42,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # text that ends the output (not included in it)
     stop_ids: frozenset[int] = frozenset()  # token ids that end the output (the tokenizer's end of sequence)
     logprobs: bool = False
+    # makes the sequence's token mask (structured.TokenMask: the tokens a grammar allows next); None: every token
+    mask: Callable[[], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +125,7 @@ class _Sequence:
         self.generated: list[int] = []
         self.rng = np.random.default_rng(request.params.seed)
         self.text = _StopText(decode_text, request.params.stop)
+        self.mask = request.params.mask() if request.params.mask else None
         self.last_token_at = 0.0
 
     def finished(self, reason: str) -> Finished:
@@ -345,11 +349,14 @@ class Engine:
     def _take(self, seq: _Sequence, logits: np.ndarray, now: float) -> None:
         """Sample the sequence's next token from `logits`, emit it, and end the sequence when it is done."""
         params = seq.request.params
-        token = sample(logits, params.temperature, params.top_p, seq.rng, params.top_k)
+        allowed = logits if seq.mask is None else np.where(seq.mask.allowed(), logits, -np.inf)
+        token = sample(allowed, params.temperature, params.top_p, seq.rng, params.top_k)
+        if seq.mask is not None:
+            seq.mask.accept(token)
         seq.generated.append(token)
         seq.last_token_at = now
         self.metrics.generated_tokens.inc()
-        done_by_id = token in params.stop_ids
+        done_by_id = token in params.stop_ids or (seq.mask is not None and seq.mask.done)
         done_by_length = len(seq.generated) >= params.max_tokens
         visible = seq.generated[:-1] if done_by_id else seq.generated
         text = seq.text.advance(visible, final=done_by_id or done_by_length)

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import MobilecError
 from .engine import Engine, Failed, Finished, QueueFull, Request, SamplingParams, Token
+from .structured import Grammars
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait: about one decode step of every session
 
@@ -91,6 +92,7 @@ class Server:
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.stop_ids = frozenset(i for i in [tokenizer.eos_token_id] if i is not None)
+        self.grammars = Grammars(tokenizer, int(engine.model.artifact.config["model"]["config"]["vocab_size"]))
         self.created = int(time.time())
         self.stopping = threading.Event()  # set when the server stops accepting (SIGTERM)
         self._engine_done = threading.Event()
@@ -196,9 +198,13 @@ class Server:
     def _parse(self, body: dict, chat: bool) -> _Parsed:
         if _integer(body, "n", 1, 1) != 1:
             raise _bad("n", "only n = 1 is supported; send several requests")
-        response_format = body.get("response_format")
-        if response_format not in (None, {"type": "text"}):
-            raise _bad("response_format", "only response_format {\"type\": \"text\"} is supported by this server")
+        response_format = body.get("response_format") or {"type": "text"}
+        if not isinstance(response_format, dict):
+            raise _bad("response_format", "'response_format' must be an object such as {\"type\": \"json_object\"}")
+        try:
+            mask = self.grammars.mask_factory(response_format)
+        except MobilecError as err:
+            raise _bad("response_format", str(err)) from None
         if chat:
             logprobs = body.get("logprobs") is True
             if _integer(body, "top_logprobs", 0, 0):
@@ -223,7 +229,7 @@ class Server:
             top_p=_number(body, "top_p", 1.0, 1e-9, 1.0), top_k=_integer(body, "top_k", 0, 0),
             seed=_integer(body, "seed", None, 0), stop=_stop_strings(body),
             stop_ids=frozenset() if body.get("ignore_eos") is True else self.stop_ids,
-            logprobs=logprobs)
+            logprobs=logprobs, mask=mask)
         try:
             self.engine.check_fits(len(prompt_ids), max_tokens)
         except MobilecError as err:

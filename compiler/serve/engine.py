@@ -262,10 +262,13 @@ class Engine:
         return sum(self._pages(s.final_length) - self._pages(len(s.kv_tokens)) for s in self.active)
 
     def _admit(self) -> None:
+        with self._lock:  # a cancelled request leaves the queue at once, even while every session is busy
+            gone = [r for r in self._waiting if r.cancelled]
+            self._waiting = deque(r for r in self._waiting if not r.cancelled)
+        for request in gone:
+            request.emit(Finished("cancelled", len(request.prompt_ids), 0, 0))
         while len(self.active) < self.max_sessions:
             with self._lock:
-                while self._waiting and self._waiting[0].cancelled:
-                    self._waiting.popleft().emit(Finished("cancelled", 0, 0, 0))
                 if not self._waiting:
                     return
                 request = self._waiting[0]

@@ -239,8 +239,12 @@ class Server:
     def _submit(self, parsed: _Parsed) -> tuple[Request, asyncio.Queue]:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        request = Request(parsed.prompt_ids, parsed.params,
-                          lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+
+        def emit(event) -> None:
+            if not loop.is_closed():  # after shutdown nobody listens; the engine must not fail on it
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+        request = Request(parsed.prompt_ids, parsed.params, emit)
         try:
             self.engine.submit(request)
         except QueueFull as err:

@@ -235,3 +235,18 @@ def test_run_thread_serves_submissions(model, session):
         engine.wake()
         thread.join(10)
     assert collector.tokens == session_greedy(session, PROMPTS[3], 12)
+
+
+def test_cancelled_waiting_request_leaves_the_queue_while_sessions_are_busy(model):
+    engine = Engine(model, words, max_sessions=1, max_queue=1)
+    busy, waiting = Collector(), Collector()
+    engine.submit(request(PROMPTS[0], busy, max_tokens=50))
+    engine.step()
+    waiting_request = request(PROMPTS[1], waiting)
+    engine.submit(waiting_request)
+    engine.step()
+    assert engine.queue_length == 1 and len(engine.active) == 1
+    engine.cancel(waiting_request)
+    engine.step()
+    assert engine.queue_length == 0 and waiting.end.reason == "cancelled" and busy.end is None
+    engine.submit(request(PROMPTS[2], Collector()))  # the queue has room again

@@ -79,16 +79,20 @@ def request(prompt, collector, **params):
 def test_four_batched_greedy_streams_equal_each_alone(model, session):
     engine = Engine(model, words, max_sessions=4)
     engine.model.prefill_chunk = 4  # the 11-token prompt takes three chunks, between others' decode steps
-    decoded_batches = []
+    calls = []  # (function, sequences, tokens) of every model call
     forward = engine._forward
-    engine._forward = lambda func, seqs, chunks: (decoded_batches.append(len(seqs)) if func is model._prefill_logits
-                                                  else None) or forward(func, seqs, chunks)
+    engine._forward = lambda func, seqs, chunks: calls.append((func, len(seqs), sum(map(len, chunks)))) or forward(
+        func, seqs, chunks)
     try:
         collectors = [Collector() for _ in PROMPTS]
         run(engine, *[request(p, c) for p, c in zip(PROMPTS, collectors)])
     finally:
         engine.model.prefill_chunk = int(model.artifact.config["prefill_chunk"])
-    assert max(decoded_batches) == 4  # one model call decoded all four
+    assert max(n for func, n, _ in calls if func is model._prefill_logits) == 4  # one model call decoded all four
+    chunks_of_long = [i for i, (func, _, tokens) in enumerate(calls) if func is model._prefill][3:6]  # the 11 tokens
+    assert [calls[i][2] for i in chunks_of_long] == [4, 4, 3]
+    between = calls[chunks_of_long[0]:chunks_of_long[-1]]
+    assert any(func is model._prefill_logits for func, _, _ in between)  # others kept decoding meanwhile
     for prompt, collector in zip(PROMPTS, collectors):
         assert collector.tokens == session_greedy(session, prompt, 12)
         assert collector.end == Finished("length", len(prompt), 12, len(prompt))

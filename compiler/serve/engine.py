@@ -18,14 +18,40 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import psutil
 import tvm
 
+from .. import kv_cache_dtype
 from ..errors import MobilecError
 from ..runtime.generate import sample, token_logprob
 from ..runtime.session import LoadedArtifact
 from .metrics import Metrics
 
 MAX_SESSIONS = 8  # sequences decoded together at most: beyond ~4, decode is bandwidth-bound and memory grows
+
+
+def kv_cache_bytes(model: LoadedArtifact, tokens: int) -> int:
+    """What the paged KV cache for `tokens` allocates when it is created: every layer's pages (one more than the
+    tokens need, as the runtime allocates them) at the artifact's KV dtype."""
+    cfg = model.artifact.config["model"]["config"]
+    pages = -(-tokens // model.page_size) + 1
+    per_token_layer = kv_cache_dtype.bytes_per_token_layer(cfg["kv_dtype"], cfg["num_key_value_heads"],
+                                                           cfg["head_dim"])
+    return cfg["num_hidden_layers"] * pages * model.page_size * per_token_layer
+
+
+def check_memory(model: LoadedArtifact, max_sessions: int) -> None:
+    """Refuse a session count whose KV cache (allocated whole, up front) does not fit the memory available now."""
+    need = kv_cache_bytes(model, max_sessions * model.context_window)
+    available = psutil.virtual_memory().available
+    if need > available:
+        fits = max(n for n in range(0, MAX_SESSIONS + 1)
+                   if n == 0 or kv_cache_bytes(model, n * model.context_window) <= available)
+        fix = (f"pass --max-sessions {fits} or less" if fits
+               else "free memory or recompile with a smaller --context-window")
+        raise MobilecError(f"--max-sessions {max_sessions} needs {need / 2**30:.2f} GiB of KV cache ({max_sessions} x "
+                           f"the context window of {model.context_window} tokens), but {available / 2**30:.2f} GiB "
+                           f"of memory is available; {fix}")
 
 
 class QueueFull(MobilecError):
@@ -153,6 +179,7 @@ class Engine:
         self.context_window = model.context_window
         self.page_size = model.page_size
         # room for every session to fill the context window; cached prefixes live in what they leave free
+        check_memory(model, max_sessions)
         self.kv_cache = model.create_kv_cache(max_sessions, max_sessions * model.context_window)
         dev = model.device
         self._add = dev.function("vm.builtin.kv_state_add_sequence")

@@ -2,14 +2,16 @@
 prefilled in chunks between decode steps, sampling options, cancellation, room checks, and prefix reuse."""
 
 import threading
+from types import SimpleNamespace
 
 import numpy as np
+import psutil
 import pytest
 
 from compiler.artifact import load_artifact
 from compiler.errors import MobilecError
 from compiler.runtime.session import LoadedArtifact, Session
-from compiler.serve.engine import Engine, Failed, Finished, QueueFull, Request, SamplingParams, Token
+from compiler.serve.engine import Engine, Failed, Finished, QueueFull, Request, SamplingParams, Token, kv_cache_bytes
 from tests.serve.conftest import CONTEXT_WINDOW
 
 pytestmark = pytest.mark.slow  # a tiny compile (~20 s)
@@ -254,3 +256,12 @@ def test_cancelled_waiting_request_leaves_the_queue_while_sessions_are_busy(mode
     engine.step()
     assert engine.queue_length == 0 and waiting.end.reason == "cancelled" and busy.end is None
     engine.submit(request(PROMPTS[2], Collector()))  # the queue has room again
+
+
+def test_kv_cache_that_does_not_fit_memory_is_refused(model, monkeypatch):
+    need_two = kv_cache_bytes(model, 2 * CONTEXT_WINDOW)
+    assert need_two > kv_cache_bytes(model, CONTEXT_WINDOW) > 0
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=need_two))
+    Engine(model, words, max_sessions=2)  # fits exactly
+    with pytest.raises(MobilecError, match="--max-sessions 3 needs .* GiB of KV cache .*; pass --max-sessions 2 or "):
+        Engine(model, words, max_sessions=3)

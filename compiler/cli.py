@@ -369,6 +369,64 @@ def generate(as_json, **options):
 
 @main.command()
 @click.argument("artifact", type=click.Path())
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; loopback by default (0.0.0.0 serves the whole network: set --api-key).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--max-sessions", type=int, default=4, show_default=True,
+              help="Sequences generated together, 1 to 8; each step decodes all of them in one model call.")
+@click.option("--max-queue", type=int, default=16, show_default=True,
+              help="Requests that may wait for a session; beyond that the server answers 429 with Retry-After.")
+@click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/* and /metrics.")
+@click.option("--model-name", default=None, help="The model id clients send (default: the artifact's directory name).")
+@click.option("--max-request-bytes", "max_body_bytes", type=int, default=1 << 20, show_default=True,
+              help="Largest request body accepted (413 beyond).")
+@click.option("--shutdown-timeout", "shutdown_timeout_s", type=float, default=10.0, show_default=True,
+              help="Seconds in-flight streams may run after SIGTERM or Ctrl-C before they are cancelled.")
+@click.option("--threads", type=int, default=None, help="CPU threads (default: TVM_NUM_THREADS or one per core).")
+@json_option("the address and model id once the server listens")
+def serve(as_json, **options):
+    """Serve ARTIFACT over an OpenAI-compatible HTTP API until SIGTERM or Ctrl-C.
+
+    \b
+    Endpoints: POST /v1/chat/completions, POST /v1/completions (both with "stream": true for server-sent
+    events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+    Up to --max-sessions requests generate together; a chat's next turn reuses the cached keys and values of
+    the previous one and prefills only the new tokens. Example:
+
+    \b
+      mobilec serve ./smollm2-host --port 8000
+      curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "smollm2-host", "messages": [{"role": "user", "content": "Hi"}]}'
+    """
+    # pylint: disable=import-outside-toplevel
+    from . import validate
+
+    validate.count(options["port"], "--port", 1, 65535)
+    validate.count(options["max_sessions"], "--max-sessions", 1, 8)
+    validate.count(options["max_queue"], "--max-queue", 1)
+    validate.count(options["max_body_bytes"], "--max-request-bytes", 1024)
+    validate.seconds(options["shutdown_timeout_s"], "--shutdown-timeout")
+    validate.threads(options["threads"])
+    if options["api_key"] is not None:
+        validate.text(options["api_key"], "--api-key")
+    try:
+        from .serve.http import ServeOptions, serve as run_server
+    except ImportError as err:
+        raise MobilecError(f"`mobilec serve` needs its extra packages ({err.name} is missing); "
+                           f"pip install 'mobilec[serve]'") from None
+
+    def ready(url: str, model: str) -> None:
+        if as_json:
+            click.echo(json.dumps({"url": url, "model": model, "max_sessions": options["max_sessions"]}))
+        else:
+            click.echo(f"serving {model} at {url}/v1 ({options['max_sessions']} sessions); Ctrl-C stops", err=True)
+        sys.stdout.flush()
+
+    run_server(ServeOptions(**options), on_ready=ready)
+
+
+@main.command()
+@click.argument("artifact", type=click.Path())
 @click.option("--target", default=None,
               help="The artifact's target, checked (default: the one it was compiled for): host, linux-arm64, "
                    "android-arm64.")

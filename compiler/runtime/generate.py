@@ -29,17 +29,25 @@ class GenerationResult:
     peak_rss_mb: float
 
 
-def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
-    """Greedy when temperature is 0; otherwise nucleus sampling."""
+def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator, top_k: int = 0) -> int:
+    """Greedy when temperature is 0; otherwise nucleus sampling among the `top_k` likeliest tokens (0: all)."""
     if temperature <= 0:
         return int(np.argmax(logits))
     scaled = (logits - logits.max()) / temperature
     probs = np.exp(scaled)
     probs /= probs.sum()
     order = np.argsort(-probs)
-    cumulative = np.cumsum(probs[order])
+    if top_k > 0:
+        order = order[:top_k]
+    cumulative = np.cumsum(probs[order]) / probs[order].sum()
     keep = order[: int(np.searchsorted(cumulative, top_p)) + 1]
     return int(rng.choice(keep, p=probs[keep] / probs[keep].sum()))
+
+
+def token_logprob(logits: np.ndarray, token: int) -> float:
+    """The model's log-probability of `token` (before temperature and truncation): what OpenAI's logprobs report."""
+    shifted = logits - logits.max()
+    return float(shifted[token] - np.log(np.exp(shifted).sum()))
 
 
 def peak_rss_mb() -> float:

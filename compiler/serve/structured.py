@@ -45,7 +45,7 @@ class Grammars:
         try:
             import xgrammar  # pylint: disable=import-outside-toplevel
         except ImportError:
-            raise MobilecError("response_format json needs the xgrammar package; pip install 'mobilec[serve]'") \
+            raise MobilecError("response_format json needs the xgrammar package; pip install --no-deps xgrammar==0.2.9") \
                 from None
         if self._compiler is None:
             info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)

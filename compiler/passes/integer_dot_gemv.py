@@ -7,7 +7,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ..kernels.integer_dot_gemv import ACTIVATION_BITS, GemvShape, gemv, quantize_activation
+from ..kernels.integer_dot_gemv import ACTIVATION_BITS, KERNEL_PREFIX, GemvShape, gemv, quantize_activation
 from ..quantization.modules import LAYOUT_ATTR
 from .ir_walk import rewrite_relax_functions
 
@@ -79,7 +79,7 @@ class _Rewriter(PyExprMutator):
             return call
         x, stored, shape, x_shape, y_shape = matched
         quantize = self._kernel(f"quantize_activation_{shape.activation_name()}", lambda: quantize_activation(shape, x_shape))
-        product = self._kernel(f"integer_dot_gemv_{shape.name()}", lambda: gemv(shape, y_shape))
+        product = self._kernel(f"{KERNEL_PREFIX}{shape.name()}", lambda: gemv(shape, y_shape))
         act = self.builder_.emit(relax.call_tir(quantize, [x], [
             relax.TensorType([shape.k], shape.act_dtype), relax.TensorType([shape.lane_terms], "float32"),
             relax.TensorType([shape.sum_terms], "float32")]))

@@ -1,9 +1,10 @@
 """The serving engine: several sequences of one loaded artifact in one paged KV cache, stepped together.
 
 Each step feeds one prompt chunk of a newly admitted sequence (so streams keep flowing while a long prompt is read)
-and then decodes every sequence that is generating in ONE model call: `prefill_logits` over the concatenated last
-tokens, one per sequence (begin_forward with lengths [1] * B), so the weights are read once for all of them (a lone
-sequence uses the `decode` function).
+and then decodes every sequence that is generating: in ONE model call, `prefill_logits` over the concatenated last
+tokens, one per sequence (begin_forward with lengths [1] * B), so the weights are read once for all of them, where
+the artifact's decode GEMVs are float ones; one `decode` call per sequence where they are integer-dot kernels
+(Engine._decode says why).
 Finished sequences stay in the cache as prefixes; a request whose tokens start with one forks it and prefills only
 the rest. Not thread-safe except submit() and cancel(); one thread calls step() (run() loops it)."""
 
@@ -23,6 +24,7 @@ import tvm
 
 from .. import kv_cache_dtype
 from ..errors import MobilecError
+from ..kernels import integer_dot_gemv
 from ..runtime.generate import sample, token_logprob
 from ..runtime.session import LoadedArtifact
 from .metrics import Metrics
@@ -177,6 +179,8 @@ class Engine:
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         self.context_window = model.context_window
+        kernels = model.artifact.config.get("call_sites", {}).get("kernels", [])
+        self.batched_decode = not any(name.startswith(integer_dot_gemv.KERNEL_PREFIX) for name in kernels)
         self.page_size = model.page_size
         # room for every session to fill the context window; cached prefixes live in what they leave free
         check_memory(model, max_sessions)
@@ -367,10 +371,16 @@ class Engine:
             self._take(seq, logits, now)
 
     def _decode(self, seqs: list[_Sequence]) -> None:
-        # one sequence: the decode function (its GEMV kernels are the fastest single-row path); several: one
-        # prefill_logits call over their concatenated tokens, each token with its own sequence's cache
-        func = self.model._decode if len(seqs) == 1 else self.model._prefill_logits
-        logits = self._forward(func, seqs, [[s.generated[-1]] for s in seqs]).reshape(len(seqs), -1)
+        # Several sequences in one prefill_logits call (each token with its own sequence's cache: the weights read
+        # once) where the artifact's decode GEMVs are float ones; one decode call each where they are integer-dot
+        # kernels, whose one-row speed the prefill kernels at 2-8 rows do not reach (SmolLM2 gguf, Zen 4: 27 tok/s
+        # per stream at 2 streams batched, 102 alone) and whose int16 activations would make a request's tokens
+        # depend on its neighbours.
+        if len(seqs) > 1 and self.batched_decode:
+            rows = self._forward(self.model._prefill_logits, seqs, [[s.generated[-1]] for s in seqs])
+            logits = list(rows.reshape(len(seqs), -1))
+        else:
+            logits = [self._forward(self.model._decode, [s], [[s.generated[-1]]]).reshape(-1) for s in seqs]
         now = time.perf_counter()
         for seq, row in zip(seqs, logits):
             self.metrics.token_latency_s.observe(now - seq.last_token_at)

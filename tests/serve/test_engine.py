@@ -9,9 +9,13 @@ import psutil
 import pytest
 
 from compiler.artifact import load_artifact
+from compiler.compile_model import CompileOptions, compile_model
+from compiler.kernels import integer_dot_gemv
+from compiler.targets import load_target
 from compiler.errors import MobilecError
 from compiler.runtime.session import LoadedArtifact, Session
 from compiler.serve.engine import Engine, Failed, Finished, QueueFull, Request, SamplingParams, Token, kv_cache_bytes
+from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 from tests.serve.conftest import CONTEXT_WINDOW
 
 pytestmark = pytest.mark.slow  # a tiny compile (~20 s)
@@ -265,3 +269,34 @@ def test_kv_cache_that_does_not_fit_memory_is_refused(model, monkeypatch):
     Engine(model, words, max_sessions=2)  # fits exactly
     with pytest.raises(MobilecError, match="--max-sessions 3 needs .* GiB of KV cache .*; pass --max-sessions 2 or "):
         Engine(model, words, max_sessions=3)
+
+
+@pytest.fixture(scope="module")
+def integer_artifact(tmp_path_factory):
+    """The tiny model at q4f16_g32: on a CPU with an integer dot product (x86 AVX2+, ARM dotprod) its decode GEMVs are
+    integer-dot kernels."""
+    root = tmp_path_factory.mktemp("serve_int")
+    save_compilable_checkpoint(build_model("llama_gqa", vocab_size=12), root / "hf")
+    compile_model(CompileOptions(str(root / "hf"), "host", "q4f16_g32", str(root / "artifact"),
+                                 context_window=CONTEXT_WINDOW, progress=False))
+    return root / "artifact"
+
+
+def test_integer_gemv_artifacts_decode_each_sequence_with_the_decode_function(integer_artifact):
+    """Batched rows would run the float prefill kernels; each request keeps the tokens the decode function gives it
+    alone."""
+    if integer_dot_gemv.family(load_target("host").tvm_target()) is None:
+        pytest.skip("this CPU has no integer dot product: the artifact's GEMVs are float ones")
+    model = LoadedArtifact(load_artifact(integer_artifact))
+    engine = Engine(model, words, max_sessions=4)
+    assert not engine.batched_decode
+    calls = []
+    forward = engine._forward
+    engine._forward = lambda func, seqs, chunks: calls.append((func, len(seqs))) or forward(func, seqs, chunks)
+    collectors = [Collector() for _ in PROMPTS]
+    run(engine, *[request(p, c) for p, c in zip(PROMPTS, collectors)])
+    assert {n for func, n in calls if func is not model._prefill} == {1}
+    assert sum(func is model._decode for func, _ in calls) == 4 * 11  # 12 tokens each, the first from the prefill
+    session = Session(load_artifact(integer_artifact))
+    for prompt, collector in zip(PROMPTS, collectors):
+        assert collector.tokens == session_greedy(session, prompt, 12)

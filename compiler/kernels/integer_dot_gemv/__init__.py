@@ -57,6 +57,11 @@ ACTIVATION_BITS = tuple(int(name.removeprefix("int")) for name in DECODE_ACTIVAT
 VARIANTS = {"x86_64": x86, "aarch64": arm}
 
 
+# The kernels' names start with this (passes/integer_dot_gemv.py names them; the serving engine reads them in an
+# artifact's call sites).
+KERNEL_PREFIX = "integer_dot_gemv_"
+
+
 def family(target: Target) -> str | None:
     """The integer dot-product family the kernel uses on `target`, or None where it has no variant for it."""
     isa = cpu_isa(target)

@@ -10,7 +10,7 @@ import tvm_ffi
 from tvm import relax, s_tir, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .ir_walk import packed_weights
+from .ir_walk import UniqueKernels, packed_weights
 
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 _CALL_PURE_PACKED = tvm.ir.Op.get("relax.call_pure_packed")
@@ -174,7 +174,7 @@ class _Rewriter(PyExprMutator):
         self.first: dict = {}  # var of a chain's first binding -> (chain, its PrimFunc, its inputs)
         self.later: set = set()  # vars of the chains' other bindings (and the bindings they hoist): emitted first
         self.items: dict = {}  # var of a chain kernel's tuple result -> (the chained call's var, its first index)
-        self.kernels: list[tuple[tirx.PrimFunc, relax.GlobalVar]] = []
+        self.kernels = UniqueKernels(self.builder_)
 
     def plan(self, func: relax.Function) -> None:
         self.first, self.later, self.items = {}, set(), {}
@@ -188,14 +188,6 @@ class _Rewriter(PyExprMutator):
                     continue
                 self.first[chain.bindings[0].var] = (chain, *built)
                 self.later.update(b.var for b in chain.bindings[1:] + chain.hoisted)
-
-    def _kernel(self, func: tirx.PrimFunc, name: str) -> relax.GlobalVar:
-        for known, gv in self.kernels:
-            if tvm_ffi.structural_equal(known, func, map_free_vars=True):
-                return gv
-        gv = self.builder_.add_func(func, name)
-        self.kernels.append((func, gv))
-        return gv
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         if binding.var in self.later:
@@ -213,7 +205,7 @@ class _Rewriter(PyExprMutator):
         for hoisted in chain.hoisted:
             super().visit_var_binding_(hoisted)
         anchor = chain.anchor or chain.bindings[0]
-        gv = self._kernel(func, f"{anchor.value.args[0].name_hint}_chained")
+        gv = self.kernels.add(func, f"{anchor.value.args[0].name_hint}_chained")
         outputs = [ty for b in chain.bindings for ty in _outputs(b.value)]
         merged = self.builder_.emit(relax.call_tir(gv, [self.visit_expr(i) for i in inputs], outputs),
                                     "chained")

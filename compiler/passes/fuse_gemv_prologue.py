@@ -16,7 +16,7 @@ from tvm import relax, s_tir, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .chain_kernels import kernel_call, fixed_shapes
-from .ir_walk import packed_weights, tir_statements, use_counts
+from .ir_walk import UniqueKernels, packed_weights, tir_statements, use_counts
 
 
 def _reduces(func: tirx.PrimFunc) -> bool:
@@ -70,7 +70,7 @@ class _Rewriter(PyExprMutator):
         self.schedulable = schedulable
         self.fused: dict = {}  # var of a GEMV binding -> (fused PrimFunc, its Relax inputs)
         self.dropped: set = set()  # vars of the producers now inside a GEMV
-        self.kernels: list[tuple[tirx.PrimFunc, relax.GlobalVar]] = []
+        self.kernels = UniqueKernels(self.builder_)
         self.verdicts: list[tuple[tirx.PrimFunc, bool]] = []  # each layer's fused kernels are the same: asked once
 
     def plan(self, func: relax.Function) -> None:
@@ -104,14 +104,6 @@ class _Rewriter(PyExprMutator):
         self.verdicts.append((func, self.schedulable(func)))
         return self.verdicts[-1][1]
 
-    def _kernel(self, func: tirx.PrimFunc, name: str) -> relax.GlobalVar:
-        for known, gv in self.kernels:
-            if tvm_ffi.structural_equal(known, func, map_free_vars=True):
-                return gv
-        gv = self.builder_.add_func(func, name)
-        self.kernels.append((func, gv))
-        return gv
-
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         if binding.var in self.dropped:
             return
@@ -119,7 +111,7 @@ class _Rewriter(PyExprMutator):
             super().visit_var_binding_(binding)
             return
         producer, func, inputs = self.fused[binding.var]
-        gv = self._kernel(func, f"{binding.value.args[0].name_hint}_after_{producer}")
+        gv = self.kernels.add(func, f"{binding.value.args[0].name_hint}_after_{producer}")
         call = relax.call_tir(gv, [self.visit_expr(i) for i in inputs], binding.value.ty)
         emit = self.builder_.emit if isinstance(binding.var, relax.DataflowVar) else self.builder_.emit_output
         self.set_var_remap(binding.var, emit(call, binding.var.name))

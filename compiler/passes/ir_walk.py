@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import tvm
-from tvm import relax
+import tvm_ffi
+from tvm import relax, tirx
 
 _CHILDREN = ("body", "seq", "block", "then_case", "else_case", "init")
 
@@ -52,3 +53,20 @@ def rewrite_relax_functions(mod: tvm.IRModule, rewriter, track_uses: bool = Fals
                 rewriter.uses = use_counts(func)
             rewriter.builder_.update_func(gv, relax.analysis.remove_all_unused(rewriter.visit_expr(func)))
     return rewriter.builder_.get()
+
+
+class UniqueKernels:  # pylint: disable=too-few-public-methods
+    """The PrimFuncs a rewrite adds to its module, each once: a kernel structurally equal to one added before (another
+    layer's) reuses that one's GlobalVar."""
+
+    def __init__(self, builder: relax.BlockBuilder):
+        self.builder = builder
+        self.added: list[tuple[tirx.PrimFunc, relax.GlobalVar]] = []
+
+    def add(self, func: tirx.PrimFunc, name: str) -> relax.GlobalVar:
+        for known, gv in self.added:
+            if tvm_ffi.structural_equal(known, func, map_free_vars=True):
+                return gv
+        gv = self.builder.add_func(func, name)
+        self.added.append((func, gv))
+        return gv

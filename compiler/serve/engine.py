@@ -305,8 +305,13 @@ class Engine:
                 request = self._waiting[0]
             parent, reused = self._longest_cached_prefix(request.prompt_ids)
             need = self._pages(len(request.prompt_ids) + request.params.max_tokens - 1)
-            if not self._make_room(need, keep=parent):
+            # a fork shares the parent's whole pages (the cache copies only a partly filled last one)
+            if not self._make_room(need - reused // self.page_size, keep=parent):
                 return  # wait for an active sequence to end
+            if parent is not None and parent not in self.cached:  # evicted for room after all: nothing shared
+                parent = None
+                if not self._make_room(need, keep=None):
+                    return
             with self._lock:
                 self._waiting.popleft()
             seq_id = next(self._seq_ids)

@@ -230,6 +230,21 @@ def test_cached_prefixes_are_evicted_least_recently_used(model):
     assert list(engine.cached.values())[0][:100] == [9] * 100 and len(engine.cached) == 1
 
 
+def test_a_prefix_over_half_the_cache_is_forked_not_evicted(model, session):
+    """A fork shares the parent's whole pages: a next turn whose history fills most of the cache still reuses it
+    (counting the fork's pages in full would evict the history and prefill it all again)."""
+    engine = Engine(model, words, max_sessions=1)  # 128 tokens of cache: 8 pages of 16, plus one
+    turn1 = Collector()
+    prompt = (PROMPTS[0] * 12)[:70]
+    run(engine, request(prompt, turn1, max_tokens=4))
+    history = prompt + turn1.tokens + [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    turn2 = Collector()
+    run(engine, request(history, turn2, max_tokens=4))
+    # the cache held the prompt and the answer but its last token (73 tokens: 4 whole pages and 9 tokens)
+    assert turn2.end.prefilled_tokens == len(history) - 73
+    assert turn2.tokens == session_greedy(session, history, 4)
+
+
 def test_run_thread_serves_submissions(model, session):
     engine = Engine(model, words)
     stopping = threading.Event()

@@ -146,13 +146,6 @@ def recording(instrument) -> tvm.transform.PassContext:
                                      instruments=[*current.instruments, instrument])
 
 
-def _kv_layer_bytes(cfg: LlamaConfig, context: int, kv_dtype: str) -> int:
-    """One layer's pages as the runtime allocates them: (pages, 2, kv heads, page size, head dim) as declared
-    (kv_cache_dtype.bytes_per_token_layer), one page more than the context needs."""
-    pages = -(-context // PAGE_SIZE) + 1
-    return pages * PAGE_SIZE * kv_cache_dtype.bytes_per_token_layer(kv_dtype, cfg.num_key_value_heads, cfg.head_dim)
-
-
 def _attention_scratch(cfg: LlamaConfig, kv_dtype: str) -> int:
     """The cache's attention scratch for one prefill chunk (kv_cache_dtype.scratch_bytes_per_token); sized like
     activations, counted with them."""
@@ -211,7 +204,8 @@ def _budget(description: str, spec: TargetSpec, quant: str, cfg: LlamaConfig, pa
             plan: ActivationPlan) -> MemoryEstimate:
     """The estimate of a model with these parameters at `cfg`'s context window, prefill chunk and KV dtype."""
     weights = {name: tensor_bytes(p) for name, p in params}
-    kv_layer = _kv_layer_bytes(cfg, cfg.context_window_size, cfg.kv_dtype)
+    kv_layer = kv_cache_dtype.layer_bytes(cfg.kv_dtype, cfg.num_key_value_heads, cfg.head_dim,
+                                          cfg.context_window_size, PAGE_SIZE)
     read = roofline.decode_read(
         ((name.startswith(roofline.EMBEDDING), weights[name], int(p.shape[0])) for name, p in params),
         bool(cfg.tie_word_embeddings),

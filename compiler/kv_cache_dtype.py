@@ -187,6 +187,13 @@ def bytes_per_token_layer(dtype: str, kv_heads: int, head_dim: int) -> int:
     return 2 * kv_heads * head_dim * tvm.DataType(dtype).bits // 8
 
 
+def layer_bytes(dtype: str, kv_heads: int, head_dim: int, tokens: int, page_size: int) -> int:
+    """One layer's pages for `tokens` tokens as the runtime allocates them: (pages, 2, kv heads, page size, head dim)
+    as declared (bytes_per_token_layer), one page more than the tokens need."""
+    pages = -(-tokens // page_size) + 1
+    return pages * page_size * bytes_per_token_layer(dtype, kv_heads, head_dim)
+
+
 def scratch_bytes_per_token(dtype: str, heads: int, kv_heads: int, head_dim: int) -> int:
     """Bytes of the cache's attention scratch per token of a prefill chunk, as the runtime allocates them: q, k, v
     and output in the cache's (declared) dtype, and two float32 log-sum-exp arrays."""

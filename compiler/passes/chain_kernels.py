@@ -117,7 +117,7 @@ class _Planner:
         return [chain for chain in chains if chain.bindings]
 
 
-def _same_buffer(a, b) -> bool:
+def same_buffer(a, b) -> bool:
     """Whether kernel parameter `a` can be bound to the chain's buffer `b` as it stands (fixed shapes: by rank)."""
     return a.dtype == b.dtype and len(a.shape) == len(b.shape)
 
@@ -147,7 +147,7 @@ def _chained_func(mod: tvm.IRModule, chain: _Chain, items: dict) -> tuple[tirx.P
                     input_params.append(param)
                     continue
                 source = input_params[index]
-            if not _same_buffer(param, source):
+            if not same_buffer(param, source):
                 return None
             pairs.append((param, source))
         for i, out in enumerate(params[len(args):]):

@@ -15,8 +15,8 @@ import tvm_ffi
 from tvm import relax, s_tir, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .chain_kernels import kernel_call, fixed_shapes
-from .ir_walk import UniqueKernels, packed_weights, tir_statements, use_counts
+from .chain_kernels import fixed_shapes, kernel_call, same_buffer
+from .ir_walk import UniqueKernels, equal_entry, packed_weights, tir_statements, use_counts
 
 
 def _reduces(func: tirx.PrimFunc) -> bool:
@@ -45,7 +45,7 @@ def fuse(producer: tirx.PrimFunc, consumer: tirx.PrimFunc, index: int, producer_
         if i == index:
             continue
         known = next((j for j, seen in enumerate(inputs) if seen.same_as(arg)), None)
-        if known is not None and params[known].dtype == param.dtype and len(params[known].shape) == len(param.shape):
+        if known is not None and same_buffer(param, params[known]):
             pairs.append((param, params[known]))
             continue
         inputs.append(arg)
@@ -98,11 +98,11 @@ class _Rewriter(PyExprMutator):
                         break
 
     def _schedulable(self, func: tirx.PrimFunc) -> bool:
-        for known, verdict in self.verdicts:
-            if tvm_ffi.structural_equal(known, func, map_free_vars=True):
-                return verdict
-        self.verdicts.append((func, self.schedulable(func)))
-        return self.verdicts[-1][1]
+        verdict = equal_entry(self.verdicts, func)
+        if verdict is None:
+            verdict = self.schedulable(func)
+            self.verdicts.append((func, verdict))
+        return verdict
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         if binding.var in self.dropped:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import tvm
 import tvm_ffi
@@ -55,6 +56,12 @@ def rewrite_relax_functions(mod: tvm.IRModule, rewriter, track_uses: bool = Fals
     return rewriter.builder_.get()
 
 
+def equal_entry(entries: list[tuple[tirx.PrimFunc, Any]], func: tirx.PrimFunc) -> Any:
+    """The value beside the first PrimFunc of `entries` structurally equal to `func` (free variables mapped); None
+    when there is none."""
+    return next((value for known, value in entries if tvm_ffi.structural_equal(known, func, map_free_vars=True)), None)
+
+
 class UniqueKernels:  # pylint: disable=too-few-public-methods
     """The PrimFuncs a rewrite adds to its module, each once: a kernel structurally equal to one added before (another
     layer's) reuses that one's GlobalVar."""
@@ -64,9 +71,9 @@ class UniqueKernels:  # pylint: disable=too-few-public-methods
         self.added: list[tuple[tirx.PrimFunc, relax.GlobalVar]] = []
 
     def add(self, func: tirx.PrimFunc, name: str) -> relax.GlobalVar:
-        for known, gv in self.added:
-            if tvm_ffi.structural_equal(known, func, map_free_vars=True):
-                return gv
+        gv = equal_entry(self.added, func)
+        if gv is not None:
+            return gv
         gv = self.builder.add_func(func, name)
         self.added.append((func, gv))
         return gv

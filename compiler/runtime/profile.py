@@ -115,7 +115,7 @@ def _phased_step(session: Session, token: int, mark=None) -> dict[str, float]:
     t3 = clock()
     if mark:
         mark("decode")
-    out = session._decode(embedded, session.kv_cache, session.params)
+    out = session.decode_function(embedded, session.kv_cache, session.params)
     t4 = clock()
     session.end_forward(session.kv_cache)
     t5 = clock()

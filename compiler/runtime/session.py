@@ -39,8 +39,8 @@ class LoadedArtifact:
             self.context_window = int(cfg["context_window"])
             self.prefill_chunk = int(cfg["prefill_chunk"])
             self.page_size = int(cfg["page_size"])
-            self._embed, self._decode = self.vm["embed"], self.vm["decode"]
-            self._prefill, self._prefill_logits = self.vm["prefill"], self.vm["prefill_logits"]
+            self._embed, self.decode_function = self.vm["embed"], self.vm["decode"]
+            self.prefill_function, self.prefill_logits_function = self.vm["prefill"], self.vm["prefill_logits"]
             self._prefill_hidden_states = self.vm["prefill_hidden_states"]
             self._add_sequence = self.device.function("vm.builtin.kv_state_add_sequence")
             self.begin_forward = self.device.function("vm.builtin.kv_state_begin_forward")
@@ -57,6 +57,19 @@ class LoadedArtifact:
 
     def embed(self, tokens):
         return self._embed(tokens, self.params)
+
+    def forward(self, func, tokens, kv_cache, seq_ids, lengths):
+        """Run model function `func` on `tokens` (device int32 ids) for the sequences `seq_ids` of `kv_cache`, each
+        taking its `lengths` tokens in order (both device shapes); its outputs, on the device."""
+        embedded = self.embed(tokens)
+        self.begin_forward(kv_cache, seq_ids, lengths)
+        out = func(embedded, kv_cache, self.params)
+        self.end_forward(kv_cache)
+        return out
+
+    def first_output(self, out) -> np.ndarray:
+        """The first output of a model function (its logits), on the host."""
+        return self._item(out, 0).numpy()
 
 
 class Session(LoadedArtifact):
@@ -95,17 +108,15 @@ class Session(LoadedArtifact):
 
     def _forward(self, func, tokens, n: int):
         self.check_room(n)
-        embedded = self.embed(tokens)
-        self.begin_forward(self.kv_cache, self.seq_ids, self.one_token if n == 1 else self.device.shape(n))
-        out = func(embedded, self.kv_cache, self.params)
-        self.end_forward(self.kv_cache)
+        lengths = self.one_token if n == 1 else self.device.shape(n)
+        out = self.forward(func, tokens, self.kv_cache, self.seq_ids, lengths)
         self.length += n
         return out
 
     def logits(self, out) -> np.ndarray:
         """The first output of a model function (its logits), on the host."""
         start = time.perf_counter()
-        values = self._item(out, 0).numpy()
+        values = self.first_output(out)
         self.fetch_s += time.perf_counter() - start
         return values
 
@@ -118,11 +129,12 @@ class Session(LoadedArtifact):
 
     def prefill(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         """Append the tokens (in chunks); the logits [vocab] after the last one."""
-        return self.logits(self._chunks(self._prefill, token_ids)[-1]).reshape(-1)
+        return self.logits(self._chunks(self.prefill_function, token_ids)[-1]).reshape(-1)
 
     def prefill_all_logits(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         """Append the tokens; the logits [n, vocab] after each one (perplexity, tests)."""
-        return np.concatenate([self.logits(out)[0] for out in self._chunks(self._prefill_logits, token_ids)], axis=0)
+        chunks = self._chunks(self.prefill_logits_function, token_ids)
+        return np.concatenate([self.logits(out)[0] for out in chunks], axis=0)
 
     def prefill_hidden_states(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         """Append the tokens (one chunk); every decoder block's output [num_layers, n, hidden]."""
@@ -132,4 +144,4 @@ class Session(LoadedArtifact):
 
     def decode(self, token_id: int) -> np.ndarray:
         """Append one token; the logits [vocab] after it."""
-        return self.logits(self._forward(self._decode, self.token_tensor(token_id), 1)).reshape(-1)
+        return self.logits(self._forward(self.decode_function, self.token_tensor(token_id), 1)).reshape(-1)

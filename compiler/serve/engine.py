@@ -36,10 +36,9 @@ def kv_cache_bytes(model: LoadedArtifact, tokens: int) -> int:
     """What the paged KV cache for `tokens` allocates when it is created: every layer's pages (one more than the
     tokens need, as the runtime allocates them) at the artifact's KV dtype."""
     cfg = model.artifact.config["model"]["config"]
-    pages = -(-tokens // model.page_size) + 1
-    per_token_layer = kv_cache_dtype.bytes_per_token_layer(cfg["kv_dtype"], cfg["num_key_value_heads"],
-                                                           cfg["head_dim"])
-    return cfg["num_hidden_layers"] * pages * model.page_size * per_token_layer
+    dtype = kv_cache_dtype.of_artifact(model.artifact.config)
+    return cfg["num_hidden_layers"] * kv_cache_dtype.layer_bytes(dtype, cfg["num_key_value_heads"], cfg["head_dim"],
+                                                                 tokens, model.page_size)
 
 
 def check_memory(model: LoadedArtifact, max_sessions: int) -> None:
@@ -355,19 +354,16 @@ class Engine:
     def _forward(self, func, seqs: list[_Sequence], chunks: list[list[int]]):
         ids = np.concatenate([np.asarray(c, "int32") for c in chunks])
         dev = self.model.device
-        embedded = self.model.embed(tvm.runtime.tensor(ids, dev.dev))
-        self.model.begin_forward(self.kv_cache, dev.shape(*[s.seq_id for s in seqs]),
-                                 dev.shape(*[len(c) for c in chunks]))
-        out = func(embedded, self.kv_cache, self.model.params)
-        self.model.end_forward(self.kv_cache)
+        out = self.model.forward(func, tvm.runtime.tensor(ids, dev.dev), self.kv_cache,
+                                 dev.shape(*[s.seq_id for s in seqs]), dev.shape(*[len(c) for c in chunks]))
         for seq, chunk in zip(seqs, chunks):
             seq.kv_tokens.extend(chunk)
-        return self.model._item(out, 0).numpy()
+        return self.model.first_output(out)
 
     def _prefill_chunk(self, seqs: list[_Sequence]) -> None:
         (seq,) = seqs
         chunk, seq.pending = seq.pending[:self.model.prefill_chunk], seq.pending[self.model.prefill_chunk:]
-        logits = self._forward(self.model._prefill, [seq], [chunk]).reshape(-1)
+        logits = self._forward(self.model.prefill_function, [seq], [chunk]).reshape(-1)
         self.prefilled_tokens += len(chunk)
         self.metrics.prefilled_tokens.inc(len(chunk))
         if not seq.pending:
@@ -382,10 +378,10 @@ class Engine:
         # per stream at 2 streams batched, 102 alone) and whose int16 activations would make a request's tokens
         # depend on its neighbours.
         if len(seqs) > 1 and self.batched_decode:
-            rows = self._forward(self.model._prefill_logits, seqs, [[s.generated[-1]] for s in seqs])
+            rows = self._forward(self.model.prefill_logits_function, seqs, [[s.generated[-1]] for s in seqs])
             logits = list(rows.reshape(len(seqs), -1))
         else:
-            logits = [self._forward(self.model._decode, [s], [[s.generated[-1]]]).reshape(-1) for s in seqs]
+            logits = [self._forward(self.model.decode_function, [s], [[s.generated[-1]]]).reshape(-1) for s in seqs]
         now = time.perf_counter()
         for seq, row in zip(seqs, logits):
             self.metrics.token_latency_s.observe(now - seq.last_token_at)

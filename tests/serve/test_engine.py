@@ -94,11 +94,11 @@ def test_four_batched_greedy_streams_equal_each_alone(model, session):
         run(engine, *[request(p, c) for p, c in zip(PROMPTS, collectors)])
     finally:
         engine.model.prefill_chunk = int(model.artifact.config["prefill_chunk"])
-    assert max(n for func, n, _ in calls if func is model._prefill_logits) == 4  # one model call decoded all four
-    chunks_of_long = [i for i, (func, _, tokens) in enumerate(calls) if func is model._prefill][3:6]  # the 11 tokens
+    assert max(n for func, n, _ in calls if func is model.prefill_logits_function) == 4  # one model call decoded all four
+    chunks_of_long = [i for i, (func, _, tokens) in enumerate(calls) if func is model.prefill_function][3:6]  # the 11 tokens
     assert [calls[i][2] for i in chunks_of_long] == [4, 4, 3]
     between = calls[chunks_of_long[0]:chunks_of_long[-1]]
-    assert any(func is model._prefill_logits for func, _, _ in between)  # others kept decoding meanwhile
+    assert any(func is model.prefill_logits_function for func, _, _ in between)  # others kept decoding meanwhile
     for prompt, collector in zip(PROMPTS, collectors):
         assert collector.tokens == session_greedy(session, prompt, 12)
         assert collector.end == Finished("length", len(prompt), 12, len(prompt))
@@ -111,7 +111,7 @@ def test_negative_control_wrong_sequence_ids_change_the_tokens(model, session):
     forward = engine._forward
 
     def swapped(func, seqs, chunks):
-        if func is model._prefill_logits and len(seqs) > 1:
+        if func is model.prefill_logits_function and len(seqs) > 1:
             return forward(func, seqs[1:] + seqs[:1], chunks)  # row i's token goes into sequence i + 1's cache
         return forward(func, seqs, chunks)
 
@@ -310,8 +310,8 @@ def test_integer_gemv_artifacts_decode_each_sequence_with_the_decode_function(in
     engine._forward = lambda func, seqs, chunks: calls.append((func, len(seqs))) or forward(func, seqs, chunks)
     collectors = [Collector() for _ in PROMPTS]
     run(engine, *[request(p, c) for p, c in zip(PROMPTS, collectors)])
-    assert {n for func, n in calls if func is not model._prefill} == {1}
-    assert sum(func is model._decode for func, _ in calls) == 4 * 11  # 12 tokens each, the first from the prefill
+    assert {n for func, n in calls if func is not model.prefill_function} == {1}
+    assert sum(func is model.decode_function for func, _ in calls) == 4 * 11  # 12 tokens each, the first from the prefill
     session = Session(load_artifact(integer_artifact))
     for prompt, collector in zip(PROMPTS, collectors):
         assert collector.tokens == session_greedy(session, prompt, 12)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -85,6 +86,23 @@ def json_option(what: str):
     return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as one JSON object instead of text.")
 
 
+def echo_json(value) -> None:
+    """Print `value` (a --json result) as one line of strict JSON: a figure that does not exist (NaN, an infinity:
+    a rate over no steps) is null, since strict parsers (jq, JavaScript's JSON.parse) reject NaN and Infinity."""
+    click.echo(json.dumps(finite_or_null(value), allow_nan=False))
+
+
+def finite_or_null(value):
+    """`value` with every non-finite float, however deep in dicts and lists, replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_null(item) for item in value]
+    return value
+
+
 def rpc_device_options(command):
     """--rpc, --tracker with --key, --session-timeout: a device reached through TVM RPC (bench, profile)."""
     for option in reversed((
@@ -134,7 +152,7 @@ def targets(as_json):
                      "decode_activations": spec.decode_activations if integer else None,
                      "description": spec.description, "path": str(spec.path)})
     if as_json:
-        click.echo(json.dumps({"targets": rows}))
+        echo_json({"targets": rows})
         return
     for row in rows:
         click.echo(f"{row['name']:16s} {row['kind']:8s} {row['default_quant']:10s} "
@@ -200,7 +218,7 @@ def compile(as_json, **options):  # pylint: disable=redefined-builtin
 
     summary = compile_model(CompileOptions(**options))
     if as_json:
-        click.echo(json.dumps(summary))
+        echo_json(summary)
         return
     if "npu_coverage" in summary:
         from .hexagon import format_coverage  # pylint: disable=import-outside-toplevel
@@ -241,7 +259,10 @@ def tune(as_json, **options):
     from .tune import tune as run_tune
 
     summary = run_tune(TuneOptions(**options))
-    click.echo(json.dumps(summary) if as_json else format_table(summary))
+    if as_json:
+        echo_json(summary)
+    else:
+        click.echo(format_table(summary))
 
 
 @main.command()
@@ -261,7 +282,7 @@ def inspect(as_json, **options):
 
     rows = inspect_model(InspectOptions(**options))
     if as_json:
-        click.echo(json.dumps(rows))
+        echo_json(rows)
         return
     click.echo(f"{'#':>2s}  {'step':28s} {'relax funcs':>11s} {'TIR kernels':>11s} {'param MB':>9s} "
                f"{'decode launches':>15s}")
@@ -297,7 +318,10 @@ def estimate(as_json, **options):
     from .estimate import EstimateOptions, estimate_memory, format_budget  # pylint: disable=import-outside-toplevel
 
     est = estimate_memory(EstimateOptions(**options))
-    click.echo(json.dumps(est.to_json()) if as_json else format_budget(est))
+    if as_json:
+        echo_json(est.to_json())
+    else:
+        click.echo(format_budget(est))
 
 
 @main.command(name="eval")
@@ -322,7 +346,7 @@ def evaluate(as_json, **options):
 
     result = run_eval(EvalOptions(**options), progress=Steps("eval", 0).reporter("windows"))
     if as_json:
-        click.echo(json.dumps(result))
+        echo_json(result)
         return
     if result["ref_ppl"] is None:
         click.echo(f"perplexity {result['ppl']:.3f} over {result['tokens']} tokens, {result['quant']}")
@@ -358,12 +382,13 @@ def generate(as_json, **options):
 
     result = generate_text(GenerateOptions(**options), on_text=None if as_json else stream)
     if as_json:
-        click.echo(json.dumps(dataclasses.asdict(result)))
+        echo_json(dataclasses.asdict(result))
     else:
+        decode = "n/a (one token)" if result.decode_tok_s is None else f"{result.decode_tok_s:.1f} tok/s"
         click.echo(
             f"\n\n[{result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated] "
             f"TTFT {result.ttft_ms:.1f} ms | prefill {result.prefill_tok_s:.1f} tok/s | "
-            f"decode {result.decode_tok_s:.1f} tok/s | peak RSS {result.peak_rss_mb:.0f} MB"
+            f"decode {decode} | peak RSS {result.peak_rss_mb:.0f} MB"
         )
 
 
@@ -417,7 +442,7 @@ def serve(as_json, **options):
 
     def ready(url: str, model: str) -> None:
         if as_json:
-            click.echo(json.dumps({"url": url, "model": model, "max_sessions": options["max_sessions"]}))
+            echo_json({"url": url, "model": model, "max_sessions": options["max_sessions"]})
         else:
             click.echo(f"serving {model} at {url}/v1 ({options['max_sessions']} sessions); Ctrl-C stops", err=True)
         sys.stdout.flush()
@@ -451,7 +476,7 @@ def package(as_json, artifact, target, output, overwrite, tvm_runtime):
 
     summary = build_package(artifact, output, target, overwrite, tvm_runtime)
     if as_json:
-        click.echo(json.dumps(summary))
+        echo_json(summary)
         return
     runner = f"{summary['package']}/{summary['runner']}" if summary["runner"] else None
     click.echo(f"{summary['package']}: {summary['target']} ({summary['arch']}), {summary['bytes'] / 1e6:.1f} MB"
@@ -487,7 +512,10 @@ def bench(as_json, **options):
     from .runtime.bench import bench as run_bench
 
     result = run_bench(BenchOptions(**options))
-    click.echo(json.dumps(result) if as_json else format_table(result))
+    if as_json:
+        echo_json(result)
+    else:
+        click.echo(format_table(result))
 
 
 @main.command()
@@ -510,7 +538,10 @@ def profile(as_json, **options):
     from .runtime.profile import ProfileOptions, format_profile, profile_report
 
     result = profile_report(ProfileOptions(**options))
-    click.echo(json.dumps(result) if as_json else format_profile(result))
+    if as_json:
+        echo_json(result)
+    else:
+        click.echo(format_profile(result))
 
 
 @main.command(name="device-server", add_help_option=False,
@@ -545,6 +576,6 @@ def board_folder(as_json, directory, arch):
 
     written = write_board_folder(Path(directory), arch)
     if as_json:
-        click.echo(json.dumps(written))
+        echo_json(written)
         return
     click.echo(f"{written['folder']}: copy it to the board, then there: {written['install']}; {written['serve']}")

@@ -109,24 +109,30 @@ def _keep_object(lib_dir: Path, link: bool):
             tvm_ffi.register_global_func(_LINK_HOOK, previous, override=True)
 
 
-def build_kernels(lowered: tvm.IRModule, spec: TargetSpec, lib_dir: Path) -> tuple[str, dict[str, Any]]:
-    """Compile the NPU kernels into lib_dir/hexagon/; returns (library path under lib/, coverage report)."""
-    npu, cpu = partition(lowered)
-    if not npu:
-        raise MobilecError(f"no kernel of this model can run on {spec.name}; use an android-* target")
+def build_object(kernels: dict[str, tirx.PrimFunc], spec: TargetSpec, lib_dir: Path) -> bool:
+    """Compile `kernels` into lib_dir/hexagon/ (the object, and the .so when the SDK links it); whether it linked."""
     device = {key: value for key, value in spec.tvm_target_json.items() if key != "host"}
     target = tvm.target.Target(device, host=device)  # the kernels' own entry code runs on the DSP too
-    mod = tirx.transform.BindTarget(target)(tvm.IRModule({tvm.ir.GlobalVar(n): f for n, f in npu.items()}))
+    mod = tirx.transform.BindTarget(target)(tvm.IRModule({tvm.ir.GlobalVar(n): f for n, f in kernels.items()}))
     lower, finalize_host, _ = tirx.get_default_tir_pipeline(target)
     (lib_dir / OBJECT).parent.mkdir(parents=True, exist_ok=True)
     link = sdk_linker() is not None
     build = tvm.get_global_func("target.build.hexagon")
 
-    def generate(kernels: tvm.IRModule):
-        return build(finalize_host()(lower(kernels)), target)
+    def generate(part: tvm.IRModule):
+        return build(finalize_host()(lower(part)), target)
 
     with target, _keep_object(lib_dir, link), naming_failures("NPU code generation", spec, mod, generate):
         generate(mod)
+    return link
+
+
+def build_kernels(lowered: tvm.IRModule, spec: TargetSpec, lib_dir: Path) -> tuple[str, dict[str, Any]]:
+    """Compile the NPU kernels into lib_dir/hexagon/; returns (library path under lib/, coverage report)."""
+    npu, cpu = partition(lowered)
+    if not npu:
+        raise MobilecError(f"no kernel of this model can run on {spec.name}; use an android-* target")
+    link = build_object(npu, spec, lib_dir)
     report = coverage(lowered, set(npu), cpu)
     report["library"] = SHARED if link else OBJECT
     if not link:

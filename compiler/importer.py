@@ -13,7 +13,7 @@ import tvm
 from . import kv_cache_dtype, validate
 from .errors import MobilecError
 from .kernels.cpu_attention import ATTN_LOGIT_CAP_ATTR, LAYER_SLIDING_WINDOW_ATTR, SLIDING_WINDOW_ATTR, vector_lanes
-from .kernels.integer_dot_gemv import stored_code_order
+from .kernels import integer_dot_gemv
 from .loaders import Checkpoint, open_checkpoint
 from .loaders.default_model import default_model_path
 from .models.llama import LlamaConfig
@@ -96,7 +96,7 @@ def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_win
     model.to(dtype)
     sources = cfg.param_sources()
     plan = quantize_model(model, scheme, ckpt, sources, list(quant_skip), dtype, calibration,
-                          stored_code_order(spec.tvm_target())) if quantize else {}
+                          integer_dot_gemv.stored_code_order(spec.tvm_target())) if quantize else {}
     if not export:  # named_parameters() lists them as export_tvm does
         return ImportedModel(family, cfg, None, list(model.named_parameters()), sources, plan, dtype, calibration)
     kernel_attrs = model.attention_attrs()
@@ -108,8 +108,10 @@ def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_win
         raise MobilecError(f"this {family.name} model's attention ({needs}) is implemented by mobilec's CPU and GPU "
                            f"attention kernels only, which target {spec.name} does not use"
                            + (f"; --context-window {window} or less needs no window" if window else ""))
+    # the serving engine's batched decode, where the decode GEMVs are integer-dot kernels that take several rows
+    batch_decode = bool(plan) and integer_dot_gemv.available(spec.tvm_target())
     with spec.model_target():
-        mod, params = model.export_tvm(spec=model.get_default_spec())
+        mod, params = model.export_tvm(spec=model.get_default_spec(batch_decode))
     for key, value in kernel_attrs.items():  # passes/replace_{cpu,gpu}_attention.py read them
         mod = mod.with_attr(key, value)
     # the CPU attention kernels that replace TVM's apply the same RoPE scaling (passes/replace_cpu_attention.py)

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from .targets import TargetSpec
 
 TVM_DTYPES = dict(zip(KV_DTYPE_NAMES, ("float32", "float16", "int8", "int4"), strict=True))
-AUTO = "f16"  # llama.cpp's default too: half the bytes of float32, within 0.001% perplexity on SmolLM2 (README)
+# llama.cpp's default too: half the bytes of float32, within 0.001% perplexity on SmolLM2 (docs/quantization.md)
+AUTO = "f16"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,7 @@ class CodeFormat:
 # groups of 16: K's error is what costs perplexity (SmolLM2, LICENSE, transformers with K/V round-tripped: K alone
 # at groups of 16 +4.5%, V alone +0.1%), and bfloat16 parameters keep K's 8 groups in the cells float32 ones took
 # for 4. SmolLM2 gguf vs the float32 cache: LICENSE +2.8% (groups of 16, float32 parameters: +4.7%), pydoc topics
-# +1.0% (README).
+# +1.0% (docs/quantization.md).
 CODE_FORMATS = {"int8": CodeFormat("int8", 8, 1), "int4": CodeFormat("int4", 4, 2, groups=(8, 16))}
 
 

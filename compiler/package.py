@@ -98,7 +98,7 @@ the tokenizer and the runner). Not checked on a phone by mobilec's tests: no NDK
 3. On the phone: `adb push` this directory to /data/local/tmp/mobilec, then
    `adb shell /data/local/tmp/mobilec/bin/mobilec-run /data/local/tmp/mobilec --prompt "Hello"`.
    In an app: load libmobilec.so from the APK's jniLibs/arm64-v8a (with libtvm_runtime.so and libtvm_ffi.so),
-   copy the artifact's files to the app's files directory and open it with the C API (README.md, "Inside an app").
+   copy the artifact's files to the app's files directory and open it with the C API (docs/deploying.md in mobilec, "Inside an app").
 """
 
 

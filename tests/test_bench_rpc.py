@@ -24,13 +24,12 @@ from click.testing import CliRunner
 
 from compiler.artifact import CONFIG_FILE, PARAMS_DIR, PARAMS_INDEX, file_manifest, load_artifact
 from compiler.cli import main
-from compiler.compile_model import CompileOptions, compile_model
 from compiler.runtime.bench import prompt_ids
 from compiler.runtime.remote import slot_name
 from compiler.runtime.session import Session
 from compiler.targets import load_target
 from compiler.testing.local_rpc import LocalProcess, free_port, start_server, start_tracker, wait_until_free
-from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
+from tests.helpers.compiled_once import tiny_compiled_once
 
 pytestmark = pytest.mark.slow  # RPC servers and compiled models: ~2 minutes
 
@@ -51,11 +50,7 @@ def _start_server(tmp: Path, tracker_port: int | None = None) -> tuple[LocalProc
 
 @pytest.fixture(scope="module")
 def tiny_artifact(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("bench")
-    save_compilable_checkpoint(build_model("llama_gqa"), root / "hf")
-    compile_model(CompileOptions(str(root / "hf"), "host", "q0f32", str(root / "tiny"), context_window=64,
-                                 progress=False))
-    return root / "tiny"
+    return tiny_compiled_once(tmp_path_factory, "llama_gqa", "host", "q0f32", context_window=64)
 
 
 @pytest.fixture(scope="module")

@@ -101,3 +101,10 @@ def test_importing_the_cli_imports_no_tvm():
     control = subprocess.run([sys.executable, "-c", code.replace("compiler.cli", "compiler.pipeline")],
                              capture_output=True, text=True, check=True, cwd=PACKAGE.parent)
     assert "tvm" in control.stdout  # negative control: the check sees TVM when it is imported
+
+
+def test_the_files_scheduled_first_exist():
+    """tests/conftest.py's LONGEST_FILES name files that are there (a renamed one would silently lose its place)."""
+    from tests.conftest import LONGEST_FILES, TESTS_DIR
+
+    assert [name for name in LONGEST_FILES if not (TESTS_DIR / name).is_file()] == []

@@ -18,14 +18,13 @@ from tvm.target.codegen import llvm_get_cpu_features
 from compiler import host
 from compiler.artifact import CONFIG_FILE, load_artifact
 from compiler.cli import main
-from compiler.compile_model import CompileOptions, compile_model
 from compiler.cpu_check import Cpu, check_cpu, cpu_entry, this_cpu
 from compiler.errors import MobilecError
 from compiler.runtime import remote
 from compiler.runtime.session import Session
 from compiler.targets import load_target
 from compiler.testing.local_rpc import LocalProcess, start_server
-from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
+from tests.helpers.compiled_once import tiny_compiled_once
 from tests.test_bench_rpc import (
     BENCH_ARGS,
     _assert_one_line_error,
@@ -147,12 +146,8 @@ def test_host_target_drops_avx512_that_the_cpu_name_implies_but_the_flags_lack(c
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("cpu")
-    save_compilable_checkpoint(build_model("llama_gqa"), root / "hf")
-    for target in ("x86-64-v4", "host"):
-        compile_model(CompileOptions(str(root / "hf"), target, "q0f32", str(root / target), context_window=64,
-                                     progress=False))
-    return {target: root / target for target in ("x86-64-v4", "host")}
+    return {target: tiny_compiled_once(tmp_path_factory, "llama_gqa", target, "q0f32", context_window=64)
+            for target in ("x86-64-v4", "host")}
 
 
 def _generate(artifact: Path, *args: str) -> subprocess.CompletedProcess:

@@ -290,7 +290,7 @@ def test_float16_cache_decodes_like_transformers(tmp_path_factory):
 # per quantized cache: the largest relative difference from the float model's logits, and how many of its 9 greedy
 # tokens the cache must keep. int8 rounds each K/V value by up to max|row| / 254, int4 by (max - min) / 30 of its
 # row; this random tiny model (head_dim 16, logits of order 1) shows 4e-2 with int8 (9 tokens kept) and 0.72 with
-# int4 (4 kept), a trained model much less (SmolLM2's perplexity: README)
+# int4 (4 kept), a trained model much less (SmolLM2's perplexity: docs/quantization.md)
 TO_FLOAT = {"int8": (6e-2, 7), "int4": (1.0, 3)}
 
 

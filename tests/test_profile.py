@@ -19,14 +19,14 @@ from click.testing import CliRunner
 
 from compiler.artifact import load_artifact
 from compiler.cli import main
-from compiler.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
 from compiler.host import measure_read_bandwidth, numpy_read_bandwidth
 from compiler.roofline import artifact_read_bytes, gguf_read_bytes
 from compiler.call_sites import ATTENTION_BUILTIN, call_site_map, library_functions, vm_call_sites
 from compiler.runtime.profile import format_profile, profile_decode_step
 from compiler.runtime.session import Session
-from tests.helpers.tiny_models import SPECS, build_model, save_compilable_checkpoint, write_gguf
+from tests.helpers.compiled_once import tiny_compiled_once
+from tests.helpers.tiny_models import SPECS, build_model, write_gguf
 
 pytestmark = pytest.mark.slow  # compiles and times models: ~1 minute
 
@@ -50,15 +50,8 @@ def _restore_threads():
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("profile")
-    out = {}
-    for key, (model, quant) in ARTIFACTS.items():
-        if not (root / model).exists():
-            save_compilable_checkpoint(build_model(model), root / model)
-        compile_model(CompileOptions(str(root / model), "host", quant, str(root / key), context_window=64,
-                                     progress=False))
-        out[key] = root / key
-    return out
+    return {key: tiny_compiled_once(tmp_path_factory, model, "host", quant, context_window=64)
+            for key, (model, quant) in ARTIFACTS.items()}
 
 
 def _hf_config(model: str) -> dict:

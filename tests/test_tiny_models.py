@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from compiler.artifact import load_artifact
-from compiler.compile_model import CompileOptions, compile_model
 from compiler.runtime.session import Session
+from tests.helpers.compiled_once import tiny_compiled_once
 from tests.helpers.reference import reference_greedy
-from tests.helpers.tiny_models import SPECS, build_model, save_compilable_checkpoint
+from tests.helpers.tiny_models import SPECS, build_model
 
 pytestmark = pytest.mark.slow  # a compile per model plus transformers: ~1 minute
 
@@ -21,12 +21,8 @@ def _rel_err(got: np.ndarray, want: np.ndarray) -> float:
 @pytest.fixture(scope="module", params=sorted(SPECS))
 def compiled(request, tmp_path_factory):
     name = request.param
-    model = build_model(name)
-    root = tmp_path_factory.mktemp(name)
-    save_compilable_checkpoint(model, root / "hf")
-    compile_model(CompileOptions(str(root / "hf"), "host", "q0f32", str(root / "artifact"), context_window=64,
-                                 progress=False))
-    return model, Session(load_artifact(root / "artifact"))
+    artifact = tiny_compiled_once(tmp_path_factory, name, "host", "q0f32", context_window=64)
+    return build_model(name), Session(load_artifact(artifact))
 
 
 def test_prefill_and_8_decode_steps_match_transformers(compiled):

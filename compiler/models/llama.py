@@ -13,6 +13,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.target import Target
 
 from ..errors import MobilecError
+from ..kernels.integer_dot_gemv import BATCH
 from ..kv_cache_dtype import Carrier, carrier_for
 from .rotary import RotaryEmbedding
 
@@ -397,7 +398,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attributes
-    """The exported functions: embed, prefill, prefill_logits, prefill_hidden_states, decode, create_tir_paged_kv_cache."""
+    """The exported functions: embed, prefill, prefill_logits, prefill_hidden_states, decode, batch_decode (where asked
+    for), create_tir_paged_kv_cache."""
 
     def __init__(self, cfg: LlamaConfig):
         self.cfg = cfg
@@ -441,6 +443,10 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
         return op.concat(outputs, dim=0), kv_cache
 
     def decode(self, input_embed: Tensor, kv_cache: PagedKVCache):
+        return self._logits(self.model(input_embed, kv_cache)), kv_cache
+
+    def batch_decode(self, input_embed: Tensor, kv_cache: PagedKVCache):
+        """One token of each of `batch_size` sequences (the cache's current batch, in order) -> each one's logits."""
         return self._logits(self.model(input_embed, kv_cache)), kv_cache
 
     def attention_attrs(self) -> dict[str, Any]:
@@ -495,10 +501,13 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
             target=Target.current(),
         )
 
-    def get_default_spec(self) -> nn.spec.ModuleSpec:
+    def get_default_spec(self, batch_decode: bool = False) -> nn.spec.ModuleSpec:
+        """`batch_decode`: export it too (its symbolic row count is what IntegerDotGEMV batches: BATCH)."""
         hidden = self.cfg.hidden_size
         kv = nn.spec.Object(object_type=PagedKVCache)
         packed = {"param_mode": "packed", "effect_mode": "none"}
+        batched = ({"batch_decode": {"input_embed": nn.spec.Tensor([1, BATCH, hidden], self.dtype), "kv_cache": kv,
+                                     "$": packed}} if batch_decode else {})
         return nn.spec.ModuleSpec.from_raw(
             {
                 "embed": {"input_ids": nn.spec.Tensor(["seq_len"], "int32"), "$": packed},
@@ -506,6 +515,7 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
                 "prefill_logits": {"input_embed": nn.spec.Tensor([1, "seq_len", hidden], self.dtype), "kv_cache": kv, "$": packed},
                 "prefill_hidden_states": {"input_embed": nn.spec.Tensor([1, "seq_len", hidden], self.dtype), "kv_cache": kv, "$": packed},
                 "decode": {"input_embed": nn.spec.Tensor([1, 1, hidden], self.dtype), "kv_cache": kv, "$": packed},
+                **batched,
                 "create_tir_paged_kv_cache": {
                     "max_batch_size": int,
                     "max_total_seq_len": int,

@@ -1,7 +1,6 @@
 """Qwen2 decoder: the Llama structure with biases on the q/k/v projections. Its config may ask for sliding-window
 attention on the layers from max_window_layers on (use_sliding_window, off in released checkpoints; transformers 5
-says it per layer in layer_types): sliding_layers.py. Where every layer slides, the window is the plain kernels'
-(SLIDING_WINDOW_ATTR, as Mistral's: TVM's runtime fails with every layer "mha_sliding")."""
+says it per layer in layer_types): sliding_layers.py."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import dataclasses
 from typing import Any
 
 from ..errors import MobilecError
-from ..kernels.cpu_attention import SLIDING_WINDOW_ATTR
 from .llama import LlamaConfig, LlamaForCausalLM
 from .sliding_layers import (
     FULL,
@@ -56,13 +54,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     """Llama's functions and KV cache, with the sliding layers of use_sliding_window."""
 
     def attention_attrs(self) -> dict[str, Any]:
-        cfg = self.cfg
-        if cfg.window_binds() and FULL not in cfg.layer_types:
-            return {SLIDING_WINDOW_ATTR: cfg.sliding_window}
-        return sliding_attention_attrs(cfg)
+        return sliding_attention_attrs(self.cfg)
 
     def kv_cache_attention(self) -> dict[str, Any]:
-        full = super().kv_cache_attention()
-        if FULL not in self.cfg.layer_types:  # every layer slides: full attention to the cache, the window ours
-            return full
-        return sliding_kv_cache_attention(self.cfg, full["rope_mode"])
+        return sliding_kv_cache_attention(self.cfg, super().kv_cache_attention()["rope_mode"])

@@ -4,7 +4,10 @@ TVM's "mha_sliding" kind: mobilec's CPU kernels read the window's pages only, th
 (sliding_pages_all; kernels/gpu_attention.py says why) and mask by position; the module attr LAYER_SLIDING_WINDOW_ATTR
 carries the window to passes/replace_cpu_attention.py and replace_gpu_attention.py. TVM's cache computes the new
 tokens among themselves with one ragged kernel for all layers, without the window: prompts go in chunks of at most
-the window (chunk_within_window), which keeps every such pair inside it."""
+the window (chunk_within_window), which keeps every such pair inside it. Where every layer slides (a Qwen config with
+max_window_layers 0, a Gemma 3 one with fewer layers than its sliding pattern), TVM 0.27's runtime fails with every
+layer "mha_sliding" (a null tensor view in Tensor::CreateView): the cache is told full attention and the window is the
+plain kernels' (SLIDING_WINDOW_ATTR, as Mistral's)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from typing import Any, Callable
 from tvm.relax.frontend.nn.llm.kv_cache import RopeMode
 
 from ..errors import MobilecError
-from ..kernels.cpu_attention import LAYER_SLIDING_WINDOW_ATTR
+from ..kernels.cpu_attention import LAYER_SLIDING_WINDOW_ATTR, SLIDING_WINDOW_ATTR
 from .llama import _whole
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types
@@ -33,6 +36,9 @@ class SlidingLayers:
 
     def window_binds(self) -> bool:
         return SLIDING in self.layer_types and self.context_window_size > self.sliding_window
+
+    def every_layer_slides(self) -> bool:
+        return bool(self.layer_types) and FULL not in self.layer_types
 
 
 def read_layer_types(hf: dict[str, Any], layers: int, derive: Callable[[], list[str]]) -> tuple[tuple[str, ...], int]:
@@ -53,15 +59,18 @@ def chunk_within_window(prefill_chunk_size: int, window: int) -> int:
 
 
 def sliding_attention_attrs(cfg: SlidingLayers) -> dict[str, Any]:
-    """The sliding layers' window for mobilec's attention kernels, when it binds."""
-    return {LAYER_SLIDING_WINDOW_ATTR: cfg.sliding_window} if cfg.window_binds() else {}
+    """The sliding layers' window for mobilec's attention kernels, when it binds: every layer's where every layer
+    slides, else the "mha_sliding" layers'."""
+    if not cfg.window_binds():
+        return {}
+    return {SLIDING_WINDOW_ATTR if cfg.every_layer_slides() else LAYER_SLIDING_WINDOW_ATTR: cfg.sliding_window}
 
 
 def sliding_kv_cache_attention(cfg: SlidingLayers, rope_mode: RopeMode) -> dict[str, Any]:
     """The cache's attention kinds: the sliding layers "mha_sliding" when the window binds (their window, or every
     page with sliding_pages_all; TVM's runtime keeps every page), else full attention everywhere, the same thing
-    there."""
-    if not cfg.window_binds():
+    there, and where every layer slides (the window is then the kernels', sliding_attention_attrs)."""
+    if not cfg.window_binds() or cfg.every_layer_slides():
         return {"attn_kind": "mha", "rope_mode": rope_mode}
     return {"attn_kind": ["mha_sliding" if kind == SLIDING else "mha" for kind in cfg.layer_types],
             "rope_mode": rope_mode,

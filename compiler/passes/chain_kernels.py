@@ -1,5 +1,6 @@
-"""ChainKernels: consecutive CPU kernels of fixed shapes (decode) become one kernel per weight-reading kernel (its
-prologue and epilogue), so that a decode step launches one kernel per projection instead of one per operation."""
+"""ChainKernels: consecutive CPU kernels of decode's shapes (fixed, or batch_decode's row per sequence) become one
+kernel per weight-reading kernel (its prologue and epilogue), so that a decode step launches one kernel per projection
+instead of one per operation."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import tvm_ffi
 from tvm import relax, s_tir, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ..kernels.integer_dot_gemv import is_batch
 from .ir_walk import UniqueKernels, packed_weights
 
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
@@ -40,12 +42,14 @@ def _outputs(call: relax.Call) -> list:
     return list(call.ty.fields) if isinstance(call.ty, relax.TupleType) else [call.ty]
 
 
-def fixed_shapes(call: relax.Call) -> bool:
-    """Whether every result of `call` has a fixed shape (decode). Prefill's sequence-long results are left apart: a
-    chain's results are all allocated at once, where the memory plan reuses one kernel's storage for a later one's
-    (SmolLM2's prefill activations would grow 77 -> 98 MB), and prefill is bound by compute, not launches."""
+def decode_shapes(call: relax.Call) -> bool:
+    """Whether every result of `call` has decode's shape: fixed dimensions, or batch_decode's row per sequence (BATCH,
+    at most a few). Prefill's sequence-long results are left apart: a chain's results are all allocated at once, where
+    the memory plan reuses one kernel's storage for a later one's (SmolLM2's prefill activations would grow 77 -> 98
+    MB), and prefill is bound by compute, not launches."""
     return all(isinstance(ty, relax.TensorType) and ty.shape is not None and all(
-        isinstance(d, tirx.IntImm) for d in ty.shape.values) for ty in _outputs(call))
+        isinstance(d, tirx.IntImm) or is_batch(d) for d in ty.shape.values)
+        for ty in _outputs(call))
 
 
 def _reads(expr) -> list:
@@ -75,7 +79,7 @@ class _Planner:
         runs, run, between, produced = [], [], [], set()
         for binding in block.bindings:
             call = kernel_call(binding)
-            if call is not None and isinstance(self.mod[call.args[0]], tirx.PrimFunc) and fixed_shapes(call):
+            if call is not None and isinstance(self.mod[call.args[0]], tirx.PrimFunc) and decode_shapes(call):
                 run.append(binding)
                 produced.add(binding.var)
             elif (run and isinstance(binding.value, relax.TupleGetItem)
@@ -150,6 +154,9 @@ def _chained_func(mod: tvm.IRModule, chain: _Chain, items: dict) -> tuple[tirx.P
             if not same_buffer(param, source):
                 return None
             pairs.append((param, source))
+            # the kernel's own symbolic dimensions (batch_decode's rows) are the chain buffer's
+            pairs.extend((mine, theirs) for mine, theirs in zip(param.shape, source.shape)
+                         if isinstance(mine, tirx.Var) and not mine.same_as(theirs))
         for i, out in enumerate(params[len(args):]):
             output_params.append(out)
             produced[(binding.var, i)] = out

@@ -15,7 +15,7 @@ import tvm_ffi
 from tvm import relax, s_tir, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .chain_kernels import fixed_shapes, kernel_call, same_buffer
+from .chain_kernels import decode_shapes, kernel_call, same_buffer
 from .ir_walk import UniqueKernels, equal_entry, packed_weights, tir_statements, use_counts
 
 
@@ -77,7 +77,7 @@ class _Rewriter(PyExprMutator):
         self.fused, self.dropped = {}, set()
         weights, uses = packed_weights(func), use_counts(func)
         for block in func.body.blocks:
-            calls = {b.var: b for b in block.bindings if kernel_call(b) is not None and fixed_shapes(b.value)}
+            calls = {b.var: b for b in block.bindings if kernel_call(b) is not None and decode_shapes(b.value)}
             for binding in calls.values():
                 args = list(binding.value.args[1].fields)
                 if not any(isinstance(a, relax.Var) and a in weights for a in args):

@@ -1,5 +1,5 @@
-"""IntegerDotGEMV: rewrite a one-row NT_matmul of dequantized 4/8-bit weights into int8 activation quantization
-plus an integer dot-product GEMV (compiler/kernels/integer_dot_gemv.py)."""
+"""IntegerDotGEMV: rewrite a one-row NT_matmul of dequantized 4/8-bit weights (or one of batch_decode's, a row per
+sequence) into int8 activation quantization plus an integer dot-product GEMV (compiler/kernels/integer_dot_gemv.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ..kernels.integer_dot_gemv import ACTIVATION_BITS, KERNEL_PREFIX, GemvShape, gemv, quantize_activation
+from ..kernels.integer_dot_gemv import (ACTIVATION_BITS, BATCH, KERNEL_PREFIX, GemvShape, gemv, is_batch,
+                                       quantize_activation)
 from ..quantization.modules import LAYOUT_ATTR
 from .ir_walk import rewrite_relax_functions
 
@@ -16,14 +17,16 @@ _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 _OPAQUE = 8
 
 
-def _static_shape(ty) -> tuple[int, ...] | None:
+def _gemv_shape(ty) -> tuple[int | str, ...] | None:
+    """The dimensions of a tensor type, BATCH for batch_decode's symbolic row count; None where another dimension is
+    not a constant (prefill's sequence length)."""
     if not isinstance(ty, relax.TensorType) or ty.shape is None:
         return None
     dims = ty.shape.values if hasattr(ty.shape, "values") else ty.shape
-    try:
-        return tuple(int(d) for d in dims)
-    except TypeError:  # a symbolic dimension (prefill's sequence length)
+    shape = tuple(BATCH if is_batch(d) else d for d in dims)
+    if not all(isinstance(d, (str, tvm.tirx.IntImm)) for d in shape):
         return None
+    return tuple(d if isinstance(d, str) else int(d) for d in shape)
 
 
 def quantized_nt_matmul(rewriter: PyExprMutator, call: relax.Call):
@@ -56,13 +59,14 @@ class _Rewriter(PyExprMutator):
         return self.kernels[name]
 
     def _match(self, call: relax.Call):
-        """(x, stored weight arrays, GemvShape) when `call` is NT_matmul(one-row x, dequantize(...)), else None."""
+        """(x, stored weight arrays, GemvShape) when `call` is NT_matmul(one-row x, or BATCH rows, dequantize(...)),
+        else None."""
         matched = quantized_nt_matmul(self, call)
         if matched is None:
             return None
         x, stored, layout = matched
-        x_shape, y_shape = _static_shape(x.ty), _static_shape(call.ty)
-        if x_shape is None or y_shape is None or any(d != 1 for d in x_shape[:-1]):
+        x_shape, y_shape = _gemv_shape(x.ty), _gemv_shape(call.ty)
+        if x_shape is None or y_shape is None or any(d not in (1, BATCH) for d in x_shape[:-1]):
             return None
         shape = GemvShape(n=y_shape[-1], k=x_shape[-1], bits=int(layout["bits"]), group=int(layout["group"]),
                           symmetric=bool(layout["symmetric"]), scale_dtype=str(stored[1].ty.dtype),
@@ -78,11 +82,14 @@ class _Rewriter(PyExprMutator):
         if matched is None:
             return call
         x, stored, shape, x_shape, y_shape = matched
-        quantize = self._kernel(f"quantize_activation_{shape.activation_name()}", lambda: quantize_activation(shape, x_shape))
-        product = self._kernel(f"{KERNEL_PREFIX}{shape.name()}", lambda: gemv(shape, y_shape))
+        batched = "_batch" if BATCH in x_shape else ""
+        quantize = self._kernel(f"quantize_activation_{shape.activation_name()}{batched}",
+                                lambda: quantize_activation(shape, x_shape))
+        product = self._kernel(f"{KERNEL_PREFIX}{shape.name()}{batched}", lambda: gemv(shape, y_shape))
+        rows = [x.ty.shape.values[i] for i, d in enumerate(x_shape) if d == BATCH]  # the activation rows, if batched
         act = self.builder_.emit(relax.call_tir(quantize, [x], [
-            relax.TensorType([shape.k], shape.act_dtype), relax.TensorType([shape.lane_terms], "float32"),
-            relax.TensorType([shape.sum_terms], "float32")]))
+            relax.TensorType([*rows, shape.k], shape.act_dtype), relax.TensorType([*rows, shape.lane_terms], "float32"),
+            relax.TensorType([*rows, shape.sum_terms], "float32")]))
         parts = [self.builder_.emit(relax.TupleGetItem(act, i)) for i in range(3)]
         return relax.call_tir(product, [*parts, *stored], call.ty)
 

@@ -25,7 +25,7 @@ class GenerationResult:
     prompt_tokens: int
     ttft_ms: float
     prefill_tok_s: float
-    decode_tok_s: float
+    decode_tok_s: float | None  # None when only one token was generated (no decode step to time)
     peak_rss_mb: float
 
 
@@ -109,7 +109,7 @@ def generate(
         prompt_tokens=len(prompt_ids),
         ttft_ms=(t_first - t0) * 1e3,
         prefill_tok_s=len(prompt_ids) / (t_first - t0),
-        decode_tok_s=decode_steps / (t_end - t_first) if decode_steps else float("nan"),
+        decode_tok_s=decode_steps / (t_end - t_first) if decode_steps else None,
         peak_rss_mb=peak_rss_mb(),
     )
 

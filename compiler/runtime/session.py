@@ -42,6 +42,9 @@ class LoadedArtifact:
             self._embed, self.decode_function = self.vm["embed"], self.vm["decode"]
             self.prefill_function, self.prefill_logits_function = self.vm["prefill"], self.vm["prefill_logits"]
             self._prefill_hidden_states = self.vm["prefill_hidden_states"]
+            # one token of each of several sequences, where the artifact has it (integer-dot decode GEMVs)
+            self.batch_decode_function = (self.vm["batch_decode"] if "batch_decode" in cfg.get("call_sites", {}).get(
+                "functions", {}) else None)
             self._add_sequence = self.device.function("vm.builtin.kv_state_add_sequence")
             self.begin_forward = self.device.function("vm.builtin.kv_state_begin_forward")
             self.end_forward = self.device.function("vm.builtin.kv_state_end_forward")

@@ -1,10 +1,9 @@
 """The serving engine: several sequences of one loaded artifact in one paged KV cache, stepped together.
 
 Each step feeds one prompt chunk of a newly admitted sequence (so streams keep flowing while a long prompt is read)
-and then decodes every sequence that is generating: in ONE model call, `prefill_logits` over the concatenated last
-tokens, one per sequence (begin_forward with lengths [1] * B), so the weights are read once for all of them, where
-the artifact's decode GEMVs are float ones; one `decode` call per sequence where they are integer-dot kernels
-(Engine._decode says why).
+and then decodes every sequence that is generating in ONE model call over their last tokens, one per sequence
+(begin_forward with lengths [1] * B), so the weights are read once for all of them: `batch_decode`, whose integer-dot
+GEMVs take a row per sequence, or `prefill_logits` where the decode GEMVs are float ones (Engine._decode says which).
 Finished sequences stay in the cache as prefixes; a request whose tokens start with one forks it and prefills only
 the rest. Not thread-safe except submit() and cancel(); one thread calls step() (run() loops it)."""
 
@@ -179,7 +178,8 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.context_window = model.context_window
         kernels = model.artifact.config.get("call_sites", {}).get("kernels", [])
-        self.batched_decode = not any(name.startswith(integer_dot_gemv.KERNEL_PREFIX) for name in kernels)
+        integer_gemvs = any(name.startswith(integer_dot_gemv.KERNEL_PREFIX) for name in kernels)
+        self.batch_function = model.batch_decode_function or (None if integer_gemvs else model.prefill_logits_function)
         self.page_size = model.page_size
         # room for every session to fill the context window; cached prefixes live in what they leave free
         check_memory(model, max_sessions)
@@ -244,15 +244,16 @@ class Engine:
         with self._lock:
             self._lock.notify()
 
-    def fail_all(self, message: str) -> None:
-        """End every waiting and active request with `message` (the server is stopping)."""
+    def fail_all(self, why: str) -> None:
+        """End every waiting and active request, each told `why` and how far it got (the server is stopping)."""
         with self._lock:
             waiting, self._waiting = list(self._waiting), deque()
         for request in waiting:
-            request.emit(Failed(message))
+            request.emit(Failed(f"{why} before the request started; send it again"))
         for seq in list(self.active):
             self._end(seq, None)
-            seq.request.emit(Failed(message))
+            seq.request.emit(Failed(f"{why} and cancelled the request after {len(seq.generated)} of its "
+                                    f"{seq.request.params.max_tokens} tokens"))
 
     # --- the engine's thread ---
 
@@ -372,13 +373,13 @@ class Engine:
             self._take(seq, logits, now)
 
     def _decode(self, seqs: list[_Sequence]) -> None:
-        # Several sequences in one prefill_logits call (each token with its own sequence's cache: the weights read
-        # once) where the artifact's decode GEMVs are float ones; one decode call each where they are integer-dot
-        # kernels, whose one-row speed the prefill kernels at 2-8 rows do not reach (SmolLM2 gguf, Zen 4: 27 tok/s
-        # per stream at 2 streams batched, 102 alone) and whose int16 activations would make a request's tokens
-        # depend on its neighbours.
-        if len(seqs) > 1 and self.batched_decode:
-            rows = self._forward(self.model.prefill_logits_function, seqs, [[s.generated[-1]] for s in seqs])
+        # Several sequences in one call (each token with its own sequence's cache: the weights read once):
+        # batch_decode, whose integer-dot GEMVs quantize each row alone (a request's tokens do not depend on its
+        # neighbours), or prefill_logits where the decode GEMVs are float ones. An artifact whose integer-dot GEMVs
+        # have no batched form decodes each sequence alone: the float prefill kernels at 2-8 rows are far slower
+        # (SmolLM2 gguf, Zen 4: 27 tok/s per stream at 2 streams, 102 alone).
+        if len(seqs) > 1 and self.batch_function is not None:
+            rows = self._forward(self.batch_function, seqs, [[s.generated[-1]] for s in seqs])
             logits = list(rows.reshape(len(seqs), -1))
         else:
             logits = [self._forward(self.model.decode_function, [s], [[s.generated[-1]]]).reshape(-1) for s in seqs]

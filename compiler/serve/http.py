@@ -10,6 +10,8 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import signal
+import sys
 import threading
 import time
 import uuid
@@ -25,6 +27,9 @@ from .engine import Engine, Failed, Finished, QueueFull, Request, SamplingParams
 from .structured import Grammars
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait: about one decode step of every session
+# after the shutdown deadline's cancellations, how long the cancelled streams get to send their final chunks before
+# uvicorn cuts their connections
+FINAL_CHUNKS_GRACE_S = 5.0
 
 
 class ApiError(Exception):
@@ -95,6 +100,9 @@ class Server:
         self.grammars = Grammars(tokenizer, int(engine.model.artifact.config["model"]["config"]["vocab_size"]))
         self.created = int(time.time())
         self.stopping = threading.Event()  # set when the server stops accepting (SIGTERM)
+        self.cancelled_because: str | None = None  # why in-flight requests were cancelled (the shutdown deadline)
+        self._in_flight: set[Request] = set()
+        self._in_flight_lock = threading.Lock()
         self._engine_done = threading.Event()
         self._thread: threading.Thread | None = None
         self.app = self._build_app()
@@ -110,7 +118,7 @@ class Server:
         try:
             self.engine.run(self._engine_done)
         finally:
-            self.engine.fail_all("the server stopped before the request finished")
+            self.engine.fail_all("the server stopped")
 
     def stop_engine(self) -> None:
         self.stopping.set()
@@ -118,6 +126,21 @@ class Server:
         self.engine.wake()
         if self._thread is not None:
             self._thread.join(30)
+
+    def cancel_in_flight(self, why: str) -> None:
+        """Cancel every request still running or waiting (the shutdown deadline passed): each ends with its final
+        chunk (finish_reason "cancelled"), and says on stderr what was cancelled."""
+        self.cancelled_because = why
+        with self._in_flight_lock:
+            requests = list(self._in_flight)
+        for request in requests:
+            self.engine.cancel(request)
+
+    def _log_cancelled(self, shape: _Shape, request: Request, finished: Finished, streamed: bool) -> None:
+        if finished.reason == "cancelled" and self.cancelled_because is not None:
+            kind = ("a streamed " if streamed else "a ") + ("chat completion" if shape.chat else "completion")
+            print(f"mobilec serve: {self.cancelled_because}; cancelled {kind} after {finished.completion_tokens} of "
+                  f"its {request.params.max_tokens} tokens", file=sys.stderr, flush=True)
 
     # --- requests ---
 
@@ -247,6 +270,8 @@ class Server:
         request = Request(parsed.prompt_ids, parsed.params, emit)
         try:
             self.engine.submit(request)
+            with self._in_flight_lock:
+                self._in_flight.add(request)
         except QueueFull as err:
             raise ApiError(429, str(err), kind="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -281,9 +306,10 @@ class Server:
                 elif isinstance(event, Failed):
                     raise ApiError(500, event.message, kind="server_error")
                 else:
+                    self._log_cancelled(shape, request, event, streamed=False)
                     return JSONResponse(shape.whole(tokens, event))
         finally:
-            self.engine.cancel(request)  # no-op once finished; frees the sequence of a cancelled handler
+            self._done(request)
 
     async def _sse(self, request: Request, events: asyncio.Queue, shape: _Shape, include_usage: bool):
         def data(obj: dict) -> str:
@@ -302,13 +328,21 @@ class Server:
                                           "code": None}})
                     break
                 else:
+                    self._log_cancelled(shape, request, event, streamed=True)
                     yield data(shape.chunk({} if shape.chat else "", None, event.reason))
                     if include_usage:
                         yield data({**shape.chunk({}, None, None), "choices": [], "usage": _usage(event)})
                     break
             yield "data: [DONE]\n\n"
         finally:
-            self.engine.cancel(request)  # a client gone mid-stream: its sequence is freed at the next step
+            self._done(request)
+
+    def _done(self, request: Request) -> None:
+        """The handler is over: a request still running (its client went away) is cancelled, and its sequence freed
+        at the engine's next step; a no-op once finished."""
+        self.engine.cancel(request)
+        with self._in_flight_lock:
+            self._in_flight.discard(request)
 
     def metrics_text(self) -> str:
         return self.engine.metrics.text()
@@ -455,14 +489,20 @@ def load_server(options: ServeOptions) -> Server:
 
 def serve(options: ServeOptions, on_ready=None) -> None:
     """Serve until SIGTERM or Ctrl-C: then stop accepting, let in-flight streams finish for up to
-    shutdown_timeout_s, cancel the rest. `on_ready(url, model name)` is called once the socket listens."""
+    shutdown_timeout_s, cancel the rest (each ends with its final chunk). `on_ready(url, model name)` is called once
+    the socket listens."""
     import uvicorn  # pylint: disable=import-outside-toplevel
 
     server = load_server(options)
 
     class _Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            server.stopping.set()  # new requests on open connections get 503 while streams finish
+            if not server.stopping.is_set():
+                server.stopping.set()  # new requests on open connections get 503 while streams finish
+                why = f"{signal.Signals(sig).name}: the {options.shutdown_timeout_s} s shutdown deadline passed"
+                deadline = threading.Timer(options.shutdown_timeout_s, server.cancel_in_flight, (why,))
+                deadline.daemon = True
+                deadline.start()
             super().handle_exit(sig, frame)
 
         async def startup(self, sockets=None):
@@ -471,5 +511,6 @@ def serve(options: ServeOptions, on_ready=None) -> None:
                 on_ready(f"http://{options.host}:{options.port}", server.model_name)
 
     config = uvicorn.Config(server.app, host=options.host, port=options.port, log_level="warning",
-                            timeout_graceful_shutdown=options.shutdown_timeout_s, lifespan="on")
+                            timeout_graceful_shutdown=options.shutdown_timeout_s + FINAL_CHUNKS_GRACE_S,
+                            lifespan="on")
     _Uvicorn(config).run()

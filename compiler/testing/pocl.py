@@ -171,7 +171,8 @@ def _context(platform: str = POCL):
     if not platforms:
         raise Unsupported(f"the OpenCL platform {platform!r} is not installed ({_INSTALL.get(platform, '')})")
     ctx = cl.Context(platforms[0].get_devices())
-    return ctx, cl.CommandQueue(ctx)
+    # profiling on, so a run can report each kernel's device time (run_pocl's `times`)
+    return ctx, cl.CommandQueue(ctx, properties=cl.command_queue_properties.PROFILING_ENABLE)
 
 
 @functools.lru_cache(maxsize=256)
@@ -210,10 +211,11 @@ def _views_of_parameters(host: tirx.PrimFunc) -> dict[str, str]:
 
 
 def run_pocl(build: OpenCLBuild, args: Sequence, bindings: Mapping[str, int],
-             launch_hook: LaunchHook | None = None, platform: str = POCL) -> list[np.ndarray | int | float]:
+             launch_hook: LaunchHook | None = None, platform: str = POCL,
+             times: list[tuple[str, float]] | None = None) -> list[np.ndarray | int | float]:
     """Run the build's kernels in order on PoCL (or another platform, by name: INTEL for float16); return every
     argument after the run (buffers copied back). `launch_hook(kernel, global_size, local_size)` may change a
-    launch (negative controls)."""
+    launch (negative controls); `times` gets (kernel, device seconds) per launch, from OpenCL event profiling."""
     import pyopencl as cl  # pylint: disable=import-outside-toplevel
 
     ctx, queue = _context(platform)
@@ -254,7 +256,10 @@ def run_pocl(build: OpenCLBuild, args: Sequence, bindings: Mapping[str, int],
         global_size, local_size = _sizes(launch, ana)
         if launch_hook is not None:
             global_size, local_size = launch_hook(launch.kernel, global_size, local_size)
-        program[launch.kernel](queue, global_size, local_size, *kernel_args)
+        event = program[launch.kernel](queue, global_size, local_size, *kernel_args)
+        if times is not None:
+            event.wait()
+            times.append((launch.kernel, (event.profile.end - event.profile.start) * 1e-9))
     results = []
     for i, value in enumerate(args):
         if i in device:

@@ -31,6 +31,7 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -75,6 +76,8 @@ constexpr const char* kParamsDir = "params";
 constexpr const char* kParamsIndex = "params/index.json";
 constexpr const char* kTokenizerDir = "tokenizer";
 constexpr int kPooledAllocator = 2;  // tvm.runtime.vm.VirtualMachine.POOLED_ALLOCATOR, its default
+// compiler/kernels/integer_dot_gemv KERNEL_PREFIX: the names of the integer-dot decode GEMVs in "call_sites".
+constexpr const char* kIntegerDotGemvPrefix = "integer_dot_gemv_";
 
 thread_local std::string last_error;
 
@@ -600,7 +603,9 @@ void CheckSampling(double temperature, double top_p) {
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------------------
-// The handle: the Relax VM, its weights and the paged KV cache of one sequence (compiler/runtime/session.py).
+// The handle: the Relax VM, its weights and the paged KV cache of one sequence (compiler/runtime/session.py
+// LoadedArtifact and Session); engines (below) run several sequences in a cache of their own through the same
+// Forward.
 
 struct mobilec_model {
   Artifact artifact;
@@ -611,10 +616,14 @@ struct mobilec_model {
 
   std::optional<ffi::Module> vm;  // set by LoadModel
   ffi::Any params;  // Array<Tensor> in the order the compiled functions take them (params/index.json's)
-  ffi::Function embed, prefill_function, decode_function, create_kv_cache;
-  ffi::Function add_sequence, begin_forward, end_forward;
-  ffi::Any kv_cache;
-  std::optional<ffi::Tensor> one_token;  // decode's input, rewritten in place
+  ffi::Function embed, prefill_function, prefill_logits_function, decode_function, create_kv_cache;
+  ffi::Function add_sequence, remove_sequence, fork_sequence, available_pages, begin_forward, end_forward;
+  // What decodes several sequences in one call (compiler/serve/engine.py's Engine.batch_function): batch_decode
+  // where the artifact exports it (integer-dot GEMVs with a row per sequence), prefill_logits where the decode
+  // GEMVs are float ones, none (one decode call each) for integer-dot GEMVs without a batched form.
+  std::optional<ffi::Function> batch_function;
+  ffi::Any kv_cache;  // the single sequence's (id 0)
+  std::optional<ffi::Tensor> one_token;  // a one-token input, rewritten in place
   int64_t length = 0;              // tokens in the sequence
   int32_t vocab_size = 0;
   std::vector<float> logits;
@@ -629,8 +638,10 @@ struct mobilec_model {
   void LoadModel();
   void Reset();
   void CheckRoom(int64_t count) const;
-  ffi::Any Forward(const ffi::Function& function, const ffi::Tensor& tokens, int64_t count);
-  const float* ReadLogits(const ffi::Any& output);
+  ffi::Any CreateKvCache(int64_t max_sequences, int64_t max_total_tokens) const;
+  ffi::Any Forward(const ffi::Function& function, const ffi::Any& cache, const std::vector<int64_t>& seq_ids,
+                   const int32_t* tokens, const std::vector<int64_t>& lengths);
+  void ReadLogits(const ffi::Any& output, int64_t rows, std::vector<float>* out);
   const float* Prefill(const int32_t* ids, size_t count);
   const float* Decode(int32_t token_id);
 };
@@ -732,22 +743,42 @@ void mobilec_model::LoadModel() {
   embed = VmFunction(*vm, "embed");
   prefill_function = VmFunction(*vm, "prefill");
   decode_function = VmFunction(*vm, "decode");
+  prefill_logits_function = VmFunction(*vm, "prefill_logits");
   create_kv_cache = VmFunction(*vm, "create_tir_paged_kv_cache");
   add_sequence = ffi::Function::GetGlobalRequired("vm.builtin.kv_state_add_sequence");
+  remove_sequence = ffi::Function::GetGlobalRequired("vm.builtin.kv_state_remove_sequence");
+  fork_sequence = ffi::Function::GetGlobalRequired("vm.builtin.kv_state_fork_sequence");
+  available_pages = ffi::Function::GetGlobalRequired("vm.builtin.attention_kv_cache_get_num_available_pages");
   begin_forward = ffi::Function::GetGlobalRequired("vm.builtin.kv_state_begin_forward");
   end_forward = ffi::Function::GetGlobalRequired("vm.builtin.kv_state_end_forward");
   one_token = EmptyTensor(ffi::Shape({1}), DLDataType{kDLInt, 32, 1});
   auto model_config = ObjectField(ObjectField(artifact.config, "model").value_or(json::Object()), "config");
   vocab_size = static_cast<int32_t>(AsInt(Field(model_config.value_or(json::Object()), "vocab_size")).value_or(0));
+  const json::Object call_sites = ObjectField(artifact.config, "call_sites").value_or(json::Object());
+  const json::Object functions = ObjectField(call_sites, "functions").value_or(json::Object());
+  const json::Array kernels = Field(call_sites, "kernels").as<json::Array>().value_or(json::Array());
+  const bool integer_gemvs = std::any_of(kernels.begin(), kernels.end(), [](const ffi::Any& kernel) {
+    return AsString(kernel).value_or("").rfind(kIntegerDotGemvPrefix, 0) == 0;
+  });
+  if (functions.count(ffi::String("batch_decode"))) {
+    batch_function = VmFunction(*vm, "batch_decode");
+  } else if (!integer_gemvs) {
+    batch_function = prefill_logits_function;
+  }
   Reset();
 }
 
 void mobilec_model::Reset() {
-  // Session's shapes: one sequence, the context window, the prefill chunk, the page size, no sliding window.
-  kv_cache = create_kv_cache(ffi::Shape({1}), ffi::Shape({artifact.context_window}),
-                             ffi::Shape({artifact.prefill_chunk}), ffi::Shape({artifact.page_size}), ffi::Shape({0}));
+  kv_cache = CreateKvCache(1, artifact.context_window);
   add_sequence(kv_cache, static_cast<int64_t>(0));
   length = 0;
+}
+
+// LoadedArtifact.create_kv_cache: up to `max_sequences` forwarded together, `max_total_tokens` over all of them, the
+// prefill chunk, the page size, no sliding window.
+ffi::Any mobilec_model::CreateKvCache(int64_t max_sequences, int64_t max_total_tokens) const {
+  return create_kv_cache(ffi::Shape({max_sequences}), ffi::Shape({max_total_tokens}),
+                         ffi::Shape({artifact.prefill_chunk}), ffi::Shape({artifact.page_size}), ffi::Shape({0}));
 }
 
 // Session.check_room: the whole count asked for must fit (a long prompt is fed in chunks; not checked per chunk).
@@ -762,29 +793,42 @@ void mobilec_model::CheckRoom(int64_t count) const {
   }
 }
 
-ffi::Any mobilec_model::Forward(const ffi::Function& function, const ffi::Tensor& tokens, int64_t count) {
-  ffi::Any embedded = embed(tokens, params);
-  begin_forward(kv_cache, ffi::Shape({0}), ffi::Shape({count}));
-  ffi::Any output = function(embedded, kv_cache, params);
-  end_forward(kv_cache);
-  length += count;
+// LoadedArtifact.forward: `function` on `tokens` for the sequences `seq_ids` of `cache`, each taking its `lengths`
+// tokens in order.
+ffi::Any mobilec_model::Forward(const ffi::Function& function, const ffi::Any& cache,
+                                const std::vector<int64_t>& seq_ids, const int32_t* tokens,
+                                const std::vector<int64_t>& lengths) {
+  const int64_t count = std::accumulate(lengths.begin(), lengths.end(), int64_t{0});
+  ffi::Tensor input = count == 1 ? *one_token : EmptyTensor(ffi::Shape({count}), DLDataType{kDLInt, 32, 1});
+  std::memcpy(input.data_ptr(), tokens, count * sizeof(int32_t));
+  ffi::Any embedded = embed(input, params);
+  begin_forward(cache, ffi::Shape(seq_ids), ffi::Shape(lengths));
+  ffi::Any output = function(embedded, cache, params);
+  end_forward(cache);
   return output;
 }
 
-// The logits after the last token: the first output of a model function, read on the host as float32.
-const float* mobilec_model::ReadLogits(const ffi::Any& output) {
+// The logits of the last `rows` tokens (one row each): the first output of a model function, read on the host as
+// float32 into *out.
+void mobilec_model::ReadLogits(const ffi::Any& output, int64_t rows, std::vector<float>* out) {
   ffi::Tensor tensor = output.cast<ffi::Array<ffi::Any>>()[0].cast<ffi::Tensor>();
   const int64_t row = tensor.size(-1);
+  const int64_t wanted = rows * row;
   const int64_t elements = tensor.numel();
+  if (wanted > elements) {
+    Fail(MOBILEC_ERROR_RUNTIME, "the model returned " + std::to_string(elements / row) + " logits rows, expected " +
+                                    std::to_string(rows));
+  }
   const char* base = static_cast<const char*>(tensor.data_ptr()) + tensor.byte_offset();
-  logits.resize(row);
+  std::vector<float>& logits = *out;
+  logits.resize(wanted);
   vocab_size = static_cast<int32_t>(row);
   const DLDataType dtype = tensor.dtype();
   if (dtype.code == kDLFloat && dtype.bits == 32) {
-    std::memcpy(logits.data(), reinterpret_cast<const float*>(base) + (elements - row), row * sizeof(float));
+    std::memcpy(logits.data(), reinterpret_cast<const float*>(base) + (elements - wanted), wanted * sizeof(float));
   } else if (dtype.code == kDLFloat && dtype.bits == 16) {
-    const auto* half = reinterpret_cast<const uint16_t*>(base) + (elements - row);
-    for (int64_t i = 0; i < row; ++i) {
+    const auto* half = reinterpret_cast<const uint16_t*>(base) + (elements - wanted);
+    for (int64_t i = 0; i < wanted; ++i) {
       // IEEE half to float: sign, exponent rebias, mantissa; subnormals scaled, inf/NaN kept.
       const uint32_t sign = (half[i] & 0x8000u) << 16, exponent = (half[i] >> 10) & 0x1F, mantissa = half[i] & 0x3FF;
       float value;
@@ -801,7 +845,6 @@ const float* mobilec_model::ReadLogits(const ffi::Any& output) {
     Fail(MOBILEC_ERROR_RUNTIME, "the model's logits have dtype code " + std::to_string(dtype.code) + " bits " +
                                     std::to_string(dtype.bits) + "; the native runtime reads float32 and float16");
   }
-  return logits.data();
 }
 
 const float* mobilec_model::Prefill(const int32_t* ids, size_t count) {
@@ -809,17 +852,18 @@ const float* mobilec_model::Prefill(const int32_t* ids, size_t count) {
   ffi::Any output;
   for (size_t start = 0; start < count; start += artifact.prefill_chunk) {
     const int64_t chunk = std::min<int64_t>(artifact.prefill_chunk, static_cast<int64_t>(count - start));
-    auto tokens = EmptyTensor(ffi::Shape({chunk}), DLDataType{kDLInt, 32, 1});
-    std::memcpy(tokens.data_ptr(), ids + start, chunk * sizeof(int32_t));
-    output = Forward(prefill_function, tokens, chunk);
+    output = Forward(prefill_function, kv_cache, {0}, ids + start, {chunk});
+    length += chunk;
   }
-  return ReadLogits(output);
+  ReadLogits(output, 1, &logits);
+  return logits.data();
 }
 
 const float* mobilec_model::Decode(int32_t token_id) {
   CheckRoom(1);
-  *static_cast<int32_t*>(one_token->data_ptr()) = token_id;
-  return ReadLogits(Forward(decode_function, *one_token, 1));
+  ReadLogits(Forward(decode_function, kv_cache, {0}, &token_id, {1}), 1, &logits);
+  length += 1;
+  return logits.data();
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -873,7 +917,318 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// A generation config's values (mobilec_generate's and mobilec_session_feed's checks).
+void CheckConfig(const mobilec_generation_config& config) {
+  if (config.max_new_tokens < 1) {
+    Fail(MOBILEC_ERROR_INVALID_ARGUMENT,
+         "--max-new-tokens must be at least 1, got " + std::to_string(config.max_new_tokens));
+  }
+  CheckSampling(config.temperature, config.top_p);
+  if (!config.stop_ids && config.num_stop_ids != 0) Fail(MOBILEC_ERROR_INVALID_ARGUMENT, "stop_ids is NULL");
+}
+
+// One generation's tokens, as generate.py's loop makes them: each sampled from the logits after the previous one,
+// until max_new_tokens, EOS or a stop id (unless ignore_eos), or the caller asks to stop.
+class Generation {
+ public:
+  Generation(const mobilec_model& model, const mobilec_generation_config& config, std::mt19937_64* generator)
+      : model_(&model), config_(config), generator_(generator) {
+    if (!config.ignore_eos) {
+      if (model.eos_token_id >= 0) stop_ids_.insert(model.eos_token_id);
+      stop_ids_.insert(config.stop_ids, config.stop_ids + config.num_stop_ids);
+    }
+    config_.stop_ids = nullptr;  // the caller's array may not outlive this
+    generator_->seed(config.seed);
+  }
+
+  // Sample the next token from `logits`; with `piece`, the text it completes: "" while the last character is
+  // incomplete (as generate.py's stream waits while the text ends in U+FFFD), the whole character after it.
+  int32_t Take(const float* logits, std::string* piece) {
+    const int32_t token = Sample(logits, model_->vocab_size, config_.temperature, config_.top_p, *generator_);
+    tokens_.push_back(token);
+    if (piece != nullptr) {
+      piece->clear();
+      std::string text = model_->tokenizer->Decode(tokens_, true);
+      if (!EndsInsideCharacter(text)) {
+        text = LossyUtf8(text);
+        if (text.size() > streamed_) *piece = text.substr(streamed_);
+        streamed_ = text.size();
+      }
+    }
+    return token;
+  }
+
+  void StopAfterThis() { stop_asked_ = true; }
+  bool Done() const {
+    return stop_asked_ || static_cast<int32_t>(tokens_.size()) >= config_.max_new_tokens ||
+           stop_ids_.count(tokens_.back());
+  }
+  const std::vector<int32_t>& tokens() const { return tokens_; }
+  std::string Text() const { return LossyUtf8(model_->tokenizer->Decode(tokens_, true)); }
+  int32_t max_new_tokens() const { return config_.max_new_tokens; }
+
+ private:
+  const mobilec_model* model_;
+  mobilec_generation_config config_;
+  std::mt19937_64* generator_;
+  std::unordered_set<int32_t> stop_ids_;
+  std::vector<int32_t> tokens_;
+  size_t streamed_ = 0;  // bytes of the text already handed out
+  bool stop_asked_ = false;
+};
+
 }  // namespace
+
+// ---------------------------------------------------------------------------------------------------------------
+// The engine: several sessions' sequences in one paged KV cache, stepped together (compiler/serve/engine.py Engine,
+// same decisions: one prompt chunk per step, then one token for every generating sequence; prefix reuse by forking;
+// least-recently-used eviction of cached sequences).
+
+namespace {
+
+struct Session {
+  mobilec_session_state state = MOBILEC_SESSION_IDLE;
+  int64_t seq_id = -1;              // its sequence in the cache while prefilling or generating
+  int64_t fed_order = 0;            // which prefills first (the one fed first)
+  std::vector<int32_t> prompt;
+  std::vector<int32_t> kv_tokens;   // the tokens whose keys and values are in the cache
+  std::vector<int32_t> pending;     // prompt tokens still to prefill
+  int32_t reused = 0, prefilled = 0;
+  std::mt19937_64 generator;
+  std::optional<Generation> generation;
+  std::chrono::steady_clock::time_point fed_at;
+  double ttft_ms = std::nan("");
+  std::string text;                 // mobilec_session_get_result's, owned here
+
+  // Tokens in the cache when the generation ends at max_new_tokens (the last token is never fed back).
+  int64_t FinalLength() const {
+    return static_cast<int64_t>(prompt.size()) + generation->max_new_tokens() - 1;
+  }
+};
+
+struct CachedSequence {
+  int64_t seq_id;
+  std::vector<int32_t> tokens;
+};
+
+}  // namespace
+
+struct mobilec_engine {
+  mobilec_model* model = nullptr;
+  int32_t max_sessions = 0;
+  ffi::Any kv_cache;
+  int64_t next_seq_id = 0;
+  int64_t next_fed_order = 0;
+  std::vector<std::optional<Session>> sessions;  // by session id; empty: not open
+  std::vector<CachedSequence> cached;            // least recently used first
+  std::vector<float> logits;                     // a step's logits rows
+
+  Session& Open(int32_t id);
+  void Feed(Session& session, const int32_t* ids, size_t count, const mobilec_generation_config& config);
+  bool Step(mobilec_session_callback callback, void* user_data);
+  void End(Session& session, mobilec_session_state state);
+
+ private:
+  int64_t Pages(int64_t tokens) const { return (tokens + model->artifact.page_size - 1) / model->artifact.page_size; }
+  int64_t FreePages() const;
+  bool MakeRoom(int64_t need, int64_t keep);
+  void Take(Session& session, int32_t id, const float* logits, mobilec_session_callback callback, void* user_data);
+  template <typename Body>
+  void EndOnFailure(const std::vector<int32_t>& ids, Body body);
+};
+
+namespace {
+
+std::string SessionName(int32_t id) { return "session " + std::to_string(id); }
+
+}  // namespace
+
+Session& mobilec_engine::Open(int32_t id) {
+  if (id < 0 || id >= max_sessions || !sessions[id]) {
+    Fail(MOBILEC_ERROR_INVALID_ARGUMENT, SessionName(id) + " is not open in this engine (it holds sessions 0 to " +
+                                             std::to_string(max_sessions - 1) + "); open one with "
+                                             "mobilec_session_open");
+  }
+  return *sessions[id];
+}
+
+// Free pages beyond those the generating sequences may still claim before they end (engine.py _make_room's free).
+int64_t mobilec_engine::FreePages() const {
+  int64_t reserved = 0;
+  for (const auto& session : sessions) {
+    if (session && session->seq_id >= 0) {
+      reserved += Pages(session->FinalLength()) - Pages(static_cast<int64_t>(session->kv_tokens.size()));
+    }
+  }
+  return model->available_pages(kv_cache).cast<int64_t>() - reserved;
+}
+
+// Evict cached sequences, least recently used first (`keep` last), until `need` pages are free.
+bool mobilec_engine::MakeRoom(int64_t need, int64_t keep) {
+  std::stable_partition(cached.begin(), cached.end(), [&](const CachedSequence& c) { return c.seq_id != keep; });
+  while (FreePages() < need && !cached.empty()) {
+    model->remove_sequence(kv_cache, cached.front().seq_id);
+    cached.erase(cached.begin());
+  }
+  return FreePages() >= need;
+}
+
+void mobilec_engine::Feed(Session& session, const int32_t* ids, size_t count,
+                          const mobilec_generation_config& config) {
+  std::vector<int32_t> prompt(ids, ids + count);
+  // The cached sequence sharing the longest start with the prompt; at most all but the prompt's last token is
+  // reused, since the first output token is sampled from the logits after it.
+  int64_t parent = -1;
+  size_t reused = 0;
+  for (const CachedSequence& candidate : cached) {
+    size_t n = 0;
+    while (n < candidate.tokens.size() && n + 1 < prompt.size() && candidate.tokens[n] == prompt[n]) ++n;
+    if (n > reused) parent = candidate.seq_id, reused = n;
+  }
+  const int64_t need = Pages(static_cast<int64_t>(count) + config.max_new_tokens - 1);
+  // A fork shares the parent's whole pages (the cache copies only a partly filled last one).
+  bool room = MakeRoom(need - static_cast<int64_t>(reused) / model->artifact.page_size, parent);
+  const auto parent_entry = [&] {
+    return std::find_if(cached.begin(), cached.end(), [&](const CachedSequence& c) { return c.seq_id == parent; });
+  };
+  if (room && parent >= 0 && parent_entry() == cached.end()) {  // evicted for room after all: nothing shared
+    parent = -1;
+    room = MakeRoom(need, -1);
+  }
+  if (!room) {
+    Fail(MOBILEC_ERROR_BUSY, "the engine's KV cache has no room for " + std::to_string(count) + " prompt tokens + " +
+                                 std::to_string(config.max_new_tokens) + " new ones while the other sessions "
+                                 "generate; feed it again after one has finished");
+  }
+  const int64_t seq_id = next_seq_id++;
+  if (parent >= 0) {
+    model->fork_sequence(kv_cache, parent, seq_id, static_cast<int64_t>(reused));
+    auto entry = parent_entry();
+    std::rotate(entry, entry + 1, cached.end());  // most recently used
+  } else {
+    reused = 0;
+    model->add_sequence(kv_cache, seq_id);
+  }
+  session = Session();
+  session.state = MOBILEC_SESSION_PREFILLING;
+  session.seq_id = seq_id;
+  session.fed_order = next_fed_order++;
+  session.prompt = std::move(prompt);
+  session.kv_tokens.assign(session.prompt.begin(), session.prompt.begin() + reused);
+  session.pending.assign(session.prompt.begin() + reused, session.prompt.end());
+  session.reused = static_cast<int32_t>(reused);
+  session.generation.emplace(*model, config, &session.generator);
+  session.fed_at = std::chrono::steady_clock::now();
+}
+
+// Take the session's sequence out of the batch: a finished one stays as a cached prefix (dropping cached sequences
+// it extends), any other is freed.
+void mobilec_engine::End(Session& session, mobilec_session_state state) {
+  session.state = state;
+  if (session.seq_id < 0) return;
+  const int64_t seq_id = std::exchange(session.seq_id, -1);
+  if (state != MOBILEC_SESSION_FINISHED) {
+    model->remove_sequence(kv_cache, seq_id);
+    return;
+  }
+  for (auto it = cached.begin(); it != cached.end();) {
+    const bool extended = it->tokens.size() <= session.kv_tokens.size() &&
+                          std::equal(it->tokens.begin(), it->tokens.end(), session.kv_tokens.begin());
+    if (extended) model->remove_sequence(kv_cache, it->seq_id);
+    it = extended ? cached.erase(it) : it + 1;
+  }
+  cached.push_back({seq_id, session.kv_tokens});
+}
+
+// A model call that fails ends the sessions in it (engine.py _guarded), then the step reports the error.
+template <typename Body>
+void mobilec_engine::EndOnFailure(const std::vector<int32_t>& ids, Body body) {
+  try {
+    body();
+  } catch (...) {
+    for (int32_t id : ids) {
+      try {
+        End(*sessions[id], MOBILEC_SESSION_FAILED);
+      } catch (...) {  // the cache may refuse after the failure: the session is failed either way
+        sessions[id]->seq_id = -1;
+      }
+    }
+    throw;
+  }
+}
+
+void mobilec_engine::Take(Session& session, int32_t id, const float* logits, mobilec_session_callback callback,
+                          void* user_data) {
+  std::string piece;
+  const int32_t token = session.generation->Take(logits, callback ? &piece : nullptr);
+  if (session.generation->tokens().size() == 1) {
+    session.ttft_ms = SecondsSince(session.fed_at) * 1e3;
+    session.state = MOBILEC_SESSION_GENERATING;
+  }
+  if (callback && callback(user_data, id, token, piece.c_str(), piece.size()) != 0) {
+    session.generation->StopAfterThis();
+  }
+  if (session.generation->Done()) End(session, MOBILEC_SESSION_FINISHED);
+}
+
+bool mobilec_engine::Step(mobilec_session_callback callback, void* user_data) {
+  int32_t prefilling = -1;
+  for (int32_t id = 0; id < max_sessions; ++id) {
+    const auto& session = sessions[id];
+    if (session && session->state == MOBILEC_SESSION_PREFILLING &&
+        (prefilling < 0 || session->fed_order < sessions[prefilling]->fed_order)) {
+      prefilling = id;
+    }
+  }
+  if (prefilling >= 0) {
+    Session& session = *sessions[prefilling];
+    const int64_t chunk = std::min<int64_t>(model->artifact.prefill_chunk, session.pending.size());
+    EndOnFailure({prefilling}, [&] {
+      model->ReadLogits(model->Forward(model->prefill_function, kv_cache, {session.seq_id}, session.pending.data(),
+                                       {chunk}), 1, &logits);
+    });
+    session.kv_tokens.insert(session.kv_tokens.end(), session.pending.begin(), session.pending.begin() + chunk);
+    session.pending.erase(session.pending.begin(), session.pending.begin() + chunk);
+    session.prefilled += static_cast<int32_t>(chunk);
+    if (session.pending.empty()) Take(session, prefilling, logits.data(), callback, user_data);
+  }
+  // Every generating sequence feeds back its last token (the one just prefilled included, as engine.py does).
+  std::vector<int32_t> decoding;
+  for (int32_t id = 0; id < max_sessions; ++id) {
+    if (sessions[id] && sessions[id]->state == MOBILEC_SESSION_GENERATING) decoding.push_back(id);
+  }
+  const auto last_token = [&](int32_t id) { return sessions[id]->generation->tokens().back(); };
+  const auto fed_back = [&](int32_t id) { sessions[id]->kv_tokens.push_back(last_token(id)); };
+  const int64_t vocab = model->vocab_size;
+  if (decoding.size() > 1 && model->batch_function) {
+    // One call over every sequence's last token, in begin_forward's order: the weights read once for all of them.
+    std::vector<int64_t> seq_ids;
+    std::vector<int32_t> tokens;
+    for (int32_t id : decoding) seq_ids.push_back(sessions[id]->seq_id), tokens.push_back(last_token(id));
+    EndOnFailure(decoding, [&] {
+      model->ReadLogits(model->Forward(*model->batch_function, kv_cache, seq_ids, tokens.data(),
+                                       std::vector<int64_t>(decoding.size(), 1)),
+                        static_cast<int64_t>(decoding.size()), &logits);
+    });
+    for (size_t i = 0; i < decoding.size(); ++i) {
+      fed_back(decoding[i]);
+      Take(*sessions[decoding[i]], decoding[i], logits.data() + i * vocab, callback, user_data);
+    }
+  } else {
+    for (int32_t id : decoding) {
+      const int32_t token = last_token(id);
+      EndOnFailure({id}, [&] {
+        model->ReadLogits(model->Forward(model->decode_function, kv_cache, {sessions[id]->seq_id}, &token, {1}), 1,
+                          &logits);
+      });
+      fed_back(id);
+      Take(*sessions[id], id, logits.data(), callback, user_data);
+    }
+  }
+  return std::any_of(sessions.begin(), sessions.end(), [](const std::optional<Session>& session) {
+    return session && (session->state == MOBILEC_SESSION_PREFILLING || session->state == MOBILEC_SESSION_GENERATING);
+  });
+}
 
 extern "C" {
 
@@ -1037,53 +1392,26 @@ mobilec_status mobilec_generate(mobilec_model* model, const int32_t* prompt_ids,
   return Guarded([&] {
     Require(model && (prompt_ids || prompt_count == 0) && config && out_result,
             "mobilec_generate: model, prompt_ids, config and out_result are required");
-    if (config->max_new_tokens < 1) {
-      Fail(MOBILEC_ERROR_INVALID_ARGUMENT,
-           "--max-new-tokens must be at least 1, got " + std::to_string(config->max_new_tokens));
-    }
-    CheckSampling(config->temperature, config->top_p);
-    Require(config->stop_ids || config->num_stop_ids == 0, "mobilec_generate: stop_ids is NULL");
+    CheckConfig(*config);
     for (size_t i = 0; i < prompt_count; ++i) CheckToken(model, prompt_ids[i]);
     CheckFits(static_cast<int64_t>(prompt_count), config->max_new_tokens, model->artifact.context_window);
-    std::unordered_set<int32_t> stop_ids;
-    if (!config->ignore_eos) {
-      if (model->eos_token_id >= 0) stop_ids.insert(model->eos_token_id);
-      stop_ids.insert(config->stop_ids, config->stop_ids + config->num_stop_ids);
-    }
-    model->generator.seed(config->seed);
+    Generation generation(*model, *config, &model->generator);
     model->Reset();
-    model->generated.clear();
-    std::string printed;  // the text the callback has been given
-    bool stop_asked = false;
-    // The text of every token so far, special tokens left out; the callback gets what is new once the last
-    // character is whole (as generate.py's stream waits while the text ends in U+FFFD).
-    const auto emit = [&](int32_t token) {
-      model->generated.push_back(token);
-      if (!callback) return;
-      std::string text = model->tokenizer->Decode(model->generated, true);
-      std::string piece;
-      if (!EndsInsideCharacter(text)) {
-        text = LossyUtf8(text);
-        piece = text.size() > printed.size() ? text.substr(printed.size()) : "";
-        printed = text;
-      }
-      stop_asked = callback(user_data, token, piece.c_str(), piece.size()) != 0;
+    std::string piece;
+    const auto emit = [&](const float* logits) {
+      const int32_t token = generation.Take(logits, callback ? &piece : nullptr);
+      if (callback && callback(user_data, token, piece.c_str(), piece.size()) != 0) generation.StopAfterThis();
+      return token;
     };
     const auto start = std::chrono::steady_clock::now();
-    const float* logits = model->Prefill(prompt_ids, prompt_count);
-    int32_t token = Sample(logits, model->vocab_size, config->temperature, config->top_p, model->generator);
-    const double ttft_s = SecondsSince(start);
+    int32_t token = emit(model->Prefill(prompt_ids, prompt_count));
+    const double ttft_s = SecondsSince(start);  // includes the callback's time, as it did
     const auto first_token_at = std::chrono::steady_clock::now();
-    emit(token);
-    while (!stop_asked && static_cast<int32_t>(model->generated.size()) < config->max_new_tokens &&
-           !stop_ids.count(token)) {
-      logits = model->Decode(token);
-      token = Sample(logits, model->vocab_size, config->temperature, config->top_p, model->generator);
-      emit(token);
-    }
+    while (!generation.Done()) token = emit(model->Decode(token));
     const double decode_s = SecondsSince(first_token_at);
+    model->generated = generation.tokens();
     const size_t decode_steps = model->generated.size() - 1;
-    model->generated_text = LossyUtf8(model->tokenizer->Decode(model->generated, true));
+    model->generated_text = generation.Text();
     *out_result = mobilec_result{};
     out_result->token_ids = model->generated.data();
     out_result->num_tokens = model->generated.size();
@@ -1092,6 +1420,110 @@ mobilec_status mobilec_generate(mobilec_model* model, const int32_t* prompt_ids,
     out_result->ttft_ms = ttft_s * 1e3;
     out_result->prefill_tok_s = prompt_count / ttft_s;
     out_result->decode_tok_s = decode_steps ? decode_steps / decode_s : std::nan("");
+  });
+}
+
+mobilec_status mobilec_engine_create(mobilec_model* model, int32_t max_sessions, mobilec_engine** out_engine) {
+  if (out_engine != nullptr) *out_engine = nullptr;
+  return Guarded([&] {
+    Require(model && out_engine, "mobilec_engine_create: model and out_engine are required");
+    if (max_sessions < 1 || max_sessions > MOBILEC_MAX_SESSIONS) {
+      Fail(MOBILEC_ERROR_INVALID_ARGUMENT, "--max-sessions must be 1 to " + std::to_string(MOBILEC_MAX_SESSIONS) +
+                                               ", got " + std::to_string(max_sessions));
+    }
+    auto engine = std::make_unique<mobilec_engine>();
+    engine->model = model;
+    engine->max_sessions = max_sessions;
+    engine->sessions.resize(max_sessions);
+    // Room for every session to fill the context window; cached prefixes live in what they leave free.
+    engine->kv_cache = model->CreateKvCache(max_sessions, max_sessions * model->artifact.context_window);
+    *out_engine = engine.release();
+  });
+}
+
+int32_t mobilec_engine_batched_decode(const mobilec_engine* engine) {
+  return engine && engine->model->batch_function ? 1 : 0;
+}
+
+void mobilec_engine_destroy(mobilec_engine* engine) { delete engine; }
+
+mobilec_status mobilec_session_open(mobilec_engine* engine, int32_t* out_session) {
+  return Guarded([&] {
+    Require(engine && out_session, "mobilec_session_open: engine and out_session are required");
+    auto free_slot = std::find_if(engine->sessions.begin(), engine->sessions.end(),
+                                  [](const std::optional<Session>& session) { return !session; });
+    if (free_slot == engine->sessions.end()) {
+      Fail(MOBILEC_ERROR_BUSY, "all " + std::to_string(engine->max_sessions) + " sessions of the engine are open; "
+                               "close one first, or create the engine with more (at most " +
+                               std::to_string(MOBILEC_MAX_SESSIONS) + ")");
+    }
+    free_slot->emplace();
+    *out_session = static_cast<int32_t>(free_slot - engine->sessions.begin());
+  });
+}
+
+mobilec_status mobilec_session_close(mobilec_engine* engine, int32_t session) {
+  return Guarded([&] {
+    Require(engine != nullptr, "mobilec_session_close: no engine");
+    Session& target = engine->Open(session);
+    if (target.seq_id >= 0) engine->End(target, MOBILEC_SESSION_CANCELLED);
+    engine->sessions[session].reset();
+  });
+}
+
+mobilec_status mobilec_session_feed(mobilec_engine* engine, int32_t session, const int32_t* prompt_ids,
+                                    size_t count, const mobilec_generation_config* config) {
+  return Guarded([&] {
+    Require(engine && (prompt_ids || count == 0) && config,
+            "mobilec_session_feed: engine, prompt_ids and config are required");
+    Session& target = engine->Open(session);
+    if (target.seq_id >= 0) {
+      Fail(MOBILEC_ERROR_INVALID_ARGUMENT, SessionName(session) + " is still generating; feed it after it has "
+                                           "finished, or cancel it first");
+    }
+    CheckConfig(*config);
+    for (size_t i = 0; i < count; ++i) CheckToken(engine->model, prompt_ids[i]);
+    CheckFits(static_cast<int64_t>(count), config->max_new_tokens, engine->model->artifact.context_window);
+    engine->Feed(target, prompt_ids, count, *config);
+  });
+}
+
+mobilec_status mobilec_session_cancel(mobilec_engine* engine, int32_t session) {
+  return Guarded([&] {
+    Require(engine != nullptr, "mobilec_session_cancel: no engine");
+    Session& target = engine->Open(session);
+    if (target.seq_id >= 0) engine->End(target, MOBILEC_SESSION_CANCELLED);
+  });
+}
+
+mobilec_status mobilec_engine_step(mobilec_engine* engine, mobilec_session_callback callback, void* user_data,
+                                   int32_t* out_busy) {
+  return Guarded([&] {
+    Require(engine != nullptr, "mobilec_engine_step: no engine");
+    const bool busy = engine->Step(callback, user_data);
+    if (out_busy != nullptr) *out_busy = busy;
+  });
+}
+
+mobilec_status mobilec_session_get_result(mobilec_engine* engine, int32_t session,
+                                          mobilec_session_result* out_result) {
+  return Guarded([&] {
+    Require(engine && out_result, "mobilec_session_get_result: engine and out_result are required");
+    Session& target = engine->Open(session);
+    *out_result = mobilec_session_result{};
+    out_result->state = target.state;
+    out_result->prompt_tokens = static_cast<int32_t>(target.prompt.size());
+    out_result->reused_tokens = target.reused;
+    out_result->prefilled_tokens = target.prefilled;
+    out_result->ttft_ms = target.ttft_ms;
+    if (target.generation) {
+      target.text = target.generation->Text();
+      out_result->token_ids = target.generation->tokens().data();
+      out_result->num_tokens = target.generation->tokens().size();
+    } else {
+      target.text.clear();
+    }
+    out_result->text = target.text.c_str();
   });
 }
 

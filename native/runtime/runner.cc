@@ -4,6 +4,7 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <cmath>
 #include <cstdint>
@@ -24,7 +25,8 @@ constexpr const char* kUsage =
     "comes, as `mobilec generate` does, without Python.\n"
     "\n"
     "options:\n"
-    "  --prompt TEXT          the prompt text (this or --prompt-ids is required)\n"
+    "  --prompt TEXT          the prompt text (this or --prompt-ids is required); with --parallel N, give it once\n"
+    "                         (run N times) or N times (one per session)\n"
     "  --prompt-ids IDS       the prompt as token ids, comma-separated, fed as they are (no BOS added): to\n"
     "                         replay `mobilec bench`'s prompts or compare with another runtime token for token\n"
     "  --max-new-tokens N     tokens to generate at most [default: 64]\n"
@@ -36,7 +38,11 @@ constexpr const char* kUsage =
     "  --threads N            CPU threads [default: TVM_NUM_THREADS or one per core]\n"
     "  --verify sha256|sizes  check every artifact file's sha256 before loading, or only its size (faster start\n"
     "                         once the files were checked after copying them) [default: sha256]\n"
-    "  --json                 print the text, tokens and timings as `mobilec generate --json` does (not streamed)\n"
+    "  --parallel N           run N prompts (1 to 8) as N sessions of one engine, decoded together; prints each\n"
+    "                         session's text and the aggregate decode tok/s (not streamed)\n"
+    "  --json                 print the text, tokens and timings as `mobilec generate --json` does (not streamed);\n"
+    "                         with --parallel, {\"sessions\": [...], \"decode_tok_s\": ..., \"batched_decode\": ...,\n"
+    "                         \"peak_rss_mb\": ...}\n"
     "  -h, --help             show this and exit\n"
     "\n"
     "Errors: one line on stderr and exit code 2 (bad option, bad artifact, a CPU that cannot run it, a prompt\n"
@@ -69,6 +75,10 @@ std::string PythonFloat(double value) {
   std::string fixed = text;
   return fixed.find('.') == std::string::npos ? fixed + ".0" : fixed;
 }
+
+// A figure in --json: null where it does not exist (NaN: a rate over no steps), as `mobilec generate --json` writes
+// it; strict JSON parsers reject NaN and Infinity.
+std::string JsonNumber(double value) { return std::isfinite(value) ? PythonFloat(value) : "null"; }
 
 std::string Quoted(const std::string& text) { return "'" + text + "'"; }
 
@@ -124,7 +134,7 @@ bool ValidUtf8(const std::string& text) {
 
 struct Options {
   std::string artifact;
-  std::string prompt;
+  std::vector<std::string> prompts;  // --prompt, once or (with --parallel) once per session
   bool has_prompt = false;
   std::vector<int32_t> prompt_ids;
   bool has_prompt_ids = false;
@@ -136,6 +146,7 @@ struct Options {
   bool ignore_eos = false;
   int64_t threads = 0;  // 0: TVM_NUM_THREADS or TVM's default
   mobilec_verify verify = MOBILEC_VERIFY_SHA256;
+  int64_t parallel = 0;  // 0: one sequence through mobilec_generate
   bool json = false;
   bool help = false;
 };
@@ -177,7 +188,7 @@ Options ParseOptions(int argc, char** argv) {
     } else if (arg == "--json") {
       flag(&options.json);
     } else if (arg == "--prompt") {
-      options.prompt = take_value();
+      options.prompts.push_back(take_value());
       options.has_prompt = true;
     } else if (arg == "--prompt-ids") {
       options.prompt_ids = TokenIds(arg, take_value());
@@ -194,6 +205,12 @@ Options ParseOptions(int argc, char** argv) {
       const std::string mode = take_value();
       if (mode != "sha256" && mode != "sizes") Usage("--verify must be sha256 or sizes, got '" + mode + "'");
       options.verify = mode == "sizes" ? MOBILEC_VERIFY_SIZES : MOBILEC_VERIFY_SHA256;
+    } else if (arg == "--parallel") {
+      options.parallel = WholeNumber(arg, take_value());
+      if (options.parallel < 1 || options.parallel > MOBILEC_MAX_SESSIONS) {
+        Usage("--parallel must be 1 to " + std::to_string(MOBILEC_MAX_SESSIONS) + ", got " +
+              std::to_string(options.parallel));
+      }
     } else if (arg == "--threads") {
       options.threads = WholeNumber(arg, take_value());
       if (options.threads < 1) Usage("--threads must be at least 1, got " + std::to_string(options.threads));
@@ -209,6 +226,16 @@ Options ParseOptions(int argc, char** argv) {
                              : "missing option --prompt or --prompt-ids (see mobilec-run --help)");
   }
   if (options.has_prompt_ids && options.chat) Usage("--chat renders a --prompt text; --prompt-ids are fed as they are");
+  const size_t prompts = options.prompts.size();
+  if (prompts > 1 && options.parallel == 0) {
+    Usage("--prompt is given " + std::to_string(prompts) + " times; pass --parallel " + std::to_string(prompts) +
+          " to run them together, or one --prompt");
+  }
+  if (prompts > 1 && static_cast<int64_t>(prompts) != options.parallel) {
+    Usage("--parallel " + std::to_string(options.parallel) + " runs " + std::to_string(options.parallel) +
+          " prompts, got " + std::to_string(prompts) + " --prompt values; pass one (run " +
+          std::to_string(options.parallel) + " times) or " + std::to_string(options.parallel));
+  }
 
   const int cores = UsableCores();
   const std::string cores_unit = " (the cores this machine lets this process use)";
@@ -224,9 +251,9 @@ Options ParseOptions(int argc, char** argv) {
             std::to_string(cores) + cores_unit + "; fix or unset it, or pass --threads");
     }
   }
-  if (!ValidUtf8(options.prompt)) Usage("--prompt is not valid UTF-8; pass UTF-8 text");
-  if (options.has_prompt && options.prompt.find_first_not_of(" \t\n\r\f\v") == std::string::npos) {
-    Usage("--prompt is empty; pass some text");
+  for (const std::string& prompt : options.prompts) {
+    if (!ValidUtf8(prompt)) Usage("--prompt is not valid UTF-8; pass UTF-8 text");
+    if (prompt.find_first_not_of(" \t\n\r\f\v") == std::string::npos) Usage("--prompt is empty; pass some text");
   }
   if (options.max_new_tokens < 1) {
     Usage("--max-new-tokens must be at least 1, got " + std::to_string(options.max_new_tokens));
@@ -306,6 +333,157 @@ int Fail(mobilec_status status) {
   return ExitCode(status);
 }
 
+// The prompt's token ids: --prompt-ids as they are, or the text (rendered with the chat template for --chat)
+// tokenized. On failure, the exit code (the error printed).
+int PromptTokens(mobilec_model* model, const Options& options, const std::string& text,
+                 std::vector<int32_t>* out_tokens) {
+  if (options.has_prompt_ids) {
+    const int32_t vocab = mobilec_vocab_size(model);
+    for (const int32_t id : options.prompt_ids) {
+      if (id >= vocab) {
+        std::fprintf(stderr, "mobilec-run: error: --prompt-ids holds %d; the model's vocabulary has ids 0 to %d\n", id,
+                     vocab - 1);
+        return 2;
+      }
+    }
+    *out_tokens = options.prompt_ids;
+    return 0;
+  }
+  const char* prompt = text.c_str();
+  mobilec_status status;
+  if (options.chat && (status = mobilec_chat_prompt(model, prompt, &prompt))) return Fail(status);
+  const int32_t* prompt_ids = nullptr;
+  size_t prompt_count = 0;
+  // A rendered chat prompt has its special tokens written out, as transformers' encode(add_special_tokens=False).
+  if ((status = mobilec_tokenize(model, prompt, options.chat ? 0 : 1, &prompt_ids, &prompt_count))) {
+    return Fail(status);
+  }
+  out_tokens->assign(prompt_ids, prompt_ids + prompt_count);  // the ids belong to the handle until its next call
+  return 0;
+}
+
+mobilec_generation_config GenerationConfig(const Options& options) {
+  mobilec_generation_config config;
+  mobilec_generation_config_init(&config);
+  config.max_new_tokens = static_cast<int32_t>(options.max_new_tokens);
+  config.temperature = options.temperature;
+  config.top_p = options.top_p;
+  config.seed = static_cast<uint64_t>(options.seed);
+  config.ignore_eos = options.ignore_eos;
+  return config;
+}
+
+std::string IdList(const int32_t* ids, size_t count) {
+  std::string list;
+  for (size_t i = 0; i < count; ++i) list += (i ? ", " : "") + std::to_string(ids[i]);
+  return list;
+}
+
+int Generate(mobilec_model* model, const Options& options) {
+  std::vector<int32_t> prompt_tokens;
+  const std::string text = options.prompts.empty() ? "" : options.prompts[0];
+  if (const int code = PromptTokens(model, options, text, &prompt_tokens)) return code;
+  const mobilec_generation_config config = GenerationConfig(options);
+  mobilec_result result;
+  const mobilec_status status = mobilec_generate(model, prompt_tokens.data(), prompt_tokens.size(), &config,
+                                                 options.json ? nullptr : StreamPiece, nullptr, &result);
+  if (status != MOBILEC_OK) {
+    if (!options.json) std::printf("\n");  // end the streamed text's line before the error
+    return Fail(status);
+  }
+  const double peak_rss_mb = PeakRssMb();
+  if (options.json) {
+    std::printf("{\"text\": %s, \"token_ids\": [%s], \"prompt_tokens\": %d, \"ttft_ms\": %s, \"prefill_tok_s\": %s, "
+                "\"decode_tok_s\": %s, \"peak_rss_mb\": %s}\n",
+                JsonString(result.text).c_str(), IdList(result.token_ids, result.num_tokens).c_str(),
+                result.prompt_tokens, JsonNumber(result.ttft_ms).c_str(), JsonNumber(result.prefill_tok_s).c_str(),
+                JsonNumber(result.decode_tok_s).c_str(), JsonNumber(peak_rss_mb).c_str());
+  } else {
+    char decode[40] = "n/a (one token)";  // as `mobilec generate` prints it
+    if (std::isfinite(result.decode_tok_s)) std::snprintf(decode, sizeof(decode), "%.1f tok/s", result.decode_tok_s);
+    std::printf("\n\n[%d prompt tokens, %zu generated] TTFT %.1f ms | prefill %.1f tok/s | decode %s | "
+                "peak RSS %.0f MB\n",
+                result.prompt_tokens, result.num_tokens, result.ttft_ms, result.prefill_tok_s, decode, peak_rss_mb);
+  }
+  return 0;
+}
+
+// When the sessions' tokens came: the aggregate decode rate counts every token after a session's first, over the
+// time from the first session's first token to the last token of all.
+struct TokenClock {
+  std::vector<bool> started;
+  std::chrono::steady_clock::time_point first, last;
+  bool any = false;
+  size_t decode_tokens = 0;
+};
+
+int CountToken(void* user_data, int32_t session, int32_t, const char*, size_t) {
+  auto& clock = *static_cast<TokenClock*>(user_data);
+  clock.last = std::chrono::steady_clock::now();
+  if (!clock.any) clock.first = clock.last, clock.any = true;
+  if (clock.started[session]) ++clock.decode_tokens;
+  clock.started[session] = true;
+  return 0;
+}
+
+// --parallel N: N sessions of one engine, fed at once and stepped together until all are done.
+int GenerateParallel(mobilec_model* model, const Options& options) {
+  const int32_t sessions = static_cast<int32_t>(options.parallel);
+  mobilec_engine* engine = nullptr;
+  mobilec_status status = mobilec_engine_create(model, sessions, &engine);
+  if (status != MOBILEC_OK) return Fail(status);
+  struct Destroyer {
+    mobilec_engine* engine;
+    ~Destroyer() { mobilec_engine_destroy(engine); }
+  } destroyer{engine};
+  const mobilec_generation_config config = GenerationConfig(options);
+  std::vector<int32_t> ids(sessions);
+  for (int32_t i = 0; i < sessions; ++i) {
+    std::vector<int32_t> prompt_tokens;
+    const std::string text = options.prompts.empty() ? "" : options.prompts[options.prompts.size() > 1 ? i : 0];
+    if (const int code = PromptTokens(model, options, text, &prompt_tokens)) return code;
+    if ((status = mobilec_session_open(engine, &ids[i])) ||
+        (status = mobilec_session_feed(engine, ids[i], prompt_tokens.data(), prompt_tokens.size(), &config))) {
+      return Fail(status);
+    }
+  }
+  TokenClock clock;
+  clock.started.assign(sessions, false);
+  for (int32_t busy = 1; busy;) {
+    if ((status = mobilec_engine_step(engine, CountToken, &clock, &busy))) return Fail(status);
+  }
+  const double decode_s = std::chrono::duration<double>(clock.last - clock.first).count();
+  const double decode_tok_s = clock.decode_tokens ? clock.decode_tokens / decode_s : std::nan("");
+  const double peak_rss_mb = PeakRssMb();
+  const bool batched = mobilec_engine_batched_decode(engine) != 0;
+  std::string entries;
+  size_t prompt_total = 0, generated_total = 0;
+  for (int32_t i = 0; i < sessions; ++i) {
+    mobilec_session_result result;
+    if ((status = mobilec_session_get_result(engine, ids[i], &result))) return Fail(status);
+    prompt_total += result.prompt_tokens;
+    generated_total += result.num_tokens;
+    if (options.json) {
+      entries += std::string(i ? ", " : "") + "{\"text\": " + JsonString(result.text) + ", \"token_ids\": [" +
+                 IdList(result.token_ids, result.num_tokens) + "], \"prompt_tokens\": " +
+                 std::to_string(result.prompt_tokens) + ", \"prefilled_tokens\": " +
+                 std::to_string(result.prefilled_tokens) + ", \"ttft_ms\": " + JsonNumber(result.ttft_ms) + "}";
+    } else {
+      std::printf("[session %d] %s\n", i, result.text);
+    }
+  }
+  if (options.json) {
+    std::printf("{\"sessions\": [%s], \"decode_tok_s\": %s, \"batched_decode\": %s, \"peak_rss_mb\": %s}\n",
+                entries.c_str(), JsonNumber(decode_tok_s).c_str(), batched ? "true" : "false",
+                JsonNumber(peak_rss_mb).c_str());
+  } else {
+    std::printf("\n[%d sessions, %zu prompt tokens, %zu generated] aggregate decode %.1f tok/s (%s) | peak RSS %.0f "
+                "MB\n", sessions, prompt_total, generated_total, decode_tok_s,
+                batched ? "one model call per step" : "one model call per session", peak_rss_mb);
+  }
+  return 0;
+}
+
 int Run(const Options& options) {
   mobilec_model* model = nullptr;
   mobilec_status status = mobilec_open_verified(options.artifact.c_str(), options.verify, &model);
@@ -318,59 +496,7 @@ int Run(const Options& options) {
   if (options.threads > 0 && (status = mobilec_set_threads(model, static_cast<int32_t>(options.threads)))) {
     return Fail(status);
   }
-  std::vector<int32_t> prompt_tokens = options.prompt_ids;
-  if (options.has_prompt_ids) {
-    const int32_t vocab = mobilec_vocab_size(model);
-    for (const int32_t id : prompt_tokens) {
-      if (id >= vocab) {
-        std::fprintf(stderr, "mobilec-run: error: --prompt-ids holds %d; the model's vocabulary has ids 0 to %d\n", id,
-                     vocab - 1);
-        return 2;
-      }
-    }
-  } else {
-    const char* prompt = options.prompt.c_str();
-    if (options.chat && (status = mobilec_chat_prompt(model, prompt, &prompt))) return Fail(status);
-    const int32_t* prompt_ids = nullptr;
-    size_t prompt_count = 0;
-    // A rendered chat prompt has its special tokens written out, as transformers' encode(add_special_tokens=False).
-    if ((status = mobilec_tokenize(model, prompt, options.chat ? 0 : 1, &prompt_ids, &prompt_count))) {
-      return Fail(status);
-    }
-    // The ids belong to the handle until its next call: keep a copy for generate.
-    prompt_tokens.assign(prompt_ids, prompt_ids + prompt_count);
-  }
-
-  mobilec_generation_config config;
-  mobilec_generation_config_init(&config);
-  config.max_new_tokens = static_cast<int32_t>(options.max_new_tokens);
-  config.temperature = options.temperature;
-  config.top_p = options.top_p;
-  config.seed = static_cast<uint64_t>(options.seed);
-  config.ignore_eos = options.ignore_eos;
-  mobilec_result result;
-  status = mobilec_generate(model, prompt_tokens.data(), prompt_tokens.size(), &config,
-                            options.json ? nullptr : StreamPiece, nullptr, &result);
-  if (status != MOBILEC_OK) {
-    if (!options.json) std::printf("\n");  // end the streamed text's line before the error
-    return Fail(status);
-  }
-  const double peak_rss_mb = PeakRssMb();
-  if (options.json) {
-    std::string ids;
-    for (size_t i = 0; i < result.num_tokens; ++i) ids += (i ? ", " : "") + std::to_string(result.token_ids[i]);
-    std::printf("{\"text\": %s, \"token_ids\": [%s], \"prompt_tokens\": %d, \"ttft_ms\": %s, \"prefill_tok_s\": %s, "
-                "\"decode_tok_s\": %s, \"peak_rss_mb\": %s}\n",
-                JsonString(result.text).c_str(), ids.c_str(), result.prompt_tokens,
-                PythonFloat(result.ttft_ms).c_str(), PythonFloat(result.prefill_tok_s).c_str(),
-                PythonFloat(result.decode_tok_s).c_str(), PythonFloat(peak_rss_mb).c_str());
-  } else {
-    std::printf("\n\n[%d prompt tokens, %zu generated] TTFT %.1f ms | prefill %.1f tok/s | decode %.1f tok/s | "
-                "peak RSS %.0f MB\n",
-                result.prompt_tokens, result.num_tokens, result.ttft_ms, result.prefill_tok_s, result.decode_tok_s,
-                peak_rss_mb);
-  }
-  return 0;
+  return options.parallel ? GenerateParallel(model, options) : Generate(model, options);
 }
 
 }  // namespace

@@ -226,11 +226,12 @@ def _add_char_tokenizer(w: gguf.GGUFWriter, vocab_size: int) -> None:
 
 def write_gguf(model: PreTrainedModel, path: str | Path, tokenizer: bool = False,
                quantize: Callable[[str, np.ndarray], tuple[gguf.GGMLQuantizationType, np.ndarray] | None] | None = None,
-               ) -> Path:
+               chat_template: str | None = None) -> Path:
     """Write `model` as an F32 GGUF the way llama.cpp's converter lays it out (names, metadata, q/k order).
 
-    With `tokenizer`, a character-level tokenizer is included (compiling needs one); tokenizer round trips
-    of real vocabularies are tested on SmolLM2's GGUF. `quantize(gguf name, float data in the file's row order)`
+    With `tokenizer`, a character-level tokenizer is included (compiling needs one), with `chat_template` if
+    given; tokenizer round trips of real vocabularies are tested on SmolLM2's GGUF.
+    `quantize(gguf name, float data in the file's row order)`
     returns (ggml type, raw block bytes) for a tensor to store quantized, or None to keep it F32.
     """
     cfg = model.config
@@ -271,6 +272,8 @@ def write_gguf(model: PreTrainedModel, path: str | Path, tokenizer: bool = False
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     if tokenizer:
         _add_char_tokenizer(w, cfg.vocab_size)
+        if chat_template is not None:
+            w.add_chat_template(chat_template)
     if rope.get("rope_type") == "linear":  # llama.cpp's converter writes linear scaling as metadata...
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])

@@ -10,7 +10,7 @@ import pytest
 import tvm
 from tvm.support import cc
 
-from compiler.kernels.integer_dot_gemv import GemvShape, available, family, gemv, quantize_activation
+from compiler.kernels.integer_dot_gemv import BATCH, GemvShape, available, family, gemv, quantize_activation
 from compiler.quantization import group
 from tests.helpers.cpu import X86_FAMILY_TARGETS, assembly, runs_here
 
@@ -210,6 +210,55 @@ def test_negative_controls_fail_the_same_tolerance():
     assert diff[7] > 100 * tol and np.delete(diff, 7).max() < tol
 
 
+
+def _batched_module(shape: GemvShape, prefix: str = "") -> dict:
+    """The one-row kernels and the batched ones (BATCH activation rows), named `prefix` + quantize/gemv[_batch]."""
+    return {f"{prefix}{name}": func.with_attr("global_symbol", f"{prefix}{name}") for name, func in (
+        ("quantize", quantize_activation(shape, (1, 1, shape.k))), ("gemv", gemv(shape, (1, 1, shape.n))),
+        ("quantize_batch", quantize_activation(shape, (1, BATCH, shape.k))),
+        ("gemv_batch", gemv(shape, (1, BATCH, shape.n))))}
+
+
+def _run_batched(lib, shape: GemvShape, x: np.ndarray, arrays: dict, dev=None, prefix: str = "") -> np.ndarray:
+    """x [rows, K] through the batched kernels -> y [rows, N]."""
+    dev = dev or tvm.cpu()
+    rows = x.shape[0]
+    xq = tvm.runtime.empty((rows, shape.k), shape.act_dtype, dev)
+    xs = tvm.runtime.empty((rows, shape.lane_terms), "float32", dev)
+    xo = tvm.runtime.empty((rows, shape.sum_terms), "float32", dev)
+    lib[f"{prefix}quantize_batch"](tvm.runtime.tensor(x.reshape(1, rows, -1), dev), xq, xs, xo)
+    stored = [tvm.runtime.tensor(arrays[name], dev) for name in ("q_weight", "q_scale", "q_min") if name in arrays]
+    y = tvm.runtime.empty((1, rows, shape.n), "float32", dev)
+    lib[f"{prefix}gemv_batch"](xq, xs, xo, *stored, y)
+    return y.numpy().reshape(rows, shape.n)
+
+
+def _assert_batched_rows_are_the_one_row_results(lib, shape, arrays, k, dev=None, prefix=""):
+    """Every row count a serving step takes (tiles of 4, then 2, then 1): each row bit-identical to the one-row
+    kernels' result for it; rows swapped swap the results (negative control: each row reads its own activations)."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((8, k)).astype("float32")
+    x[:, 5] = 40.0
+    alone = np.stack([_run(lib, shape, row, arrays, dev=dev, names=(f"{prefix}quantize", f"{prefix}gemv"))
+                      for row in x])
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8):
+        np.testing.assert_array_equal(_run_batched(lib, shape, x[:rows], arrays, dev, prefix), alone[:rows],
+                                      err_msg=f"{rows} rows")
+    swapped = _run_batched(lib, shape, x[[1, 0, 2]], arrays, dev, prefix)
+    np.testing.assert_array_equal(swapped, alone[[1, 0, 2]])
+    assert not np.array_equal(swapped, alone[:3])
+
+
+@pytest.mark.parametrize("dot_family", RUNNABLE)
+@pytest.mark.parametrize("act_bits", [16, 8])
+@pytest.mark.parametrize("bits,grp,symmetric,scale_dtype,k", [LAYOUTS[0], LAYOUTS[2], LAYOUTS[5], LAYOUTS[6]])
+def test_batched_rows_equal_one_row_each(bits, grp, symmetric, scale_dtype, k, act_bits, dot_family):
+    """batch_decode's GEMV (a row per sequence): the same sums, in the same float order, as the decode GEMV gives
+    each row alone, so a request's tokens do not depend on the requests beside it."""
+    shape, arrays, _, _ = _case(bits, grp, symmetric, scale_dtype, k, act_bits=act_bits, dot_family=dot_family)
+    lib = tvm.tirx.build(tvm.IRModule(_batched_module(shape)), target=X86_FAMILY_TARGETS[dot_family])
+    _assert_batched_rows_are_the_one_row_results(lib, shape, arrays, k)
+
 @pytest.mark.parametrize("bits,grp,k,symmetric", [(4, 32, 96, True), (4, 48, 192, True), (4, 16, 64, True),
                                                    (4, 32, 100, True), (3, 32, 64, True), (4, 64, 128, False)])
 def test_refuses_shapes_it_cannot_step_through(bits, grp, k, symmetric):
@@ -378,6 +427,11 @@ def test_aarch64_rows_pair_their_shorter_last_steps(monkeypatch, bits, symmetric
     assert paired == converts() - shape.rows_together // 2
 
 
+# ARM_LAYOUTS whose batched kernels (a row per sequence) run on the emulated device too: 4-bit codes in row pairs and
+# 8-bit ones, symmetric and not
+ARM_BATCHED_LAYOUTS = (0, 7, 8)
+
+
 @pytest.fixture(scope="module")
 def arm_libraries(emulated_arm_device, tmp_path_factory):
     """Every aarch64 kernel of ARM_LAYOUTS x activation widths, one library per family, on the emulated device."""
@@ -396,6 +450,8 @@ def arm_libraries(emulated_arm_device, tmp_path_factory):
                 funcs[f"quantize_{name}"] = quantize_activation(shape, (1, 1, k)).with_attr("global_symbol",
                                                                                           f"quantize_{name}")
                 funcs[f"gemv_{name}"] = gemv(shape, (1, 1, shape.n)).with_attr("global_symbol", f"gemv_{name}")
+                if index in ARM_BATCHED_LAYOUTS:
+                    funcs.update(_batched_module(shape, f"{name}_"))
         path = folder / f"gemv_{dot_family}.so"
         tvm.tirx.build(tvm.IRModule(funcs), target=target).export_library(
             str(path), fcompile=cc.cross_compiler("aarch64-linux-gnu-g++"))
@@ -436,3 +492,16 @@ def test_aarch64_kernels_match_numpy_on_the_emulated_device(arm_libraries, dot_f
     changed = dict(arrays, q_weight=group.order_codes(plain, layout_used))
     diff = np.abs(_run(libs[dot_family], shape, x, changed, dev=remote.cpu(), names=names) - ref)
     assert diff[row] > 10 * tol and np.delete(diff, row).max() < (tol if act_bits == 16 else 2e-2 * np.abs(ref).max())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dot_family", ARM_FAMILIES)
+@pytest.mark.parametrize("act_bits", [16, 8])
+@pytest.mark.parametrize("layout", ARM_BATCHED_LAYOUTS)
+def test_aarch64_batched_rows_equal_one_row_each_on_the_emulated_device(arm_libraries, dot_family, act_bits, layout):
+    remote, libs = arm_libraries
+    bits, grp, symmetric, scale_dtype, k, order = ARM_LAYOUTS[layout]
+    shape, arrays, _, _ = _case(bits, grp, symmetric, scale_dtype, k, act_bits=act_bits, dot_family=dot_family,
+                                n=ARM_ROWS[layout], code_order=order)
+    _assert_batched_rows_are_the_one_row_results(libs[dot_family], shape, arrays, k, remote.cpu(),
+                                                 f"{layout}_a{act_bits}_")

@@ -22,19 +22,15 @@ from compiler.cli import main
 from compiler.isa import feature_flags
 from compiler.loaders.tokenizer import load_tokenizer
 from compiler.native_runtime import build_runtime
+from tests.helpers.assertions import strict_json
+from tests.native.conftest import COMPILER, c_client
 from tests.test_chat_prompt import TEMPLATES, _config
 
-COMPILER = os.environ.get("CXX", "g++")
 pytestmark = pytest.mark.skipif(shutil.which(COMPILER) is None,
                                 reason=f"no C++ compiler ({COMPILER}) to build the native runtime")
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
 JSON_FIELDS = {"text", "token_ids", "prompt_tokens", "ttft_ms", "prefill_tok_s", "decode_tok_s", "peak_rss_mb"}
-
-
-@pytest.fixture(scope="session")
-def runner(tmp_path_factory) -> Path:
-    return build_runtime(tmp_path_factory.mktemp("native") / "runtime", compiler=COMPILER).runner
 
 
 def run_native(runner: Path, *args: str) -> subprocess.CompletedProcess:
@@ -107,6 +103,16 @@ def test_greedy_tokens_and_json_equal_python(runner, smollm2_gguf_exact, prompt)
     assert native["text"] == python["text"]
     assert native["prompt_tokens"] == python["prompt_tokens"]
     assert all(native[key] > 0 for key in ("ttft_ms", "prefill_tok_s", "decode_tok_s", "peak_rss_mb"))
+
+
+def test_one_token_has_a_null_decode_rate_as_python(runner, smollm2_gguf_exact):
+    """One generated token has no decode step to time: null in --json (it was NaN, not JSON), "n/a" in the text."""
+    args = ("--prompt", PROMPTS[0], "--max-new-tokens", "1")
+    native = strict_json(run_native(runner, smollm2_gguf_exact, *args, "--json").stdout)
+    python = strict_json(run_python(smollm2_gguf_exact, *args, "--json").stdout)
+    assert native["decode_tok_s"] is None and python["decode_tok_s"] is None
+    assert native["token_ids"] == python["token_ids"] and len(native["token_ids"]) == 1
+    assert "decode n/a (one token)" in run_native(runner, smollm2_gguf_exact, *args).stdout
 
 
 def test_chat_prompt_and_eos_stop_equal_python(runner, smollm2_gguf_exact):
@@ -228,14 +234,7 @@ int main(int argc, char** argv) {
 def test_c_api_from_c(runner, smollm2_gguf_exact, tmp_path):
     """mobilec.h is plain C: a C program opens the artifact, is refused a bad argument with a status (no abort),
     stops generation from its callback, and gets the same greedy tokens by prefill/decode/sample by hand."""
-    c_compiler = shutil.which("cc") or shutil.which("gcc")
-    if c_compiler is None:
-        pytest.skip("no C compiler (cc) to build a C client")
-    root = runner.parent.parent
-    source, program = tmp_path / "client.c", tmp_path / "client"
-    source.write_text(C_PROGRAM)
-    subprocess.run([c_compiler, "-std=c99", "-Wall", "-Werror", f"-I{root / 'include'}", str(source), "-o",
-                    str(program), f"-L{root / 'lib'}", "-lmobilec", f"-Wl,-rpath,{root / 'lib'}"], check=True)
+    program = c_client(runner, C_PROGRAM, tmp_path)
     done = subprocess.run([str(program), str(smollm2_gguf_exact)], capture_output=True, text=True, timeout=300,
                           check=False)
     assert done.returncode == 0, (done.returncode, done.stderr)

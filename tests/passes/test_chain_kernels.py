@@ -210,7 +210,7 @@ def test_cpu_decode_launches_five_kernels_per_layer(lowered, family, target, qua
     mod, _, layers = lowered(family, target, quant)
     # the four projections (their norms, quantization, SwiGLU and casts inside) and the attention
     assert kernel_launches(mod, "decode") == 5 * layers + 2
-    # prefill's kernels of sequence-long results stay apart (chain_kernels.fixed_shapes): its norms are kernels
+    # prefill's kernels of sequence-long results stay apart (chain_kernels.decode_shapes): its norms are kernels
     assert kernel_launches(mod, "prefill") >= 7 * layers
 
 

@@ -32,13 +32,14 @@ SSE4 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu",
 
 
 def _module(tagged=True, code_order="plain"):
-    """decode(x[1, 1, K]) and prefill(x[1, seq, K]): x @ dequantize(q).T + residual, as QuantizedLinear emits it, the
-    codes in `code_order` (ARM targets store the "neon_pairs" one)."""
+    """decode(x[1, 1, K]), batch_decode(x[1, batch_size, K]) and prefill(x[1, seq, K]): x @ dequantize(q).T + residual,
+    as QuantizedLinear emits it, the codes in `code_order` (ARM targets store the "neon_pairs" one)."""
     bb = relax.BlockBuilder()
     layout = LAYOUT.with_code_order(code_order, N)
     attrs = ({LAYOUT_ATTR: {"bits": 4, "group": 32, "symmetric": True, "offset": 8, "code_order": layout.code_order}}
              if tagged else {})
-    for name, rows in (("decode", 1), ("prefill", tirx.Var("seq_len", "int64"))):
+    for name, rows in (("decode", 1), ("batch_decode", tirx.Var(integer_dot_gemv.BATCH, "int64")),
+                       ("prefill", tirx.Var("seq_len", "int64"))):
         x = relax.Var("x", relax.TensorType([1, rows, K], "float32"))
         residual = relax.Var("residual", relax.TensorType([1, rows, N], "float32"))
         stored = [relax.Var(s, relax.TensorType(shape, dtype)) for s, (shape, dtype) in layout.shapes(N, K).items()]
@@ -62,10 +63,18 @@ def _callees(func) -> list[str]:
 
 def test_decode_matmul_becomes_activation_quantize_plus_integer_gemv():
     mod = _rewrite(_module(), HOST.tvm_target())
-    decode = _callees(mod["decode"])
-    assert [c.split("_int")[0] for c in decode if not c.startswith("add")] == ["quantize_activation", "integer_dot_gemv"]
-    gemv = next(f for gv, f in mod.functions_items() if gv.name_hint.startswith("integer_dot_gemv"))
-    assert int(gemv.attrs["op_pattern"]) == 8 and gemv.attrs["tirx.is_scheduled"]  # opaque, scheduled by hand
+    for function in ("decode", "batch_decode"):
+        callees = _callees(mod[function])
+        assert [c.split("_int")[0] for c in callees if not c.startswith("add")] == ["quantize_activation",
+                                                                                    "integer_dot_gemv"]
+        # batch_decode's kernels take the symbolic row count
+        assert all(c.endswith("_batch") == (function == "batch_decode") for c in callees if not c.startswith("add"))
+    for gv, gemv in mod.functions_items():
+        if gv.name_hint.startswith("integer_dot_gemv"):
+            assert int(gemv.attrs["op_pattern"]) == 8 and gemv.attrs["tirx.is_scheduled"]  # opaque, by hand
+    batched = next(f for gv, f in mod.functions_items() if gv.name_hint.startswith("integer_dot_gemv")
+                   and gv.name_hint.endswith("_batch"))
+    assert f'xq: T.Buffer(({integer_dot_gemv.BATCH}, {K}), "int16")' in batched.script()
     # prefill (a symbolic row count) keeps the float path for FuseDequantizeMatmul
     assert any(c.startswith("NT_matmul") for c in _callees(mod["prefill"]))
     assert any(c.startswith("dequantize") for c in _callees(mod["prefill"]))
@@ -75,8 +84,9 @@ def test_decode_matmul_becomes_activation_quantize_plus_integer_gemv():
 def test_activation_width_selects_the_kernels(act_bits):
     mod = _rewrite(_module(), HOST.tvm_target(), act_bits)
     names = [gv.name_hint for gv in mod.get_global_vars() if "integer_dot" in gv.name_hint or "quantize_act" in gv.name_hint]
-    assert len(names) == 2 and all(f"_a{act_bits}" in n for n in names)
-    (quantize,) = [f for gv, f in mod.functions_items() if gv.name_hint.startswith("quantize_activation")]
+    assert len(names) == 4 and all(f"_a{act_bits}" in n for n in names)  # decode's and batch_decode's
+    (quantize,) = [f for gv, f in mod.functions_items() if gv.name_hint.startswith("quantize_activation")
+                   and not gv.name_hint.endswith("_batch")]
     assert f'xq: T.Buffer((128,), "int{act_bits}")' in quantize.script()
     with pytest.raises(ValueError, match="activation bits"):
         IntegerDotGEMV(4, "avx2")
@@ -87,7 +97,7 @@ def test_arm_targets_get_their_family(target, family):
     """The ARM target files: decode GEMVs become the aarch64 variant of their dot-product family (sdot / usdot)."""
     mod = _rewrite(_module(), load_target(target).tvm_target(), 8)
     names = [gv.name_hint for gv in mod.get_global_vars() if gv.name_hint.startswith("integer_dot_gemv")]
-    assert len(names) == 1 and f"_{family}_" in names[0]
+    assert len(names) == 2 and all(f"_{family}_" in name for name in names)
     assert any(c.startswith("NT_matmul") for c in _callees(mod["prefill"]))
 
 
@@ -131,13 +141,18 @@ def test_compiled_decode_matches_numpy():
     arrays = quantize(rng.standard_normal((N, K)).astype("float32"), LAYOUT)
     w = dequantize(arrays, LAYOUT, K)
     stored = [tvm.runtime.tensor(arrays[s]) for s in LAYOUT.shapes(N, K)]
-    for name, rows in (("decode", 1), ("prefill", 5)):
+    for name, rows in (("decode", 1), ("batch_decode", 6), ("prefill", 5)):
         x = rng.standard_normal((1, rows, K)).astype("float32")
         r = rng.standard_normal((1, rows, N)).astype("float32")
         got = vm[name](tvm.runtime.tensor(x), tvm.runtime.tensor(r), *stored).numpy()
         ref = x @ w.T + r
-        # decode: int16 activations, errors ~1/65534 of the largest value per 32; prefill: float
-        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=(2e-4 if rows == 1 else 1e-5) * np.abs(ref).max())
+        # decode, batch_decode: int16 activations, errors ~1/65534 of the largest value per 32; prefill: float
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=(1e-5 if name == "prefill" else 2e-4) * np.abs(ref).max())
+        if name == "batch_decode":  # each row as decode gives it alone
+            for row in range(rows):
+                alone = vm["decode"](tvm.runtime.tensor(x[:, row:row + 1]), tvm.runtime.tensor(r[:, row:row + 1]),
+                                     *stored).numpy()
+                np.testing.assert_array_equal(got[:, row:row + 1], alone)
 
 
 @pytest.mark.parametrize("quant,down_rewritten", [("q4f16_g32", False), ("q4f16_g32_asym", False), ("q8f16_g128", True)])
@@ -158,6 +173,9 @@ def test_tiny_model_decode_gemvs_are_rewritten_where_the_shape_allows(tmp_path, 
     float_gemvs = [c for c in decode if "NT_matmul" in c]
     assert len(float_gemvs) == (0 if down_rewritten else 2) and all("dequantize" in c for c in float_gemvs)
     assert [c for c in _callees(lowered["prefill"]) if c.startswith("integer_dot_gemv")] == [gemvs[-1]]
+    # batch_decode (exported where the target has an integer dot product): the same GEMVs, a row per sequence
+    batched = [c for c in _callees(lowered["batch_decode"]) if c.startswith("integer_dot_gemv")]
+    assert batched == [f"{c}_batch" for c in gemvs]
 
 
 @I.ir_module(check_well_formed=False)
@@ -192,11 +210,43 @@ class _ExpectedDecode:
             R.output(gv)
         return gv
 
+    @T.prim_func(private=True)
+    def quantize_activation_int4_sym_k128_a16_l8_batch(a: T.handle):
+        T.evaluate(0)
+
+    @T.prim_func(private=True)
+    def integer_dot_gemv_int4_g32_sym_float16_a16_avx2_n48_k128_batch(a: T.handle):
+        T.evaluate(0)
+
+    @R.function
+    def batch_decode(x: R.Tensor((1, "batch_size", 128), dtype="float32"),
+                     residual: R.Tensor((1, "batch_size", 48), dtype="float32"),
+                     q_weight: R.Tensor((48, 64), dtype="uint8"),
+                     q_scale: R.Tensor((48, 4), dtype="float16")) -> R.Tensor((1, "batch_size", 48), dtype="float32"):
+        batch_size = T.int64()
+        cls = _ExpectedDecode
+        with R.dataflow():
+            lv = R.call_tir(cls.quantize_activation_int4_sym_k128_a16_l8_batch, (x,),
+                            out_ty=[R.Tensor((batch_size, 128), dtype="int16"),
+                                    R.Tensor((batch_size, 16), dtype="float32"),
+                                    R.Tensor((batch_size, 16), dtype="float32")])
+            lv1: R.Tensor((batch_size, 128), dtype="int16") = lv[0]
+            lv2: R.Tensor((batch_size, 16), dtype="float32") = lv[1]
+            lv3: R.Tensor((batch_size, 16), dtype="float32") = lv[2]
+            lv4 = R.call_tir(cls.integer_dot_gemv_int4_g32_sym_float16_a16_avx2_n48_k128_batch,
+                             (lv1, lv2, lv3, q_weight, q_scale), out_ty=R.Tensor((1, batch_size, 48), dtype="float32"))
+            gv: R.Tensor((1, batch_size, 48), dtype="float32") = R.add(lv4, residual)
+            R.output(gv)
+        return gv
+
 
 def test_ir_in_ir_out():
     """For a fixed AVX2 target (x86-64-v3), not this machine: the IR does not depend on where the test runs."""
     mod = _rewrite(_module(), load_target("x86-64-v3").tvm_target())
     # map_free_vars: the callees' GlobalVars are matched by position; their names are checked on their own
-    tvm.ir.assert_structural_equal(mod["decode"], _ExpectedDecode["decode"], map_free_vars=True)
-    assert [c for c in _callees(mod["decode"]) if c != "add"] == [
-        "quantize_activation_int4_sym_k128_a16_l8", "integer_dot_gemv_int4_g32_sym_float16_a16_avx2_n48_k128"]
+    for function in ("decode", "batch_decode"):
+        tvm.ir.assert_structural_equal(mod[function], _ExpectedDecode[function], map_free_vars=True)
+        suffix = "_batch" if function == "batch_decode" else ""
+        assert [c for c in _callees(mod[function]) if c != "add"] == [
+            f"quantize_activation_int4_sym_k128_a16_l8{suffix}",
+            f"integer_dot_gemv_int4_g32_sym_float16_a16_avx2_n48_k128{suffix}"]

@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from compiler.cli import main
-from compiler.compile_model import CompileOptions, compile_model
 from tests.helpers.assertions import without_progress
+from tests.helpers.compiled_once import compiled_once
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 CONTEXT = 64
@@ -26,10 +26,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory, tiny_checkpoint) -> Path:
-    out = tmp_path_factory.mktemp("robust-artifact") / "tiny"
-    compile_model(CompileOptions(str(tiny_checkpoint), "host", "q0f32", str(out), context_window=CONTEXT,
-                                 progress=False))
-    return out
+    return compiled_once(tmp_path_factory, tiny_checkpoint, "host", "q0f32", context_window=CONTEXT)
 
 
 @pytest.fixture

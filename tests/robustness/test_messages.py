@@ -17,6 +17,7 @@ from compiler.errors import MobilecError
 from compiler.loaders.tokenizer import load_tokenizer
 from compiler.runtime.generate import check_fits
 from compiler.runtime.session import Session
+from tests.helpers.assertions import strict_json
 from tests.robustness.conftest import CONTEXT, one_line_error, run_cli
 
 
@@ -103,3 +104,15 @@ def test_missing_tensor_is_named_before_building(tiny_checkpoint, tmp_path):
                             lambda tensors, key: tensors.pop(key))
     one_line_error(run_cli(["compile", "--model", ckpt, "-o", tmp_path / "out"]),
                    "'model.layers.1.self_attn.v_proj.weight' is not in")
+
+
+def test_generate_json_of_one_token_is_strict_json_with_null_decode_rate(tiny_artifact):
+    """One generated token (as when the first is the end of text) has no decode step to time: its rate is null in
+    --json (it was NaN, which strict parsers reject) and "n/a" in the text, the other figures are numbers."""
+    result = run_cli(["generate", tiny_artifact, "--prompt", "the cat", "--max-new-tokens", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    out = strict_json(result.stdout)
+    assert len(out["token_ids"]) == 1 and out["decode_tok_s"] is None
+    assert all(out[key] > 0 for key in ("ttft_ms", "prefill_tok_s", "peak_rss_mb"))
+    text = run_cli(["generate", tiny_artifact, "--prompt", "the cat", "--max-new-tokens", "1"])
+    assert text.exit_code == 0 and "decode n/a (one token)" in text.stdout, text.output

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow,  # three compiles, 32 tokens decoded on PoCL, sh
 
 PROMPT = "The three primary colors are"
 EVAL_TOKENS = 32  # one window: prefill on PoCL is slow, and the kernels match the host's to ~1e-6 relative
-# CPython's LICENSE, the eval text README's figures use; every CPython install has it.
+# CPython's LICENSE, the eval text the docs' figures use; every CPython install has it.
 EVAL_TEXT = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
 
 

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import psutil
 import pytest
+import tvm
 
 from compiler.artifact import load_artifact
 from compiler.compile_model import CompileOptions, compile_model
@@ -297,21 +298,48 @@ def integer_artifact(tmp_path_factory):
     return root / "artifact"
 
 
-def test_integer_gemv_artifacts_decode_each_sequence_with_the_decode_function(integer_artifact):
-    """Batched rows would run the float prefill kernels; each request keeps the tokens the decode function gives it
-    alone."""
+def test_integer_gemv_artifacts_decode_sequences_together_with_batch_decode(integer_artifact):
+    """batch_decode's integer GEMVs take a row per sequence (each quantized alone): 4 requests decode in one call a
+    step, and each gets the tokens the decode function gives it alone."""
     if integer_dot_gemv.family(load_target("host").tvm_target()) is None:
         pytest.skip("this CPU has no integer dot product: the artifact's GEMVs are float ones")
     model = LoadedArtifact(load_artifact(integer_artifact))
     engine = Engine(model, words, max_sessions=4)
-    assert not engine.batched_decode
+    assert engine.batch_function is model.batch_decode_function is not None
     calls = []
     forward = engine._forward
     engine._forward = lambda func, seqs, chunks: calls.append((func, len(seqs))) or forward(func, seqs, chunks)
     collectors = [Collector() for _ in PROMPTS]
     run(engine, *[request(p, c) for p, c in zip(PROMPTS, collectors)])
-    assert {n for func, n in calls if func is not model.prefill_function} == {1}
-    assert sum(func is model.decode_function for func, _ in calls) == 4 * 11  # 12 tokens each, the first from the prefill
+    assert 4 in {n for func, n in calls if func is model.batch_decode_function}
+    assert not any(func is model.prefill_logits_function for func, _ in calls)
     session = Session(load_artifact(integer_artifact))
     for prompt, collector in zip(PROMPTS, collectors):
         assert collector.tokens == session_greedy(session, prompt, 12)
+
+
+def test_batch_decode_rows_are_each_sequences_decode_logits(integer_artifact):
+    """Three sequences with different histories: batch_decode's row i is what decode gives sequence i alone (integer
+    sums exact; the float kernels around them within 1e-5), and not another sequence's (negative control)."""
+    if integer_dot_gemv.family(load_target("host").tvm_target()) is None:
+        pytest.skip("this CPU has no integer dot product: the artifact's GEMVs are float ones")
+    model = LoadedArtifact(load_artifact(integer_artifact))
+    dev = model.device
+    add = dev.function("vm.builtin.kv_state_add_sequence")
+    histories, last = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 1]], [2, 7, 4]
+
+    def filled_cache():
+        cache = model.create_kv_cache(3, 3 * CONTEXT_WINDOW)
+        for seq, history in enumerate(histories):
+            add(cache, seq)
+            model.forward(model.prefill_function, tvm.runtime.tensor(np.array(history, "int32")), cache,
+                          dev.shape(seq), dev.shape(len(history)))
+        return cache
+
+    batched = model.first_output(model.forward(model.batch_decode_function, tvm.runtime.tensor(np.array(
+        last, "int32")), filled_cache(), dev.shape(0, 1, 2), dev.shape(1, 1, 1))).reshape(3, -1)
+    cache = filled_cache()
+    alone = np.stack([model.first_output(model.forward(model.decode_function, tvm.runtime.tensor(np.array(
+        [token], "int32")), cache, dev.shape(seq), dev.shape(1))).reshape(-1) for seq, token in enumerate(last)])
+    np.testing.assert_allclose(batched, alone, rtol=1e-5, atol=1e-5 * np.abs(alone).max())
+    assert np.abs(batched[0] - alone[1]).max() > 100 * 1e-5 * np.abs(alone).max()

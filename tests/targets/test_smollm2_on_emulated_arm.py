@@ -15,6 +15,7 @@ from compiler.package import package
 from compiler.runtime.bench import prompt_ids
 from compiler.runtime.session import Session
 from compiler.targets import TARGETS_DIR
+from tests.helpers.compiled_once import compiled_once
 
 PROMPT_LEN, GEN_LEN = 8, 6  # qemu runs SmolLM2 at a few tokens per second
 
@@ -62,8 +63,9 @@ def _target_file(target: str, folder) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("target, activations", [pytest.param("linux-arm64", "int16", marks=pytest.mark.extended),
                                                  ("linux-arm64", "int8"), ("android-arm64", "int8")])
-def test_arm64_build_on_the_emulated_device_gives_the_x86_tokens(tmp_path, smollm2_gguf, smollm2_gguf_exact,
-                                                                  emulated_arm_device, target, activations):
+def test_arm64_build_on_the_emulated_device_gives_the_x86_tokens(tmp_path, tmp_path_factory, smollm2_gguf,
+                                                                  smollm2_gguf_exact, emulated_arm_device, target,
+                                                                  activations):
     """linux-arm64 (and android-arm64's code, built for Linux: _target_file) with gguf, benched through the tracker,
     decodes with the aarch64 integer GEMVs (sdot, usdot with i8mm: kernels/integer_dot_gemv/arm.py) and, with int8
     activations, prefills with the integer GEMM (sdot, smmla with i8mm). int16 activations (planes of int8 on ARM,
@@ -84,10 +86,9 @@ def test_arm64_build_on_the_emulated_device_gives_the_x86_tokens(tmp_path, smoll
         symbols = load_artifact(arm).library.read_bytes()
         assert b"_a8_i8mm_neonpairs_" in symbols and b"integer_dot_gemm_" in symbols
     host = smollm2_gguf_exact  # host, gguf, int16 activations
-    if activations != "int16":
-        host = tmp_path / "host"
-        compile_model(CompileOptions(str(smollm2_gguf), "host", "gguf", str(host), context_window=512, progress=False,
-                                     decode_activations=activations))
+    if activations != "int16":  # one x86 build for both arm64 targets
+        host = compiled_once(tmp_path_factory, smollm2_gguf, "host", "gguf", context_window=512,
+                             decode_activations=activations)
     assert load_artifact(arm).config["decode_activations"] == activations
     assert load_artifact(host).config["decode_activations"] == activations
     result = _bench_on_device(arm, emulated_arm_device, ACTIVATION_TOKENS, session_timeout=900)

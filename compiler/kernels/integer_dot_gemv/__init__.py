@@ -57,6 +57,11 @@ ACTIVATION_BITS = tuple(int(name.removeprefix("int")) for name in DECODE_ACTIVAT
 VARIANTS = {"x86_64": x86, "aarch64": arm}
 
 
+# In a kernel's x / y shape: the activation rows of a batched decode step (the `batch_decode` function's symbolic
+# batch size), one per sequence.
+BATCH = "batch_size"
+
+
 # The kernels' names start with this (passes/integer_dot_gemv.py names them; the serving engine reads them in an
 # artifact's call sites).
 KERNEL_PREFIX = "integer_dot_gemv_"
@@ -242,8 +247,9 @@ class GemvShape:
 
 # Once per process, as cpu_attention's kernels (TVMScript parsing is the cost).
 @functools.cache
-def quantize_activation(shape: GemvShape, x_shape: tuple[int, ...]) -> tirx.PrimFunc:
-    """x [..., K] float32 (one row) -> xq [K] (int16 or int8) in the GEMV's code order, xs float32 [lane_terms]
+def quantize_activation(shape: GemvShape, x_shape: tuple[int | str, ...]) -> tirx.PrimFunc:
+    """x [..., K] float32 (one row; BATCH rows where x_shape holds BATCH, each quantized alone, every output with a
+    leading dimension of them) -> xq [K] (int16 or int8) in the GEMV's code order, xs float32 [lane_terms]
     (per lane, its block's scale) and xo float32 [sum_terms] (symmetric codes: per lane, -offset * xs * the sum of q
     over the lane's group / its lanes, the offset less 128 for centred codes; asymmetric: per lane with mins per
     step, xs * the sum over its group / its lanes, else per group of 32 or 16 values, xs * its sum of q)."""
@@ -257,50 +263,77 @@ def quantize_activation(shape: GemvShape, x_shape: tuple[int, ...]) -> tirx.Prim
     split = shape.split_int16
     blocks = k // BLOCK
     padding = shape.lane_terms - blocks * lanes  # the missing blocks of a shorter last step: zero terms
+    batch, x_shape = _batch_dim(x_shape)
+    rows = () if batch is None else (batch,)
+
+    @T.macro
+    def quantize_row(x, xq_rows, xs_rows, xo_rows, amax, qsum, row):
+        xf = T.decl_buffer((k,), "float32", data=x.data, elem_offset=row * k)
+        xq = T.decl_buffer((k,), act, data=xq_rows.data, elem_offset=row * k)
+        xb = T.decl_buffer((k * shape.act_bits // 8,), "int8", data=xq_rows.data,  # the planes of split int16
+                           elem_offset=row * (k * shape.act_bits // 8))
+        xs = T.decl_buffer((shape.lane_terms,), "float32", data=xs_rows.data, elem_offset=row * shape.lane_terms)
+        xo = T.decl_buffer((shape.sum_terms,), "float32", data=xo_rows.data, elem_offset=row * shape.sum_terms)
+        for b in range(k // BLOCK):
+            amax[0] = T.float32(0)
+            for j in range(BLOCK):
+                amax[0] = T.max(amax[0], T.fabs(xf[b * BLOCK + j]))
+            inv = T.if_then_else(amax[0] > T.float32(0), T.float32(qmax) / amax[0], T.float32(0))
+            for h in range(halves):
+                qsum[h] = 0
+            for j in range(BLOCK):
+                q = T.Cast("int32", T.round(xf[b * BLOCK + j] * inv))
+                qsum[j // (BLOCK // halves)] = qsum[j // (BLOCK // halves)] + q
+                if split:
+                    high = T.shift_right(q + 128, 8)  # q = 256 high + low, both in -128..127
+                    xb[order(shape, b, j, 0)] = T.Cast("int8", q - high * 256)
+                    xb[order(shape, b, j, 1)] = T.Cast("int8", high)
+                else:
+                    xq[order(shape, b, j)] = T.Cast(act, q)
+            for lane in range(lanes):
+                xs[b * lanes + lane] = amax[0] / T.float32(qmax)
+                if symmetric:
+                    xo[b * lanes + lane] = (amax[0] / T.float32(qmax) * T.Cast("float32", qsum[lane * halves // lanes])
+                                            * T.float32(sum_factor))
+                elif lane_sums:
+                    xo[b * lanes + lane] = (amax[0] / T.float32(qmax) * T.Cast("float32", qsum[lane * halves // lanes])
+                                            / T.float32(lanes // halves))
+            if not lane_sums:
+                for h in range(halves):
+                    xo[b * halves + h] = amax[0] / T.float32(qmax) * T.Cast("float32", qsum[h])
+        if padding > 0:
+            for lane in range(padding):
+                xs[blocks * lanes + lane] = T.float32(0)
+                if lane_sums:
+                    xo[blocks * lanes + lane] = T.float32(0)
 
     @T.prim_func(private=True, s_tir=True)
-    def quantize(x: T.Buffer(x_shape, "float32"), xq: T.Buffer((k,), act), xs: T.Buffer((shape.lane_terms,), "float32"),
-                 xo: T.Buffer((shape.sum_terms,), "float32")):
+    def quantize(x: T.Buffer(x_shape, "float32"), xq: T.Buffer((*rows, k), act),
+                 xs: T.Buffer((*rows, shape.lane_terms), "float32"), xo: T.Buffer((*rows, shape.sum_terms), "float32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         with T.sblock("root"):  # Relax's analyses expect a root block
-            xf = T.decl_buffer((k,), "float32", data=x.data)
-            xb = T.decl_buffer((k * shape.act_bits // 8,), "int8", data=xq.data)  # the planes of split int16
             amax = T.alloc_buffer((1,), "float32", scope="local")
             qsum = T.alloc_buffer((halves,), "int32", scope="local")
-            for b in range(k // BLOCK):
-                amax[0] = T.float32(0)
-                for j in range(BLOCK):
-                    amax[0] = T.max(amax[0], T.fabs(xf[b * BLOCK + j]))
-                inv = T.if_then_else(amax[0] > T.float32(0), T.float32(qmax) / amax[0], T.float32(0))
-                for h in range(halves):
-                    qsum[h] = 0
-                for j in range(BLOCK):
-                    q = T.Cast("int32", T.round(xf[b * BLOCK + j] * inv))
-                    qsum[j // (BLOCK // halves)] = qsum[j // (BLOCK // halves)] + q
-                    if split:
-                        high = T.shift_right(q + 128, 8)  # q = 256 high + low, both in -128..127
-                        xb[order(shape, b, j, 0)] = T.Cast("int8", q - high * 256)
-                        xb[order(shape, b, j, 1)] = T.Cast("int8", high)
-                    else:
-                        xq[order(shape, b, j)] = T.Cast(act, q)
-                for lane in range(lanes):
-                    xs[b * lanes + lane] = amax[0] / T.float32(qmax)
-                    if symmetric:
-                        xo[b * lanes + lane] = (amax[0] / T.float32(qmax) * T.Cast("float32", qsum[lane * halves // lanes])
-                                                * T.float32(sum_factor))
-                    elif lane_sums:
-                        xo[b * lanes + lane] = (amax[0] / T.float32(qmax) * T.Cast("float32", qsum[lane * halves // lanes])
-                                                / T.float32(lanes // halves))
-                if not lane_sums:
-                    for h in range(halves):
-                        xo[b * halves + h] = amax[0] / T.float32(qmax) * T.Cast("float32", qsum[h])
-            if padding > 0:
-                for lane in range(padding):
-                    xs[blocks * lanes + lane] = T.float32(0)
-                    if lane_sums:
-                        xo[blocks * lanes + lane] = T.float32(0)
+            if batch is None:
+                quantize_row(x, xq, xs, xo, amax, qsum, 0)
+            else:
+                for row in range(batch):
+                    quantize_row(x, xq, xs, xo, amax, qsum, row)
 
     return quantize
+
+
+def is_batch(dim) -> bool:
+    """Whether a Relax tensor dimension is batch_decode's symbolic row count (the model exports it named BATCH)."""
+    return isinstance(dim, tirx.Var) and dim.name == BATCH
+
+
+def _batch_dim(shape: tuple[int | str, ...]) -> tuple[tirx.Var | None, tuple]:
+    """(the symbolic activation-row count, `shape` with it in place of BATCH), or (None, `shape`) for one row."""
+    if BATCH not in shape:
+        return None, shape
+    batch = tirx.Var(BATCH, "int64")
+    return batch, tuple(batch if d == BATCH else d for d in shape)
 
 
 def _lane_scale(shape: GemvShape, buf, n, step, blocks: int | None = None):
@@ -426,14 +459,12 @@ def _mins_tail(m, xo, n, start: int, stop: int, lanes: int):
     return T.Shuffle([part, T.broadcast(T.float32(0), lanes - count)], [min(i, count) for i in range(lanes)])
 
 
-def _rows_sums(shape: GemvShape, acc, together: int, row0, xq, xs, xo, w, d, m):
-    """[sum of row i's lanes for i < together]: the variant's reduce_rows over the rows' accumulators, with each pair
-    of rows' shorter last step where the rows take it by pairs (paired_tails)."""
-    lanes = shape.lanes
-    tails = ([_paired_tail(shape, xq, xs, xo, w, d, m, row0 + i) for i in range(0, together, 2)]
+def _rows_sums(shape: GemvShape, accs: list, row0, xq, xs, xo, w, d, m):
+    """[sum of row i's lanes for each of the rows' accumulators `accs`]: the variant's reduce_rows, with each pair of
+    rows' shorter last step where the rows take it by pairs (paired_tails)."""
+    tails = ([_paired_tail(shape, xq, xs, xo, w, d, m, row0 + i) for i in range(0, len(accs), 2)]
              if shape.paired_tails else [])
-    return _variant(shape.family).reduce_rows(shape, [acc[T.ramp(i * lanes, 1, lanes)] for i in range(together)],
-                                              tails)
+    return _variant(shape.family).reduce_rows(shape, accs, tails)
 
 
 def _hsum(total, lanes: int):
@@ -460,110 +491,156 @@ def _with_mins(row_lanes, m, xo, n, groups: int, lanes: int):
 
 
 @functools.cache
-def gemv(shape: GemvShape, y_shape: tuple[int, ...]) -> tirx.PrimFunc:
-    """(xq, xs, xo, codes, scales[, mins]) -> y [..., N] float32; rows in parallel tasks of 16."""
+def gemv(shape: GemvShape, y_shape: tuple[int | str, ...]) -> tirx.PrimFunc:
+    """(xq, xs, xo, codes, scales[, mins]) -> y [..., N] float32; rows in parallel tasks of 16. Where y_shape holds
+    BATCH, the activations have a leading dimension of that many rows (quantize_activation's), each row's sums
+    computed as one row's are (the same float order), in tiles of up to the variant's ACTIVATION_ROW_TILE rows that
+    share each weight step's loads."""
     n_rows, k, groups = shape.n, shape.k, -(-shape.k // shape.group)
     rows = math.gcd(n_rows, ROWS_PER_TASK)
     code_bytes = k * shape.bits // 8
+    act_bytes = k * shape.act_bits // 8
     sdt, act, lanes = shape.scale_dtype, shape.act_dtype, shape.lanes
     prefetch = PREFETCH_BYTES if shape.bits == 4 else 0
     split = shape.split_int16
     together = shape.rows_together
     chains = shape.chains
     row_pairs = shape.row_pairs
-    reduce_rows = _variant(shape.family).reduce_rows
-    if reduce_rows is not None and (together == 1 or not (shape.symmetric or shape.mins_per_step)):
-        reduce_rows = None
+    reduce_rows = _variant(shape.family).reduce_rows is not None and together > 1 and (
+        shape.symmetric or shape.mins_per_step)
     assert shape.supported(), shape
+    batch, y_shape = _batch_dim(y_shape)
+    act_rows = () if batch is None else (batch,)
+    per_row = chains * together * lanes  # accumulator lanes of one activation row
+    # A batched step's activation rows go through the weights in tiles of the variant's ACTIVATION_ROW_TILE (1, 2 or 4:
+    # the rest in a tile of 2 and one of 1), each row with its own accumulators: every weight step loaded and widened
+    # once per tile.
+    row_tile = _variant(shape.family).ACTIVATION_ROW_TILE
+    assert row_tile in (1, 2, 4), row_tile
+    row_values, row_dtype = (act_bytes, "int8") if split else (k, act)  # one row of xq as the steps read it
+
+    def slot(t, chain, i, width=lanes):
+        """The accumulator lanes of activation row t (of its tile), chain `chain`, weight row i (of `together`)."""
+        return T.ramp(t * per_row + (chain * together + i) * lanes, 1, width)
 
     @T.macro
-    def add_step(acc, xq, xs, xo, w, d, m, row0, step, chain):
+    def add_step(acc, t, xq, xs, xo, w, d, m, row0, step, chain):
         # `together` rows in one step share its activation loads (xq: the planes of split int16 as int8)
         if row_pairs:  # w: the pairs' view, a pair's step of 128 bytes is two cache lines
             for i in T.unroll(together // 2):
-                for line in T.unroll(2):
-                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                        w[row0 // 2 + i, step * 2 * shape.step_bytes + 2 * prefetch + line * 64]), T.int32(0),
-                        T.int32(3), T.int32(1)))
-                acc[T.ramp((chain * together + 2 * i) * lanes, 1, 2 * lanes)] = _pair_step_sums(
-                    shape, [acc[T.ramp((chain * together + 2 * i + half) * lanes, 1, lanes)] for half in (0, 1)],
-                    xq, xs, xo, w, d, m, row0 + 2 * i, step)
+                if t == 0:  # the tile's first row prefetches for all
+                    for line in T.unroll(2):
+                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
+                            w[row0 // 2 + i, step * 2 * shape.step_bytes + 2 * prefetch + line * 64]), T.int32(0),
+                            T.int32(3), T.int32(1)))
+                acc[slot(t, chain, 2 * i, 2 * lanes)] = _pair_step_sums(
+                    shape, [acc[slot(t, chain, 2 * i + half)] for half in (0, 1)], xq, xs, xo, w, d, m, row0 + 2 * i,
+                    step)
         else:
             for i in T.unroll(together):
-                if prefetch > 0:
+                if prefetch > 0 and t == 0:  # the tile's first row prefetches for all
                     T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
                         w[row0 + i, step * shape.step_bytes + prefetch]), T.int32(0), T.int32(3), T.int32(1)))
-                acc[T.ramp((chain * together + i) * lanes, 1, lanes)] = _step_sum(
-                    shape, acc[T.ramp((chain * together + i) * lanes, 1, lanes)], xq, xs, xo, w, d, m, row0 + i,
-                    step)
+                acc[slot(t, chain, i)] = _step_sum(shape, acc[slot(t, chain, i)], xq, xs, xo, w, d, m, row0 + i, step)
+
+    @T.macro
+    def finish_row(acc, t, xq_t, xs_t, xo_t, y_t, w, d, m, row0):
+        # activation row t's chains merged, the shorter last step added, each weight row's sum written
+        for c in T.unroll(1, chains):
+            for i in T.unroll(together):
+                acc[slot(t, 0, i)] = acc[slot(t, 0, i)] + acc[slot(t, c, i)]
+        if shape.tail_blocks > 0 and not shape.paired_tails and row_pairs:
+            for i in T.unroll(together // 2):
+                acc[slot(t, 0, 2 * i, 2 * lanes)] = _pair_step_sums(
+                    shape, [acc[slot(t, 0, 2 * i + half)] for half in (0, 1)], xq_t, xs_t, xo_t, w, d, m,
+                    row0 + 2 * i, shape.steps, shape.tail_blocks)
+        elif shape.tail_blocks > 0 and not shape.paired_tails:
+            for i in T.unroll(together):
+                acc[slot(t, 0, i)] = _step_sum(shape, acc[slot(t, 0, i)], xq_t, xs_t, xo_t, w, d, m, row0 + i,
+                                               shape.steps, shape.tail_blocks)
+        if reduce_rows:
+            # the rows' sums in one vector (arm.py: pairwise adds across the rows' accumulators)
+            y_t[T.ramp(row0, 1, together)] = _rows_sums(shape, [acc[slot(t, 0, i)] for i in range(together)],
+                                                        row0, xq_t, xs_t, xo_t, w, d, m)
+        else:
+            for i in T.unroll(together):
+                if shape.symmetric or shape.mins_per_step:
+                    y_t[row0 + i] = _hsum(acc[slot(t, 0, i)], lanes)
+                else:
+                    # sum_b m_b * xs_b * sum q_b once per row, added into the row's lanes before their one
+                    # sum (lane-widening the mins at every step cost 4 instructions per 64 codes: GGUF Q4_1
+                    # decode step 8.2 ms). With a sum of its own, 16 groups a vector and scalar leftovers,
+                    # ns per block of 1536 rows in cache on a Zen 4 core, int16: K = 576 1.07 -> 0.98
+                    # (zmm), K = 960 1.16 -> 0.96 (zmm), 1.24 -> 0.96 (ymm)
+                    y_t[row0 + i] = _hsum(_with_mins(acc[slot(t, 0, i)], m, xo_t, row0 + i, groups, lanes),
+                                          lanes)
+
+    @T.macro
+    def each_row(acc, count, first, xq, xs, xo, w, d, m, yf, row0, step, chain, finish):
+        # the tile's activation rows one after another (a weight step's loads shared by all), each through its views
+        for t in T.unroll(count):
+            xq_t = T.decl_buffer((row_values,), row_dtype, data=xq.data, elem_offset=(first + t) * row_values)
+            xs_t = T.decl_buffer((shape.lane_terms,), "float32", data=xs.data,
+                                 elem_offset=(first + t) * shape.lane_terms)
+            xo_t = T.decl_buffer((shape.sum_terms,), "float32", data=xo.data,
+                                 elem_offset=(first + t) * shape.sum_terms)
+            if finish:
+                y_t = T.decl_buffer((n_rows,), "float32", data=yf.data, elem_offset=(first + t) * n_rows)
+                finish_row(acc, t, xq_t, xs_t, xo_t, y_t, w, d, m, row0)
+            else:
+                add_step(acc, t, xq_t, xs_t, xo_t, w, d, m, row0, step, chain)
+
+    @T.macro
+    def tile(xq, xs, xo, w, d, m, yf, row0, first, count):
+        # `count` activation rows from `first` through the `together` weight rows from row0. Default scope: a stack
+        # array LLVM keeps in registers ("local" became a workspace call per task). Chain c of row i at
+        # (c * together + i) * lanes of its activation row's lanes: consecutive steps add into different chains, so
+        # the float adds of a row do not wait on each other; merged into chain 0 after the whole steps
+        acc = T.alloc_buffer((count * per_row,), "float32")
+        for i in T.unroll(count * chains * together):
+            acc[T.ramp(i * lanes, 1, lanes)] = T.broadcast(T.float32(0), lanes)
+        for outer in range(shape.steps // chains):
+            for c in T.unroll(chains):
+                each_row(acc, count, first, xq, xs, xo, w, d, m, yf, row0, outer * chains + c, c, False)
+        if shape.steps % chains > 0:
+            for c in T.unroll(shape.steps % chains):
+                each_row(acc, count, first, xq, xs, xo, w, d, m, yf, row0, shape.steps // chains * chains + c, c,
+                         False)
+        each_row(acc, count, first, xq, xs, xo, w, d, m, yf, row0, 0, 0, True)
 
     @T.macro
     def rows_loop(xq, xs, xo, w, d, m, y):
         yf = T.decl_buffer((n_rows,), "float32", data=y.data)
-        xb = T.decl_buffer((k * shape.act_bits // 8,), "int8", data=xq.data)  # the planes of split int16
+        xb = T.decl_buffer((act_bytes,), "int8", data=xq.data)  # the planes of split int16
         wp = T.decl_buffer((n_rows // 2, 2 * code_bytes), "uint8", data=w.data)  # rows in pairs (row_pairs)
         for task in T.parallel(n_rows // rows):
             for r in range(rows // together):
-                # default scope: a stack array LLVM keeps in registers ("local" became a workspace call per task).
-                # Chain c of row i at (c * together + i) * lanes: consecutive steps add into different chains, so
-                # the float adds of a row do not wait on each other; merged into chain 0 after the whole steps
-                acc = T.alloc_buffer((chains * together * lanes,), "float32")
-                for i in T.unroll(chains * together):
-                    acc[T.ramp(i * lanes, 1, lanes)] = T.broadcast(T.float32(0), lanes)
-                for outer in range(shape.steps // chains):
-                    for c in T.unroll(chains):
-                        add_step(acc, xb if split else xq, xs, xo, wp if row_pairs else w, d, m,
-                                 task * rows + r * together, outer * chains + c, c)
-                if shape.steps % chains > 0:
-                    for c in T.unroll(shape.steps % chains):
-                        add_step(acc, xb if split else xq, xs, xo, wp if row_pairs else w, d, m,
-                                 task * rows + r * together, shape.steps // chains * chains + c, c)
-                for c in T.unroll(1, chains):
-                    for i in T.unroll(together):
-                        acc[T.ramp(i * lanes, 1, lanes)] = (acc[T.ramp(i * lanes, 1, lanes)]
-                                                            + acc[T.ramp((c * together + i) * lanes, 1, lanes)])
-                if shape.tail_blocks > 0 and not shape.paired_tails and row_pairs:
-                    for i in T.unroll(together // 2):
-                        acc[T.ramp(2 * i * lanes, 1, 2 * lanes)] = _pair_step_sums(
-                            shape, [acc[T.ramp((2 * i + half) * lanes, 1, lanes)] for half in (0, 1)],
-                            xb if split else xq, xs, xo, wp, d, m, task * rows + r * together + 2 * i, shape.steps,
-                            shape.tail_blocks)
-                elif shape.tail_blocks > 0 and not shape.paired_tails:
-                    for i in T.unroll(together):
-                        acc[T.ramp(i * lanes, 1, lanes)] = _step_sum(
-                            shape, acc[T.ramp(i * lanes, 1, lanes)], xb if split else xq, xs, xo, w, d, m,
-                            task * rows + r * together + i, shape.steps, shape.tail_blocks)
-                if reduce_rows is not None:
-                    # the rows' sums in one vector (arm.py: pairwise adds across the rows' accumulators)
-                    yf[T.ramp(task * rows + r * together, 1, together)] = _rows_sums(
-                        shape, acc, together, task * rows + r * together, xb if split else xq, xs, xo,
-                        wp if row_pairs else w, d, m)
-                else:
-                    for i in T.unroll(together):
-                        if shape.symmetric or shape.mins_per_step:
-                            yf[task * rows + r * together + i] = _hsum(acc[T.ramp(i * lanes, 1, lanes)], lanes)
-                        else:
-                            # sum_b m_b * xs_b * sum q_b once per row, added into the row's lanes before their one
-                            # sum (lane-widening the mins at every step cost 4 instructions per 64 codes: GGUF Q4_1
-                            # decode step 8.2 ms). With a sum of its own, 16 groups a vector and scalar leftovers,
-                            # ns per block of 1536 rows in cache on a Zen 4 core, int16: K = 576 1.07 -> 0.98
-                            # (zmm), K = 960 1.16 -> 0.96 (zmm), 1.24 -> 0.96 (ymm)
-                            yf[task * rows + r * together + i] = _hsum(_with_mins(
-                                acc[T.ramp(i * lanes, 1, lanes)], m, xo, task * rows + r * together + i, groups,
-                                lanes), lanes)
+                if batch is None:
+                    tile(xb if split else xq, xs, xo, wp if row_pairs else w, d, m, yf, task * rows + r * together,
+                         0, 1)
+                else:  # whole tiles, then the rest in halving ones; a row of codes stays in L1 across them
+                    for first in range(batch // row_tile):
+                        tile(xb if split else xq, xs, xo, wp if row_pairs else w, d, m, yf,
+                             task * rows + r * together, first * row_tile, row_tile)
+                    if row_tile == 4 and batch % 4 >= 2:
+                        tile(xb if split else xq, xs, xo, wp if row_pairs else w, d, m, yf,
+                             task * rows + r * together, batch - batch % 4, 2)
+                    if row_tile >= 2 and batch % 2 == 1:
+                        tile(xb if split else xq, xs, xo, wp if row_pairs else w, d, m, yf,
+                             task * rows + r * together, batch - 1, 1)
 
     if shape.symmetric:
         @T.prim_func(private=True, s_tir=True)
-        def func(xq: T.Buffer((k,), act), xs: T.Buffer((shape.lane_terms,), "float32"),
-                 xo: T.Buffer((shape.sum_terms,), "float32"), w: T.Buffer((n_rows, code_bytes), "uint8"),
+        def func(xq: T.Buffer((*act_rows, k), act), xs: T.Buffer((*act_rows, shape.lane_terms), "float32"),
+                 xo: T.Buffer((*act_rows, shape.sum_terms), "float32"), w: T.Buffer((n_rows, code_bytes), "uint8"),
                  d: T.Buffer((n_rows, groups), sdt), y: T.Buffer(y_shape, "float32")):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
             with T.sblock("root"):
                 rows_loop(xq, xs, xo, w, d, None, y)
     else:
         @T.prim_func(private=True, s_tir=True)
-        def func(xq: T.Buffer((k,), act), xs: T.Buffer((shape.lane_terms,), "float32"),
-                 xo: T.Buffer((shape.sum_terms,), "float32"), w: T.Buffer((n_rows, code_bytes), "uint8"),
+        def func(xq: T.Buffer((*act_rows, k), act), xs: T.Buffer((*act_rows, shape.lane_terms), "float32"),
+                 xo: T.Buffer((*act_rows, shape.sum_terms), "float32"), w: T.Buffer((n_rows, code_bytes), "uint8"),
                  d: T.Buffer((n_rows, groups), sdt), m: T.Buffer((n_rows, groups), sdt),
                  y: T.Buffer(y_shape, "float32")):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})

@@ -69,6 +69,9 @@ FMA_CHAINS = True
 
 # int_dot family -> whether it has an unsigned x signed int8 dot product (usdot)
 FAMILIES = {"i8mm": True, "dotprod": False}
+# batch_decode's activation rows per tile (integer_dot_gemv.gemv): rows_together weight rows x 4 activation rows
+# spilled 56-82 q registers per loop (i8mm, SmolLM2 shapes)
+ACTIVATION_ROW_TILE = 2
 # int16 activations as two int8 planes: |q| <= 127 * 256 + 127, so that q = 256 h + l with h, l in -128..127
 INT16_QMAX = 32639
 

@@ -32,6 +32,9 @@ second_of_pair_float = None
 FMA_CHAINS = False  # LLVM fuses the a * b + c of a step as it is
 # int_dot family -> whether its int8 steps have vpdpbusd
 FAMILIES = {"avx512vnni": True, "avx512bw": False, "avxvnni": True, "avx2": False}
+# batch_decode's activation rows per tile (integer_dot_gemv.gemv): their accumulators and the shared widened codes
+# fit the registers
+ACTIVATION_ROW_TILE = 4
 _ZMM_MADD = ("avx512vnni", "avx512bw")
 
 

@@ -1,0 +1,195 @@
+"""The HVX decode GEMV's host half: activations quantized into the kernel's records, an integer-exact numpy model
+of the kernel, a call of the kernel on the emulated DSP's kernel server (native/hexagon/hvx_gemv.c; weights
+laid out by quantization/hvx_blocks.py), and the kernel as a TIR function for a hexagon target (`tir_kernel`).
+
+`tir_kernel` calls the C kernel with call_extern, which TVM's Hexagon codegen leaves to the linker: an artifact's
+kernels.o then links with hvx_gemv.c's object (the kernel server links it; with the SDK, hexagon-link would). So
+the kernel has one source, the C file the tests check bit for bit and the packet bench counts; a TIR copy with
+LLVM's HVX intrinsics would be a second one. The compile pipeline does not call it yet (issue 43 M1).
+
+Activations are quantized per 32 values to int8 as llama.cpp's Q8_0 (scale = largest |x| / 127); per pair of
+blocks a record of 80 bytes: the 64 int8 values, the two scales X as int16 fixed point with one power of two for
+the whole vector, the two terms xs * sum(q) the same way (for the mins of asymmetric codes), and the two sums of q
+(int32, for the zero code of symmetric ones).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..errors import MobilecError
+from ..quantization.hvx_blocks import BLOCK, FIXED_MAX, ROWS, VECTOR_BYTES, HvxWeights, fixed_point
+from ..testing import emulated_hexagon
+
+ACT_RECORD = 80
+
+
+def quantize_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float [k] -> (int8 [pairs * 2, 32], float32 scales [pairs * 2]), zero-padded to whole pairs of blocks."""
+    pairs = -(-x.shape[0] // (2 * BLOCK))
+    padded = np.zeros(pairs * 2 * BLOCK, np.float32)
+    padded[:x.shape[0]] = x
+    blocks = padded.reshape(-1, BLOCK)
+    scale = np.abs(blocks).max(axis=1) / np.float32(127)
+    q = np.rint(np.divide(blocks, scale[:, None], out=np.zeros_like(blocks), where=scale[:, None] > 0))
+    return np.clip(q, -127, 127).astype(np.int8), scale
+
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, float, float]:
+    """float [k] -> (records uint8 [pairs * 80], dot_factor, min_factor)."""
+    q, scale = quantize_blocks(x)
+    pairs = q.shape[0] // 2
+    sums = q.astype(np.int32).sum(axis=1, dtype=np.int32)
+    x_fixed, x_power = fixed_point(scale, None)
+    t_fixed, t_power = fixed_point(scale.astype(np.float64) * sums, None)
+    records = np.zeros((pairs, ACT_RECORD), np.uint8)
+    records[:, :64] = q.reshape(pairs, 64).view(np.uint8)
+    records[:, 64:68] = x_fixed.reshape(pairs, 2).view(np.uint8)
+    records[:, 68:72] = t_fixed.reshape(pairs, 2).view(np.uint8)
+    records[:, 72:80] = sums.reshape(pairs, 2).view(np.uint8)
+    return records.reshape(-1), float(x_power.item()) * 2.0**30, float(t_power.item()) * 2.0**8
+
+
+def dot_shift(bits: int, mins: bool) -> int:
+    """hvx_gemv.h's hvx_gemv_dot_shift."""
+    return 4 if bits == 4 else 1 if mins else 2
+
+
+def model(weights: HvxWeights, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's integer row sums (dot term, mins term) [n_tiles * 32], computed the way it computes them."""
+    tiles, pairs = weights.n_tiles, weights.n_pairs
+    per_record = (1 + weights.mins) * 128
+    data = weights.data.reshape(tiles, pairs, -1)
+    r = records.reshape(pairs, ACT_RECORD)
+    q = r[:, :64].copy().view(np.int8).astype(np.int64).reshape(pairs, 2, BLOCK)
+    x_fixed = r[:, 64:68].copy().view(np.int16).astype(np.int64)
+    t_fixed = r[:, 68:72].copy().view(np.int16).astype(np.int64)
+    sums = r[:, 72:80].copy().view(np.int32).astype(np.int64)
+    scales = data[:, :, :128].copy().view(np.int16).reshape(tiles, pairs, ROWS, 2).astype(np.int64)
+    codes = data[:, :, per_record:].reshape(tiles, pairs, 2, -1, ROWS, 4)
+    if weights.bits == 4:
+        low, high = codes & 0x0F, codes >> 4  # [tiles, pairs, block, v, rows, j]
+        values = np.stack([low, high], axis=4).reshape(tiles, pairs, 2, 8, ROWS, 4)
+    else:
+        values = codes
+    # value index of (group g, j) is 4 g + j: [tiles, pairs, block, rows, 32]
+    values = values.transpose(0, 1, 2, 4, 3, 5).reshape(tiles, pairs, 2, ROWS, BLOCK).astype(np.int64)
+    dots = np.einsum("tpbrk,pbk->tpbr", values, q) - weights.zero * sums[None, :, :, None]
+    factors = (scales * x_fixed[None, :, None, :] + (1 << 14)) >> 15  # [tiles, pairs, rows, block]
+    shifted = dots.transpose(0, 1, 3, 2) << dot_shift(weights.bits, weights.mins)
+    terms = (shifted * factors * 2 + (1 << 15)) >> 16
+    acc = terms.sum(axis=(1, 3)).reshape(-1)
+    acc_mins = np.zeros_like(acc)
+    if weights.mins:
+        mins = data[:, :, 128:256].copy().view(np.int16).reshape(tiles, pairs, ROWS, 2).astype(np.int64)
+        acc_mins = ((mins * t_fixed[None, :, None, :]) >> 8).sum(axis=(1, 3)).reshape(-1)
+    return acc, acc_mins
+
+
+KERNELS = {(4, False): "hvx_gemv_4bit", (4, True): "hvx_gemv_4bit_mins", (8, False): "hvx_gemv_8bit",
+           (8, True): "hvx_gemv_8bit_mins"}
+
+
+def run(device: emulated_hexagon.Device, weights: HvxWeights, x: np.ndarray
+        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """y [n] and the kernel's integer row sums (dot, mins) [n_tiles * 32], computed on the emulated DSP (its shared
+    region is reset: earlier arrays there are freed)."""
+    records, dot_factor, min_factor = quantize_activations(x)
+    device.reset()
+    buffers = {}
+    for name, host in (("weights", weights.data), ("factors", weights.row_factors.astype(np.float32).reshape(-1)),
+                       ("activations", records)):
+        buffers[name] = device.array(host.shape, host.dtype)
+        buffers[name][...] = host
+    rows = weights.n_tiles * ROWS
+    y, acc, acc_mins = device.array(rows, np.float32), device.array(rows, np.int32), device.array(rows, np.int32)
+    device.call(KERNELS[weights.bits, weights.mins], buffers["weights"], buffers["factors"], buffers["activations"],
+                weights.n_tiles, weights.n_pairs, weights.zero, dot_factor, min_factor, y, acc, acc_mins)
+    return y[:weights.n].copy(), acc.copy(), acc_mins.copy()
+
+
+def tir_kernel(n: int, k: int, bits: int, mins: bool, zero: int) -> tirx.PrimFunc:
+    """y [1, n] = W x for a hexagon target: the C kernel called on W's HVX layout (`weights`, `row_factors`:
+    hvx_blocks.relayout of an [n, k] weight), x's records (`activations`) and `factors` = [dot_factor, min_factor]
+    (quantize_activations)."""
+    if n % ROWS:
+        raise MobilecError(f"the HVX GEMV's TIR kernel writes whole tiles of {ROWS} rows; N = {n} is not a multiple: "
+                           "leave this weight to TVM's GEMV")
+    tiles, pairs = n // ROWS, -(-k // (2 * BLOCK))
+    record_bytes = (1 + mins + 2 * bits) * VECTOR_BYTES  # scales, mins, the codes of two blocks
+    name = KERNELS[bits, mins]
+    null = T.reinterpret("handle", T.uint64(0))  # no integer sums wanted
+
+    @T.prim_func(private=True)
+    def gemv(weights: T.Buffer((tiles * pairs * record_bytes,), "uint8"), row_factors: T.Buffer((tiles * 2 * ROWS,),
+             "float32"), activations: T.Buffer((pairs * ACT_RECORD,), "uint8"), factors: T.Buffer((2,), "float32"),
+             y: T.Buffer((1, n), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        T.evaluate(T.call_extern("void", name, weights.data, row_factors.data, activations.data, tiles, pairs, zero,
+                                 factors[0], factors[1], y.data, null, null))
+
+    return gemv
+
+
+def tir_quantize_activations(k: int) -> tirx.PrimFunc:
+    """quantize_activations as a TIR kernel, bit for bit: x [1, k] float32 -> records uint8 [pairs * 80] and
+    factors float32 [2] = [dot_factor, min_factor]. It is for the ARM host, after the RMSNorm that runs there
+    already: it divides, and float division on Hexagon is a compiler-rt call (__hexagon_divsf3) that the kernel
+    server does not provide."""
+    pairs = -(-k // (2 * BLOCK))
+    blocks = 2 * pairs
+    words = ACT_RECORD // 2  # int16 per record
+    dwords = ACT_RECORD // 4  # int32 per record
+
+    @T.macro
+    def fixed(values, count, out, first, power):
+        """fixed_point(values[:count], None): int16 into out[first(b)], 2^exponent into power[0]."""
+        largest = T.alloc_buffer((1,), "float64", scope="local")
+        largest[0] = T.float64(0)
+        for b in range(count):
+            largest[0] = T.max(largest[0], T.fabs(values[b]))
+        bits = T.reinterpret("int64", largest[0] / T.float64(FIXED_MAX))
+        # ceil(log2(r)) of r = 1.m 2^(E - 1023): E - 1023, plus one unless m is 0
+        exponent = T.if_then_else(largest[0] > T.float64(0), T.shift_right(bits, T.int64(52)) - T.int64(1023)
+                                  + T.Cast("int64", T.bitwise_and(bits, T.int64((1 << 52) - 1)) != T.int64(0)),
+                                  T.int64(0))
+        power[0] = T.reinterpret("float64", T.shift_left(exponent + T.int64(1023), T.int64(52)))
+        for b in range(count):
+            out[first(b)] = T.Cast("int16", T.nearbyint(values[b] / power[0]))
+
+    @T.prim_func(private=True, s_tir=True)
+    def quantize(x: T.Buffer((1, k), "float32"), records: T.Buffer((pairs * ACT_RECORD,), "uint8"),
+                 factors: T.Buffer((2,), "float32")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        with T.sblock("root"):  # Relax's analyses expect a root block
+            q = T.decl_buffer((pairs * ACT_RECORD,), "int8", data=records.data)
+            halves = T.decl_buffer((pairs * words,), "int16", data=records.data)
+            sums = T.decl_buffer((pairs * dwords,), "int32", data=records.data)
+            amax = T.alloc_buffer((1,), "float32", scope="local")
+            scale = T.alloc_buffer((blocks,), "float64")
+            terms = T.alloc_buffer((blocks,), "float64")
+            power = T.alloc_buffer((1,), "float64", scope="local")
+            for b in range(blocks):
+                amax[0] = T.float32(0)
+                for j in range(BLOCK):
+                    if b * BLOCK + j < k:
+                        amax[0] = T.max(amax[0], T.fabs(x[0, b * BLOCK + j]))
+                xs = amax[0] / T.float32(127)
+                sums[b // 2 * dwords + 18 + b % 2] = 0
+                for j in range(BLOCK):
+                    value = T.if_then_else(b * BLOCK + j < k, x[0, T.min(b * BLOCK + j, k - 1)], T.float32(0))
+                    code = T.if_then_else(xs > T.float32(0), T.max(T.min(T.nearbyint(value / xs), T.float32(127)),
+                                                                   T.float32(-127)), T.float32(0))
+                    q[b // 2 * ACT_RECORD + b % 2 * BLOCK + j] = T.Cast("int8", code)
+                    sums[b // 2 * dwords + 18 + b % 2] = sums[b // 2 * dwords + 18 + b % 2] + T.Cast("int32", code)
+                scale[b] = T.Cast("float64", xs)
+                terms[b] = scale[b] * T.Cast("float64", sums[b // 2 * dwords + 18 + b % 2])
+            fixed(scale, blocks, halves, lambda b: b // 2 * words + 32 + b % 2, power)
+            factors[0] = T.Cast("float32", power[0] * T.float64(2.0**30))
+            fixed(terms, blocks, halves, lambda b: b // 2 * words + 34 + b % 2, power)
+            factors[1] = T.Cast("float32", power[0] * T.float64(2.0**8))
+
+    return quantize

@@ -1,0 +1,116 @@
+"""Group-quantized weights re-laid once, at compile time, for the HVX decode GEMV (native/hexagon/hvx_gemv.c).
+
+Any layout of 4- or 8-bit codes in groups of 32 along K (GGUF Q4_0, Q4_1, Q8_0 as gguf_blocks keeps them, our
+symmetric and asymmetric g32 schemes) becomes tiles of 32 rows, one row per 32-bit vector lane, each tile a run of
+records of two 32-value blocks (K is zero-padded to whole pairs):
+
+    record = [scales] [mins, asymmetric only] [codes of block 0] [codes of block 1]       (128-byte vectors)
+    scales: word i = D(row i, block 1) << 16 | D(row i, block 0)    (int16; the same for the mins' M)
+    4-bit codes, vector v of a block: byte 4 i + j = code(row i, k = 8 v + j) | code(row i, k = 8 v + 4 + j) << 4
+    8-bit codes (unsigned, 128 = 0 for symmetric ones), vector g: byte 4 i + j = code(row i, k = 4 g + j)
+
+so each `vrmpy(Vu.ub, Rt.b)` multiplies 4 codes of all 32 rows by one word of 4 activations, and the two nibble
+planes of a vector come out with one vand and one vlsr (no shuffles). The scales become 16-bit fixed point with a
+power of two per row: d = D 2^E_row, E_row the smallest exponent that fits the row's largest |d| in 15 bits. A
+scale within 2^4 of its row's largest keeps every bit of a float16; smaller ones round to 2^-16 of the largest
+(an error ~2^-16 of the row's weights, far below the 4-bit codes' own). `row_factors` holds 2^E_row (and the mins'
+2^F_row) per row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ..errors import MobilecError
+from .group import GroupLayout, plain_codes, unpack_codes
+
+ROWS = 32  # vector lanes: rows per tile
+BLOCK = 32  # values per scale and per activation block
+VECTOR_BYTES = 128
+FIXED_MAX = (1 << 15) - 1
+# The kernel's int32 row sums cannot overflow up to this K (hvx_gemv.c: each block's term is under 2^21).
+MAX_K = 32768
+
+
+@dataclasses.dataclass(frozen=True)
+class HvxWeights:
+    """One weight in the HVX GEMV's layout."""
+
+    data: np.ndarray  # uint8, the tiles' records
+    row_factors: np.ndarray  # float32 [n_tiles, 2, 32]: 2^E (dot term), 2^F (mins term) per row
+    n: int
+    k: int
+    bits: int
+    mins: bool  # asymmetric codes: the record holds the mins
+    zero: int  # the code of 0 for symmetric codes, 0 for asymmetric ones
+
+    @property
+    def n_tiles(self) -> int:
+        return -(-self.n // ROWS)
+
+    @property
+    def n_pairs(self) -> int:
+        return -(-self.k // (2 * BLOCK))
+
+
+def fixed_point(values: np.ndarray, axis: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """values ~ fixed * 2^exponent with |fixed| <= 2^15 - 1, one exponent per slice along `axis` (None: one for all):
+    (int16 fixed, float32 2^exponent). All-zero slices get exponent 0."""
+    values = np.asarray(values, np.float64)
+    largest = np.abs(values).max(axis=axis, keepdims=True)
+    # ceil(log2(largest / FIXED_MAX)) exactly, from the float's exponent (hvx_gemv.tir_quantize_activations the same)
+    mantissa, exponent = np.frexp(largest / FIXED_MAX)
+    exponent = np.where(largest > 0, exponent - (mantissa == 0.5), 0)
+    power = np.exp2(exponent.astype(np.float64))
+    return np.rint(values / power).astype(np.int16), power.astype(np.float32)
+
+
+def _halfword_pairs(fixed: np.ndarray) -> np.ndarray:
+    """int16 [tiles, 32, pairs, 2] -> the scale vectors [tiles, pairs, 128 bytes]: row i's word = pair[1] << 16 |
+    pair[0]."""
+    return np.ascontiguousarray(fixed.transpose(0, 2, 1, 3)).view(np.uint8).reshape(*fixed.shape[:1], fixed.shape[2],
+                                                                                      VECTOR_BYTES)
+
+
+def relayout(arrays: dict[str, np.ndarray], layout: GroupLayout, k: int) -> HvxWeights:
+    """The stored arrays of an [n, k] weight (quantization/group.py, any code order) -> its HVX layout."""
+    if layout.group != BLOCK or layout.bits not in (4, 8):
+        raise MobilecError(f"the HVX GEMV takes 4- or 8-bit codes in groups of {BLOCK}, not {layout.describe()}; "
+                           "quantize with a g32 scheme (q4f16_g32, q8f16_g32) or a GGUF Q4_0/Q4_1/Q8_0 file")
+    if k > MAX_K:
+        raise MobilecError(f"the HVX GEMV takes K up to {MAX_K} (its int32 sums could overflow), not {k}; "
+                           "split the weight along K")
+    codes = unpack_codes(plain_codes(arrays["q_weight"], layout), layout.bits)[:, :k]
+    n = codes.shape[0]
+    n_tiles, n_pairs = -(-n // ROWS), -(-k // (2 * BLOCK))
+    rows, width = n_tiles * ROWS, n_pairs * 2 * BLOCK
+    padded = np.zeros((rows, width), np.uint8)
+    padded[:n, :k] = codes
+    # [tiles, rows in tile, pairs, block in pair, values]
+    blocks = padded.reshape(n_tiles, ROWS, n_pairs, 2, BLOCK)
+    if layout.bits == 4:
+        # value 8 v + j in the low nibble and 8 v + 4 + j in the high one of vector v: [.., v, half, j]
+        split = blocks.reshape(n_tiles, ROWS, n_pairs, 2, 4, 2, 4)
+        planes = split[..., 0, :] | (split[..., 1, :] << 4)  # [tiles, rows, pairs, block, v, j]
+    else:
+        planes = blocks.reshape(n_tiles, ROWS, n_pairs, 2, 8, 4)  # [tiles, rows, pairs, block, g, j]
+    # -> [tiles, pairs, block, vector, rows, j]: lane i of a vector holds row i's 4 codes
+    code_vectors = planes.transpose(0, 2, 3, 4, 1, 5).reshape(n_tiles, n_pairs, -1, VECTOR_BYTES)
+
+    def per_block(name: str) -> tuple[np.ndarray, np.ndarray]:
+        values = np.zeros((rows, 2 * n_pairs), np.float32)
+        values[:n, :arrays[name].shape[1]] = arrays[name].astype(np.float32)
+        fixed, power = fixed_point(values, axis=1)
+        return _halfword_pairs(fixed.reshape(n_tiles, ROWS, n_pairs, 2)), power.reshape(n_tiles, ROWS)
+
+    scales, scale_power = per_block("q_scale")
+    parts = [scales[:, :, None]]
+    min_power = np.ones_like(scale_power)
+    if not layout.symmetric:
+        mins, min_power = per_block("q_min")
+        parts.append(mins[:, :, None])
+    data = np.concatenate([*parts, code_vectors], axis=2)
+    return HvxWeights(data=data.reshape(-1), row_factors=np.stack([scale_power, min_power], axis=1), n=n, k=k,
+                      bits=layout.bits, mins=not layout.symmetric, zero=layout.offset if layout.symmetric else 0)

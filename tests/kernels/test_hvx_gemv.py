@@ -1,0 +1,161 @@
+"""The HVX decode GEMV (native/hexagon/hvx_gemv.c) on the emulated Hexagon DSP (qemu-hexagon, CPU v69): GGUF
+Q4_0, Q4_1, Q8_0 blocks quantized by the gguf package and our own g32 schemes, against numpy, with negative
+controls."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import tvm
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from compiler import hexagon
+from compiler.errors import MobilecError
+from compiler.kernels import hvx_gemv
+from compiler.quantization import hvx_blocks
+from compiler.quantization.gguf_blocks import LAYOUTS, convert_blocks
+from compiler.quantization.group import GroupLayout, dequantize, quantize
+from compiler.targets import load_target
+from compiler.testing import emulated_hexagon
+
+
+pytestmark = pytest.mark.skipif(not emulated_hexagon.ready(), reason="scripts/fetch_qemu_hexagon.sh installs it")
+# (n, k): whole tiles and pairs; rows that are not a whole tile and an odd number of blocks (K = 96, 160: not a
+# multiple of the 128-byte vector either); SmolLM2's K
+SHAPES = [(64, 256), (40, 96), (33, 160), (32, 576)]
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+@pytest.fixture(scope="module")
+def device(tmp_path_factory):
+    with emulated_hexagon.Device(emulated_hexagon.build_device(tmp_path_factory.mktemp("hvx")), 8 << 20) as running:
+        yield running
+
+
+def _gguf_weight(ggml_type: str, n: int, k: int, rng) -> tuple[dict[str, np.ndarray], GroupLayout, np.ndarray]:
+    """Random weights quantized by the gguf package: (our arrays, layout, gguf's own dequantized values)."""
+    raw = gguf_quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType[ggml_type])
+    layout = LAYOUTS[ggml_type]
+    return convert_blocks(ggml_type, raw, layout), layout, gguf_dequantize(raw, GGMLQuantizationType[ggml_type])
+
+
+def _reference(w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(W x with the activations as the kernel quantizes them, in float64; |W| |x|, the scale of its error)."""
+    q, scale = hvx_gemv.quantize_blocks(x)
+    xq = (q.astype(np.float64) * scale[:, None]).reshape(-1)[:x.shape[0]]
+    return w.astype(np.float64) @ xq, np.abs(w.astype(np.float64)) @ np.abs(xq)
+
+
+def _check(device, weights: hvx_blocks.HvxWeights, w: np.ndarray, x: np.ndarray) -> float:
+    """Runs the kernel; its integer sums must equal the numpy model's; returns its largest error relative to |W| |x|."""
+    y, acc, acc_mins = hvx_gemv.run(device, weights, x)
+    model_acc, model_mins = hvx_gemv.model(weights, hvx_gemv.quantize_activations(x)[0])
+    np.testing.assert_array_equal(acc, model_acc)
+    np.testing.assert_array_equal(acc_mins, model_mins)
+    expected, scale = _reference(w, x)
+    return float(np.max(np.abs(y - expected) / scale))
+
+
+# Fixed-point scales (16 bits, per row / per vector) and the rounding of each block's term: ~1e-5 of |W| |x|
+# measured; the int8 activations' own error is ~1.5e-3 of it, 30x more.
+TOLERANCE = 1e-4
+
+
+@pytest.mark.parametrize("ggml_type", GGUF_TYPES)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_gguf_blocks(device, ggml_type, n, k):
+    rng = np.random.default_rng(n * k)
+    arrays, layout, w = _gguf_weight(ggml_type, n, k, rng)
+    assert _check(device, hvx_blocks.relayout(arrays, layout, k), w, rng.standard_normal(k).astype(np.float32)) \
+        < TOLERANCE
+
+
+@pytest.mark.parametrize("layout", [GroupLayout(4, 32, True, "float16"), GroupLayout(4, 32, False, "float16"),
+                                    GroupLayout(8, 32, False, "float16")], ids=lambda layout: layout.describe())
+def test_our_group_schemes(device, layout):
+    rng = np.random.default_rng(7)
+    n, k = 48, 320
+    arrays = quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, layout)
+    w = dequantize(arrays, layout, k)
+    assert _check(device, hvx_blocks.relayout(arrays, layout, k), w, rng.standard_normal(k).astype(np.float32)) \
+        < TOLERANCE
+
+
+@pytest.mark.parametrize("ggml_type", GGUF_TYPES)
+def test_negative_controls(device, ggml_type):
+    """A wrong scale or a block with its vectors permuted must give wrong numbers (the check can fail)."""
+    rng = np.random.default_rng(3)
+    n, k = 32, 256
+    arrays, layout, w = _gguf_weight(ggml_type, n, k, rng)
+    x = rng.standard_normal(k).astype(np.float32)
+    wrong_scale = {**arrays, "q_scale": arrays["q_scale"].copy()}
+    wrong_scale["q_scale"][5, 2] *= np.float16(1.5)
+    assert _check(device, hvx_blocks.relayout(wrong_scale, layout, k), w, x) > 10 * TOLERANCE
+    weights = hvx_blocks.relayout(arrays, layout, k)
+    records = weights.data.reshape(weights.n_tiles, weights.n_pairs, -1, 128).copy()
+    first_codes = 1 + weights.mins
+    records[0, 1, [first_codes, first_codes + 1]] = records[0, 1, [first_codes + 1, first_codes]]
+    permuted = dataclasses.replace(weights, data=records.reshape(-1))
+    assert _check(device, permuted, w, x) > 10 * TOLERANCE
+
+
+def test_refuses_other_layouts():
+    with pytest.raises(MobilecError, match="groups of 32"):
+        hvx_blocks.relayout({}, GroupLayout(4, 128, True, "float16"), 256)
+
+
+def _quantize_on_host(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """hvx_gemv.tir_quantize_activations built for this machine's CPU on x [k]: (records, factors)."""
+    k = x.shape[0]
+    func = hvx_gemv.tir_quantize_activations(k).with_attr("global_symbol", "main")
+    built = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
+    records = tvm.runtime.tensor(np.zeros(-(-k // 64) * hvx_gemv.ACT_RECORD, np.uint8))
+    factors = tvm.runtime.tensor(np.zeros(2, np.float32))
+    built["main"](tvm.runtime.tensor(x.reshape(1, k)), records, factors)
+    return records.numpy(), factors.numpy()
+
+
+@pytest.mark.parametrize("k", [96, 160, 576])
+def test_tir_quantize_activations(k):
+    """The TIR activation kernel writes quantize_activations' records and factors bit for bit (zero blocks too)."""
+    x = (np.random.default_rng(k).standard_normal(k) * 3).astype(np.float32)
+    x[32:64] = 0
+    for values in (x, np.zeros(k, np.float32)):
+        records, factors = _quantize_on_host(values)
+        expected, dot_factor, min_factor = hvx_gemv.quantize_activations(values)
+        np.testing.assert_array_equal(records, expected)
+        np.testing.assert_array_equal(factors, np.array([dot_factor, min_factor], np.float32))
+
+
+def test_tir_kernel_calls_the_c_kernel(tmp_path):
+    """hvx_gemv.tir_kernel built by TVM for hexagon-npu (v73, as for emulation) and linked with hvx_gemv.c into the
+    kernel server, on activations from tir_quantize_activations built for this CPU (the ARM host's part): y equals
+    the C kernel called directly on numpy's activations, bit for bit, for each GGUF format."""
+    n, k = 64, 160
+    rng = np.random.default_rng(11)
+    weights = {t: _gguf_weight(t, n, k, rng) for t in GGUF_TYPES}
+    relaid = {t: hvx_blocks.relayout(arrays, layout, k) for t, (arrays, layout, _) in weights.items()}
+    kernels = {f"gemv_{t}": hvx_gemv.tir_kernel(n, k, w.bits, w.mins, w.zero).with_attr("global_symbol", f"gemv_{t}")
+               for t, w in relaid.items()}
+    hexagon.build_object(kernels, emulated_hexagon.emulation_spec(load_target("hexagon-npu")), tmp_path)
+    program = emulated_hexagon.build_device(tmp_path, (tmp_path / hexagon.OBJECT,))
+    x = rng.standard_normal(k).astype(np.float32)
+    records, factors = _quantize_on_host(x)
+    with emulated_hexagon.Device(program, 1 << 20) as device:
+        for ggml_type, w in relaid.items():
+            direct, _, _ = hvx_gemv.run(device, w, x)
+            inputs = [w.data, w.row_factors.reshape(-1), records, factors]
+            placed = [device.array(a.shape, a.dtype) for a in inputs]
+            for dst, src in zip(placed, inputs):
+                dst[...] = src
+            y = device.array((1, n), np.float32)
+            device.call(f"gemv_{ggml_type}", *placed, y)
+            np.testing.assert_array_equal(y[0], direct, err_msg=ggml_type)
+            expected, scale = _reference(weights[ggml_type][2], x)
+            assert np.max(np.abs(y[0] - expected) / scale) < TOLERANCE, ggml_type
+    with pytest.raises(MobilecError, match="multiple"):
+        hvx_gemv.tir_kernel(40, k, 4, False, 8)

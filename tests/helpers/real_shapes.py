@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
                           Qwen3Config)
 
@@ -168,6 +169,16 @@ def target_files(x86: bool) -> list[str]:
 
     return [name for name in sorted(available_targets()) if name != "host"
             and ("x86_64" in str(load_target(name).model_target().export().get("mtriple", ""))) == x86]
+
+
+def matrix(targets_per_shape: list[list[str]]) -> list:
+    """pytest params (shape, target) of every shape on every target, where shape i compiles in the default set for
+    `targets_per_shape[k][i % len(targets_per_shape[k])]` of each k (each shape once per target class, the targets of a
+    class taking turns) and the rest of the matrix is `extended`: one target's code for a shape differs from another
+    of its class in instruction choices, not in whether the shape's layout, heads or vocabulary compile."""
+    default = {(shape, group[i % len(group)]) for i, shape in enumerate(SHAPES) for group in targets_per_shape}
+    return [pytest.param(shape, target, marks=() if (shape, target) in default else pytest.mark.extended)
+            for shape in SHAPES for target in sorted({t for group in targets_per_shape for t in group})]
 
 
 def check_compiles(name: str, target: str, tmp_path: Path) -> None:

@@ -1,12 +1,19 @@
 """Every common model shape compiles for the phone GPU, NPU and ARM target files (tests/helpers/real_shapes.py;
-the x86 files in test_real_shapes_x86.py, apart so that both test workers share the ~10 minutes)."""
+the x86 files in test_real_shapes_x86.py, apart so that both test workers share them): in the default set each shape
+for one GPU target and one ARM CPU or NPU target, taking turns; every pair in the extended set."""
 
 import pytest
 
-from tests.helpers.real_shapes import SHAPES, check_compiles, target_files
+from tests.helpers.real_shapes import check_compiles, matrix, target_files
+
+GPUS = ["android-adreno", "android-mali"]
+CPUS_AND_NPU = ["linux-arm64", "android-arm64", "hexagon-npu"]
 
 
-@pytest.mark.parametrize("target", target_files(x86=False))
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize(("shape", "target"), matrix([GPUS, CPUS_AND_NPU]))
 def test_compiles(shape, target, tmp_path):
     check_compiles(shape, target, tmp_path)
+
+
+def test_the_matrix_holds_every_target_file_that_is_not_x86():
+    assert sorted(GPUS + CPUS_AND_NPU) == sorted(target_files(x86=False))

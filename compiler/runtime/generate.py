@@ -44,10 +44,10 @@ def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
     return int(rng.choice(keep, p=probs[keep] / probs[keep].sum()))
 
 
-def token_logprob(logits: np.ndarray, token: int) -> float:
-    """The model's log-probability of `token` (before temperature and truncation): what OpenAI's logprobs report."""
+def log_probabilities(logits: np.ndarray) -> np.ndarray:
+    """The model's log-probabilities (before temperature and truncation): what OpenAI's logprobs report."""
     shifted = logits - logits.max()
-    return float(shifted[token] - np.log(np.exp(shifted).sum()))
+    return shifted - np.log(np.exp(shifted).sum())
 
 
 def peak_rss_mb() -> float:

@@ -24,7 +24,7 @@ import tvm
 from .. import kv_cache_dtype
 from ..errors import MobilecError
 from ..kernels import integer_dot_gemv
-from ..runtime.generate import sample, token_logprob
+from ..runtime.generate import log_probabilities, sample
 from ..runtime.session import LoadedArtifact
 from .metrics import Metrics
 
@@ -68,6 +68,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # text that ends the output (not included in it)
     stop_ids: frozenset[int] = frozenset()  # token ids that end the output (the tokenizer's end of sequence)
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: the most likely tokens at each position, this many (OpenAI allows 20)
     # makes the sequence's token mask (structured.TokenMask: the tokens a grammar allows next); None: every token
     mask: Callable[[], Any] | None = None
 
@@ -75,10 +76,12 @@ class SamplingParams:
 @dataclasses.dataclass(frozen=True)
 class Token:
     """A generated token and the text it completes (empty while a multi-byte character or a possible stop string
-    is incomplete)."""
+    is incomplete); with logprobs, the model's log-probability of it and of the most likely tokens (each token's own
+    text, most likely first)."""
     token_id: int
     text: str
     logprob: float | None
+    top_logprobs: tuple[tuple[str, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,7 +405,15 @@ class Engine:
         done_by_length = len(seq.generated) >= params.max_tokens
         visible = seq.generated[:-1] if done_by_id else seq.generated
         text = seq.text.advance(visible, final=done_by_id or done_by_length)
-        seq.request.emit(Token(token, text, token_logprob(logits, token) if params.logprobs else None))
+        logprob, top = None, ()
+        if params.logprobs:
+            logprobs = log_probabilities(logits)
+            logprob = float(logprobs[token])
+            if params.top_logprobs:
+                ids = np.argpartition(-logprobs, params.top_logprobs - 1)[:params.top_logprobs]
+                top = tuple((self.decode_text([int(i)]), float(logprobs[i]))
+                            for i in sorted(ids, key=lambda i: -logprobs[i]))
+        seq.request.emit(Token(token, text, logprob, top))
         if done_by_id or seq.text.stopped or done_by_length:
             reason = "length" if done_by_length and not (done_by_id or seq.text.stopped) else "stop"
             self._end(seq, seq.finished(reason))

@@ -26,6 +26,8 @@ from ..errors import MobilecError
 from .engine import Engine, Failed, Finished, QueueFull, Request, SamplingParams, Token
 from .structured import Grammars
 
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI's API allows
+MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs, as OpenAI's API allows
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait: about one decode step of every session
 # after the shutdown deadline's cancellations, how long the cancelled streams get to send their final chunks before
 # uvicorn cuts their connections
@@ -59,12 +61,13 @@ def _number(body: dict, name: str, default: float, low: float, high: float) -> f
     return float(value)
 
 
-def _integer(body: dict, name: str, default: int | None, low: int) -> int | None:
+def _integer(body: dict, name: str, default: int | None, low: int, high: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise _bad(name, f"'{name}' must be an integer of at least {low}, got {json.dumps(value)}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        limits = f"from {low} to {high}" if high is not None else f"of at least {low}"
+        raise _bad(name, f"'{name}' must be an integer {limits}, got {json.dumps(value)}")
     return value
 
 
@@ -228,14 +231,14 @@ class Server:
             mask = self.grammars.mask_factory(response_format)
         except MobilecError as err:
             raise _bad("response_format", str(err)) from None
-        if chat:
+        if chat:  # logprobs: true, and top_logprobs: how many alternatives (0 to 20)
             logprobs = body.get("logprobs") is True
-            if _integer(body, "top_logprobs", 0, 0):
-                raise _bad("top_logprobs", "only the chosen token's logprob is reported; drop top_logprobs")
-        else:
-            logprobs = _integer(body, "logprobs", None, 0) is not None
-            if _integer(body, "logprobs", 0, 0):
-                raise _bad("logprobs", "only the chosen token's logprob is reported; send logprobs 0")
+            top_logprobs = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+            if top_logprobs and not logprobs:
+                raise _bad("top_logprobs", "top_logprobs needs logprobs: true")
+        else:  # logprobs: how many alternatives (0 to 5), or absent for none
+            top_logprobs = _integer(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
+            logprobs, top_logprobs = top_logprobs is not None, top_logprobs or 0
         prompt_ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
         room = self.engine.context_window - len(prompt_ids) + 1
         names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
@@ -252,7 +255,7 @@ class Server:
             top_p=_number(body, "top_p", 1.0, 1e-9, 1.0), top_k=_integer(body, "top_k", 0, 0),
             seed=_integer(body, "seed", None, 0), stop=_stop_strings(body),
             stop_ids=frozenset() if body.get("ignore_eos") is True else self.stop_ids,
-            logprobs=logprobs, mask=mask)
+            logprobs=logprobs, top_logprobs=top_logprobs, mask=mask)
         try:
             self.engine.check_fits(len(prompt_ids), max_tokens)
         except MobilecError as err:
@@ -418,13 +421,15 @@ class _Shape:
             return None
         if self.chat:
             return {"content": [{"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode()),
-                                 "top_logprobs": []} for t in tokens]}
+                                 "top_logprobs": [{"token": text, "logprob": lp, "bytes": list(text.encode())}
+                                                  for text, lp in t.top_logprobs]} for t in tokens]}
         offsets, at = [], 0
         for t in tokens:
             offsets.append(at)
             at += len(t.text)
+        top = [dict(t.top_logprobs) for t in tokens] if tokens[0].top_logprobs else None
         return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": None, "text_offset": offsets}
+                "top_logprobs": top, "text_offset": offsets}
 
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}

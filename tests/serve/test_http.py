@@ -4,6 +4,7 @@ every bad-input and overload case answers an OpenAI error object without harming
 
 import http.client
 import json
+import math
 import os
 import signal
 import socket
@@ -155,6 +156,30 @@ def test_completion_logprobs_and_stop(client, reference):
     assert all(lp <= 0 for lp in out.choices[0].logprobs.token_logprobs)
 
 
+def test_top_logprobs_list_the_likeliest_tokens_with_the_chosen_first_when_greedy(client):
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True,
+                                         top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) >= 1
+    for token in content:
+        top = [t.logprob for t in token.top_logprobs]
+        assert len(top) == 3 and top == sorted(top, reverse=True) and sum(math.exp(lp) for lp in top) <= 1 + 1e-6
+        # greedy: the chosen token is the likeliest (negative control: the others are less likely)
+        assert token.top_logprobs[0].logprob == pytest.approx(token.logprob) and top[2] < top[0]
+    completion = client.completions.create(model=MODEL, prompt=[2, 3, 4, 5], max_tokens=6, temperature=0, logprobs=2)
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.top_logprobs) == len(logprobs.tokens) == 6
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
+        assert 1 <= len(top) <= 2 and max(top.values()) == pytest.approx(chosen)
+
+
+@pytest.mark.parametrize("extra,words", [({"top_logprobs": 3}, "top_logprobs needs logprobs: true"),
+                                         ({"logprobs": True, "top_logprobs": 21}, "from 0 to 20")])
+def test_bad_top_logprobs_answer_an_openai_error(server, extra, words):
+    got, _, data = server.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, **extra})
+    assert got == 400 and words in json.loads(data)["error"]["message"]
+
+
 def test_curl_sees_sse_framing(server):
     body = json.dumps({"model": MODEL, "prompt": "the cat", "max_tokens": 5, "temperature": 0, "stream": True,
                        "ignore_eos": True})
@@ -188,6 +213,7 @@ def test_models_health_metrics(server, client):
      f"context window of {CONTEXT_WINDOW} tokens"),
     ({"model": MODEL, "prompt": "the", "temperature": "hot"}, None, 400, "'temperature' must be a number"),
     ({"model": MODEL, "prompt": "the", "n": 2}, None, 400, "only n = 1"),
+    ({"model": MODEL, "prompt": "the", "logprobs": 6}, None, 400, "'logprobs' must be an integer from 0 to 5"),
     ({"model": MODEL, "prompt": [99999]}, None, 400, "token ids must be"),
     ({"model": MODEL, "prompt": ""}, None, 400, "empty"),
     ({"model": MODEL, "prompt": "the " * 300000}, None, 413, "exceeds"),

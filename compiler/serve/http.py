@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import MobilecError
-from .engine import Engine, Failed, Finished, QueueFull, Request, SamplingParams, Token
+from .engine import MAX_SESSIONS, Engine, Failed, Finished, QueueFull, Request, SamplingParams, Token
 from .structured import Grammars
 
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI's API allows
@@ -87,6 +87,13 @@ class _Parsed:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    n: int  # choices: as many sequences of the prompt, each with its own seed
+
+    def choice_params(self, index: int) -> SamplingParams:
+        """Choice `index`'s sampling: the request's, with seed + index so that seeded choices differ."""
+        if self.params.seed is None or index == 0:
+            return self.params
+        return dataclasses.replace(self.params, seed=self.params.seed + index)
 
 
 class Server:
@@ -222,8 +229,7 @@ class Server:
         raise _bad("prompt", "'prompt' must be a string or a non-empty list of token ids (one prompt per request)")
 
     def _parse(self, body: dict, chat: bool) -> _Parsed:
-        if _integer(body, "n", 1, 1) != 1:
-            raise _bad("n", "only n = 1 is supported; send several requests")
+        n = _integer(body, "n", 1, 1, MAX_SESSIONS)
         response_format = body.get("response_format") or {"type": "text"}
         if not isinstance(response_format, dict):
             raise _bad("response_format", "'response_format' must be an object such as {\"type\": \"json_object\"}")
@@ -260,85 +266,99 @@ class Server:
             self.engine.check_fits(len(prompt_ids), max_tokens)
         except MobilecError as err:
             raise _bad(given, str(err)) from None
-        return _Parsed(prompt_ids, params, stream, options.get("include_usage") is True)
+        return _Parsed(prompt_ids, params, stream, options.get("include_usage") is True, n)
 
-    def _submit(self, parsed: _Parsed) -> tuple[Request, asyncio.Queue]:
+    def _submit(self, parsed: _Parsed) -> tuple[list[Request], asyncio.Queue]:
+        """The request's n choices given to the engine; their events arrive on one queue as (choice, event)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
-        def emit(event) -> None:
-            if not loop.is_closed():  # after shutdown nobody listens; the engine must not fail on it
-                loop.call_soon_threadsafe(events.put_nowait, event)
+        def emitter(index: int):
+            def emit(event) -> None:
+                if not loop.is_closed():  # after shutdown nobody listens; the engine must not fail on it
+                    loop.call_soon_threadsafe(events.put_nowait, (index, event))
+            return emit
 
-        request = Request(parsed.prompt_ids, parsed.params, emit)
+        requests: list[Request] = []
         try:
-            self.engine.submit(request)
-            with self._in_flight_lock:
-                self._in_flight.add(request)
-        except QueueFull as err:
-            raise ApiError(429, str(err), kind="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            for index in range(parsed.n):
+                request = Request(parsed.prompt_ids, parsed.choice_params(index), emitter(index))
+                self.engine.submit(request)
+                requests.append(request)
+                with self._in_flight_lock:
+                    self._in_flight.add(request)
         except MobilecError as err:
+            for request in requests:  # all of the choices or none
+                self._done(request)
+            if isinstance(err, QueueFull):
+                raise ApiError(429, str(err), kind="rate_limit_error", code="queue_full",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
             raise ApiError(400, str(err)) from None
-        return request, events
+        return requests, events
 
     async def generate(self, request: HttpRequest, chat: bool):
         self._check_key(request)
         body = await self._json_body(request)
         parsed = await asyncio.to_thread(self._parse, body, chat)  # tokenizing a long prompt takes a while
-        engine_request, events = self._submit(parsed)
+        engine_requests, events = self._submit(parsed)
         shape = _Shape(chat, self.model_name)
         if parsed.stream:
-            return StreamingResponse(self._sse(engine_request, events, shape, parsed.include_usage),
+            return StreamingResponse(self._sse(engine_requests, events, shape, parsed.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._whole(request, engine_request, events, shape)
+        return await self._whole(request, engine_requests, events, shape)
 
-    async def _whole(self, http: HttpRequest, request: Request, events: asyncio.Queue, shape: _Shape):
-        tokens: list[Token] = []
+    async def _whole(self, http: HttpRequest, requests: list[Request], events: asyncio.Queue, shape: _Shape):
+        tokens: list[list[Token]] = [[] for _ in requests]
+        finished: dict[int, Finished] = {}
         try:
-            while True:
+            while len(finished) < len(requests):
                 try:
-                    event = await asyncio.wait_for(events.get(), 0.5)
+                    index, event = await asyncio.wait_for(events.get(), 0.5)
                 except asyncio.TimeoutError:
                     if await http.is_disconnected():
-                        self.engine.cancel(request)
-                        return JSONResponse({}, status_code=499)
+                        return JSONResponse({}, status_code=499)  # _done cancels the choices
                     continue
                 if isinstance(event, Token):
-                    tokens.append(event)
+                    tokens[index].append(event)
                 elif isinstance(event, Failed):
                     raise ApiError(500, event.message, kind="server_error")
                 else:
-                    self._log_cancelled(shape, request, event, streamed=False)
-                    return JSONResponse(shape.whole(tokens, event))
+                    self._log_cancelled(shape, requests[index], event, streamed=False)
+                    finished[index] = event
+            return JSONResponse(shape.whole(tokens, [finished[i] for i in range(len(requests))]))
         finally:
-            self._done(request)
+            for request in requests:
+                self._done(request)
 
-    async def _sse(self, request: Request, events: asyncio.Queue, shape: _Shape, include_usage: bool):
+    async def _sse(self, requests: list[Request], events: asyncio.Queue, shape: _Shape, include_usage: bool):
         def data(obj: dict) -> str:
             return f"data: {json.dumps(obj)}\n\n"
 
+        finished: dict[int, Finished] = {}
         try:
             if shape.chat:
-                yield data(shape.chunk({"role": "assistant", "content": ""}, None, None))
-            while True:
-                event = await events.get()
+                for index in range(len(requests)):
+                    yield data(shape.chunk(index, {"role": "assistant", "content": ""}, None, None))
+            while len(finished) < len(requests):
+                index, event = await events.get()
                 if isinstance(event, Token):
                     if event.text or event.logprob is not None:
-                        yield data(shape.chunk_for(event))
+                        yield data(shape.chunk_for(index, event))
                 elif isinstance(event, Failed):
                     yield data({"error": {"message": event.message, "type": "server_error", "param": None,
                                           "code": None}})
                     break
                 else:
-                    self._log_cancelled(shape, request, event, streamed=True)
-                    yield data(shape.chunk({} if shape.chat else "", None, event.reason))
-                    if include_usage:
-                        yield data({**shape.chunk({}, None, None), "choices": [], "usage": _usage(event)})
-                    break
+                    self._log_cancelled(shape, requests[index], event, streamed=True)
+                    finished[index] = event
+                    yield data(shape.chunk(index, {} if shape.chat else "", None, event.reason))
+            if include_usage and len(finished) == len(requests):
+                usage = _usage([finished[i] for i in range(len(requests))])
+                yield data({**shape.chunk(0, {}, None, None), "choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
         finally:
-            self._done(request)
+            for request in requests:
+                self._done(request)
 
     def _done(self, request: Request) -> None:
         """The handler is over: a request still running (its client went away) is cancelled, and its sequence freed
@@ -403,9 +423,10 @@ class Server:
         return app
 
 
-def _usage(finished: Finished) -> dict[str, int]:
-    return {"prompt_tokens": finished.prompt_tokens, "completion_tokens": finished.completion_tokens,
-            "total_tokens": finished.prompt_tokens + finished.completion_tokens}
+def _usage(choices: list[Finished]) -> dict[str, int]:
+    """One prompt, the completion tokens of every choice."""
+    prompt, completion = choices[0].prompt_tokens, sum(f.completion_tokens for f in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 class _Shape:
@@ -434,26 +455,27 @@ class _Shape:
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, tokens: list[Token], finished: Finished) -> dict:
-        text = "".join(t.text for t in tokens)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self._logprobs(tokens), "finish_reason": finished.reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(tokens), "finish_reason": finished.reason}
-        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
+    def whole(self, tokens: list[list[Token]], finished: list[Finished]) -> dict:
+        """The whole response: choice i from tokens[i] and finished[i]."""
+        choices = []
+        for index, (choice_tokens, end) in enumerate(zip(tokens, finished)):
+            text = "".join(t.text for t in choice_tokens)
+            body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            choices.append({"index": index, **body, "logprobs": self._logprobs(choice_tokens),
+                            "finish_reason": end.reason})
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
                 "usage": _usage(finished)}
 
-    def chunk(self, delta: dict | str, tokens: list[Token] | None, reason: str | None) -> dict:
+    def chunk(self, index: int, delta: dict | str, tokens: list[Token] | None, reason: str | None) -> dict:
         logprobs = self._logprobs(tokens) if tokens else None
         if self.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         return {**self._head("text_completion"),
-                "choices": [{"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": reason}]}
+                "choices": [{"index": index, "text": delta, "logprobs": logprobs, "finish_reason": reason}]}
 
-    def chunk_for(self, token: Token) -> dict:
-        return self.chunk({"content": token.text} if self.chat else token.text, [token], None)
+    def chunk_for(self, index: int, token: Token) -> dict:
+        return self.chunk(index, {"content": token.text} if self.chat else token.text, [token], None)
 
 
 @dataclasses.dataclass(frozen=True)

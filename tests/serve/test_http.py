@@ -156,6 +156,33 @@ def test_completion_logprobs_and_stop(client, reference):
     assert all(lp <= 0 for lp in out.choices[0].logprobs.token_logprobs)
 
 
+def test_n_choices_each_a_sequence_of_its_own(client, reference):
+    greedy_text, _ = reference
+    want = greedy_text([2, 3, 4, 5], 12)
+    greedy = client.completions.create(model=MODEL, prompt=[2, 3, 4, 5], max_tokens=12, temperature=0, n=3,
+                                       extra_body={"ignore_eos": True})
+    assert [c.index for c in greedy.choices] == [0, 1, 2] and {c.text for c in greedy.choices} == {want}
+    assert greedy.usage.prompt_tokens == 4 and greedy.usage.completion_tokens == 3 * 12
+    # sampled with one seed: choice i draws with seed + i, so the choices differ (negative control: n = 1 with
+    # seed + 1 gives choice 1's text)
+    sampled = client.completions.create(model=MODEL, prompt=[2, 3, 4, 5], max_tokens=12, temperature=1.0, seed=7,
+                                        n=3, extra_body={"ignore_eos": True})
+    texts = [c.text for c in sampled.choices]
+    assert len(set(texts)) > 1
+    alone = client.completions.create(model=MODEL, prompt=[2, 3, 4, 5], max_tokens=12, temperature=1.0, seed=8,
+                                      extra_body={"ignore_eos": True})
+    assert alone.choices[0].text == texts[1]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, n=2,
+                                                 stream=True, stream_options={"include_usage": True}))
+    by_index = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            by_index[choice.index] += choice.delta.content or ""
+    assert by_index[0] == by_index[1] and by_index[0]
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1]
+    assert chunks[-1].usage.completion_tokens == 2 * chunks[-1].usage.completion_tokens // 2 > 0
+
+
 def test_top_logprobs_list_the_likeliest_tokens_with_the_chosen_first_when_greedy(client):
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True,
                                          top_logprobs=3)
@@ -212,7 +239,7 @@ def test_models_health_metrics(server, client):
     ({"model": MODEL, "prompt": "the", "max_tokens": CONTEXT_WINDOW + 5}, None, 400,
      f"context window of {CONTEXT_WINDOW} tokens"),
     ({"model": MODEL, "prompt": "the", "temperature": "hot"}, None, 400, "'temperature' must be a number"),
-    ({"model": MODEL, "prompt": "the", "n": 2}, None, 400, "only n = 1"),
+    ({"model": MODEL, "prompt": "the", "n": 9}, None, 400, "'n' must be an integer from 1 to 8"),
     ({"model": MODEL, "prompt": "the", "logprobs": 6}, None, 400, "'logprobs' must be an integer from 0 to 5"),
     ({"model": MODEL, "prompt": [99999]}, None, 400, "token ids must be"),
     ({"model": MODEL, "prompt": ""}, None, 400, "empty"),

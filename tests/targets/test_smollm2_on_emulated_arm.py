@@ -61,8 +61,12 @@ def _target_file(target: str, folder) -> str:
 
 
 @pytest.mark.slow
+# The default set runs linux-arm64 int8 (the whole model on the device: integer GEMVs and GEMM, sdot); android-arm64's
+# i8mm kernels (usdot, smmla) are checked one by one on the same device by tests/kernels/test_integer_dot_gem{v,m}.py,
+# and run the whole model in the extended set (~4.5 minutes each under qemu).
 @pytest.mark.parametrize("target, activations", [pytest.param("linux-arm64", "int16", marks=pytest.mark.extended),
-                                                 ("linux-arm64", "int8"), ("android-arm64", "int8")])
+                                                 ("linux-arm64", "int8"),
+                                                 pytest.param("android-arm64", "int8", marks=pytest.mark.extended)])
 def test_arm64_build_on_the_emulated_device_gives_the_x86_tokens(tmp_path, tmp_path_factory, smollm2_gguf,
                                                                   smollm2_gguf_exact, emulated_arm_device, target,
                                                                   activations):

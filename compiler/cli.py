@@ -277,7 +277,7 @@ def tune(as_json, **options):
 @json_option("the table")
 def inspect(as_json, **options):
     """Show what each pipeline step does: Relax functions, TIR kernels, parameter bytes and the kernel launches of
-    one decode step after it."""
+    one decode step after it; at the end, the launches of one decode step and of one prefill chunk."""
     from .inspect_ir import InspectOptions, inspect_model  # pylint: disable=import-outside-toplevel
 
     rows = inspect_model(InspectOptions(**options))
@@ -295,6 +295,9 @@ def inspect(as_json, **options):
     if last["decode_launches"] is not None:
         click.echo(f"decode: {last['decode_launches']} kernel launches per token, "
                    f"{last['decode_launches_per_layer']:.1f} per layer (the KV cache's attention counted as one)")
+    if last["prefill_launches"] is not None:
+        click.echo(f"prefill: {last['prefill_launches']} kernel launches per prompt chunk, "
+                   f"{last['prefill_launches_per_layer']:.1f} per layer")
     if options["dump"]:
         click.echo(f"IR written to {options['dump']}/")
 

@@ -48,16 +48,18 @@ def kernel_launches(mod: tvm.IRModule, function: str = "decode") -> int | None:
 
 def _summary(index: int, step: str, mod: tvm.IRModule, param_bytes: int, layers: int) -> dict[str, Any]:
     funcs = mod.functions.values()
-    launches = kernel_launches(mod)
-    return {
+    row = {
         "index": index,
         "step": step,
         "relax_functions": sum(isinstance(f, relax.Function) for f in funcs),
         "tir_kernels": sum(isinstance(f, tirx.PrimFunc) for f in funcs),
         "param_bytes": param_bytes,
-        "decode_launches": launches,
-        "decode_launches_per_layer": None if launches is None else launches / layers,
     }
+    for function in ("decode", "prefill"):  # prefill: one call per prompt chunk
+        launches = kernel_launches(mod, function)
+        row[f"{function}_launches"] = launches
+        row[f"{function}_launches_per_layer"] = None if launches is None else launches / layers
+    return row
 
 
 _DUMP_NAME = re.compile(r"\d\d-[a-z0-9-]+\.py")

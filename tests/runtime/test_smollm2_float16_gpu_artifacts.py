@@ -45,19 +45,22 @@ KV_GATES = {"int8": 1.005, "int4": 1.03}  # perplexity of a quantized KV cache o
 
 
 class _CompiledWhenAsked(dict):
-    """(target, quant) -> SmolLM2's artifact, compiled on first use (the extended set's builds only there)."""
+    """(target, quant) or (target, quant, kv dtype) -> SmolLM2's artifact (the target's own KV cache, or that one),
+    compiled on first use (the extended set's builds only there)."""
 
     def __init__(self, root: Path, smollm2_gguf: Path):
         super().__init__()
         self.root, self.smollm2_gguf = root, smollm2_gguf
 
-    def __missing__(self, key: tuple[str, str]) -> Path:
-        target, quant = key
-        path = self.root / f"{target}-{quant}"
+    def __missing__(self, key: tuple[str, ...]) -> Path:
+        target, quant, kv = (*key, "auto")[:3]
+        path = self.root / "-".join(key)
         compile_model(CompileOptions(str(self.smollm2_gguf), target, quant, str(path), context_window=256,
-                                     progress=False, **(ON_FP16_OPENCL if target != "host" else {})))
+                                     progress=False, kv_dtype=kv, **(ON_FP16_OPENCL if target != "host" else {})))
+        config = json.loads((path / "mobilec-config.json").read_text())
+        if kv != "auto":
+            assert config["kv_dtype"] == kv
         if target != "host":
-            config = json.loads((path / "mobilec-config.json").read_text())
             assert config["compute_dtype"] == "float16" and config["target"]["tvm_target"]["kind"] == "opencl"
             assert "cl_khr_fp16" in (path / "lib" / "kernels.cl").read_text()
         self[key] = path
@@ -69,26 +72,6 @@ def artifacts(tmp_path_factory, smollm2_gguf) -> dict[tuple[str, str], Path]:
     """The GPU artifacts and the host artifacts of their schemes, each compiled when a test first asks for it."""
     fp16_platform_installed()
     return _CompiledWhenAsked(tmp_path_factory.mktemp("float16_gpu"), smollm2_gguf)
-
-
-@pytest.fixture(scope="module")
-def quantized_kv_artifacts(tmp_path_factory, smollm2_gguf):
-    """kv dtype -> SmolLM2's android-adreno q4f16_g32 artifact (float16) with an int8 or int4 KV cache, compiled when
-    first asked (the int4 test is not in the default run)."""
-    root = tmp_path_factory.mktemp("float16_gpu_kv")
-    out = {}
-
-    def of(kv: str) -> Path:
-        if kv not in out:
-            path = root / f"android-adreno-{kv}"
-            compile_model(CompileOptions(str(smollm2_gguf), "android-adreno", "q4f16_g32", str(path),
-                                         context_window=256, progress=False, kv_dtype=kv, **ON_FP16_OPENCL))
-            config = json.loads((path / "mobilec-config.json").read_text())
-            assert config["compute_dtype"] == "float16" and config["kv_dtype"] == kv
-            out[kv] = path
-        return out[kv]
-
-    return of
 
 
 def _mobilec_process(*args, platform: dict[str, str] = FP16_PLATFORM) -> subprocess.CompletedProcess:
@@ -126,14 +109,14 @@ def _perplexity(path: Path) -> float:
 
 
 @pytest.fixture(scope="module")
-def perplexity(artifacts, quantized_kv_artifacts):
-    """(target, quant, kv dtype) -> perplexity on the eval window, each measured once (a quantized cache: the
-    android-adreno q4f16_g32 artifact's)."""
+def perplexity(artifacts):
+    """(target, quant, kv dtype) -> perplexity on the eval window, each measured once ("f16": the artifact's own
+    float16 cache)."""
     measured = {}
 
     def of(target: str, quant: str, kv: str = "f16") -> float:
         if (target, quant, kv) not in measured:
-            path = artifacts[target, quant] if kv == "f16" else quantized_kv_artifacts(kv)
+            path = artifacts[target, quant] if kv == "f16" else artifacts[target, quant, kv]
             measured[target, quant, kv] = _perplexity(path)
         return measured[target, quant, kv]
 

@@ -141,15 +141,15 @@ def targets(as_json):
     """List the target files in targets/, one line each: the name, the code's kind, the default scheme (--quant),
     the decode GEMVs' default activations where the CPU has integer ones (--decode-activations; "-" elsewhere),
     and what the target is."""
-    from .kernels import integer_dot_gemv  # pylint: disable=import-outside-toplevel
-    from .targets import available_targets, load_target  # pylint: disable=import-outside-toplevel
+    from .build_plan import resolve_plan  # pylint: disable=import-outside-toplevel
+    from .targets import available_targets  # pylint: disable=import-outside-toplevel
 
     rows = []
     for name in available_targets():
-        spec = load_target(name)
-        integer = integer_dot_gemv.available(spec.tvm_target())
+        plan = resolve_plan(name)
+        spec = plan.spec
         rows.append({"name": name, "kind": spec.tvm_target_json["kind"], "default_quant": spec.device["default_quant"],
-                     "decode_activations": spec.decode_activations if integer else None,
+                     "decode_activations": plan.decode_activations if plan.integer_decode else None,
                      "description": spec.description, "path": str(spec.path)})
     if as_json:
         echo_json({"targets": rows})

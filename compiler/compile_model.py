@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import tvm
 
-from . import chat_prompt, hexagon, kv_cache_dtype, link, pipeline, validate
+from . import chat_prompt, hexagon, link, pipeline, validate
 from .artifact import (
     CONFIG_FILE,
     FORMAT_VERSION,
@@ -22,20 +22,18 @@ from .artifact import (
     file_manifest,
     installed_versions,
 )
+from .build_plan import resolve_plan
 from .call_sites import call_site_map
-from .choices import DECODE_ACTIVATIONS
 from .cpu_check import cpu_entry
 from .errors import MobilecError
 from .estimate import RecordMemoryPlan, check_compile_fits, estimate_imported, over_budget_message, recording
 from .export import ShardWriter, atomic_directory, check_output
-from .importer import PAGE_SIZE, ImportedModel, import_model, resolve_model_path, target_and_scheme, tensor_bytes
-from .kernels import integer_dot_gemv
+from .importer import PAGE_SIZE, ImportedModel, import_model, resolve_model_path, tensor_bytes
 from .loaders import Checkpoint, open_checkpoint
 from .loaders.tokenizer import load_tokenizer
 from .progress import Steps
 from .passes.apply_tuning_database import tuned_kernels
 from .quantization import awq
-from .targets import TargetSpec, with_overrides
 
 
 def model_name(path: Path) -> str:
@@ -77,21 +75,6 @@ def write_params(ckpt: Checkpoint, imported: ImportedModel, out: Path, steps: St
     return writer.finish(out)
 
 
-def _decode_activations(asked: str | None, spec: TargetSpec) -> str:
-    """What compile uses: `asked` (--decode-activations), else the target file's default."""
-    value = asked or spec.decode_activations
-    if value not in DECODE_ACTIVATIONS:
-        raise MobilecError(f"--decode-activations {value!r} is not one of {', '.join(DECODE_ACTIVATIONS)}")
-    if value != "int16" and not integer_dot_gemv.available(spec.tvm_target()):
-        needs = (f"needs a CPU target with integer decode GEMVs (x86 with AVX2 or AVX-512, aarch64 with the dot "
-                 f"product: +dotprod or +i8mm); {spec.name} decodes with float activations")
-        if asked:
-            raise MobilecError(f"--decode-activations {value} {needs}: drop the option")
-        raise MobilecError(f"target file {spec.path}: field 'device.decode_activations' = {value!r} {needs}: "
-                           f"remove the field")
-    return value
-
-
 @dataclasses.dataclass(frozen=True)
 class CompileOptions:  # pylint: disable=too-many-instance-attributes
     """What `mobilec compile` is asked: the checkpoint, the target file, the scheme, where to write, and how."""
@@ -125,10 +108,10 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
     validate.context_length(o.context_window)
     if o.output:
         check_output(Path(o.output), overwrite)  # before anything is loaded or built
-    spec, scheme = target_and_scheme(o.target, o.quant)
-    spec = with_overrides(spec, o.host_target, o.compute_dtype)
-    decode_activations = _decode_activations(o.decode_activations, spec)
-    kv_cache_dtype.resolve(o.kv_dtype, spec, scheme)  # a name not implemented is refused before any work
+    # every option about the target and scheme, resolved (and a bad one refused) before any work
+    plan = resolve_plan(o.target, o.quant, kv_dtype=o.kv_dtype, decode_activations=o.decode_activations,
+                        host_target=o.host_target, compute_dtype=o.compute_dtype)
+    spec, scheme = plan.spec, plan.scheme
     link.check_toolchain(spec)  # before the build, not after it
     awq.check_options(o.calibrate, o.calib_text, scheme.layout)
     model_path = resolve_model_path(o.model)
@@ -141,12 +124,11 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
             tempfile.TemporaryDirectory(prefix="mobilec-calibration-") as calib_dir:
         with steps.step("import", ckpt.description):
             if o.calibrate and not o.force:  # refused before the calibration's run, the largest peak
-                check_compile_fits(ckpt.description, import_model(ckpt, scheme, spec, o.context_window, quant_skip,
-                                                                  export=False, kv_dtype=o.kv_dtype), o.calibrate)
+                check_compile_fits(ckpt.description, import_model(ckpt, plan, o.context_window, quant_skip,
+                                                                  export=False), o.calibrate)
             calibration = (awq.calibrate(ckpt, scheme.layout, o.calib_text, Path(calib_dir), steps.log)
                            if o.calibrate else None)
-            imported = import_model(ckpt, scheme, spec, o.context_window, quant_skip, calibration=calibration,
-                                    kv_dtype=o.kv_dtype)
+            imported = import_model(ckpt, plan, o.context_window, quant_skip, calibration=calibration)
             if not o.force:
                 check_compile_fits(ckpt.description, imported)
         family, cfg = imported.family, imported.cfg
@@ -161,9 +143,8 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
             # model that does not fit is refused before code generation.
             recorder = RecordMemoryPlan()
             with recording(recorder):
-                lowered = pipeline.run_steps(imported.mod, spec, note_tuned, tuning=not o.no_tuning,
-                                             decode_activations=decode_activations)
-            memory = estimate_imported(ckpt, imported, scheme, spec, quant_skip, plan=recorder.plan(),
+                lowered = pipeline.run_steps(imported.mod, plan, note_tuned, tuning=not o.no_tuning)
+            memory = estimate_imported(ckpt, imported, plan, quant_skip, activations=recorder.plan(),
                                        kv_dtype=o.kv_dtype, calibrate=o.calibrate)
             if not memory.fits and not o.force:
                 raise MobilecError(f"{over_budget_message(memory)}; or --force to compile it anyway")
@@ -194,10 +175,10 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
                                  "quantized_layers": sorted(imported.plan),
                                  "calibration": calibration.summary if calibration else None,
                                  # how the shards order the codes (group.CODE_ORDERS): the target's kernels'
-                                 "code_order": integer_dot_gemv.stored_code_order(spec.tvm_target())},
+                                 "code_order": plan.code_order},
                 "compute_dtype": imported.dtype,
                 "kv_dtype": cfg.kv_dtype,
-                "decode_activations": decode_activations if integer_dot_gemv.available(spec.tvm_target()) else None,
+                "decode_activations": plan.decode_activations if plan.integer_decode else None,
                 "target": {
                     "name": spec.name,
                     "description": spec.description,
@@ -206,7 +187,7 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
                     **({"overrides": spec.overrides} if spec.overrides else {}),
                 },
                 # the CPU the library's code needs (arch, features): a CPU without them refuses it (cpu_check.py)
-                "cpu": cpu_entry(spec.tvm_target()),
+                "cpu": cpu_entry(plan.cpu),
                 "library": library,
                 **({"npu_coverage": npu} if npu else {}),
                 # which parameters each VM call reads (call_sites.py): what `mobilec profile` labels kernels by

@@ -13,15 +13,12 @@ from typing import Any
 import tvm
 
 from .errors import MobilecError
-from .isa import arch_of_triple, cpu_isa, missing_features
+from .isa import CpuIsa, arch_of_triple, code_cpu_isa, missing_features
 
 
-def cpu_entry(target: tvm.target.Target) -> dict[str, Any] | None:
-    """The config's "cpu": what the CPU running a target's code must be. The code is the target's own for an LLVM
-    target, else its host's (GPU and Hexagon targets); None where no CPU code is built."""
-    isa = cpu_isa(target)
-    if isa is None and target.host is not None:
-        isa = cpu_isa(target.host)
+def cpu_entry(isa: CpuIsa | None) -> dict[str, Any] | None:
+    """The config's "cpu": what the CPU running a target's code (isa.code_cpu_isa) must be; None where no CPU code
+    is built."""
     if isa is None:
         return None
     return {"arch": isa.arch, "required_features": isa.required_features, "isa": isa.describe()}
@@ -33,7 +30,7 @@ def artifact_cpu(config: dict[str, Any]) -> dict[str, Any] | None:
     if "cpu" in config:
         return config["cpu"]
     try:
-        return cpu_entry(tvm.target.Target(config["target"]["tvm_target"]))
+        return cpu_entry(code_cpu_isa(tvm.target.Target(config["target"]["tvm_target"])))
     except Exception:  # noqa: BLE001  a target this TVM cannot parse: nothing to compare
         return None
 
@@ -66,7 +63,7 @@ def _fixed_cpu_targets() -> dict[str, dict[str, Any]]:
         try:
             target = tomllib.loads(Path(path).read_text())["tvm"]["target"]
             if isinstance(target, dict) and target.get("kind") == "llvm":
-                found[name] = cpu_entry(tvm.target.Target(target))
+                found[name] = cpu_entry(code_cpu_isa(tvm.target.Target(target)))
         except Exception:  # noqa: BLE001, S112  a broken file is load_target's to report
             continue
     return {name: entry for name, entry in found.items() if entry}

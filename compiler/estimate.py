@@ -20,8 +20,9 @@ from tvm import relax, tirx
 from tvm.sym.analyzer import Analyzer
 
 from . import host, kv_cache_dtype, pipeline, roofline
+from .build_plan import BuildPlan, resolve_plan
 from .errors import MobilecError
-from .importer import PAGE_SIZE, ImportedModel, import_model, open_model, target_and_scheme, tensor_bytes
+from .importer import PAGE_SIZE, ImportedModel, import_model, open_model, tensor_bytes
 from .loaders import Checkpoint, ConfigCheckpoint
 from .models.llama import LlamaConfig
 from .quantization import awq, group
@@ -127,12 +128,12 @@ def _storage_sizes(func: relax.Function) -> list[tirx.PrimExpr]:
     return sizes
 
 
-def plan_activations(mod: tvm.IRModule, spec: TargetSpec) -> ActivationPlan:
+def plan_activations(mod: tvm.IRModule, plan: BuildPlan) -> ActivationPlan:
     """Run the compile pipeline's steps through memory planning (no code generation) and read the storage
     that prefill and decode allocate."""
     recorder = RecordMemoryPlan()
-    with recording(recorder), spec.tvm_target():
-        for _, step in pipeline.steps(spec):
+    with recording(recorder), plan.spec.tvm_target():
+        for _, step in pipeline.steps(plan):
             mod = step(mod)
             if recorder.mod is not None:
                 break
@@ -201,7 +202,7 @@ def calibrate_peak_bytes(cfg: LlamaConfig) -> int:
 
 
 def _budget(description: str, spec: TargetSpec, quant: str, cfg: LlamaConfig, params: list, dtype: str,
-            plan: ActivationPlan) -> MemoryEstimate:
+            activations: ActivationPlan) -> MemoryEstimate:
     """The estimate of a model with these parameters at `cfg`'s context window, prefill chunk and KV dtype."""
     weights = {name: tensor_bytes(p) for name, p in params}
     kv_layer = kv_cache_dtype.layer_bytes(cfg.kv_dtype, cfg.num_key_value_heads, cfg.head_dim,
@@ -212,9 +213,9 @@ def _budget(description: str, spec: TargetSpec, quant: str, cfg: LlamaConfig, pa
         cfg.num_hidden_layers * kv_cache_dtype.bytes_per_token_layer(cfg.kv_dtype, cfg.num_key_value_heads,
                                                                      cfg.head_dim),
         cfg.context_window_size, f"weights + {cfg.kv_dtype} KV cache at the context window")
-    planned, largest_planned = plan.at(cfg.prefill_chunk_size)
-    activations = planned + _attention_scratch(cfg, cfg.kv_dtype)
-    counted = sum(weights.values()) + cfg.num_hidden_layers * kv_layer + activations
+    planned, largest_planned = activations.at(cfg.prefill_chunk_size)
+    activation_bytes = planned + _attention_scratch(cfg, cfg.kv_dtype)
+    counted = sum(weights.values()) + cfg.num_hidden_layers * kv_layer + activation_bytes
     margin = round(MARGIN * counted)
     largest_weight = max(weights, key=weights.get)
     largest_name, largest_bytes = max(
@@ -237,7 +238,7 @@ def _budget(description: str, spec: TargetSpec, quant: str, cfg: LlamaConfig, pa
         model=description, target=spec.name, quant=quant, context=cfg.context_window_size,
         prefill_chunk=cfg.prefill_chunk_size, dtype=dtype, kv_dtype=cfg.kv_dtype,
         weights_bytes=sum(weights.values()), kv_cache_bytes=cfg.num_hidden_layers * kv_layer,
-        activation_bytes=activations, margin_bytes=margin, total_bytes=counted + margin, ram_bytes=ram,
+        activation_bytes=activation_bytes, margin_bytes=margin, total_bytes=counted + margin, ram_bytes=ram,
         fits=counted + margin <= ram and largest_bytes <= max_alloc, largest_buffer_name=largest_name,
         largest_buffer_bytes=largest_bytes, max_alloc_bytes=max_alloc, bytes_per_token=read.total,
         memory_bandwidth_gbs=bandwidth, decode_floor_ms=roofline.floor_ms(read.total, bandwidth),
@@ -245,28 +246,30 @@ def _budget(description: str, spec: TargetSpec, quant: str, cfg: LlamaConfig, pa
     )
 
 
-def _fitting_quant(ckpt: Checkpoint, imported: ImportedModel, scheme: Scheme, spec: TargetSpec,
+def _fitting_quant(ckpt: Checkpoint, imported: ImportedModel, plan: BuildPlan,
                    plans: dict[str, ActivationPlan], quant_skip: list[str], kv_dtype: str) -> MemoryEstimate | None:
-    """The estimate of the least quantized scheme with smaller weights that fits, if any."""
+    """The estimate of the least quantized scheme with smaller weights that fits, if any (each resolved as `plan`
+    was, its KV cache as the --kv-dtype name `kv_dtype`)."""
     context = imported.cfg.context_window_size
     current = imported.param_bytes
     smaller = []
     for candidate in SCHEMES.values():
-        if candidate.name == scheme.name:
+        if candidate.name == plan.scheme.name:
             continue
         try:
-            shapes = import_model(ckpt, candidate, spec, context, quant_skip, export=False, kv_dtype=kv_dtype)
+            other = resolve_plan(plan.spec, candidate.name, kv_dtype=kv_dtype,
+                                 decode_activations=plan.decode_activations)
+            shapes = import_model(ckpt, other, context, quant_skip, export=False)
         except MobilecError:
             continue  # a scheme this input cannot take: gguf without a GGUF file, --quant-skip with a float scheme
         weights = shapes.param_bytes
         if weights < current:
-            smaller.append((weights, candidate, shapes))
-    for _, candidate, shapes in sorted(smaller, key=lambda item: -item[0]):
+            smaller.append((weights, other, shapes))
+    for _, other, shapes in sorted(smaller, key=lambda item: -item[0]):
         # Activations depend on the compute dtype only: every scheme's dequantization happens inside its matmuls.
         if shapes.dtype not in plans:
-            plans[shapes.dtype] = plan_activations(
-                import_model(ckpt, candidate, spec, context, quant_skip, kv_dtype=kv_dtype).mod, spec)
-        est = _budget(ckpt.description, spec, candidate.name, shapes.cfg, shapes.params, shapes.dtype,
+            plans[shapes.dtype] = plan_activations(import_model(ckpt, other, context, quant_skip).mod, other)
+        est = _budget(ckpt.description, plan.spec, other.scheme.name, shapes.cfg, shapes.params, shapes.dtype,
                       plans[shapes.dtype])
         if est.fits:
             return est
@@ -274,32 +277,33 @@ def _fitting_quant(ckpt: Checkpoint, imported: ImportedModel, scheme: Scheme, sp
 
 
 def _fitting_context(ckpt: Checkpoint, imported: ImportedModel, scheme: Scheme, spec: TargetSpec,
-                     plan: ActivationPlan) -> int | None:
+                     activations: ActivationPlan) -> int | None:
     """The longest halving of the context window that fits with this scheme, if any."""
     context = imported.cfg.context_window_size // 2
     while context >= MIN_SUGGESTED_CONTEXT:
         cfg = dataclasses.replace(imported.cfg, context_window_size=context,
                                   prefill_chunk_size=min(context, imported.cfg.prefill_chunk_size))
-        if _budget(ckpt.description, spec, scheme.name, cfg, imported.params, imported.dtype, plan).fits:
+        if _budget(ckpt.description, spec, scheme.name, cfg, imported.params, imported.dtype, activations).fits:
             return context
         context //= 2
     return None
 
 
-def estimate_imported(ckpt: Checkpoint, imported: ImportedModel, scheme: Scheme, spec: TargetSpec,
-                      quant_skip: list[str] = (), plan: ActivationPlan | None = None,
+def estimate_imported(ckpt: Checkpoint, imported: ImportedModel, plan: BuildPlan,
+                      quant_skip: list[str] = (), activations: ActivationPlan | None = None,
                       kv_dtype: str = "auto", calibrate: str | None = None) -> MemoryEstimate:
-    """The estimate of an imported (exported) model, with its activation `plan` if the pipeline already ran
-    (RecordMemoryPlan); when it does not fit, with the smaller scheme (its KV cache as `kv_dtype`, the
-    --kv-dtype name `imported` was made with) and the shorter context window that would. The compile's own peak
+    """The estimate of a model imported with `plan` (and exported), with its `activations` if the pipeline already
+    ran (RecordMemoryPlan); when it does not fit, with the smaller scheme (its KV cache as `kv_dtype`, the
+    --kv-dtype name the plan was resolved with) and the shorter context window that would. The compile's own peak
     counts the `calibrate` method's run."""
-    plans = {imported.dtype: plan or plan_activations(imported.mod, spec)}
+    spec, scheme = plan.spec, plan.scheme
+    plans = {imported.dtype: activations or plan_activations(imported.mod, plan)}
     est = dataclasses.replace(_budget(ckpt.description, spec, scheme.name, imported.cfg, imported.params,
                                       imported.dtype, plans[imported.dtype]),
                               compile_bytes=compile_peak_bytes(imported, calibrate), calibrate=calibrate)
     if est.fits:
         return est
-    by_quant = _fitting_quant(ckpt, imported, scheme, spec, plans, list(quant_skip), kv_dtype)
+    by_quant = _fitting_quant(ckpt, imported, plan, plans, list(quant_skip), kv_dtype)
     return dataclasses.replace(
         est,
         fitting_quant=by_quant.quant if by_quant else None,
@@ -325,15 +329,15 @@ class EstimateOptions:
 def estimate_memory(options: EstimateOptions) -> MemoryEstimate:
     """The estimate for `options.model` on `options.target`, with the target's scheme unless `quant` says."""
     model, quant_skip = options.model, list(options.quant_skip)
-    spec, scheme = target_and_scheme(options.target, options.quant)
-    awq.check_options(options.calibrate, None, scheme.layout)
+    plan = resolve_plan(options.target, options.quant, kv_dtype=options.kv_dtype)
+    awq.check_options(options.calibrate, None, plan.scheme.layout)
     if isinstance(model, dict):
         ckpt: Checkpoint = ConfigCheckpoint(model, f"a {model.get('model_type')} config")
     else:
         ckpt = open_model(model, weights_required=False)
     with ckpt:
-        imported = import_model(ckpt, scheme, spec, options.context_window, quant_skip, kv_dtype=options.kv_dtype)
-        return estimate_imported(ckpt, imported, scheme, spec, quant_skip, kv_dtype=options.kv_dtype,
+        imported = import_model(ckpt, plan, options.context_window, quant_skip)
+        return estimate_imported(ckpt, imported, plan, quant_skip, kv_dtype=options.kv_dtype,
                                  calibrate=options.calibrate)
 
 

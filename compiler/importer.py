@@ -1,5 +1,6 @@
-"""The import stage every command shares: target file -> quantization scheme -> checkpoint -> the model as a Relax
-IRModule with its parameters (compile, estimate, inspect and tune start here; none imports another command)."""
+"""The import stage every command shares: a build plan (target file, quantization scheme: build_plan.py) and a
+checkpoint -> the model as a Relax IRModule with its parameters (compile, estimate, inspect and tune start here;
+none imports another command)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,15 @@ from pathlib import Path
 import tvm
 
 from . import kv_cache_dtype, validate
+from .build_plan import BuildPlan
 from .errors import MobilecError
-from .kernels.cpu_attention import ATTN_LOGIT_CAP_ATTR, LAYER_SLIDING_WINDOW_ATTR, SLIDING_WINDOW_ATTR, vector_lanes
-from .kernels import integer_dot_gemv
+from .kernels.cpu_attention import ATTN_LOGIT_CAP_ATTR, LAYER_SLIDING_WINDOW_ATTR, SLIDING_WINDOW_ATTR
 from .loaders import Checkpoint, open_checkpoint
 from .loaders.default_model import default_model_path
 from .models.llama import LlamaConfig
 from .models.registry import ModelFamily, family_for
 from .quantization import awq
 from .quantization.quantize_model import WeightPlan, quantize_model
-from .quantization.schemes import Scheme, get_scheme
-from .targets import TargetSpec, load_target
 
 PAGE_SIZE = 16  # tokens per page of the paged KV cache
 
@@ -35,17 +34,6 @@ def resolve_model_path(model: str | None) -> Path:
 def open_model(model: str | None, weights_required: bool = True) -> Checkpoint:
     """The checkpoint of `model` (a path, or None / "default" for SmolLM2), to be used as a context manager."""
     return open_checkpoint(resolve_model_path(model), weights_required=weights_required)
-
-
-def scheme_for(spec: TargetSpec, quant: str | None) -> Scheme:
-    """`quant`, or the target's default scheme."""
-    return get_scheme(quant or spec.device["default_quant"])
-
-
-def target_and_scheme(target: str, quant: str | None) -> tuple[TargetSpec, Scheme]:
-    """The target file and the scheme: `quant`, or the target's default."""
-    spec = load_target(target)
-    return spec, scheme_for(spec, quant)
 
 
 def tensor_bytes(param) -> int:
@@ -66,7 +54,7 @@ class ImportedModel:
     params: list  # (name, nn.Parameter) in the order the compiled functions take them
     sources: dict[str, list[str]]  # float parameter -> checkpoint tensors
     plan: WeightPlan  # quantized layer -> how to make its stored arrays
-    dtype: str  # activations: the float scheme's dtype, or the target's compute dtype
+    dtype: str  # activations: the plan's compute dtype
     calibration: awq.Calibration | None = None  # --calibrate: scales folded into the float parameters
 
     @property
@@ -74,33 +62,32 @@ class ImportedModel:
         return param_bytes(self.params)
 
 
-def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_window: int | None,
+def import_model(ckpt: Checkpoint, plan: BuildPlan, context_window: int | None,
                  quant_skip: list[str] = (), quantize: bool = True,
-                 calibration: awq.Calibration | None = None, export: bool = True,
-                 kv_dtype: str = "auto") -> ImportedModel:
-    """Build the nn.Module for the checkpoint's family, quantize its layers (unless told not to: `inspect`
-    shows the float import first), and export it to a Relax IRModule (unless told not to: the parameters'
-    shapes and dtypes, all `estimate` needs of another scheme, come without the seconds exporting takes).
-    `kv_dtype`: a --kv-dtype name (kv_cache_dtype.py)."""
+                 calibration: awq.Calibration | None = None, export: bool = True) -> ImportedModel:
+    """Build the nn.Module for the checkpoint's family, quantize its layers by the plan's scheme (unless told not
+    to: `inspect` shows the float import first), and export it to a Relax IRModule (unless told not to: the
+    parameters' shapes and dtypes, all `estimate` needs of another scheme, come without the seconds exporting
+    takes)."""
     validate.context_length(context_window)
+    spec = plan.spec
     family = family_for(ckpt.hf_config)
-    cfg = dataclasses.replace(family.config_class.from_hf(ckpt.hf_config, context_window),
-                              kv_dtype=kv_cache_dtype.resolve(kv_dtype, spec, scheme))
-    if spec.schedule["rules"] == "gpu":
+    cfg = dataclasses.replace(family.config_class.from_hf(ckpt.hf_config, context_window), kv_dtype=plan.kv_dtype)
+    if plan.gpu:
         if hasattr(cfg, "sliding_pages_all"):  # kernels/gpu_attention.py says why
             cfg = dataclasses.replace(cfg, sliding_pages_all=True)
         kv_cache_dtype.check_gpu_carrier(cfg.kv_carrier, spec.name)
     check_checkpoint_shapes(ckpt, cfg)
     model = family.model_class(cfg)
-    dtype = scheme.float_dtype or spec.device["compute_dtype"]
+    dtype = plan.compute_dtype
     model.to(dtype)
     sources = cfg.param_sources()
-    plan = quantize_model(model, scheme, ckpt, sources, list(quant_skip), dtype, calibration,
-                          integer_dot_gemv.stored_code_order(spec.tvm_target())) if quantize else {}
+    weights = quantize_model(model, plan.scheme, ckpt, sources, list(quant_skip), dtype, calibration,
+                             plan.code_order) if quantize else {}
     if not export:  # named_parameters() lists them as export_tvm does
-        return ImportedModel(family, cfg, None, list(model.named_parameters()), sources, plan, dtype, calibration)
+        return ImportedModel(family, cfg, None, list(model.named_parameters()), sources, weights, dtype, calibration)
     kernel_attrs = model.attention_attrs()
-    if kernel_attrs and vector_lanes(spec.model_target()) is None and spec.schedule["rules"] != "gpu":
+    if kernel_attrs and plan.attention_lanes is None and not plan.gpu:
         window = kernel_attrs.get(LAYER_SLIDING_WINDOW_ATTR) or kernel_attrs.get(SLIDING_WINDOW_ATTR)
         needs = ("a sliding window binding within the context" if window else "") + (
             " and " if window and ATTN_LOGIT_CAP_ATTR in kernel_attrs else "") + (
@@ -109,7 +96,7 @@ def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_win
                            f"attention kernels only, which target {spec.name} does not use"
                            + (f"; --context-window {window} or less needs no window" if window else ""))
     # the serving engine's batched decode, where the decode GEMVs are integer-dot kernels that take several rows
-    batch_decode = bool(plan) and integer_dot_gemv.available(spec.tvm_target())
+    batch_decode = bool(weights) and plan.integer_decode
     with spec.model_target():
         mod, params = model.export_tvm(spec=model.get_default_spec(batch_decode))
     for key, value in kernel_attrs.items():  # passes/replace_{cpu,gpu}_attention.py read them
@@ -121,7 +108,7 @@ def import_model(ckpt: Checkpoint, scheme: Scheme, spec: TargetSpec, context_win
     if cfg.kv_carrier is not None:  # the kernels that read the packed cells need the real geometry
         mod = mod.with_attr(kv_cache_dtype.KV_FORMAT_ATTR,
                             {**cfg.kv_carrier.module_attr(), "rope_theta": cfg.rope_theta})
-    return ImportedModel(family, cfg, mod, params, sources, plan, dtype, calibration)
+    return ImportedModel(family, cfg, mod, params, sources, weights, dtype, calibration)
 
 
 def check_checkpoint_shapes(ckpt: Checkpoint, cfg: LlamaConfig) -> None:

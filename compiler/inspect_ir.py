@@ -12,9 +12,9 @@ from tvm import relax, tirx
 
 from . import pipeline, validate
 from .call_sites import ATTENTION_BUILTIN
+from .build_plan import BuildPlan, resolve_plan
 from .errors import MobilecError
-from .importer import import_model, open_model, target_and_scheme
-from .targets import load_target
+from .importer import import_model, open_model
 
 
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
@@ -83,8 +83,8 @@ def _dump_foreign(directory: Path) -> list[str] | None:
     return sorted(p.name for p in directory.iterdir() if p.name not in ours) if ours else None
 
 
-def step_names(target: str) -> list[str]:
-    return ["import", "quantize"] + [name for name, _ in pipeline.steps(load_target(target))]
+def step_names(plan: BuildPlan) -> list[str]:
+    return ["import", "quantize"] + [name for name, _ in pipeline.steps(plan)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +104,9 @@ def inspect_model(options: InspectOptions) -> list[dict[str, Any]]:
     """Run import, quantization and every pipeline step; write `NN-step.py` files into `dump` (all, or `only_step`)."""
     model, target, dump, only_step = options.model, options.target, options.dump, options.only_step
     context_window, quant_skip = options.context_window, list(options.quant_skip)
-    spec, scheme = target_and_scheme(target, options.quant)
-    names = step_names(target)
+    plan = resolve_plan(target, options.quant)
+    spec = plan.spec
+    names = step_names(plan)
     if only_step is not None and only_step not in names:
         raise MobilecError(f"unknown step {only_step!r}; the steps for {spec.name} are: {', '.join(names)}")
     out = Path(dump) if dump else None
@@ -127,10 +128,10 @@ def inspect_model(options: InspectOptions) -> list[dict[str, Any]]:
             (out / f"{index:02d}-{re.sub(r'[^a-z0-9-]', '-', step)}.py").write_text(mod.script())
 
     with open_model(model) as ckpt:
-        float_model = import_model(ckpt, scheme, spec, context_window, quant_skip, quantize=False)
+        float_model = import_model(ckpt, plan, context_window, quant_skip, quantize=False)
         record(0, "import", float_model.mod, float_model.param_bytes)
-        imported = import_model(ckpt, scheme, spec, context_window, quant_skip)
+        imported = import_model(ckpt, plan, context_window, quant_skip)
     quant_bytes = imported.param_bytes
     record(1, "quantize", imported.mod, quant_bytes)
-    pipeline.run_steps(imported.mod, spec, lambda i, step, mod: record(i + 2, step, mod, quant_bytes))
+    pipeline.run_steps(imported.mod, plan, lambda i, step, mod: record(i + 2, step, mod, quant_bytes))
     return rows

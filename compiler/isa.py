@@ -1,6 +1,7 @@
-"""One description of a CPU's instruction set, derived from a TVM target: what every CPU schedule rule and kernel
-asks (vector width, float lanes, vector registers, the integer dot-product family), and the features an artifact
-records so that a CPU without them refuses it instead of dying on an illegal instruction."""
+"""One description of a CPU's instruction set, derived from a TVM target once per compile (build_plan.py), which
+hands it to every CPU schedule rule and kernel: vector width, float lanes, vector registers, the integer dot-product
+family, and the features an artifact records so that a CPU without them refuses it instead of dying on an illegal
+instruction."""
 
 from __future__ import annotations
 
@@ -109,6 +110,13 @@ def cpu_isa(target: Target) -> CpuIsa | None:
         features = frozenset(str(f) for f in llvm_get_cpu_features(target))
         _CACHE[key] = CpuIsa(arch, features, *_classify(arch, features))
     return _CACHE[key]
+
+
+def code_cpu_isa(target: Target) -> CpuIsa | None:
+    """The instruction set of the CPU that runs a target's CPU code: an LLVM target's own, else its host's (GPU and
+    Hexagon targets); None where no CPU code is built."""
+    runs_cpu = target if target.kind.name == "llvm" else target.host
+    return None if runs_cpu is None else cpu_isa(runs_cpu)
 
 
 def missing_features(required: list[str], available: frozenset[str] | set[str]) -> list[str]:

@@ -22,7 +22,6 @@ import tvm
 
 from .choices import KV_DTYPE_NAMES, KV_DTYPES
 from .errors import MobilecError
-from .isa import cpu_isa
 
 if TYPE_CHECKING:
     from .quantization.schemes import Scheme
@@ -71,20 +70,30 @@ def resolve(name: str, spec: TargetSpec, scheme: Scheme) -> str:
     float32 for an unquantized float32 model (q0f32 is the reference build: nothing in it is rounded) and for a
     GPU computing in float32 (no fp16 on the device: PoCL)."""
     check_name(name)
-    compute = scheme.float_dtype or spec.device["compute_dtype"]
-    gpu = spec.schedule["rules"] == "gpu"
     if name == "auto":
-        if scheme.float_dtype == "float32" or (gpu and compute == "float32"):
+        if scheme.float_dtype == "float32" or (_gpu(spec) and _compute(spec, scheme) == "float32"):
             return "float32"
         name = spec.device.get("kv_dtype", AUTO)
-    dtype = TVM_DTYPES[name]
     if name not in names_for(spec):
         raise MobilecError(f"--kv-dtype {name} on {spec.name}: not implemented there (mobilec's quantized-cache "
                            f"kernels are for LLVM CPU and GPU targets); use f16")
-    if gpu and dtype == "float16" and compute == "float32":
+    if _half_on_float32_gpu(name, spec, scheme):
         raise MobilecError(f"--kv-dtype f16 on {spec.name} computing in float32: its attention kernels would compute "
                            f"in float16, which the device lacks (--compute-dtype float32); use --kv-dtype f32")
-    return dtype
+    return TVM_DTYPES[name]
+
+
+def _gpu(spec: TargetSpec) -> bool:
+    return spec.schedule["rules"] == "gpu"
+
+
+def _compute(spec: TargetSpec, scheme: Scheme) -> str:
+    return scheme.float_dtype or spec.device["compute_dtype"]
+
+
+def _half_on_float32_gpu(name: str, spec: TargetSpec, scheme: Scheme) -> bool:
+    """A float16 cache on a GPU computing in float32: its attention kernels would compute in float16."""
+    return _gpu(spec) and TVM_DTYPES[name] == "float16" and _compute(spec, scheme) == "float32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,23 +227,15 @@ def conversion_bytes_per_token(dtype: str, activations: str, heads: int, kv_head
 
 
 def names_for(spec: TargetSpec) -> list[str]:
-    """The --kv-dtype names (not auto) `spec` takes."""
-    gpu = spec.schedule["rules"] == "gpu"
-    return [name for name, dtype in TVM_DTYPES.items()
-            if dtype not in CODE_FORMATS or gpu or cpu_isa(spec.tvm_target()) is not None]
+    """The --kv-dtype names (not auto) `spec` takes: the quantized ones on GPU and LLVM CPU targets."""
+    quantized = _gpu(spec) or spec.tvm_target_json["kind"] == "llvm"
+    return [name for name, dtype in TVM_DTYPES.items() if dtype not in CODE_FORMATS or quantized]
 
 
 def names_taken(spec: TargetSpec, scheme: Scheme) -> list[str]:
     """The --kv-dtype names (not auto) `resolve` takes for `spec` and `scheme` (a GPU computing in float32 has no
     float16 cache)."""
-    taken = []
-    for name in names_for(spec):
-        try:
-            resolve(name, spec, scheme)
-        except MobilecError:
-            continue
-        taken.append(name)
-    return taken
+    return [name for name in names_for(spec) if not _half_on_float32_gpu(name, spec, scheme)]
 
 
 def of_artifact(config: dict) -> str:

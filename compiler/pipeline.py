@@ -11,9 +11,8 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 from tvm.s_tir import dlight
 
 from . import stop_signals
+from .build_plan import BuildPlan
 from .errors import MobilecError
-from .kernels import integer_dot_gemm, integer_dot_gemv
-from .kernels.cpu_attention import vector_lanes
 from .passes.apply_tuning_database import ApplyTuningDatabase
 from .passes.chain_kernels import ChainKernels
 from .passes.fuse_add_rmsnorm import FuseAddRMSNorm
@@ -45,35 +44,27 @@ def _seq(passes: list[tvm.transform.Pass]) -> tvm.transform.Pass:
     return tvm.transform.Sequential(passes)
 
 
-def steps(spec: TargetSpec, tuning: bool = False, decode_activations: str | None = None) -> list[Step]:
-    """The ordered steps that run for `spec`, each inside `with target:`; a step for some targets only says which in
-    its condition here. With `tuning`, kernels tuned faster in tuning_logs/<target>/ (`mobilec tune`) are scheduled
-    from there (compile asks for that). `decode_activations` is the integer width of decode GEMV activations on CPUs
-    with an integer-dot variant (kernels/integer_dot_gemv/); None: the target file's (TargetSpec.decode_activations)."""
-    decode_activations = decode_activations or spec.decode_activations
+def steps(plan: BuildPlan, tuning: bool = False) -> list[Step]:
+    """The ordered steps that run for `plan`, each inside `with target:`; a step for some targets only says which in
+    its condition here, reading the plan's resolved facts (build_plan.py). With `tuning`, kernels tuned faster in
+    tuning_logs/<target>/ (`mobilec tune`) are scheduled from there (compile asks for that)."""
+    spec, gpu = plan.spec, plan.gpu
     target = spec.tvm_target()
-    gpu = spec.schedule["rules"] == "gpu"
-    dot_family = integer_dot_gemv.family(target)
-    # Prefill in integers only where decode already rounds activations to int8 as llama.cpp does (the ARM targets'
-    # default): with int16 decode activations, which keep the float model's results, prefill stays float.
-    gemm_family = integer_dot_gemm.family(target) if decode_activations == "int8" else None
-    # the KV cache's attention kernels run on the CPU the model is exported for (Hexagon: its ARM host)
-    cpu_lanes = vector_lanes(spec.model_target())
-    schedule_rules = gpu_schedules.rules(spec.schedule) if gpu else cpu_schedules.rules()
+    schedule_rules = gpu_schedules.rules(spec.schedule) if gpu else cpu_schedules.rules(plan.isa)
     gemv_rule = next((rule for rule in schedule_rules if isinstance(rule, gpu_schedules.GEMV)), None)
     every_target = True
     candidates = [
         ("fuse-transpose-matmul", FuseTransposeMatmul(), every_target),
         # CPUs with an integer dot product (x86 AVX2 / AVX-512, ARM dotprod / i8mm): decode GEMVs of quantized
         # weights multiply int16 (or int8) activations by the codes in integers.
-        ("integer-dot-gemv", IntegerDotGEMV(int(decode_activations.removeprefix("int")), dot_family),
-         dot_family is not None),
+        ("integer-dot-gemv", IntegerDotGEMV(int(plan.decode_activations.removeprefix("int")), plan.gemv_family),
+         plan.gemv_family is not None),
         # aarch64 with i8mm (smmla) or dotprod (sdot), int8 decode activations: prefill matmuls of quantized weights
         # quantize X rows to int8 per 32 values and multiply them by the codes in integers.
-        ("integer-dot-gemm", IntegerDotGEMM(gemm_family), gemm_family is not None),
+        ("integer-dot-gemm", IntegerDotGEMM(plan.gemm_family), plan.gemm_family is not None),
         # LLVM CPU targets and Hexagon's host: the paged KV cache's attention kernels (decode, prefill) become
         # vectorized ones.
-        ("cpu-attention", ReplaceCPUAttention(cpu_lanes), cpu_lanes is not None),
+        ("cpu-attention", ReplaceCPUAttention(plan.attention_lanes), plan.attention_lanes is not None),
         # GPU targets, models with a sliding window or capped scores (else TVM's GPU kernels stay): ours.
         ("gpu-attention", ReplaceGPUAttention(), gpu),
         # GPU targets: TVM's K/V append reads positions past the token count in its last thread group.
@@ -123,13 +114,13 @@ def _reads_half_with_vload(spec: TargetSpec) -> bool:
 
 
 def run_steps(
-    mod: tvm.IRModule, spec: TargetSpec, after_step: Callable[[int, str, tvm.IRModule], None] | None = None,
-    tuning: bool = False, decode_activations: str | None = None,
+    mod: tvm.IRModule, plan: BuildPlan, after_step: Callable[[int, str, tvm.IRModule], None] | None = None,
+    tuning: bool = False,
 ) -> tvm.IRModule:
     """Apply every step in order; `after_step(index, name, mod)` sees the IR after each (for inspection)."""
-    with spec.tvm_target():
-        for index, (name, step) in enumerate(steps(spec, tuning, decode_activations)):
-            with naming_failures(f"step {name}", spec, mod, step):
+    with plan.spec.tvm_target():
+        for index, (name, step) in enumerate(steps(plan, tuning)):
+            with naming_failures(f"step {name}", plan.spec, mod, step):
                 mod = step(mod)
             if after_step is not None:
                 after_step(index, name, mod)
@@ -149,11 +140,10 @@ class _CheckKernels:
             self.verify(mod)
 
 
-def build(mod: tvm.IRModule, spec: TargetSpec, tuning: bool = False,
-          after_step: Callable[[int, str, tvm.IRModule], None] | None = None,
-          decode_activations: str | None = None) -> tvm.runtime.Executable:
+def build(mod: tvm.IRModule, plan: BuildPlan, tuning: bool = False,
+          after_step: Callable[[int, str, tvm.IRModule], None] | None = None) -> tvm.runtime.Executable:
     """Run the pipeline and generate code."""
-    return generate(run_steps(mod, spec, after_step, tuning, decode_activations), spec)
+    return generate(run_steps(mod, plan, after_step, tuning), plan.spec)
 
 
 def generate(lowered: tvm.IRModule, spec: TargetSpec) -> tvm.runtime.Executable:

@@ -36,10 +36,11 @@ from tvm.support import cc
 
 from . import link, pipeline, tuning_log, validate
 from .choices import TUNE_FUNCTIONS
+from .build_plan import BuildPlan, resolve_plan
 from .errors import MobilecError
-from .importer import import_model, open_model, scheme_for
+from .importer import import_model, open_model
 from .rpc_peers import check_key, last_line, open_tracker
-from .targets import TargetSpec, load_target, with_overrides
+from .targets import TargetSpec
 
 # A round gives one kernel this many trials, then the next kernel has its turn: a --max-seconds budget then
 # leaves every kernel some tuning instead of all of it to the first.
@@ -89,13 +90,12 @@ def export_kernel(compiler: str | None, module: tvm.runtime.Module) -> str:
     return path
 
 
-def kernel_module(model: str | None, spec: TargetSpec, quant: str | None) -> tvm.IRModule:
+def kernel_module(model: str | None, plan: BuildPlan) -> tvm.IRModule:
     """The model as compile has it right before the tuning log is applied: the same import and steps."""
-    scheme = scheme_for(spec, quant)
     with open_model(model) as ckpt:
-        mod = import_model(ckpt, scheme, spec, context_window=None).mod
-    steps = pipeline.steps(spec, tuning=True)
-    with spec.tvm_target():
+        mod = import_model(ckpt, plan, context_window=None).mod
+    steps = pipeline.steps(plan, tuning=True)
+    with plan.spec.tvm_target():
         for _, step in steps[: [name for name, _ in steps].index(pipeline.APPLY_TUNING_STEP)]:
             mod = step(mod)
     return mod
@@ -117,14 +117,14 @@ def _static_shapes(func: tirx.PrimFunc) -> bool:
     return all(shape is not None and all(isinstance(d, tirx.IntImm) for d in shape) for shape in shapes)
 
 
-def _default_schedule(func: tirx.PrimFunc, spec: TargetSpec) -> tvm.IRModule:
+def _default_schedule(func: tirx.PrimFunc, plan: BuildPlan) -> tvm.IRModule:
     """The kernel as compile schedules it without a tuning log: the pipeline's own schedule step."""
-    schedule = dict(pipeline.steps(spec, tuning=False))["schedule"]
-    with spec.tvm_target():
+    schedule = dict(pipeline.steps(plan, tuning=False))["schedule"]
+    with plan.spec.tvm_target():
         return schedule(tuning_log.normalized(func))
 
 
-def find_kernels(mod: tvm.IRModule, spec: TargetSpec, functions: tuple[str, ...],
+def find_kernels(mod: tvm.IRModule, plan: BuildPlan, functions: tuple[str, ...],
                  patterns: list[str]) -> tuple[list[Kernel], dict[str, str]]:
     """The kernels `functions` call (those matching a glob in `patterns`, if any), one per workload, and the
     ones left out with why."""
@@ -142,7 +142,7 @@ def find_kernels(mod: tvm.IRModule, spec: TargetSpec, functions: tuple[str, ...]
             if not _static_shapes(func):
                 left_out[name] = "dynamic shape (MetaSchedule measures fixed shapes)"
                 continue
-            default = _default_schedule(func, spec)
+            default = _default_schedule(func, plan)
             if relax.analysis.has_reshape_pattern(default["main"]):
                 left_out[name] = "a reshape, which compile turns into a view"
             else:
@@ -340,7 +340,8 @@ def tune(options: TuneOptions) -> dict[str, Any]:
                                                   options.tracker, options.key)
     only, kernel_patterns, max_seconds = options.only, options.kernel_patterns, options.max_seconds
     started = time.monotonic()
-    spec = with_overrides(load_target(target), options.host_target, options.compute_dtype)
+    plan = resolve_plan(target, quant, host_target=options.host_target, compute_dtype=options.compute_dtype)
+    spec = plan.spec
     tuning_target = _tuning_target(spec, on_device=tracker is not None)
     devices = tracker_devices(tracker, key) if tracker is not None else None
     directory = tuning_log.log_dir(spec.name)
@@ -349,7 +350,7 @@ def tune(options: TuneOptions) -> dict[str, Any]:
     measurer = _Measurer(spec, tuning_target, devices, key)
     try:
         print(f"tune: extracting kernels ({spec.name}, measured on {measurer.where})", file=sys.stderr)
-        kernels, left_out = find_kernels(kernel_module(model, spec, quant), spec, TUNE_FUNCTIONS[only],
+        kernels, left_out = find_kernels(kernel_module(model, plan), plan, TUNE_FUNCTIONS[only],
                                          list(kernel_patterns))
         if not kernels:
             raise MobilecError(f"no kernel to tune among {', '.join(left_out) or 'none matched --kernel'}; "

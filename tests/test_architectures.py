@@ -14,13 +14,13 @@ import torch
 import tvm
 
 from compiler.artifact import CONFIG_FILE, load_artifact
+from compiler.build_plan import resolve_plan
 from compiler.compile_model import CompileOptions, compile_model
 from compiler.importer import import_model, open_model
-from compiler.kernels.cpu_attention import DECODE_SYMBOL, PAGED_PREFILL_SYMBOL, RAGGED_SYMBOL, vector_lanes
+from compiler.kernels.cpu_attention import DECODE_SYMBOL, PAGED_PREFILL_SYMBOL, RAGGED_SYMBOL
 from compiler.passes.replace_cpu_attention import ReplaceCPUAttention
 from compiler.quantization.schemes import SCHEMES
 from compiler.runtime.session import Session
-from compiler.targets import load_target
 from tests.helpers.reference import fake_quantized, kv_fake_quantized, reference_greedy
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
@@ -123,8 +123,8 @@ def test_every_kernel_applying_rope_gets_the_llama3_scaling(checkpoints, tmp_pat
     mods = {}
     for name, path in (("llama3", hf), ("plain", _plain_rope_checkpoint(hf, tmp_path / "plain"))):
         with open_model(str(path)) as ckpt:
-            mods[name] = import_model(ckpt, SCHEMES["q0f32"], load_target(target), 64).mod
-    lanes = vector_lanes(load_target(target).tvm_target())
+            mods[name] = import_model(ckpt, resolve_plan(target, "q0f32"), 64).mod
+    lanes = resolve_plan(target).attention_lanes
     ours = {DECODE_SYMBOL, PAGED_PREFILL_SYMBOL, RAGGED_SYMBOL} if lanes is not None else set()
     if lanes is not None:
         mods = {name: ReplaceCPUAttention(lanes)(mod) for name, mod in mods.items()}

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from tvm.relax.frontend.nn.llm.kv_cache import RopeMode
 
 from compiler.artifact import load_artifact
+from compiler.build_plan import resolve_plan
 from compiler.compile_model import CompileOptions, compile_model
 from compiler import pipeline
 from compiler.errors import MobilecError
@@ -26,9 +27,7 @@ from compiler.loaders.tokenizer import load_tokenizer
 from compiler.models.gemma import Gemma2Config, Gemma3TextConfig, GemmaForCausalLM
 from compiler.models.registry import family_for
 from compiler.passes.replace_cpu_attention import global_symbol
-from compiler.quantization.schemes import get_scheme
 from compiler.runtime.session import Session
-from compiler.targets import load_target
 from tests.helpers.pocl_device import NEEDS_OPENCL, ON_POCL
 from tests.helpers.reference import llama_cpp_logits, reference_greedy
 from tests.helpers.tiny_models import build_model, random_model, save_compilable_checkpoint, write_gguf
@@ -230,11 +229,11 @@ def test_hexagon_npu_takes_them_with_our_kernels_on_its_arm_host(tmp_path, name,
     save_compilable_checkpoint(build_model(name), tmp_path / "hf")
     kernels = {}
     for target in ("hexagon-npu", "linux-arm64"):
-        spec = load_target(target)
+        plan = resolve_plan(target, "q0f32")
         with open_checkpoint(tmp_path / "hf") as ckpt:
-            imported = import_model(ckpt, get_scheme("q0f32"), spec, context).mod
+            imported = import_model(ckpt, plan, context).mod
         seen = {}
-        pipeline.run_steps(imported, spec, lambda _i, step, mod: seen.__setitem__(step, mod))
+        pipeline.run_steps(imported, plan, lambda _i, step, mod: seen.__setitem__(step, mod))
         before = {global_symbol(f): f for f in imported.functions.values() if _is_attention(f)}
         kernels[target] = {global_symbol(f): f for f in seen["cpu-attention"].functions.values() if _is_attention(f)}
         assert before.keys() == kernels[target].keys() and len(before) >= 3

@@ -17,7 +17,8 @@ from compiler import host
 from compiler.cli import main
 from compiler.estimate import (COMPILE_BASE_BYTES, EstimateOptions, calibrate_peak_bytes, compile_peak_bytes,
                                estimate_memory, format_budget)
-from compiler.importer import import_model, open_model, target_and_scheme
+from compiler.build_plan import resolve_plan
+from compiler.importer import import_model, open_model
 from compiler.loaders import open_checkpoint
 from compiler.quantization import awq, group
 from compiler.quantization.group import output_layer_layout
@@ -116,9 +117,9 @@ def test_estimate_gives_the_compiles_own_memory_and_compile_refuses_a_machine_wi
     """Llama-3-8B's compile holds, beside COMPILE_BASE_BYTES, its largest layer: the untied lm_head's int8 arrays
     (128256 x 4096 -> 0.5 GiB, read a slice at a time); estimate prints it; compile refuses in one line, after the
     import and before the build, where the machine has less available, and names --force."""
-    spec, scheme = target_and_scheme("android-adreno", None)
+    plan = resolve_plan("android-adreno")
     with open_model(str(write_config("llama-3-8b", tmp_path / "8b")), weights_required=False) as ckpt:
-        need = compile_peak_bytes(import_model(ckpt, scheme, spec, None, export=False))
+        need = compile_peak_bytes(import_model(ckpt, plan, None, export=False))
     lm_head = 128256 * 4096 + 2 * 128256 * 4096 // 32
     assert COMPILE_BASE_BYTES + lm_head <= need < COMPILE_BASE_BYTES + lm_head + 300 * MB
 
@@ -136,9 +137,9 @@ def test_estimate_counts_calibrations_peak_and_compile_refuses_before_calibratin
     for Llama-3-8B (down_proj, k = 14336) 6.28 GiB measured on a 4-layer checkpoint of its shape
     (bench/compile_memory.py --layers 4), 6.45 GiB counted; estimate's 'compile here' counts it, and compile refuses
     before the calibration's run where the machine has less available."""
-    spec, scheme = target_and_scheme("host", "q4f16_g32")
+    plan = resolve_plan("host", "q4f16_g32")
     with open_model(str(write_config("llama-3-8b", tmp_path / "8b")), weights_required=False) as ckpt:
-        imported = import_model(ckpt, scheme, spec, None, export=False)
+        imported = import_model(ckpt, plan, None, export=False)
     calibrated = compile_peak_bytes(imported, "awq")
     assert calibrated == calibrate_peak_bytes(imported.cfg) > compile_peak_bytes(imported)
     assert 6.28 * GIB <= calibrated <= 6.28 * GIB * 1.1, calibrated / GIB

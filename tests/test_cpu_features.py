@@ -19,6 +19,7 @@ from compiler import host
 from compiler.artifact import CONFIG_FILE, load_artifact
 from compiler.cli import main
 from compiler.cpu_check import Cpu, check_cpu, cpu_entry, this_cpu
+from compiler.isa import code_cpu_isa
 from compiler.errors import MobilecError
 from compiler.runtime import remote
 from compiler.runtime.session import Session
@@ -49,7 +50,7 @@ V4_CPU = _features({"kind": "llvm", "mtriple": X86, "mcpu": "x86-64-v4"})
 def _config(target: str) -> dict:
     """What `mobilec compile` writes for a target, as far as the CPU check reads it."""
     spec = load_target(target)
-    return {"target": {"name": spec.name, "tvm_target": spec.tvm_target_json}, "cpu": cpu_entry(spec.tvm_target())}
+    return {"target": {"name": spec.name, "tvm_target": spec.tvm_target_json}, "cpu": cpu_entry(code_cpu_isa(spec.tvm_target()))}
 
 
 def _refusal(config: dict, cpu: Cpu) -> str:

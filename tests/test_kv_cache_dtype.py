@@ -17,6 +17,7 @@ from tvm import relax
 
 from compiler import kv_cache_dtype
 from compiler.artifact import CONFIG_FILE, load_artifact
+from compiler.build_plan import resolve_plan
 from compiler.cli import main
 from compiler.compile_model import CompileOptions, compile_model
 from compiler.estimate import GIB, EstimateOptions, estimate_memory
@@ -137,7 +138,7 @@ def test_a_target_file_sets_what_auto_picks(tmp_path):
 def _kv_cache_dtype_and_casts(model_dir, kv_dtype: str) -> tuple[str, list[str]]:
     """The dtype the exported module creates its KV cache with, and the dtypes decode casts to."""
     with open_model(str(model_dir)) as ckpt:
-        mod = import_model(ckpt, get_scheme("q4f16_g32"), load_target("host"), 64, kv_dtype=kv_dtype).mod
+        mod = import_model(ckpt, resolve_plan("host", "q4f16_g32", kv_dtype=kv_dtype), 64).mod
     zeros, casts = [], []
 
     def visit(expr, into):
@@ -171,7 +172,7 @@ def test_a_quantized_cache_is_declared_as_its_float32_carrier(tiny_hf, name, dec
     dtype, casts = _kv_cache_dtype_and_casts(tiny_hf, name)
     assert dtype == "float32" and casts == []
     with open_model(str(tiny_hf)) as ckpt:
-        mod = import_model(ckpt, get_scheme("q4f16_g32"), load_target("host"), 64, kv_dtype=name).mod
+        mod = import_model(ckpt, resolve_plan("host", "q4f16_g32", kv_dtype=name), 64).mod
     kv_format = mod.attrs[KV_FORMAT_ATTR]
     assert (str(kv_format["format"]), int(kv_format["heads"]), int(kv_format["kv_heads"]),
             int(kv_format["head_dim"])) == (name, 4, 2, 16)

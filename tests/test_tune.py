@@ -25,14 +25,14 @@ from click.testing import CliRunner
 
 from compiler import pipeline, tuning_log
 from compiler.artifact import load_artifact
+from compiler.build_plan import resolve_plan
 from compiler.cli import main
 from compiler.compile_model import CompileOptions, compile_model
 from compiler.importer import import_model
 from compiler.loaders import open_checkpoint
 from compiler.passes.apply_tuning_database import TUNED_ATTR
-from compiler.quantization.schemes import SCHEMES, get_scheme
+from compiler.quantization.schemes import SCHEMES
 from compiler.runtime.session import Session
-from compiler.targets import load_target
 from compiler.testing.local_rpc import start_server, start_tracker, wait_until_free
 from compiler.testing.processes import spawn
 from compiler.tune import TuneOptions, tune
@@ -89,11 +89,11 @@ def _edit_selection(directory: Path, **latencies_us) -> dict:
 
 def _kernels_after(hf: Path, **run_options) -> dict[str, dict]:
     """The IR after each pipeline step of the tiny model, by step name."""
-    spec = load_target("host")
+    plan = resolve_plan("host", QUANT)
     with open_checkpoint(hf) as ckpt:
-        mod = import_model(ckpt, get_scheme(QUANT), spec, 64).mod
+        mod = import_model(ckpt, plan, 64).mod
     seen = {}
-    pipeline.run_steps(mod, spec, lambda _i, name, m: seen.__setitem__(name, m), **run_options)
+    pipeline.run_steps(mod, plan, lambda _i, name, m: seen.__setitem__(name, m), **run_options)
     return seen
 
 

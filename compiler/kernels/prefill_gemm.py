@@ -32,9 +32,8 @@ from collections.abc import Callable
 
 from tvm import tirx
 from tvm.script import tirx as T
-from tvm.target import Target
 
-from ..isa import cpu_isa
+from ..isa import CpuIsa
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,20 +74,14 @@ AVX2_SHAPE = TileShape(lanes=8, register_tiles=((6, 2), (4, 3), (2, 2)), task_ti
                        dot_cols=(3, 2, 1), small_max=24)
 
 
-def tile_shape(target: Target) -> TileShape | None:
-    """The tiles for the target's CPU, or None where the kernel is not used: x86 CPUs with FMA and 512-bit
-    (AVX-512) or 256-bit (AVX) vectors. aarch64 (NEON: 4 lanes, 32 registers) and x86 without FMA keep the
-    row-tile schedule (compiler/schedules/cpu.py): nothing measured for them (aarch64 with i8mm or dotprod and int8
-    activations: quantized matmuls become integer GEMMs first, compiler/kernels/integer_dot_gemm)."""
-    isa = cpu_isa(target)
+def tile_shape(isa: CpuIsa | None) -> TileShape | None:
+    """The tiles for a CPU of instruction set `isa` (None: not a CPU target), or None where the kernel is not used:
+    x86 CPUs with FMA and 512-bit (AVX-512) or 256-bit (AVX) vectors. aarch64 (NEON: 4 lanes, 32 registers) and x86
+    without FMA keep the row-tile schedule (compiler/schedules/cpu.py): nothing measured for them (aarch64 with i8mm
+    or dotprod and int8 activations: quantized matmuls become integer GEMMs first, compiler/kernels/integer_dot_gemm)."""
     if isa is None or isa.arch != "x86_64" or not isa.has("fma"):
         return None
     return {512: AVX512_SHAPE, 256: AVX2_SHAPE}.get(isa.vector_bits)
-
-
-def available(target: Target) -> bool:
-    """Whether the GEMM serves this target (see tile_shape)."""
-    return tile_shape(target) is not None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """dlight schedule rules for LLM kernels on CPUs (decode GEMV, prefill matmul, norms, elementwise).
 
 Apply after LegalizeOps/FuseOps/FuseTIR, inside ``with target:``:
-``tvm.s_tir.dlight.ApplyDefaultSchedule(*rules())``. Weights are expected as W[N, K] row-major
-(FuseTransposeMatmul produces that), so every matmul reduces along a contiguous axis.
+``tvm.s_tir.dlight.ApplyDefaultSchedule(*rules(isa))``, `isa` the target's instruction set (compiler/isa.py).
+Weights are expected as W[N, K] row-major (FuseTransposeMatmul produces that), so every matmul reduces along a
+contiguous axis.
 """
 
 from __future__ import annotations
@@ -18,14 +19,8 @@ from tvm.s_tir.dlight.cpu import Reduction
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
 
-from ..isa import cpu_isa
+from ..isa import CpuIsa
 from ..kernels import nt_matmul_access, prefill_gemm
-
-
-def _lanes(target: Target, dtype_bits: int) -> int:
-    """Lanes of `dtype_bits` in the target's widest vector register (LLVM's own vector width reports 512 bits
-    for AVX2 CPUs too)."""
-    return cpu_isa(target).lanes(dtype_bits)
 
 
 def _write_bits(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> int:
@@ -124,7 +119,15 @@ def _rfactor_k(sch: s_tir.Schedule, main: SBlockInfo, chunk: int) -> s_tir.sched
     return rf
 
 
-class _NTMatmulRule(CPUScheduleRule):
+class _VectorRule(CPUScheduleRule):
+    """A rule that vectorizes for the instruction set `isa` of the target it is applied under (the widest vector
+    register: LLVM's own vector width reports 512 bits for AVX2 CPUs too)."""
+
+    def __init__(self, isa: CpuIsa):
+        self.isa = isa
+
+
+class _NTMatmulRule(_VectorRule):
     """Shared matching; subclasses schedule the decode (M == 1) and prefill (M > 1 or dynamic) cases."""
 
     def _match(self, func: tirx.PrimFunc):
@@ -154,7 +157,7 @@ class _NTMatmulRule(CPUScheduleRule):
         sch, main, epilogue, producer = matched
         # Vector width along k: the widest power-of-two share of the target's width that divides K and, for
         # packed weights, the codes per word and the group, so all lanes read one word and one scale.
-        k_ext, lanes = get_extent(sch, main.iters[-1].loop_rv), _lanes(target, _write_bits(sch, main.block_rv))
+        k_ext, lanes = get_extent(sch, main.iters[-1].loop_rv), self.isa.lanes(_write_bits(sch, main.block_rv))
         divisors = _k_divisors(sch, main.block_rv)
         lanes = _divisor_lanes(lanes, k_ext, divisors)
         if lanes < 2:
@@ -221,13 +224,13 @@ class PrefillMatmul(_NTMatmulRule):
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
             return None
-        gemm = self._outer_product_gemm(func, target)
+        gemm = self._outer_product_gemm(func)
         return gemm if gemm is not None else super().apply(func, target, tunable)
 
-    def _outer_product_gemm(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
+    def _outer_product_gemm(self, func: tirx.PrimFunc) -> s_tir.Schedule | None:
         """The kernel replaced by prefill_gemm's (a new PrimFunc with the same parameters), or None: this rule only
         chooses it and its tiles; kernels/ builds it."""
-        shape = prefill_gemm.tile_shape(target) if self.outer_product else None
+        shape = prefill_gemm.tile_shape(self.isa) if self.outer_product else None
         if shape is None:
             return None
         matched = self._match(func)
@@ -296,7 +299,7 @@ def _single_row(info: SBlockInfo) -> bool:
     return all(isinstance(d, int) and d == 1 for d in rows)
 
 
-class Elementwise(CPUScheduleRule):
+class Elementwise(_VectorRule):
     """Injective kernels (activations, residual adds, reshapes, take, rope): vectorize the innermost axis
     and, when the kernel is big enough to repay a parallel launch (~us), spread the rest over threads."""
 
@@ -317,7 +320,7 @@ class Elementwise(CPUScheduleRule):
         if not loops:
             return None
         extents = [get_extent(sch, loop) for loop in loops]
-        lanes = _lanes(target, _write_bits(sch, block))
+        lanes = self.isa.lanes(_write_bits(sch, block))
         inner = extents[-1]
         outer = loops[:-1]
         if isinstance(inner, int) and inner > lanes and inner % lanes == 0:
@@ -334,6 +337,7 @@ class Elementwise(CPUScheduleRule):
         return sch
 
 
-def rules() -> list:
-    """The CPU rules in the order ApplyDefaultSchedule should try them; the first that applies wins."""
-    return [DecodeGEMV(), PrefillMatmul(), RowReduction(), Elementwise()]
+def rules(isa: CpuIsa | None) -> list:
+    """The CPU rules for instruction set `isa` in the order ApplyDefaultSchedule should try them; the first that
+    applies wins. None (a target that is not an LLVM CPU: Hexagon): none of them applies."""
+    return [DecodeGEMV(isa), PrefillMatmul(isa), RowReduction(), Elementwise(isa)]

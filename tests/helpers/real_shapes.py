@@ -186,13 +186,13 @@ def check_compiles(name: str, target: str, tmp_path: Path) -> None:
     the kernels depend on the shapes alone); an error fails the test with the one line a user would see."""
     # imported here: the test modules that only list SHAPES need no TVM
     from compiler import hexagon, pipeline  # pylint: disable=import-outside-toplevel
-    from compiler.importer import import_model, open_model, scheme_for  # pylint: disable=import-outside-toplevel
-    from compiler.targets import load_target  # pylint: disable=import-outside-toplevel
+    from compiler.build_plan import resolve_plan  # pylint: disable=import-outside-toplevel
+    from compiler.importer import import_model, open_model  # pylint: disable=import-outside-toplevel
 
-    spec = load_target(target)
+    plan = resolve_plan(target)
     with open_model(str(write_config(name, tmp_path / name)), weights_required=False) as ckpt:
-        mod = import_model(ckpt, scheme_for(spec, None), spec, None).mod
-    if spec.link["method"] == "hexagon":
-        hexagon.build_kernels(pipeline.run_steps(mod, spec), spec, tmp_path / "lib")
+        mod = import_model(ckpt, plan, None).mod
+    if plan.spec.link["method"] == "hexagon":
+        hexagon.build_kernels(pipeline.run_steps(mod, plan), plan.spec, tmp_path / "lib")
     else:
-        pipeline.build(mod, spec)
+        pipeline.build(mod, plan)

@@ -4,7 +4,6 @@ PoCL; test_float16_kernels.py: float16 on Intel's runtime)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import tvm
@@ -30,19 +29,18 @@ NOT_RUN = {
 def kernels(target_name: str, quant: str, compute_dtype: str = "float32"):
     """(spec, {name: (scheduled PrimFunc, PrimFunc before scheduling)}) for SmolLM2 on the target, computing in
     `compute_dtype` (float32 for PoCL, which has no fp16)."""
+    from compiler.build_plan import resolve_plan  # pylint: disable=import-outside-toplevel
     from compiler.importer import import_model  # pylint: disable=import-outside-toplevel
     from compiler.loaders import open_checkpoint  # pylint: disable=import-outside-toplevel
     from compiler.loaders.default_model import default_model_path  # pylint: disable=import-outside-toplevel
-    from compiler.quantization.schemes import get_scheme  # pylint: disable=import-outside-toplevel
-    from compiler.targets import load_target  # pylint: disable=import-outside-toplevel
 
-    spec = load_target(target_name)
-    spec = dataclasses.replace(spec, device={**spec.device, "compute_dtype": compute_dtype})
+    plan = resolve_plan(target_name, quant, compute_dtype=compute_dtype)
+    spec = plan.spec
     with open_checkpoint(default_model_path()) as ckpt:
-        mod = import_model(ckpt, get_scheme(quant), spec, 512).mod
+        mod = import_model(ckpt, plan, 512).mod
     before = None
     with spec.tvm_target():
-        for name, step in pipeline.steps(spec):
+        for name, step in pipeline.steps(plan):
             if name == "schedule":
                 # dlight schedules the module's functions in place; keep a copy of the unscheduled ones.
                 before = tvm.ir.load_json(tvm.ir.save_json(mod))

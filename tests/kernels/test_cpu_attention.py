@@ -18,6 +18,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
 from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill_cpu, _attention_prefill_ragged_cpu
 
 from compiler import pipeline
+from compiler.build_plan import resolve_plan
 from compiler.errors import MobilecError
 from compiler.kernels.cpu_attention import (
     ATTN_LOGIT_CAP_ATTR,
@@ -34,7 +35,6 @@ from compiler.kernels.cpu_attention import (
     vector_lanes,
 )
 from compiler.passes.replace_cpu_attention import ReplaceCPUAttention, decode_shape, ragged_shape
-from compiler.targets import load_target
 from tests.helpers.cpu import X86_FAMILY_TARGETS, assembly, runs_here
 
 AVX512 = X86_FAMILY_TARGETS["avx512bw"]
@@ -639,7 +639,7 @@ def test_pipeline_swaps_attention_on_llvm_cpu_targets_only():
     ARM host: ours at NEON's lanes); GPU targets (TVM's GPU kernels, ours only for windows and caps) do not."""
     for name, has_step in (("host", True), ("linux-arm64", True), ("android-arm64", True),
                            ("android-adreno", False), ("android-mali", False), ("hexagon-npu", True)):
-        names = [step for step, _ in pipeline.steps(load_target(name))]
+        names = [step for step, _ in pipeline.steps(resolve_plan(name))]
         assert ("cpu-attention" in names) == has_step, name
 
 

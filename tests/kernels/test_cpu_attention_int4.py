@@ -374,15 +374,14 @@ def test_quantized_kernels_refuse_inline_rope(dtype):
 
 @pytest.fixture(scope="module")
 def tiny_int4_module(tmp_path_factory):
+    from compiler.build_plan import resolve_plan
     from compiler.importer import import_model, open_model
-    from compiler.quantization.schemes import get_scheme
-    from compiler.targets import load_target
     from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
     d = tmp_path_factory.mktemp("tiny") / "hf"
     save_compilable_checkpoint(build_model("llama_gqa"), d)
     with open_model(str(d)) as ckpt:
-        return import_model(ckpt, get_scheme("q0f32"), load_target("host"), 64, kv_dtype="int4").mod
+        return import_model(ckpt, resolve_plan("host", "q0f32", kv_dtype="int4"), 64).mod
 
 
 def test_pass_replaces_all_five_kernels_of_an_int4_cache(tiny_int4_module):

@@ -296,15 +296,14 @@ def test_merge_state_merges_the_real_heads():
 
 @pytest.fixture(scope="module")
 def tiny_int8_module(tmp_path_factory):
+    from compiler.build_plan import resolve_plan
     from compiler.importer import import_model, open_model
-    from compiler.quantization.schemes import get_scheme
-    from compiler.targets import load_target
     from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
     d = tmp_path_factory.mktemp("tiny") / "hf"
     save_compilable_checkpoint(build_model("llama_gqa"), d)
     with open_model(str(d)) as ckpt:
-        return {name: import_model(ckpt, get_scheme("q0f32"), load_target("host"), 64, kv_dtype=name).mod
+        return {name: import_model(ckpt, resolve_plan("host", "q0f32", kv_dtype=name), 64).mod
                 for name in ("int8", "f32")}
 
 
@@ -354,14 +353,13 @@ def test_pass_gives_an_int8_cache_the_models_rope_scaling(tmp_path):
     """A Llama 3.x model's int8 cache: the split + RoPE kernel gets its RoPE scaling, recorded by the importer
     (ROPE_ATTR; the attention kernels read K after RoPE, and have none); negative control: the plain kernel
     differs."""
+    from compiler.build_plan import resolve_plan
     from compiler.importer import import_model, open_model
-    from compiler.quantization.schemes import get_scheme
-    from compiler.targets import load_target
     from tests.helpers.tiny_models import LLAMA3_ROPE, build_model, save_compilable_checkpoint
 
     save_compilable_checkpoint(build_model("llama3_rope"), tmp_path / "hf")
     with open_model(str(tmp_path / "hf")) as ckpt:
-        mod = import_model(ckpt, get_scheme("q0f32"), load_target("host"), 64, kv_dtype="int8").mod
+        mod = import_model(ckpt, resolve_plan("host", "q0f32", kv_dtype="int8"), 64).mod
     scaling = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
     swapped = ReplaceCPUAttention(8)(mod)
     shape = AttentionShape(2, 4, 16, "int8", PAGE)

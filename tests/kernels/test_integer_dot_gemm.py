@@ -9,7 +9,8 @@ import pytest
 import tvm
 from tvm.support import cc
 
-from compiler.kernels.integer_dot_gemm import TILE_M, GemmShape, available, family, gemm, quantize_rows
+from compiler.isa import cpu_isa
+from compiler.kernels.integer_dot_gemm import TILE_M, GemmShape, family, gemm, quantize_rows
 from compiler.quantization import group
 from tests.helpers.cpu import assembly
 
@@ -82,11 +83,12 @@ def _run(lib, shape: GemmShape, name: str, x: np.ndarray, arrays: dict, dev, per
 
 
 def test_family_follows_the_target():
-    assert {name: family(target) for name, target in FAMILY_TARGETS.items()} == {f: f for f in FAMILIES}
+    assert {name: family(cpu_isa(target)) for name, target in FAMILY_TARGETS.items()} == {f: f for f in FAMILIES}
     # NEON without the dot product, x86, GPUs: no variant (the float prefill GEMM stays)
-    assert not available(tvm.target.Target({**ARM, "mcpu": "cortex-a72"}))
-    assert not available(tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v4"}))
-    assert not available(tvm.target.Target({"kind": "opencl"}))
+    assert family(cpu_isa(tvm.target.Target({**ARM, "mcpu": "cortex-a72"}))) is None
+    assert family(cpu_isa(tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu",
+                                             "mcpu": "x86-64-v4"}))) is None
+    assert family(cpu_isa(tvm.target.Target({"kind": "opencl"}))) is None
 
 
 @pytest.mark.parametrize("bits,grp,k,n,symmetric,dot_family", [

@@ -10,7 +10,8 @@ import pytest
 import tvm
 from tvm.support import cc
 
-from compiler.kernels.integer_dot_gemv import BATCH, GemvShape, available, family, gemv, quantize_activation
+from compiler.isa import cpu_isa
+from compiler.kernels.integer_dot_gemv import BATCH, GemvShape, family, gemv, quantize_activation
 from compiler.quantization import group
 from tests.helpers.cpu import X86_FAMILY_TARGETS, assembly, runs_here
 
@@ -292,12 +293,15 @@ def test_each_family_emits_its_instructions(dot_family, act_bits):
 
 
 def test_family_follows_the_target():
-    assert {name: family(target) for name, target in X86_FAMILY_TARGETS.items()} == {f: f for f in FAMILIES}
-    assert {name: family(target) for name, target in ARM_FAMILY_TARGETS.items()} == {f: f for f in ARM_FAMILIES}
-    assert not available(tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v2"}))
+    assert {name: family(cpu_isa(target)) for name, target in X86_FAMILY_TARGETS.items()} == {f: f for f in FAMILIES}
+    assert ({name: family(cpu_isa(target)) for name, target in ARM_FAMILY_TARGETS.items()}
+            == {f: f for f in ARM_FAMILIES})
+    assert family(cpu_isa(tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu",
+                                             "mcpu": "x86-64-v2"}))) is None
     # NEON without the dot product (Cortex-A53/A72 class): no variant, the float GEMV stays
-    assert not available(tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "cortex-a72"}))
-    assert not available(tvm.target.Target({"kind": "opencl"}))
+    assert family(cpu_isa(tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu",
+                                             "mcpu": "cortex-a72"}))) is None
+    assert family(cpu_isa(tvm.target.Target({"kind": "opencl"}))) is None
 
 
 # aarch64: one target per integer dot-product family (compiler/isa.py), as the shipped target files use them

@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 
 from compiler.artifact import load_artifact
+from compiler.build_plan import resolve_plan
 from compiler.compile_model import CompileOptions, compile_model
-from compiler.kernels import integer_dot_gemv
 from compiler.runtime.session import LoadedArtifact
 from compiler.serve.engine import Engine
-from compiler.targets import load_target
 from tests.helpers.tiny_models import build_model, save_hf
 from tests.helpers.tiny_tokenizer import BYTE_VOCAB_SIZE, save_byte_tokenizer
 from tests.native.conftest import c_client
@@ -80,7 +79,7 @@ def test_parallel_sessions_give_each_prompt_its_tokens_alone_and_pythons(runner,
 
 @pytest.fixture(scope="module")
 def integer_artifact(tmp_path_factory) -> Path:
-    if integer_dot_gemv.family(load_target("host").tvm_target()) is None:
+    if not resolve_plan("host").integer_decode:
         pytest.skip("this CPU has no integer dot product: the artifact's GEMVs are float ones")
     return compile_tiny(tmp_path_factory.mktemp("engine_int"), "q4f16_g32")
 

@@ -15,7 +15,8 @@ from tvm.script import tirx as T
 from compiler import pipeline
 from compiler.compile_model import CompileOptions, compile_model
 from compiler.artifact import load_artifact
-from compiler.importer import import_model, open_model, target_and_scheme
+from compiler.build_plan import resolve_plan
+from compiler.importer import import_model, open_model
 from compiler.inspect_ir import kernel_launches
 from compiler.passes.chain_kernels import ChainKernels
 from compiler.runtime.session import Session
@@ -195,11 +196,11 @@ def lowered(checkpoints):
 
     @functools.cache
     def lower(family: str, target: str, quant: str | None) -> tuple[tvm.IRModule, tvm.IRModule | None, int]:
-        spec, scheme = target_and_scheme(target, quant)
+        plan = resolve_plan(target, quant)
         with open_model(str(checkpoints[family])) as ckpt:
-            imported = import_model(ckpt, scheme, spec, 64)
+            imported = import_model(ckpt, plan, 64)
         after: dict[str, tvm.IRModule] = {}
-        final = pipeline.run_steps(imported.mod, spec, lambda _, step, mod: after.setdefault(step, mod))
+        final = pipeline.run_steps(imported.mod, plan, lambda _, step, mod: after.setdefault(step, mod))
         return final, after.get("chain-kernels"), imported.cfg.num_hidden_layers
 
     return lower

@@ -8,8 +8,8 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from compiler import pipeline
+from compiler.build_plan import resolve_plan
 from compiler.passes.fuse_add_rmsnorm import FuseAddRMSNorm
-from compiler.targets import load_target
 
 H, EPS = 48, 1e-5
 
@@ -60,7 +60,7 @@ def test_without_other_readers_only_the_norm_is_written():
 
 
 def test_numerics_match_numpy():
-    vm = relax.VirtualMachine(pipeline.build(_module(), load_target("host")), tvm.cpu())
+    vm = relax.VirtualMachine(pipeline.build(_module(), resolve_plan("host")), tvm.cpu())
     rng = np.random.default_rng(0)
     w = rng.standard_normal(H).astype("float32")
     for seq in (1, 6):

@@ -9,14 +9,14 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from compiler import pipeline
+from compiler.build_plan import resolve_plan
 from compiler.importer import import_model
 from compiler.loaders import open_checkpoint
 from compiler.passes.fuse_dequantize_matmul import FuseDequantizeMatmul
 from compiler.passes.fuse_transpose_matmul import FuseTransposeMatmul
 from compiler.quantization.dequantize_te import dequantize_te
 from compiler.quantization.group import GroupLayout, dequantize, quantize
-from compiler.quantization.schemes import get_scheme
-from compiler.targets import TARGETS_DIR, load_target
+from compiler.targets import TARGETS_DIR
 from tests.helpers.tiny_models import build_model, save_hf
 
 K, N = 64, 24
@@ -89,9 +89,9 @@ def test_schedule_materializes_no_whole_weight():
     """The schedule inlines the dequantize (decode) or dequantizes one weight tile per thread (prefill, this
     dynamic-seq kernel): once buffers are compacted to what each loop nest touches, no [N, K] weight remains."""
     seen = {}
-    spec = load_target("host")
-    with spec.tvm_target():
-        for name, step in pipeline.steps(spec):
+    plan = resolve_plan("host")
+    with plan.spec.tvm_target():
+        for name, step in pipeline.steps(plan):
             seen[name] = step(seen.get("last", _quantized_linear_module()))
             seen["last"] = seen[name]
     compact = tvm.transform.Sequential([
@@ -109,14 +109,14 @@ def test_schedule_materializes_no_whole_weight():
 
 def test_residual_epilogue_still_fuses_and_matches_numpy():
     mod = _fused(_quantized_linear_module())
-    spec = load_target("host")
-    with spec.tvm_target():
+    plan = resolve_plan("host")
+    with plan.spec.tvm_target():
         fused = tvm.transform.Sequential([relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
                                           relax.transform.FuseOps(), relax.transform.FuseTIR()])(mod)
     names = [n for n in _prim_funcs(fused) if "NT_matmul" in n]
     assert fused["main"].script().count("R.call_tir(") == 1 and names and "add" in names[0]
 
-    vm = relax.VirtualMachine(pipeline.build(_quantized_linear_module(), spec), tvm.cpu())
+    vm = relax.VirtualMachine(pipeline.build(_quantized_linear_module(), plan), tvm.cpu())
     rng = np.random.default_rng(0)
     arrays = quantize(rng.standard_normal((N, K)).astype("float32"), LAYOUT)
     w = dequantize(arrays, LAYOUT, K)
@@ -146,11 +146,12 @@ def test_tiny_model_has_no_standalone_dequantize_kernel(tmp_path, quant):
         assert old in board
         board = board.replace(old, new)
     (tmp_path / "neon-only.toml").write_text(board)
-    spec = load_target(str(tmp_path / "neon-only.toml"))
+    # int16: the file's int8 decode activations need the dot product
+    plan = resolve_plan(str(tmp_path / "neon-only.toml"), quant, decode_activations="int16")
     with open_checkpoint(tmp_path / "hf") as ckpt:
-        mod = import_model(ckpt, get_scheme(quant), spec, 64).mod
+        mod = import_model(ckpt, plan, 64).mod
     seen = {}
-    pipeline.run_steps(mod, spec, lambda _i, name, m: seen.__setitem__(name, m))
+    pipeline.run_steps(mod, plan, lambda _i, name, m: seen.__setitem__(name, m))
     kernels = _prim_funcs(seen["dead-code-elimination"])
     readers = {n: f for n, f in kernels.items()
                if any(getattr(p, "dtype", None) == "uint8" and len(p.shape) == 2 for p in f.params)}

@@ -9,6 +9,7 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from compiler import pipeline
+from compiler.build_plan import resolve_plan
 from compiler.passes.fuse_swiglu import FuseSwiGLU
 from compiler.targets import load_target
 
@@ -60,7 +61,7 @@ def test_one_kernel_no_split_copies():
 
 
 def test_numerics_match_numpy():
-    vm = relax.VirtualMachine(pipeline.build(_module(), load_target("host")), tvm.cpu())
+    vm = relax.VirtualMachine(pipeline.build(_module(), resolve_plan("host")), tvm.cpu())
     rng = np.random.default_rng(0)
     for seq in (1, 5):
         x = rng.standard_normal((1, seq, 2 * INTER)).astype("float32")

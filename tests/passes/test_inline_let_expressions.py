@@ -6,9 +6,9 @@ import tvm
 from tvm.script import tirx as T
 
 from compiler import pipeline
-from compiler.importer import import_model, open_model, scheme_for
+from compiler.build_plan import resolve_plan
+from compiler.importer import import_model, open_model
 from compiler.passes.inline_let_expressions import InlineLetExpressions
-from compiler.targets import load_target
 from tests.helpers.real_shapes import write_config
 
 
@@ -56,14 +56,14 @@ def test_llama3_8b_shape_builds_for_adreno_only_with_it(tmp_path, monkeypatch, i
         steps = pipeline.steps
         monkeypatch.setattr(pipeline, "steps", lambda *a, **k: [s for s in steps(*a, **k)
                                                                  if s[0] != "inline-let-expressions"])
-    spec = load_target("android-adreno")
+    plan = resolve_plan("android-adreno")
     with open_model(str(write_config("llama-3-8b", tmp_path / "m")), weights_required=False) as ckpt:
-        mod = import_model(ckpt, scheme_for(spec, None), spec, None).mod
+        mod = import_model(ckpt, plan, None).mod
     if inline:
-        pipeline.build(mod, spec)
+        pipeline.build(mod, plan)
         return
     with pytest.raises(pipeline.InternalCompilerError) as err:
-        pipeline.build(mod, spec)
+        pipeline.build(mod, plan)
     message = str(err.value)
     assert "\n" not in message and "kernel batch_tree_attn" in message and "target android-adreno" in message
     assert "used before definition" in message

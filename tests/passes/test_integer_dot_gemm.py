@@ -10,12 +10,13 @@ import tarfile
 import pytest
 
 from compiler import pipeline
-from compiler.kernels import integer_dot_gemm, integer_dot_gemv
+from compiler.build_plan import resolve_plan
+from compiler.kernels import integer_dot_gemm
 from compiler.passes.fuse_transpose_matmul import FuseTransposeMatmul
 from compiler.passes.integer_dot_gemm import IntegerDotGEMM
 from compiler.passes.integer_dot_gemv import IntegerDotGEMV
 from compiler.targets import load_target
-from tests.passes.test_integer_dot_gemv import HOST, _callees, _module
+from tests.passes.test_integer_dot_gemv import _callees, _module
 
 OBJDUMP = "llvm-objdump-15"
 
@@ -23,9 +24,9 @@ OBJDUMP = "llvm-objdump-15"
 def _rewrite(target_name: str, code_order="neon_pairs"):
     """The pipeline's two integer-dot steps on the test module, its 4-bit codes in `code_order` (ARM targets store
     the neon_pairs one)."""
-    target = load_target(target_name).tvm_target()
-    mod = IntegerDotGEMV(8, integer_dot_gemv.family(target))(FuseTransposeMatmul()(_module(code_order=code_order)))
-    return IntegerDotGEMM(integer_dot_gemm.family(target))(mod)
+    plan = resolve_plan(target_name, decode_activations="int8")
+    mod = IntegerDotGEMV(8, plan.gemv_family)(FuseTransposeMatmul()(_module(code_order=code_order)))
+    return IntegerDotGEMM(plan.gemm_family)(mod)
 
 
 @pytest.mark.parametrize("target,family", [("linux-arm64", "dotprod"), ("android-arm64", "i8mm")])
@@ -48,21 +49,27 @@ def test_prefill_matmul_becomes_row_quantize_plus_integer_gemm(target, family):
 def test_pipeline_has_the_step_only_with_int8_decode_activations():
     """Numerics change against the float prefill (int8 activations, llama.cpp's rounding), so the GEMM comes with
     `--decode-activations int8`, on aarch64 targets with i8mm or dotprod only; int8 is the ARM target files' default
-    (device.decode_activations), not the others'."""
+    (device.decode_activations), not the others'; a target without integer decode GEMVs (a GPU) refuses int8
+    (tests/test_build_plan.py)."""
+    host = integer_dot_gemm.family(resolve_plan("host").isa) is not None
     for name, int8_step, default in (("linux-arm64", True, "int8"), ("android-arm64", True, "int8"),
                                      ("x86-64-v3", False, "int16"), ("android-adreno", False, "int16"),
-                                     ("host", integer_dot_gemm.available(HOST.tvm_target()), "int16")):
-        spec = load_target(name)
-        assert spec.decode_activations == default
-        assert ("integer-dot-gemm" in [s for s, _ in pipeline.steps(spec, decode_activations="int8")]) == int8_step
-        assert "integer-dot-gemm" not in [s for s, _ in pipeline.steps(spec, decode_activations="int16")]
-        assert ("integer-dot-gemm" in [s for s, _ in pipeline.steps(spec)]) == (int8_step and default == "int8")
+                                     ("host", host, "int16")):
+        assert load_target(name).decode_activations == default
+
+        def steps(activations, target=name):
+            return [s for s, _ in pipeline.steps(resolve_plan(target, decode_activations=activations))]
+
+        if resolve_plan(name).integer_decode:
+            assert ("integer-dot-gemm" in steps("int8")) == int8_step
+        assert "integer-dot-gemm" not in steps("int16")
+        assert ("integer-dot-gemm" in steps(None)) == (int8_step and default == "int8")
 
 
 def _disassembly(target_name: str, decode_activations: str, folder) -> str:
     """The library the pipeline builds for `target_name`, as object files (no link), disassembled."""
-    executable = pipeline.build(_module(code_order="neon_pairs"), load_target(target_name),
-                                decode_activations=decode_activations)
+    executable = pipeline.build(_module(code_order="neon_pairs"),
+                                resolve_plan(target_name, decode_activations=decode_activations))
     path = folder / f"{target_name}-{decode_activations}.tar"
     executable.export_library(str(path))
     out = folder / path.stem

@@ -12,7 +12,9 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from compiler import pipeline
+from compiler.build_plan import resolve_plan
 from compiler.importer import import_model
+from compiler.isa import cpu_isa
 from compiler.kernels import integer_dot_gemv
 from compiler.loaders import open_checkpoint
 from compiler.passes.fuse_transpose_matmul import FuseTransposeMatmul
@@ -20,13 +22,11 @@ from compiler.passes.integer_dot_gemv import IntegerDotGEMV
 from compiler.quantization.dequantize_te import dequantize_te
 from compiler.quantization.group import GroupLayout, dequantize, quantize
 from compiler.quantization.modules import LAYOUT_ATTR
-from compiler.quantization.schemes import get_scheme
-from compiler.targets import load_target
 from tests.helpers.tiny_models import build_model, save_hf
 
 K, N = 128, 48
 LAYOUT = GroupLayout(4, 32, True, "float16")
-HOST = load_target("host")
+HOST = resolve_plan("host")
 ARM = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "cortex-a72", "mattr": ["+neon"]})  # no dotprod
 SSE4 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v2"})  # no AVX2
 
@@ -53,8 +53,8 @@ def _module(tagged=True, code_order="plain"):
     return bb.get()
 
 
-def _rewrite(mod, target, act_bits=16):
-    return IntegerDotGEMV(act_bits, integer_dot_gemv.family(target))(FuseTransposeMatmul()(mod))
+def _rewrite(mod, plan, act_bits=16):
+    return IntegerDotGEMV(act_bits, plan.gemv_family)(FuseTransposeMatmul()(mod))
 
 
 def _callees(func) -> list[str]:
@@ -62,7 +62,7 @@ def _callees(func) -> list[str]:
 
 
 def test_decode_matmul_becomes_activation_quantize_plus_integer_gemv():
-    mod = _rewrite(_module(), HOST.tvm_target())
+    mod = _rewrite(_module(), HOST)
     for function in ("decode", "batch_decode"):
         callees = _callees(mod[function])
         assert [c.split("_int")[0] for c in callees if not c.startswith("add")] == ["quantize_activation",
@@ -82,7 +82,7 @@ def test_decode_matmul_becomes_activation_quantize_plus_integer_gemv():
 
 @pytest.mark.parametrize("act_bits", [16, 8])
 def test_activation_width_selects_the_kernels(act_bits):
-    mod = _rewrite(_module(), HOST.tvm_target(), act_bits)
+    mod = _rewrite(_module(), HOST, act_bits)
     names = [gv.name_hint for gv in mod.get_global_vars() if "integer_dot" in gv.name_hint or "quantize_act" in gv.name_hint]
     assert len(names) == 4 and all(f"_a{act_bits}" in n for n in names)  # decode's and batch_decode's
     (quantize,) = [f for gv, f in mod.functions_items() if gv.name_hint.startswith("quantize_activation")
@@ -95,7 +95,7 @@ def test_activation_width_selects_the_kernels(act_bits):
 @pytest.mark.parametrize("target,family", [("linux-arm64", "dotprod"), ("android-arm64", "i8mm")])
 def test_arm_targets_get_their_family(target, family):
     """The ARM target files: decode GEMVs become the aarch64 variant of their dot-product family (sdot / usdot)."""
-    mod = _rewrite(_module(), load_target(target).tvm_target(), 8)
+    mod = _rewrite(_module(), resolve_plan(target), 8)
     names = [gv.name_hint for gv in mod.get_global_vars() if gv.name_hint.startswith("integer_dot_gemv")]
     assert len(names) == 2 and all(f"_{family}_" in name for name in names)
     assert any(c.startswith("NT_matmul") for c in _callees(mod["prefill"]))
@@ -105,9 +105,10 @@ def test_code_order_follows_the_target():
     """The shards hold the codes in the order the target's GEMV reads (quantization/group.CODE_ORDERS): the ARM
     dot-product order on ARM CPUs with one, K order elsewhere; a kernel is never built for the other order."""
     names = ("host", "x86-64-v3", "linux-arm64", "android-arm64", "android-adreno", "hexagon-npu")
-    orders = {name: integer_dot_gemv.stored_code_order(load_target(name).tvm_target()) for name in names}
+    orders = {name: resolve_plan(name).code_order for name in names}
     assert orders == dict.fromkeys(names, "plain") | {"linux-arm64": "neon_pairs", "android-arm64": "neon_pairs"}
-    assert integer_dot_gemv.stored_code_order(ARM) == "plain"  # NEON without dotprod: the float GEMV
+    # NEON without dotprod: the float GEMV
+    assert integer_dot_gemv.stored_code_order(integer_dot_gemv.family(cpu_isa(ARM))) == "plain"
     for bits, order in ((8, "neon"), (4, "neon"), (4, "neon_pairs")):  # 8-bit codes, odd rows: unpaired
         assert not integer_dot_gemv.GemvShape(N, K, bits, 32, True, "float16", 8, "avx2", code_order=order).supported()
         assert integer_dot_gemv.GemvShape(N, K, bits, 32, True, "float16", 8, "dotprod", code_order=order).supported()
@@ -118,7 +119,7 @@ def test_code_order_follows_the_target():
 
 
 def test_left_alone_without_the_layout_tag():
-    mod = _rewrite(_module(tagged=False), HOST.tvm_target())
+    mod = _rewrite(_module(tagged=False), HOST)
     assert not [gv for gv in mod.get_global_vars() if "integer_dot" in gv.name_hint]
     assert any(c.startswith("NT_matmul") for c in _callees(mod["decode"]))
 
@@ -126,13 +127,13 @@ def test_left_alone_without_the_layout_tag():
 @pytest.mark.parametrize("target", [ARM, SSE4, tvm.target.Target({"kind": "opencl", "device": "adreno"})])
 def test_no_variant_for_cpus_without_an_integer_dot_product(target):
     """NEON without dotprod, x86 without AVX2, a GPU: no family, so the pipeline has no integer-dot-gemv step."""
-    assert integer_dot_gemv.family(target) is None
+    assert integer_dot_gemv.family(cpu_isa(target)) is None
 
 
 def test_pipeline_has_the_step_where_there_is_a_variant():
-    for name, has_step in (("host", integer_dot_gemv.available(HOST.tvm_target())), ("linux-arm64", True),
+    for name, has_step in (("host", HOST.integer_decode), ("linux-arm64", True),
                            ("android-arm64", True), ("android-adreno", False), ("hexagon-npu", False)):
-        assert ("integer-dot-gemv" in [step for step, _ in pipeline.steps(load_target(name))]) == has_step, name
+        assert ("integer-dot-gemv" in [step for step, _ in pipeline.steps(resolve_plan(name))]) == has_step, name
 
 
 def test_compiled_decode_matches_numpy():
@@ -162,7 +163,7 @@ def test_tiny_model_decode_gemvs_are_rewritten_where_the_shape_allows(tmp_path, 
     there it keeps the fused float kernel. Prefill's only one-row matmul is its last-token lm_head."""
     save_hf(build_model("llama_gqa"), tmp_path / "hf")
     with open_checkpoint(tmp_path / "hf") as ckpt:
-        mod = import_model(ckpt, get_scheme(quant), HOST, 64).mod
+        mod = import_model(ckpt, resolve_plan("host", quant), 64).mod
     seen = {}
     pipeline.run_steps(mod, HOST, lambda _i, name, m: seen.__setitem__(name, m))
     lowered = seen["dead-code-elimination"]
@@ -242,7 +243,7 @@ class _ExpectedDecode:
 
 def test_ir_in_ir_out():
     """For a fixed AVX2 target (x86-64-v3), not this machine: the IR does not depend on where the test runs."""
-    mod = _rewrite(_module(), load_target("x86-64-v3").tvm_target())
+    mod = _rewrite(_module(), resolve_plan("x86-64-v3"))
     # map_free_vars: the callees' GlobalVars are matched by position; their names are checked on their own
     for function in ("decode", "batch_decode"):
         tvm.ir.assert_structural_equal(mod[function], _ExpectedDecode[function], map_free_vars=True)

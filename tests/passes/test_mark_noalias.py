@@ -5,11 +5,10 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from compiler import pipeline
+from compiler.build_plan import resolve_plan
 from compiler.importer import import_model
 from compiler.loaders import open_checkpoint
 from compiler.passes.mark_noalias import MarkNoalias
-from compiler.quantization.schemes import get_scheme
-from compiler.targets import load_target
 from tests.helpers.tiny_models import build_model, save_hf
 
 
@@ -35,11 +34,11 @@ def test_every_kernel_of_a_compiled_model_is_noalias(tmp_path):
     """TVM's KV-cache kernels and the shape functions the lowering adds come without it; after the pipeline none
     lacks it, and without the step some do (the negative control: the step is what sets them)."""
     save_hf(build_model("llama_gqa"), tmp_path / "hf")
-    spec = load_target("host")
+    plan = resolve_plan("host", "q4f16_g32")
     with open_checkpoint(tmp_path / "hf") as ckpt:
-        mod = import_model(ckpt, get_scheme("q4f16_g32"), spec, 64).mod
+        mod = import_model(ckpt, plan, 64).mod
     seen = {}
-    pipeline.run_steps(mod, spec, lambda _i, name, m: seen.__setitem__(name, m))
+    pipeline.run_steps(mod, plan, lambda _i, name, m: seen.__setitem__(name, m))
     before = [gv.name_hint for gv, f in seen["plan-memory-and-lower"].functions_items()
               if isinstance(f, tirx.PrimFunc) and not _noalias(f)]
     assert "tree_attn_paged_kv_cpu" in before and any(n.startswith("shape_func") for n in before)

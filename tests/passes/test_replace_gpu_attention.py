@@ -11,6 +11,7 @@ from tvm import relax
 from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
 
 from compiler import pipeline
+from compiler.build_plan import resolve_plan
 from compiler.errors import MobilecError
 from compiler.kernels.cpu_attention import ATTN_LOGIT_CAP_ATTR, LAYER_SLIDING_WINDOW_ATTR, SLIDING_WINDOW_ATTR
 from compiler.kernels.cpu_attention import AttentionShape
@@ -102,7 +103,7 @@ def test_inline_rope_is_refused_only_where_our_attention_kernels_go():
 def test_pipeline_runs_it_on_gpu_targets_only():
     for name, has_step in (("host", False), ("android-arm64", False), ("hexagon-npu", False),
                            ("android-adreno", True), ("android-mali", True)):
-        assert ("gpu-attention" in [step for step, _ in pipeline.steps(load_target(name))]) == has_step, name
+        assert ("gpu-attention" in [step for step, _ in pipeline.steps(resolve_plan(name))]) == has_step, name
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])

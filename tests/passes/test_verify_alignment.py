@@ -9,11 +9,11 @@ from tvm.script import tirx as T
 
 from compiler import pipeline
 from compiler.artifact import load_artifact
+from compiler.build_plan import resolve_plan
 from compiler.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
 from compiler.passes.verify_alignment import VerifyAlignment
 from compiler.runtime.session import Session
-from compiler.targets import load_target
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 
@@ -55,7 +55,7 @@ def test_misaligned_offset_is_named():
 @pytest.mark.slow  # a compile and a run: ~25 s
 def test_compiled_tiny_model_tensors_are_aligned_at_run_time(tmp_path):
     """The pipeline ends with VerifyAlignment; then every tensor a decode step hands a kernel is 64-byte aligned."""
-    assert pipeline.steps(load_target("host"))[-1][0] == "verify-alignment"
+    assert pipeline.steps(resolve_plan("host"))[-1][0] == "verify-alignment"
     save_compilable_checkpoint(build_model("llama_gqa"), tmp_path / "hf")
     compile_model(CompileOptions(str(tmp_path / "hf"), "host", "q4f16_g32", str(tmp_path / "art"), context_window=64,
                                  progress=False))

@@ -19,6 +19,7 @@ from compiler.quantization import dequantize_te, group
 from compiler.schedules import cpu
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+ISA = cpu_isa(TARGET)
 K, N = 64, 48
 # PrefillMatmul's GEMM (compiler/kernels/prefill_gemm.py) takes x86 CPUs with FMA and AVX-512 or AVX2, its tiles
 # from the instruction set; TARGET, a generic x86-64 (SSE2, no FMA), gets the row tiles. Each GEMM variant runs
@@ -69,7 +70,7 @@ def _seq():
 
 def _schedule(func):
     with TARGET:
-        mod = dl.ApplyDefaultSchedule(*cpu.rules())(tvm.IRModule({"main": func}))
+        mod = dl.ApplyDefaultSchedule(*cpu.rules(ISA))(tvm.IRModule({"main": func}))
     return mod["main"]
 
 
@@ -88,8 +89,8 @@ def _assert_parallel_and_vectorized(func):
 
 def test_decode_gemv_with_residual_epilogue():
     func = _linear_residual(1)
-    assert cpu.DecodeGEMV().apply(func, TARGET, False) is not None
-    assert cpu.PrefillMatmul().apply(func, TARGET, False) is None
+    assert cpu.DecodeGEMV(ISA).apply(func, TARGET, False) is not None
+    assert cpu.PrefillMatmul(ISA).apply(func, TARGET, False) is None
     scheduled = _schedule(func)
     _assert_parallel_and_vectorized(scheduled)
     rng = np.random.default_rng(0)
@@ -100,8 +101,8 @@ def test_decode_gemv_with_residual_epilogue():
 @pytest.mark.parametrize("m", [1, 7, 33])
 def test_prefill_matmul_dynamic_m_with_residual_epilogue(m):
     func = _linear_residual(_seq())
-    assert cpu.PrefillMatmul().apply(func, TARGET, False) is not None
-    assert cpu.DecodeGEMV().apply(func, TARGET, False) is None
+    assert cpu.PrefillMatmul(ISA).apply(func, TARGET, False) is not None
+    assert cpu.DecodeGEMV(ISA).apply(func, TARGET, False) is None
     scheduled = _schedule(func)
     _assert_parallel_and_vectorized(scheduled)
     rng = np.random.default_rng(m)
@@ -112,8 +113,8 @@ def test_prefill_matmul_dynamic_m_with_residual_epilogue(m):
 def test_matmul_rules_reject_non_nt_layout():
     """x @ w with w [K, N]: the reduction axis of w is strided, which these rules do not handle."""
     func = _fused_kernel(lambda x, w: relax.op.matmul(x, w), ([1, 1, K], "float32"), ([K, N], "float32"))
-    assert cpu.DecodeGEMV().apply(func, TARGET, False) is None
-    assert cpu.PrefillMatmul().apply(func, TARGET, False) is None
+    assert cpu.DecodeGEMV(ISA).apply(func, TARGET, False) is None
+    assert cpu.PrefillMatmul(ISA).apply(func, TARGET, False) is None
 
 
 def test_elementwise_silu_mul_dynamic_seq():
@@ -122,9 +123,9 @@ def test_elementwise_silu_mul_dynamic_seq():
         return relax.op.multiply(relax.op.nn.silu(gate), up)
 
     func = _fused_kernel(body, ([1, _seq(), 2 * K], "float32"))
-    for rule in (cpu.DecodeGEMV(), cpu.PrefillMatmul()):
+    for rule in (cpu.DecodeGEMV(ISA), cpu.PrefillMatmul(ISA)):
         assert rule.apply(func, TARGET, False) is None
-    assert cpu.Elementwise().apply(func, TARGET, False) is not None
+    assert cpu.Elementwise(ISA).apply(func, TARGET, False) is not None
     scheduled = _schedule(func)
     _assert_parallel_and_vectorized(scheduled)
     x = np.random.default_rng(3).standard_normal((1, 5, 2 * K), dtype="float32")
@@ -137,7 +138,7 @@ def test_rms_norm_gets_a_parallel_schedule():
         lambda x, g: relax.op.nn.rms_norm(x, g, axes=[-1], epsilon=1e-5),
         ([1, _seq(), K], "float32"), ([K], "float32"),
     )
-    for rule in (cpu.DecodeGEMV(), cpu.PrefillMatmul(), cpu.Elementwise()):
+    for rule in (cpu.DecodeGEMV(ISA), cpu.PrefillMatmul(ISA), cpu.Elementwise(ISA)):
         assert rule.apply(func, TARGET, False) is None
     scheduled = _schedule(func)
     _assert_parallel_and_vectorized(scheduled)
@@ -164,7 +165,7 @@ def test_decode_gemv_inlines_a_dequantize_prologue():
     k = tvm.te.reduce_axis((0, K), name="k")
     y = tvm.te.compute((1, 1, N), lambda b, s, n: tvm.te.sum(x[b, s, k] * w[n, k], axis=k), name="NT_matmul")
     func = tvm.te.create_prim_func([x, wq, scale, y])
-    assert cpu.DecodeGEMV().apply(func, TARGET, False) is not None
+    assert cpu.DecodeGEMV(ISA).apply(func, TARGET, False) is not None
     scheduled = _schedule(func)
     _assert_parallel_and_vectorized(scheduled)
     assert 'T.sblock("dequantize")' not in scheduled.script()
@@ -264,8 +265,8 @@ def _assert_contiguous_codes_broadcast_scales(func, layout, x_loads=("ramp",)):
 @pytest.mark.parametrize(("layout", "k", "residual"), PACKED_CASES, ids=PACKED_IDS)
 def test_decode_gemv_on_packed_weights(layout, k, residual):
     func = _packed_linear(layout, k, 1, residual)
-    assert cpu.DecodeGEMV().apply(func, TARGET, False) is not None
-    assert cpu.PrefillMatmul().apply(func, TARGET, False) is None
+    assert cpu.DecodeGEMV(ISA).apply(func, TARGET, False) is not None
+    assert cpu.PrefillMatmul(ISA).apply(func, TARGET, False) is None
     scheduled = _schedule(func)
     _assert_parallel_and_vectorized(scheduled)
     assert 'T.sblock("dequantize")' not in scheduled.script()
@@ -304,8 +305,8 @@ def _loops(func) -> list:
 def test_prefill_matmul_dequantizes_each_weight_tile_once(layout, k, residual, m):
     """The row-tile schedule (CPUs without AVX-512; the GEMM's case is below)."""
     func = _packed_linear(layout, k, _seq(), residual)
-    assert cpu.PrefillMatmul().apply(func, TARGET, False) is not None
-    assert cpu.DecodeGEMV().apply(func, TARGET, False) is None
+    assert cpu.PrefillMatmul(ISA).apply(func, TARGET, False) is not None
+    assert cpu.DecodeGEMV(ISA).apply(func, TARGET, False) is None
     scheduled = _schedule(func)
     _assert_parallel_and_vectorized(scheduled)
     # The dequantize stays a block, in task-local memory under the parallel tile loop and outside the loop
@@ -327,8 +328,8 @@ def test_prefill_matmul_dequantizes_each_weight_tile_once(layout, k, residual, m
 def test_prefill_gemm_dequantizes_each_weight_tile_once(layout, k, residual, m, variant):
     target = GEMM_TARGETS[variant]
     func = _packed_linear(layout, k, _seq(), residual)
-    assert cpu.PrefillMatmul().apply(func, target, False) is not None
-    assert cpu.DecodeGEMV().apply(func, target, False) is None
+    assert cpu.PrefillMatmul(cpu_isa(target)).apply(func, target, False) is not None
+    assert cpu.DecodeGEMV(cpu_isa(target)).apply(func, target, False) is None
     scheduled = _gemm_schedule(func, target)
     assert "_rf" not in scheduled.script()  # the GEMM, not the row tiles (an rfactor along k)
     _assert_parallel_and_vectorized(scheduled)
@@ -353,7 +354,7 @@ def test_prefill_inlines_a_producer_of_the_activation():
     kr = tvm.te.reduce_axis((0, K), name="k")
     y = tvm.te.compute((1, x.shape[1], N), lambda b, s, n: tvm.te.sum(xs[b, s, kr] * w[n, kr], axis=kr), name="NT_matmul")
     func = tvm.te.create_prim_func([x, w, y])
-    assert cpu.PrefillMatmul().apply(func, TARGET, False) is not None
+    assert cpu.PrefillMatmul(ISA).apply(func, TARGET, False) is not None
     scheduled = _schedule(func)
     _assert_parallel_and_vectorized(scheduled)
     assert "T_multiply" not in scheduled.script()
@@ -372,7 +373,7 @@ def _gemm_linear(m, k, n, residual):
 
 def _gemm_schedule(func, target):
     with target:
-        return dl.ApplyDefaultSchedule(*cpu.rules())(tvm.IRModule({"main": func}))["main"]
+        return dl.ApplyDefaultSchedule(*cpu.rules(cpu_isa(target)))(tvm.IRModule({"main": func}))["main"]
 
 
 def _gemm_inputs(m, k, n, residual, seed):
@@ -396,13 +397,13 @@ def test_gemm_tile_shape_follows_the_instruction_set():
     """AVX-512: 16 lanes, 12 x 2 vectors (24 of 32 zmm registers); AVX2 + FMA: 8 lanes, 6 x 2 (12 of 16 ymm); no
     GEMM without FMA (generic x86-64, Sandy Bridge's AVX) nor on aarch64 (row tiles there). SmolLM2's N values
     (qkv 960, o/down 576, gate_up 3072, 1536) take NR 12 resp. 6; N = 2048 (a 1B Llama) the AVX2 4 x 3 tile."""
-    assert prefill_gemm.tile_shape(AVX512) is prefill_gemm.AVX512_SHAPE
-    assert prefill_gemm.tile_shape(AVX2) is prefill_gemm.AVX2_SHAPE
+    assert prefill_gemm.tile_shape(cpu_isa(AVX512)) is prefill_gemm.AVX512_SHAPE
+    assert prefill_gemm.tile_shape(cpu_isa(AVX2)) is prefill_gemm.AVX2_SHAPE
     for other in ({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64"},
                   {"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "sandybridge"},
                   {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon", "+dotprod"]}):
-        assert not prefill_gemm.available(tvm.target.Target(other)), other
-    assert not prefill_gemm.available(TARGET)
+        assert prefill_gemm.tile_shape(cpu_isa(tvm.target.Target(other))) is None, other
+    assert prefill_gemm.tile_shape(ISA) is None
     for shape, lanes, nr in ((prefill_gemm.AVX512_SHAPE, 16, 12), (prefill_gemm.AVX2_SHAPE, 8, 6)):
         for n in (960, 576, 3072, 1536):
             tiles = shape.tiles(n, w_lanes=lanes)
@@ -534,7 +535,7 @@ def test_prefill_gemm_keeps_its_register_tile_when_other_kernels_may_alias(varia
             # the 6 x 16 tile's loop over k (12 FMAs a step; LLVM unrolls the 4 blocks of 64 steps into 4 loops) and
             # the 4 x 3 dot products (12, unrolled twice), no stores
             assert loops[0] == (12, 0) and all(fmas % 12 == 0 and not stores for fmas, stores in loops), loops
-    rules = cpu.rules()
+    rules = cpu.rules(cpu_isa(target))
     rules[1].outer_product = False  # PrefillMatmul's row tiles
     with target:
         row_tiles = dl.ApplyDefaultSchedule(*rules)(tvm.IRModule({"main": func}))["main"]

@@ -5,9 +5,11 @@ import tvm
 import tvm_ffi
 from tvm.script import tirx as T
 
+from compiler.isa import cpu_isa
 from compiler.schedules.cpu import DecodeGEMV, Elementwise, PrefillMatmul, RowReduction
 
 AVX2 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v3", "num-cores": 2})
+ISA = cpu_isa(AVX2)
 
 
 @T.prim_func(private=True, s_tir=True)
@@ -104,15 +106,15 @@ def _scheduled(rule, func):
 
 
 def test_decode_gemv():
-    tvm.ir.assert_structural_equal(_scheduled(DecodeGEMV(), gemv_before), gemv_expected)
+    tvm.ir.assert_structural_equal(_scheduled(DecodeGEMV(ISA), gemv_before), gemv_expected)
 
 
 def test_elementwise():
-    tvm.ir.assert_structural_equal(_scheduled(Elementwise(), add_before), add_expected)
+    tvm.ir.assert_structural_equal(_scheduled(Elementwise(ISA), add_before), add_expected)
 
 
 def test_each_rule_takes_only_its_kernels():
     """Negative controls: the GEMV is no elementwise or prefill kernel, the add no GEMV or reduction."""
-    assert _scheduled(Elementwise(), gemv_before) is None and _scheduled(PrefillMatmul(), gemv_before) is None
-    assert _scheduled(DecodeGEMV(), add_before) is None and _scheduled(RowReduction(), add_before) is None
-    assert not tvm_ffi.structural_equal(_scheduled(DecodeGEMV(), gemv_before), gemv_before)
+    assert _scheduled(Elementwise(ISA), gemv_before) is None and _scheduled(PrefillMatmul(ISA), gemv_before) is None
+    assert _scheduled(DecodeGEMV(ISA), add_before) is None and _scheduled(RowReduction(), add_before) is None
+    assert not tvm_ffi.structural_equal(_scheduled(DecodeGEMV(ISA), gemv_before), gemv_before)

@@ -10,9 +10,8 @@ import pytest
 import tvm
 
 from compiler.artifact import load_artifact
+from compiler.build_plan import resolve_plan
 from compiler.compile_model import CompileOptions, compile_model
-from compiler.kernels import integer_dot_gemv
-from compiler.targets import load_target
 from compiler.errors import MobilecError
 from compiler.runtime.session import LoadedArtifact, Session
 from compiler.serve.engine import Engine, Failed, Finished, QueueFull, Request, SamplingParams, Token, kv_cache_bytes
@@ -301,7 +300,7 @@ def integer_artifact(tmp_path_factory):
 def test_integer_gemv_artifacts_decode_sequences_together_with_batch_decode(integer_artifact):
     """batch_decode's integer GEMVs take a row per sequence (each quantized alone): 4 requests decode in one call a
     step, and each gets the tokens the decode function gives it alone."""
-    if integer_dot_gemv.family(load_target("host").tvm_target()) is None:
+    if not resolve_plan("host").integer_decode:
         pytest.skip("this CPU has no integer dot product: the artifact's GEMVs are float ones")
     model = LoadedArtifact(load_artifact(integer_artifact))
     engine = Engine(model, words, max_sessions=4)
@@ -321,7 +320,7 @@ def test_integer_gemv_artifacts_decode_sequences_together_with_batch_decode(inte
 def test_batch_decode_rows_are_each_sequences_decode_logits(integer_artifact):
     """Three sequences with different histories: batch_decode's row i is what decode gives sequence i alone (integer
     sums exact; the float kernels around them within 1e-5), and not another sequence's (negative control)."""
-    if integer_dot_gemv.family(load_target("host").tvm_target()) is None:
+    if not resolve_plan("host").integer_decode:
         pytest.skip("this CPU has no integer dot product: the artifact's GEMVs are float ones")
     model = LoadedArtifact(load_artifact(integer_artifact))
     dev = model.device

@@ -5,9 +5,10 @@ import tvm
 from tvm import relax, s_tir, te
 
 from compiler import pipeline
+from compiler.build_plan import resolve_plan
 from compiler.errors import MobilecError
 from compiler.passes.verify_device_limits import VerifyDeviceLimits
-from compiler.targets import TARGETS_DIR, load_target
+from compiler.targets import TARGETS_DIR
 
 
 def _module(threads: int, n_inputs: int = 1):
@@ -34,11 +35,11 @@ def _tiny(tmp_path, **limits):
         text = text.replace(next(line for line in text.splitlines() if line.startswith(key)), f"{key} = {value}")
     path = tmp_path / "tiny.toml"
     path.write_text(text)
-    return load_target(str(path))
+    return resolve_plan(str(path))
 
 
 def test_within_limits_builds():
-    pipeline.build(_module(256), load_target("android-adreno"))
+    pipeline.build(_module(256), resolve_plan("android-adreno"))
 
 
 def test_too_many_threads(tmp_path):
@@ -61,7 +62,7 @@ def test_too_much_local_memory(tmp_path):
     _, ki = sch.split(k, [None, 64])
     sch.bind(i, "blockIdx.x")
     sch.bind(ki, "threadIdx.x")
-    spec = _tiny(tmp_path, local_memory_bytes=16)
+    spec = _tiny(tmp_path, local_memory_bytes=16).spec
     mod = tvm.IRModule({"row_sum": sch.mod["main"]})
     with pytest.raises(MobilecError, match="row_sum_kernel uses .* bytes of local memory.*allows 16"):
         with tvm.transform.PassContext(instruments=[pipeline._CheckKernels(spec)]):  # pylint: disable=protected-access

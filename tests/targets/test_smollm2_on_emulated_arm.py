@@ -76,10 +76,9 @@ def test_arm64_build_on_the_emulated_device_gives_the_x86_tokens(tmp_path, tmp_p
     vpmaddwd on x86): 32 greedy tokens on the emulated device equal the x86 host build's. int8 (llama.cpp's rounding
     on both): fed the device's tokens, the x86 build picks the same token at INT8_SAME_SHARE of the steps and at the
     others ranks the device's token within INT8_NEAR_TIE of its own."""
-    from compiler.kernels import integer_dot_gemv
-    from compiler.targets import load_target
+    from compiler.build_plan import resolve_plan
 
-    if not integer_dot_gemv.available(load_target("host").tvm_target()):
+    if not resolve_plan("host").integer_decode:
         pytest.skip("this CPU has no x86 integer GEMV to compare with")
     arm = tmp_path / "arm64"
     # int16: the float32 KV cache of smollm2_gguf_exact; int8: both builds with the default float16 cache

@@ -35,9 +35,8 @@ import functools
 
 from tvm import tirx
 from tvm.script import tirx as T
-from tvm.target import Target
 
-from ...isa import cpu_isa
+from ...isa import CpuIsa
 from ...quantization.group import ORDER_MARKS, signed_codes, takes_code_order
 from . import arm
 
@@ -48,16 +47,12 @@ MAX_TASK_N = 64  # W rows per parallel task, at most
 QMAX = 127
 
 
-def family(target: Target) -> str | None:
-    """The integer matrix family the GEMM uses on `target` (compiler/isa.py), or None where it has no variant."""
-    isa = cpu_isa(target)
+def family(isa: CpuIsa | None) -> str | None:
+    """The integer matrix family the GEMM uses on a CPU of instruction set `isa` (compiler/isa.py; None: not a CPU
+    target), or None where it has no variant."""
     if isa is None or isa.arch != "aarch64" or isa.int_dot not in arm.FAMILIES:
         return None
     return isa.int_dot
-
-
-def available(target: Target) -> bool:
-    return family(target) is not None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,10 +39,9 @@ import math
 
 from tvm import tirx
 from tvm.script import tirx as T
-from tvm.target import Target
 
 from ...choices import DECODE_ACTIVATIONS
-from ...isa import cpu_isa
+from ...isa import CpuIsa
 from ...quantization.group import FALLBACK, ORDER_MARKS, signed_codes, takes_code_order
 from . import arm, x86
 
@@ -67,22 +66,18 @@ BATCH = "batch_size"
 KERNEL_PREFIX = "integer_dot_gemv_"
 
 
-def family(target: Target) -> str | None:
-    """The integer dot-product family the kernel uses on `target`, or None where it has no variant for it."""
-    isa = cpu_isa(target)
+def family(isa: CpuIsa | None) -> str | None:
+    """The integer dot-product family the kernel uses on a CPU of instruction set `isa` (None: not a CPU target), or
+    None where it has no variant for it."""
     if isa is None or isa.arch not in VARIANTS or isa.int_dot not in VARIANTS[isa.arch].FAMILIES:
         return None
     return isa.int_dot
 
 
-def available(target: Target) -> bool:
-    return family(target) is not None
-
-
-def stored_code_order(target: Target) -> str:
-    """The code order (quantization/group.CODE_ORDERS) the weights are stored in for `target`: its variant's."""
-    name = family(target)
-    return "plain" if name is None else _variant(name).CODE_ORDER
+def stored_code_order(family_name: str | None) -> str:
+    """The code order (quantization/group.CODE_ORDERS) the weights are stored in for the kernel of `family_name`
+    (family(); None: the float GEMV's): its variant's."""
+    return "plain" if family_name is None else _variant(family_name).CODE_ORDER
 
 
 def _orders(order: str) -> tuple[str, ...]:

@@ -36,7 +36,7 @@ from arm_gemv_mca import (CoreModel, Loop, _asm_functions, _clean, _loops, _mnem
 
 from compiler.kernels.integer_dot_gemm import GemmShape, gemm
 from compiler.quantization.group import GroupLayout
-from compiler.targets import load_target
+from compiler.target.targets import load_target
 
 TILE_MACS = 32 * 32 * 32
 K = 576  # SmolLM2's hidden size

@@ -50,10 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tvm
 
-from compiler.artifact import load_artifact
+from compiler.artifacts.artifact import load_artifact
 from compiler.kernels.integer_dot_gemv import GemvShape, gemv
 from compiler.quantization.group import ORDER_MARKS
-from compiler.targets import load_target
+from compiler.target.targets import load_target
 
 OBJDUMP = "llvm-objdump-15"
 

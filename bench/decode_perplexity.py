@@ -27,12 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from compiler.artifact import load_artifact
+from compiler.artifacts.artifact import load_artifact
 from compiler.errors import MobilecError
-from compiler.host import set_threads
 from compiler.loaders.tokenizer import load_tokenizer
 from compiler.runtime.evaluate import _nll, load_reference
 from compiler.runtime.session import Session
+from compiler.target.host import set_threads
 
 DEFAULT_TEXT = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
 

@@ -9,7 +9,7 @@ several, e.g. q0f32 then q4f16_g32, to compare schemes). Every runtime gets the 
 decodes greedily; the token agreement with the first artifact is printed as a sanity check.
 
 Decode is bound by memory bandwidth: the run first measures the read bandwidth at --threads (a TVM kernel
-summing a large array, compiler/host.py), and the table shows for each runtime the bytes one decode token reads
+summing a large array, compiler/target/host.py), and the table shows for each runtime the bytes one decode token reads
 (compiler/roofline.py: weights + KV cache at the middle of the generation), the floor tok/s that bandwidth
 allows and the share of it reached. After the table, one decode step of each artifact is profiled: kernels
 by projection, the VM's overhead between them and the host-side Python/FFI. --profile-only skips the peers
@@ -42,11 +42,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from compiler import kv_cache_dtype
-from compiler.artifact import Artifact, load_artifact
-from compiler.host import default_bandwidth_mb, measure_read_bandwidth, numpy_read_bandwidth, set_threads
+from compiler.artifacts.artifact import Artifact, load_artifact
 from compiler.loaders.default_model import default_model_path
 from compiler.loaders.tokenizer import load_tokenizer
+from compiler.model_import import kv_cache_dtype
 from compiler.roofline import (
     ReadBytes,
     artifact_read_bytes,
@@ -57,6 +56,7 @@ from compiler.roofline import (
 )
 from compiler.runtime.profile import DEFAULT_STEPS, decoded_positions, format_profile, profile_decode_step
 from compiler.runtime.session import Session
+from compiler.target.host import default_bandwidth_mb, measure_read_bandwidth, numpy_read_bandwidth, set_threads
 
 PROMPT_TEXT = (
     "The history of computing is a story of layers. At the bottom, transistors switch on and off; above them, "

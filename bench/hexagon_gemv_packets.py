@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from compiler import roofline  # noqa: E402
 from compiler.errors import MobilecError  # noqa: E402
 from compiler.loaders.gguf_file import GGUFFile  # noqa: E402
-from compiler.targets import load_target  # noqa: E402
+from compiler.target.targets import load_target  # noqa: E402
 from compiler.testing import emulated_hexagon  # noqa: E402
 
 WORK = emulated_hexagon.REPO_ROOT / "build" / "hexagon-packets"

@@ -37,13 +37,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from compiler import validate
-from compiler.artifact import Artifact, load_artifact
+from compiler.artifacts.artifact import Artifact, load_artifact
 from compiler.errors import MobilecError
-from compiler.host import set_threads
 from compiler.loaders.default_model import default_model_path
 from compiler.loaders.gguf_file import GGUFFile
 from compiler.runtime.evaluate import _nll, eval_windows
 from compiler.runtime.session import Session
+from compiler.target.host import set_threads
 
 DEFAULT_TEXT = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
 

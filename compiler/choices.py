@@ -1,5 +1,5 @@
 """The named choices of options, in one place that imports nothing heavy: the CLI offers them (`import
-compiler.cli` must not import TVM) and the modules that implement them read them from here."""
+compiler.commands.cli` must not import TVM) and the modules that implement them read them from here."""
 
 # --decode-activations: the integer width of decode GEMV activations (kernels/integer_dot_gemv/)
 DECODE_ACTIVATIONS = ("int16", "int8")

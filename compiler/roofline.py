@@ -9,9 +9,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from . import kv_cache_dtype
-from .artifact import Artifact
+from .artifacts.artifact import Artifact
 from .errors import MobilecError
+from .model_import import kv_cache_dtype
 
 EMBEDDING = "model.embed_tokens."
 LM_HEAD = "lm_head."

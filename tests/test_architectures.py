@@ -13,14 +13,14 @@ import pytest
 import torch
 import tvm
 
-from compiler.artifact import CONFIG_FILE, load_artifact
-from compiler.build_plan import resolve_plan
-from compiler.compile_model import CompileOptions, compile_model
-from compiler.importer import import_model, open_model
+from compiler.artifacts.artifact import CONFIG_FILE, load_artifact
+from compiler.commands.compile_model import CompileOptions, compile_model
 from compiler.kernels.cpu_attention import DECODE_SYMBOL, PAGED_PREFILL_SYMBOL, RAGGED_SYMBOL
+from compiler.model_import.importer import import_model, open_model
 from compiler.passes.replace_cpu_attention import ReplaceCPUAttention
 from compiler.quantization.schemes import SCHEMES
 from compiler.runtime.session import Session
+from compiler.target.build_plan import resolve_plan
 from tests.helpers.reference import fake_quantized, kv_fake_quantized, reference_greedy
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 

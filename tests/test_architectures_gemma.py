@@ -14,20 +14,20 @@ import tvm
 from click.testing import CliRunner
 from tvm.relax.frontend.nn.llm.kv_cache import RopeMode
 
-from compiler.artifact import load_artifact
-from compiler.build_plan import resolve_plan
-from compiler.compile_model import CompileOptions, compile_model
-from compiler import pipeline
+from compiler.artifacts.artifact import load_artifact
+from compiler.codegen import pipeline
+from compiler.commands.cli import main
+from compiler.commands.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
-from compiler.cli import main
-from compiler.importer import import_model
 from compiler.kernels.cpu_attention import SLIDING_WINDOW_ATTR
 from compiler.loaders import open_checkpoint
 from compiler.loaders.tokenizer import load_tokenizer
+from compiler.model_import.importer import import_model
 from compiler.models.gemma import Gemma2Config, Gemma3TextConfig, GemmaForCausalLM
 from compiler.models.registry import family_for
 from compiler.passes.replace_cpu_attention import global_symbol
 from compiler.runtime.session import Session
+from compiler.target.build_plan import resolve_plan
 from tests.helpers.pocl_device import NEEDS_OPENCL, ON_POCL
 from tests.helpers.reference import llama_cpp_logits, reference_greedy
 from tests.helpers.tiny_models import build_model, random_model, save_compilable_checkpoint, write_gguf

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM
 
-from compiler.artifact import load_artifact
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.artifacts.artifact import load_artifact
+from compiler.commands.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
 from compiler.kernels.cpu_attention import SLIDING_WINDOW_ATTR
 from compiler.models.registry import family_for

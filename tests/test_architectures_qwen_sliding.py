@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from compiler.artifact import load_artifact
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.artifacts.artifact import load_artifact
+from compiler.commands.compile_model import CompileOptions, compile_model
 from compiler.kernels.cpu_attention import LAYER_SLIDING_WINDOW_ATTR, SLIDING_WINDOW_ATTR
 from compiler.models.registry import family_for
 from compiler.runtime.session import Session

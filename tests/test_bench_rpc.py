@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from compiler.artifact import CONFIG_FILE, PARAMS_DIR, PARAMS_INDEX, file_manifest, load_artifact
-from compiler.cli import main
+from compiler.artifacts.artifact import CONFIG_FILE, PARAMS_DIR, PARAMS_INDEX, file_manifest, load_artifact
+from compiler.commands.cli import main
 from compiler.runtime.bench import prompt_ids
 from compiler.runtime.remote import slot_name
 from compiler.runtime.session import Session
-from compiler.targets import load_target
+from compiler.target.targets import load_target
 from compiler.testing.local_rpc import LocalProcess, free_port, start_server, start_tracker, wait_until_free
 from tests.helpers.compiled_once import tiny_compiled_once
 
@@ -250,7 +250,7 @@ def test_library_for_another_architecture_is_refused_before_upload(tiny_artifact
     artifact = _copy(tiny_artifact, tmp_path)
     config = json.loads((artifact / CONFIG_FILE).read_text())
     config["target"]["tvm_target"]["mtriple"] = "aarch64-linux-gnu"
-    config["cpu"]["arch"] = "aarch64"  # what an aarch64 target records (compiler/cpu_check.py)
+    config["cpu"]["arch"] = "aarch64"  # what an aarch64 target records (compiler/target/cpu_check.py)
     (artifact / CONFIG_FILE).write_text(json.dumps(config))
     _assert_one_line_error(_bench_in_process(artifact, *BENCH_ARGS, "--rpc", address), "built for aarch64", "is x86_64")
     assert _device_files(device_dir, artifact) == {}

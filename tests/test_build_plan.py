@@ -6,11 +6,13 @@ import sys
 
 import pytest
 
-from compiler import isa, kv_cache_dtype, pipeline
-from compiler.build_plan import resolve_plan
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.codegen import pipeline
+from compiler.commands.compile_model import CompileOptions, compile_model
 from compiler.kernels import integer_dot_gemm, integer_dot_gemv
-from compiler.targets import available_targets, load_target
+from compiler.model_import import kv_cache_dtype
+from compiler.target import isa
+from compiler.target.build_plan import resolve_plan
+from compiler.target.targets import available_targets, load_target
 from tests.helpers.assertions import assert_mobilec_error
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 

@@ -1,5 +1,5 @@
-"""compiler/chat_prompt.py: the chat prompt split at compile time renders what transformers renders from the
-template itself, for released models' templates (tests/data/chat_templates) and SmolLM2's; templates it cannot
+"""compiler/model_import/chat_prompt.py: the chat prompt split at compile time renders what transformers renders from
+the template itself, for released models' templates (tests/data/chat_templates) and SmolLM2's; templates it cannot
 split are refused, not rendered wrong."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from unittest import mock
 
 import pytest
 
-from compiler import chat_prompt
-from compiler.artifact import load_artifact
+from compiler.artifacts.artifact import load_artifact
 from compiler.errors import MobilecError
+from compiler.model_import import chat_prompt
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 TEMPLATE_FILES = sorted(TEMPLATES.glob("*.jinja"))

@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 from safetensors.numpy import save_file
 
-from compiler.cli import main
-from compiler.targets import TARGETS_DIR
+from compiler.commands.cli import main
+from compiler.target.targets import TARGETS_DIR
 from tests.helpers.assertions import without_progress
 
 
@@ -78,7 +78,7 @@ def test_unsupported_model_type_lists_supported(tmp_path, out):
 def test_compile_help_lists_the_supported_model_types():
     from click.testing import CliRunner
 
-    from compiler.cli import main
+    from compiler.commands.cli import main
     from compiler.models.registry import FAMILIES
 
     text = " ".join(CliRunner().invoke(main, ["compile", "--help"]).output.split())
@@ -153,7 +153,7 @@ def test_real_entry_point_prints_no_traceback(tmp_path):
 
 
 def test_corrupted_weight_shard_at_generate_time(tmp_path):
-    from compiler.compile_model import CompileOptions, compile_model
+    from compiler.commands.compile_model import CompileOptions, compile_model
     from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
     save_compilable_checkpoint(build_model("llama_gqa"), tmp_path / "hf")

@@ -13,16 +13,16 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from compiler import host
-from compiler.cli import main
-from compiler.estimate import (COMPILE_BASE_BYTES, EstimateOptions, calibrate_peak_bytes, compile_peak_bytes,
+from compiler.commands.cli import main
+from compiler.commands.estimate import (COMPILE_BASE_BYTES, EstimateOptions, calibrate_peak_bytes, compile_peak_bytes,
                                estimate_memory, format_budget)
-from compiler.build_plan import resolve_plan
-from compiler.importer import import_model, open_model
 from compiler.loaders import open_checkpoint
+from compiler.model_import.importer import import_model, open_model
 from compiler.quantization import awq, group
 from compiler.quantization.group import output_layer_layout
 from compiler.quantization.schemes import get_scheme
+from compiler.target import host
+from compiler.target.build_plan import resolve_plan
 from tests.helpers.real_shapes import write_checkpoint, write_config
 from tests.helpers.tiny_models import build_model, save_hf, state_dict
 

@@ -15,15 +15,15 @@ import tvm
 from click.testing import CliRunner
 from tvm.target.codegen import llvm_get_cpu_features
 
-from compiler import host
-from compiler.artifact import CONFIG_FILE, load_artifact
-from compiler.cli import main
-from compiler.cpu_check import Cpu, check_cpu, cpu_entry, this_cpu
-from compiler.isa import code_cpu_isa
+from compiler.artifacts.artifact import CONFIG_FILE, load_artifact
+from compiler.commands.cli import main
 from compiler.errors import MobilecError
 from compiler.runtime import remote
 from compiler.runtime.session import Session
-from compiler.targets import load_target
+from compiler.target import host
+from compiler.target.cpu_check import Cpu, check_cpu, cpu_entry, this_cpu
+from compiler.target.isa import code_cpu_isa
+from compiler.target.targets import load_target
 from compiler.testing.local_rpc import LocalProcess, start_server
 from tests.helpers.compiled_once import tiny_compiled_once
 from tests.test_bench_rpc import (

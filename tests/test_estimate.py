@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from compiler.artifact import CONFIG_FILE, load_artifact
-from compiler.cli import main
-from compiler.compile_model import CompileOptions, compile_model
-from compiler.estimate import GIB, EstimateOptions, estimate_memory
-from compiler.targets import TARGETS_DIR
+from compiler.artifacts.artifact import CONFIG_FILE, load_artifact
+from compiler.commands.cli import main
+from compiler.commands.compile_model import CompileOptions, compile_model
+from compiler.commands.estimate import GIB, EstimateOptions, estimate_memory
+from compiler.target.targets import TARGETS_DIR
 from tests.helpers.assertions import assert_mobilec_error, without_progress
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 

@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from compiler import artifact as art
+from compiler.artifacts import artifact as art
+from compiler.artifacts.export import ShardWriter, atomic_directory
 from compiler.errors import MobilecError
-from compiler.export import ShardWriter, atomic_directory
 
 
 def _write_fake_artifact(root, tensors, versions=None):
@@ -24,7 +24,7 @@ def _write_fake_artifact(root, tensors, versions=None):
 
 
 def test_shards_align_every_tensor_and_round_trip(tmp_path, monkeypatch):
-    monkeypatch.setattr("compiler.export.SHARD_BYTES", 4096)  # force several shards
+    monkeypatch.setattr("compiler.artifacts.export.SHARD_BYTES", 4096)  # force several shards
     rng = np.random.default_rng(0)
     tensors = {f"t{i}": rng.standard_normal((7, 100 + i)).astype(dt) for i, dt in enumerate(["float32", "float16"] * 5)}
     _write_fake_artifact(tmp_path, tensors)

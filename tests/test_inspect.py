@@ -6,7 +6,7 @@ import re
 
 from click.testing import CliRunner
 
-from compiler.cli import main
+from compiler.commands.cli import main
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 

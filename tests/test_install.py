@@ -66,7 +66,8 @@ def test_installed_copy_finds_every_target_file_and_tuning_log(installed):
     venv, work, env = installed
     probe = """
 import json, sys, compiler
-from compiler import targets, tuning_log
+from compiler import tuning_log
+from compiler.target import targets
 from compiler.data_files import data_dir
 print(json.dumps({"compiler": compiler.__file__, "prefix": sys.prefix, "targets_dir": str(data_dir("targets")),
                   "targets": sorted(targets.available_targets()), "logs_dir": str(tuning_log.TUNING_LOGS_DIR),

@@ -10,7 +10,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from compiler import cli
+from compiler.commands import cli
 from tests.helpers.assertions import strict_json
 
 CLI_SOURCE = Path(cli.__file__)

@@ -14,8 +14,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from compiler.artifact import load_artifact
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.artifacts.artifact import load_artifact
+from compiler.commands.compile_model import CompileOptions, compile_model
 from compiler.loaders import open_checkpoint
 from compiler.runtime.bench import prompt_ids
 from compiler.runtime.session import Session

@@ -15,20 +15,20 @@ from click.testing import CliRunner
 import tvm
 from tvm import relax
 
-from compiler import kv_cache_dtype
-from compiler.artifact import CONFIG_FILE, load_artifact
-from compiler.build_plan import resolve_plan
-from compiler.cli import main
-from compiler.compile_model import CompileOptions, compile_model
-from compiler.estimate import GIB, EstimateOptions, estimate_memory
-from compiler.importer import import_model, open_model
+from compiler.artifacts.artifact import CONFIG_FILE, load_artifact
+from compiler.commands.cli import main
+from compiler.commands.compile_model import CompileOptions, compile_model
+from compiler.commands.estimate import GIB, EstimateOptions, estimate_memory
 from compiler.kernels.cpu_attention import AttentionShape
-from compiler.kv_cache_dtype import KV_FORMAT_ATTR, bytes_per_token_layer, resolve
+from compiler.model_import import kv_cache_dtype
+from compiler.model_import.importer import import_model, open_model
+from compiler.model_import.kv_cache_dtype import KV_FORMAT_ATTR, bytes_per_token_layer, resolve
 from compiler.models.llama import LlamaConfig
 from compiler.passes.replace_cpu_attention import decode_shape
 from compiler.quantization.schemes import get_scheme
 from compiler.runtime.session import Session
-from compiler.targets import TARGETS_DIR, available_targets, load_target, with_overrides
+from compiler.target.build_plan import resolve_plan
+from compiler.target.targets import TARGETS_DIR, available_targets, load_target, with_overrides
 from tests.helpers.assertions import assert_mobilec_error
 from tests.helpers.assertions import without_progress
 from tests.helpers.pocl_device import NEEDS_OPENCL, ON_POCL

@@ -12,12 +12,12 @@ import tarfile
 
 import pytest
 
-from compiler.artifact import CONFIG_FILE, PARAMS_INDEX
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.artifacts.artifact import CONFIG_FILE, PARAMS_INDEX
+from compiler.artifacts.tvm_runtime_libraries import tvm_libraries
+from compiler.commands.compile_model import CompileOptions, compile_model
+from compiler.commands.package import ANDROID_README, package
 from compiler.errors import MobilecError
-from compiler.package import ANDROID_README, package
-from compiler.targets import load_target
-from compiler.tvm_runtime_libraries import tvm_libraries
+from compiler.target.targets import load_target
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 pytestmark = pytest.mark.slow  # six compiles

@@ -8,9 +8,9 @@ import subprocess
 
 import pytest
 
-from compiler.artifact import CONFIG_FILE
+from compiler.artifacts.artifact import CONFIG_FILE
+from compiler.commands.package import PACKAGE_FILE, package
 from compiler.errors import MobilecError
-from compiler.package import PACKAGE_FILE, package
 from compiler.runtime.generate import GenerateOptions, generate_text
 
 pytestmark = pytest.mark.slow

@@ -17,14 +17,14 @@ import pytest
 import tvm
 from click.testing import CliRunner
 
-from compiler.artifact import load_artifact
-from compiler.cli import main
+from compiler.artifacts.artifact import load_artifact
+from compiler.codegen.call_sites import ATTENTION_BUILTIN, call_site_map, library_functions, vm_call_sites
+from compiler.commands.cli import main
 from compiler.errors import MobilecError
-from compiler.host import measure_read_bandwidth, numpy_read_bandwidth
 from compiler.roofline import artifact_read_bytes, gguf_read_bytes
-from compiler.call_sites import ATTENTION_BUILTIN, call_site_map, library_functions, vm_call_sites
 from compiler.runtime.profile import format_profile, profile_decode_step
 from compiler.runtime.session import Session
+from compiler.target.host import measure_read_bandwidth, numpy_read_bandwidth
 from tests.helpers.compiled_once import tiny_compiled_once
 from tests.helpers.tiny_models import SPECS, build_model, write_gguf
 

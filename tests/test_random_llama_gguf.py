@@ -20,8 +20,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 import bench.random_llama_gguf as rlg
-from compiler.artifact import load_artifact
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.artifacts.artifact import load_artifact
+from compiler.commands.compile_model import CompileOptions, compile_model
 from compiler.loaders import open_checkpoint
 from compiler.loaders.default_model import default_model_path
 from compiler.loaders.tokenizer import load_tokenizer

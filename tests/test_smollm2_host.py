@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from compiler.artifact import load_artifact
-from compiler.cli import main
+from compiler.artifacts.artifact import load_artifact
+from compiler.commands.cli import main
 from compiler.loaders.tokenizer import load_tokenizer
 from compiler.runtime.generate import generate
 from compiler.runtime.session import Session

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 CODE = """
-import os, compiler.host as host, tvm
+import os, compiler.target.host as host, tvm
 host.set_threads({threads})
 print(os.environ.get("TVM_NUM_THREADS"), tvm.get_global_func("runtime.NumThreads")())
 """
@@ -37,7 +37,7 @@ def test_threads_option_sets_the_variable():
 def test_threads_option_leaves_the_process_on_every_core():
     """TVM pins the thread that sizes its pool to that many cores; set_threads undoes it, so processes started
     later (bench's server, a subprocess) get every core this one had."""
-    code = ("import os, compiler.host as host; before = len(os.sched_getaffinity(0)); host.set_threads(1); "
+    code = ("import os, compiler.target.host as host; before = len(os.sched_getaffinity(0)); host.set_threads(1); "
             "print(before, len(os.sched_getaffinity(0)))")
     before, after = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                    check=True).stdout.split()

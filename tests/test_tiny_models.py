@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from compiler.artifact import load_artifact
+from compiler.artifacts.artifact import load_artifact
 from compiler.runtime.session import Session
 from tests.helpers.compiled_once import tiny_compiled_once
 from tests.helpers.reference import reference_greedy

@@ -23,19 +23,20 @@ import pytest
 import tvm_ffi
 from click.testing import CliRunner
 
-from compiler import pipeline, tuning_log
-from compiler.artifact import load_artifact
-from compiler.build_plan import resolve_plan
-from compiler.cli import main
-from compiler.compile_model import CompileOptions, compile_model
-from compiler.importer import import_model
+from compiler import tuning_log
+from compiler.artifacts.artifact import load_artifact
+from compiler.codegen import pipeline
+from compiler.commands.cli import main
+from compiler.commands.compile_model import CompileOptions, compile_model
+from compiler.commands.tune import TuneOptions, tune
 from compiler.loaders import open_checkpoint
+from compiler.model_import.importer import import_model
 from compiler.passes.apply_tuning_database import TUNED_ATTR
 from compiler.quantization.schemes import SCHEMES
 from compiler.runtime.session import Session
+from compiler.target.build_plan import resolve_plan
 from compiler.testing.local_rpc import start_server, start_tracker, wait_until_free
 from compiler.testing.processes import spawn
-from compiler.tune import TuneOptions, tune
 from tests.helpers.assertions import without_progress
 from tests.helpers.reference import fake_quantized, reference_greedy
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint

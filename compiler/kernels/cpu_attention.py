@@ -57,9 +57,9 @@ from tvm import tirx
 from tvm.script import tirx as T
 from tvm.target import Target
 
+from ..model_import.kv_cache_dtype import Carrier, carrier_for
+from ..target.isa import cpu_isa
 from . import paged_kv_signatures as signatures
-from ..isa import cpu_isa
-from ..kv_cache_dtype import Carrier, carrier_for
 
 DECODE_SYMBOL = "batch_decode_paged_kv_cpu"  # TVM's global symbols of the CPU kernels replaced here
 RAGGED_SYMBOL = "batch_prefill_ragged_kv"

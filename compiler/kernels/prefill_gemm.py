@@ -33,7 +33,7 @@ from collections.abc import Callable
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..isa import CpuIsa
+from ..target.isa import CpuIsa
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ from tvm.target import Target
 
 from ..errors import MobilecError
 from ..kernels.integer_dot_gemv import BATCH
-from ..kv_cache_dtype import Carrier, carrier_for
+from ..model_import.kv_cache_dtype import Carrier, carrier_for
 from .rotary import RotaryEmbedding
 
 

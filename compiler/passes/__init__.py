@@ -1,4 +1,4 @@
-"""Relax/TIR passes of the mobilec pipeline, one per module; compiler/pipeline.py orders them."""
+"""Relax/TIR passes of the mobilec pipeline, one per module; compiler/codegen/pipeline.py orders them."""
 
 import tvm_ffi
 

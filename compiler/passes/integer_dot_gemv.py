@@ -7,8 +7,15 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ..kernels.integer_dot_gemv import (ACTIVATION_BITS, BATCH, KERNEL_PREFIX, GemvShape, gemv, is_batch,
-                                       quantize_activation)
+from ..kernels.integer_dot_gemv import (
+    ACTIVATION_BITS,
+    BATCH,
+    KERNEL_PREFIX,
+    GemvShape,
+    gemv,
+    is_batch,
+    quantize_activation,
+)
 from ..quantization.modules import LAYOUT_ATTR
 from .ir_walk import rewrite_relax_functions
 
@@ -97,7 +104,7 @@ class _Rewriter(PyExprMutator):
 @tvm.transform.module_pass(opt_level=0, name="IntegerDotGEMV")
 class IntegerDotGEMV:  # pylint: disable=too-few-public-methods
     """Decode GEMVs of 4/8-bit group codes -> activation quantize + integer-dot GEMV: int16 (or int8) activations
-    times the codes in integer arithmetic, with the instructions of `dot_family` (compiler/isa.py; the pipeline
+    times the codes in integer arithmetic, with the instructions of `dot_family` (compiler/target/isa.py; the pipeline
     adds this step for CPUs that have one). After FuseTransposeMatmul and before FuseDequantizeMatmul (which fuses
     the dequantizes still left: prefill, shapes no variant takes)."""
 

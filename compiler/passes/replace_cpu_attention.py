@@ -64,7 +64,7 @@ from ..kernels.cpu_attention import (
     float_split_rotary,
     quantized_split_rotary,
 )
-from ..kv_cache_dtype import CODE_FORMATS, KV_FORMAT_ATTR, ROPE_ATTR
+from ..model_import.kv_cache_dtype import CODE_FORMATS, KV_FORMAT_ATTR, ROPE_ATTR
 
 
 def rope_of(mod: tvm.IRModule) -> tuple[float, dict[str, Any]]:

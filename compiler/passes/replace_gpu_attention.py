@@ -33,7 +33,7 @@ from ..kernels.gpu_attention import (
     gpu_merge_state,
     gpu_quantized_split_rotary,
 )
-from ..kv_cache_dtype import KV_FORMAT_ATTR
+from ..model_import.kv_cache_dtype import KV_FORMAT_ATTR
 from .replace_cpu_attention import (
     attention_settings,
     cache_rope_modes,

@@ -3,7 +3,7 @@
 Two kinds of functions are checked, whichever the module holds:
 - device kernels as SplitHostDevice leaves them (one PrimFunc per launch, calling_conv 2): threads per work
   group, local (shared) memory and argument count, against the attributes of the kernel's own TVM target
-  (max_num_threads, max_shared_memory_per_block, max_function_args; compiler/targets.py sets them from the
+  (max_num_threads, max_shared_memory_per_block, max_function_args; compiler/target/targets.py sets them from the
   target file's [device] table). A driver rejects such a kernel only when it is launched, on the phone.
 - Relax functions after memory planning: every storage allocation and every parameter tensor against the
   largest single allocation the device allows (Adreno: 1 GiB), where the size is known at compile time.

@@ -25,8 +25,16 @@ import numpy as np
 from .. import validate
 from ..errors import MobilecError
 from ..loaders import Checkpoint
-from .group import (GroupLayout, order_codes, output_layer_layout, pack_codes, plain_grid, quantize,
-                    scale_candidates, stored_codes)
+from .group import (
+    GroupLayout,
+    order_codes,
+    output_layer_layout,
+    pack_codes,
+    plain_grid,
+    quantize,
+    scale_candidates,
+    stored_codes,
+)
 
 METHODS = ("awq",)
 CALIB_WINDOWS, CALIB_WINDOW = 8, 512  # windows spread over the text: GPTQ overfits fewer tokens (K is 576-1536)

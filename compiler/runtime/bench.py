@@ -23,10 +23,10 @@ import numpy as np
 from tqdm import tqdm
 
 from .. import validate
-from ..artifact import Artifact, load_artifact
+from ..artifacts.artifact import Artifact, load_artifact
 from ..errors import MobilecError
 from ..roofline import artifact_read_bytes
-from ..targets import load_target
+from ..target.targets import load_target
 from .generate import peak_rss_mb
 from .remote import Device, check_device_options, check_runs_on, connect
 from .session import Session

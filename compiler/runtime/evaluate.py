@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 
 from .. import validate
-from ..artifact import Artifact, load_artifact
+from ..artifacts.artifact import Artifact, load_artifact
 from ..errors import MobilecError
-from ..host import set_threads
 from ..loaders.tokenizer import load_tokenizer
+from ..target.host import set_threads
 from .session import Session
 
 

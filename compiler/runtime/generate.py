@@ -9,12 +9,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .. import chat_prompt, validate
-from ..artifact import load_artifact
-from ..cpu_check import check_cpu, this_cpu
+from .. import validate
+from ..artifacts.artifact import load_artifact
 from ..errors import MobilecError
-from ..host import set_threads
 from ..loaders.tokenizer import load_tokenizer
+from ..model_import import chat_prompt
+from ..target.cpu_check import check_cpu, this_cpu
+from ..target.host import set_threads
 from .session import Session
 
 

@@ -26,12 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from .. import kv_cache_dtype, validate
-from ..artifact import Artifact, load_artifact
-from ..call_sites import ATTENTION_BUILTIN, stored_call_sites
+from .. import validate
+from ..artifacts.artifact import Artifact, load_artifact
+from ..codegen.call_sites import ATTENTION_BUILTIN, stored_call_sites
 from ..errors import MobilecError
-from ..host import measure_read_bandwidth, set_threads
+from ..model_import import kv_cache_dtype
 from ..roofline import artifact_read_bytes, floor_figures
+from ..target.host import measure_read_bandwidth, set_threads
 from .bench import device_decode_s
 from .remote import check_device_options, connect
 from .session import Session

@@ -33,11 +33,11 @@ from tqdm import tqdm
 from tvm import rpc
 
 from .. import rpc_peers, validate
-from ..artifact import PARAMS_DIR, Artifact
-from ..cpu_check import Cpu, check_cpu, this_cpu
+from ..artifacts.artifact import PARAMS_DIR, Artifact
 from ..errors import MobilecError
-from ..isa import arch_of_triple
 from ..rpc_peers import check_key, deadline, last_line, open_tracker
+from ..target.cpu_check import Cpu, check_cpu, this_cpu
+from ..target.isa import arch_of_triple
 
 TENSOR_CACHE_JSON = "tensor-cache.json"  # the file name vm.builtin.tensor_cache.load reads in its directory
 # A key no server accepts (TVM's clients send "client:..."): a TVM RPC server answers it with RPC_CODE_MISMATCH

@@ -9,7 +9,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..artifact import Artifact
+from ..artifacts.artifact import Artifact
 from ..errors import MobilecError
 from .remote import Device, check_runs_on, local_device
 

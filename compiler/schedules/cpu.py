@@ -1,7 +1,7 @@
 """dlight schedule rules for LLM kernels on CPUs (decode GEMV, prefill matmul, norms, elementwise).
 
 Apply after LegalizeOps/FuseOps/FuseTIR, inside ``with target:``:
-``tvm.s_tir.dlight.ApplyDefaultSchedule(*rules(isa))``, `isa` the target's instruction set (compiler/isa.py).
+``tvm.s_tir.dlight.ApplyDefaultSchedule(*rules(isa))``, `isa` the target's instruction set (compiler/target/isa.py).
 Weights are expected as W[N, K] row-major (FuseTransposeMatmul produces that), so every matmul reduces along a
 contiguous axis.
 """
@@ -19,8 +19,8 @@ from tvm.s_tir.dlight.cpu import Reduction
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
 
-from ..isa import CpuIsa
 from ..kernels import nt_matmul_access, prefill_gemm
+from ..target.isa import CpuIsa
 
 
 def _write_bits(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> int:

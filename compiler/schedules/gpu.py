@@ -21,7 +21,7 @@ from tvm.target import Target
 from ..quantization.group import NIBBLE_BLOCK
 from . import code_loads
 
-# Each section's fields and their types; compiler/targets.py validates target files against these.
+# Each section's fields and their types; compiler/target/targets.py validates target files against these.
 PARAMETERS: dict[str, dict[str, type]] = {
     "gemv": {"ts": int, "tr": int, "vec": int, "unroll": int, "row_threads": str},
     "matmul": {

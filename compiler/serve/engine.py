@@ -21,9 +21,9 @@ import numpy as np
 import psutil
 import tvm
 
-from .. import kv_cache_dtype
 from ..errors import MobilecError
 from ..kernels import integer_dot_gemv
+from ..model_import import kv_cache_dtype
 from ..runtime.generate import log_probabilities, sample
 from ..runtime.session import LoadedArtifact
 from .metrics import Metrics

@@ -498,9 +498,9 @@ def load_server(options: ServeOptions) -> Server:
     """The artifact loaded into an engine, behind the app (not listening yet)."""
     from pathlib import Path  # pylint: disable=import-outside-toplevel
 
-    from ..artifact import load_artifact  # pylint: disable=import-outside-toplevel
-    from ..cpu_check import check_cpu, this_cpu  # pylint: disable=import-outside-toplevel
-    from ..host import set_threads  # pylint: disable=import-outside-toplevel
+    from ..artifacts.artifact import load_artifact  # pylint: disable=import-outside-toplevel
+    from ..target.cpu_check import check_cpu, this_cpu  # pylint: disable=import-outside-toplevel
+    from ..target.host import set_threads  # pylint: disable=import-outside-toplevel
     from ..loaders.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
     from ..runtime.session import LoadedArtifact  # pylint: disable=import-outside-toplevel
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import MobilecError
-from ..targets import TargetSpec
+from ..target.targets import TargetSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NATIVE_DIR = REPO_ROOT / "native" / "hexagon"

@@ -1,7 +1,8 @@
 // chat_prompt.h: one user message's chat prompt from the artifact config's "chat_prompt" entry, which the compiler
-// splits out of the model's chat template (compiler/chat_prompt.py): the text before the message and after it, with
-// dates the template asks for kept as strftime formats, and the message as it is or stripped of whitespace as
-// Python's str.strip strips it. Renders what compiler/chat_prompt.py render() gives, without a Jinja engine.
+// splits out of the model's chat template (compiler/model_import/chat_prompt.py): the text before the message and
+// after it, with dates the template asks for kept as strftime formats, and the message as it is or stripped of
+// whitespace as Python's str.strip strips it. Renders what compiler/model_import/chat_prompt.py render() gives,
+// without a Jinja engine.
 #ifndef MOBILEC_NATIVE_RUNTIME_CHAT_PROMPT_H_
 #define MOBILEC_NATIVE_RUNTIME_CHAT_PROMPT_H_
 

@@ -29,9 +29,9 @@
  *
  * Chat: mobilec_chat_prompt renders one user message as the model's chat template does, whatever its family
  * (ChatML, Llama 3, Gemma, Phi-3, Mistral...): the compiler renders the template around a placeholder message and
- * stores the text before and after it in the artifact (compiler/chat_prompt.py), with the dates the template asks
- * for (Llama 3.2) written at call time. A template whose text around the message depends on the message is
- * refused with MOBILEC_ERROR_UNSUPPORTED: the caller renders such prompts itself and tokenizes them with
+ * stores the text before and after it in the artifact (compiler/model_import/chat_prompt.py), with the dates the
+ * template asks for (Llama 3.2) written at call time. A template whose text around the message depends on the
+ * message is refused with MOBILEC_ERROR_UNSUPPORTED: the caller renders such prompts itself and tokenizes them with
  * add_special_tokens = 0.
  */
 #ifndef MOBILEC_H_

@@ -1,5 +1,5 @@
-// mobilec_api.cc: the C API of mobilec.h over TVM's C++ runtime. What compiler/artifact.py load_artifact,
-// compiler/cpu_check.py, compiler/runtime/session.py Session and compiler/runtime/generate.py do in Python, with
+// mobilec_api.cc: the C API of mobilec.h over TVM's C++ runtime. What compiler/artifacts/artifact.py load_artifact,
+// compiler/target/cpu_check.py, compiler/runtime/session.py Session and compiler/runtime/generate.py do in Python, with
 // the same checks and messages, for CPU (llvm) artifacts in this process.
 #include "mobilec.h"
 
@@ -51,16 +51,16 @@
 #include "chat_prompt.h"
 #include "sha256.h"
 
-// What this runtime checks an artifact's "versions" against (compiler/native_runtime.py passes the versions of
-// the packages whose TVM libraries it links; an empty one is not checked).
+// What this runtime checks an artifact's "versions" against (compiler/artifacts/native_runtime.py passes the versions
+// of the packages whose TVM libraries it links; an empty one is not checked).
 #ifndef MOBILEC_VERSION
-#error "build with -DMOBILEC_VERSION=... (compiler/native_runtime.py does)"
+#error "build with -DMOBILEC_VERSION=... (compiler/artifacts/native_runtime.py does)"
 #endif
 #ifndef MOBILEC_TVM_VERSION
-#error "build with -DMOBILEC_TVM_VERSION=... (compiler/native_runtime.py does)"
+#error "build with -DMOBILEC_TVM_VERSION=... (compiler/artifacts/native_runtime.py does)"
 #endif
 #ifndef MOBILEC_TVM_FFI_VERSION
-#error "build with -DMOBILEC_TVM_FFI_VERSION=... (compiler/native_runtime.py does)"
+#error "build with -DMOBILEC_TVM_FFI_VERSION=... (compiler/artifacts/native_runtime.py does)"
 #endif
 
 namespace {
@@ -69,7 +69,7 @@ namespace fs = std::filesystem;
 namespace ffi = tvm::ffi;
 namespace json = tvm::ffi::json;
 
-// compiler/artifact.py's layout.
+// compiler/artifacts/artifact.py's layout.
 constexpr int64_t kFormatVersion = 3;
 constexpr const char* kConfigFile = "mobilec-config.json";
 constexpr const char* kParamsDir = "params";
@@ -117,7 +117,7 @@ mobilec_status Guarded(Body body) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// JSON values, read the way compiler/artifact.py reads them (Python's int excludes bool).
+// JSON values, read the way compiler/artifacts/artifact.py reads them (Python's int excludes bool).
 
 std::optional<int64_t> AsInt(const ffi::Any& value) {
   if (value.as<bool>().has_value()) return std::nullopt;
@@ -158,7 +158,7 @@ std::string ReadFile(const fs::path& path) {
   return content.str();
 }
 
-// compiler/artifact.py _read_json.
+// compiler/artifacts/artifact.py _read_json.
 json::Object ReadJsonObject(const fs::path& path, const std::string& what) {
   std::error_code ignored;
   if (!fs::exists(path, ignored)) {
@@ -189,7 +189,7 @@ std::string Sha256OfFile(const fs::path& path) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// The artifact, checked as compiler/artifact.py load_artifact checks it (same messages).
+// The artifact, checked as compiler/artifacts/artifact.py load_artifact checks it (same messages).
 
 struct Artifact {
   fs::path root;
@@ -321,8 +321,9 @@ Artifact LoadArtifact(const std::string& directory, bool sizes_only) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Whether this CPU runs the artifact's code (compiler/cpu_check.py check_cpu and runtime/remote.py check_runs_on):
-// the config's "cpu" names the architecture and the LLVM features the code uses; a missing one would be SIGILL.
+// Whether this CPU runs the artifact's code (compiler/target/cpu_check.py check_cpu and runtime/remote.py
+// check_runs_on): the config's "cpu" names the architecture and the LLVM features the code uses; a missing one
+// would be SIGILL.
 
 #if defined(__x86_64__)
 constexpr const char* kThisArch = "x86_64";
@@ -333,7 +334,7 @@ struct CpuidBit {
   int bit;
 };
 
-// compiler/isa.py X86_FEATURE_FLAGS's LLVM names, by their cpuid bit (Intel SDM vol. 2A, CPUID).
+// compiler/target/isa.py X86_FEATURE_FLAGS's LLVM names, by their cpuid bit (Intel SDM vol. 2A, CPUID).
 const std::unordered_map<std::string, CpuidBit>& X86FeatureBits() {
   static const std::unordered_map<std::string, CpuidBit> bits = {
       {"sse3", {1, 0, 2, 0}},           {"pclmul", {1, 0, 2, 1}},         {"ssse3", {1, 0, 2, 9}},
@@ -377,7 +378,7 @@ bool CpuHasFeature(const std::string& feature) {
 #elif defined(__aarch64__)
 constexpr const char* kThisArch = "aarch64";
 
-// compiler/isa.py AARCH64_FEATURE_FLAGS's LLVM names, by their Linux hwcap bit (asm/hwcap.h).
+// compiler/target/isa.py AARCH64_FEATURE_FLAGS's LLVM names, by their Linux hwcap bit (asm/hwcap.h).
 bool CpuHasFeature(const std::string& feature) {
   static const std::unordered_map<std::string, std::pair<unsigned long, int>> bits = {  // NOLINT(runtime/int)
       {"neon", {AT_HWCAP, 1}},       {"aes", {AT_HWCAP, 3}},        {"sha2", {AT_HWCAP, 6}},
@@ -1282,7 +1283,7 @@ mobilec_status mobilec_set_threads(mobilec_model* model, int32_t threads) {
     if (threads < 1) {
       Fail(MOBILEC_ERROR_INVALID_ARGUMENT, "--threads must be at least 1, got " + std::to_string(threads));
     }
-    // As compiler/host.py set_threads: the variable too (see PinThreadCountVariable), mode 0 = no core pinning.
+    // As compiler/target/host.py set_threads: the variable too (see PinThreadCountVariable), mode 0 = no core pinning.
     setenv(kThreadsVariable, std::to_string(threads).c_str(), 1);
     ffi::Function::GetGlobalRequired("runtime.config_threadpool")(0, threads);
   });

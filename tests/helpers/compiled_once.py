@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.commands.compile_model import CompileOptions, compile_model
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 

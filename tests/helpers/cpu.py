@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import tvm
 
-from compiler.host import host_features, host_target_json
-from compiler.isa import cpu_isa, missing_features
+from compiler.target.host import host_features, host_target_json
+from compiler.target.isa import cpu_isa, missing_features
 
 X86 = {"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu"}
-# one target per x86 integer dot-product family (compiler/isa.py)
+# one target per x86 integer dot-product family (compiler/target/isa.py)
 X86_FAMILY_TARGETS = {
     "avx2": tvm.target.Target({**X86, "mcpu": "x86-64-v3"}),
     "avxvnni": tvm.target.Target({**X86, "mcpu": "x86-64-v3", "mattr": ["+avxvnni"]}),

@@ -165,7 +165,7 @@ def _write_shard(path: Path, tensors: list[tuple[str, tuple[int, ...]]], seed: i
 def target_files(x86: bool) -> list[str]:
     """The target files whose CPU code is x86, or the others. `host` is left out: its code is this machine's CPU's,
     which x86-64-v3 (AVX2) or x86-64-v4 (AVX-512) builds already (CI's machines are one or the other)."""
-    from compiler.targets import available_targets, load_target  # pylint: disable=import-outside-toplevel
+    from compiler.target.targets import available_targets, load_target  # pylint: disable=import-outside-toplevel
 
     return [name for name in sorted(available_targets()) if name != "host"
             and ("x86_64" in str(load_target(name).model_target().export().get("mtriple", ""))) == x86]
@@ -185,9 +185,9 @@ def check_compiles(name: str, target: str, tmp_path: Path) -> None:
     """Import `name`'s shape for `target` with the target's default scheme and generate its code (no weights:
     the kernels depend on the shapes alone); an error fails the test with the one line a user would see."""
     # imported here: the test modules that only list SHAPES need no TVM
-    from compiler import hexagon, pipeline  # pylint: disable=import-outside-toplevel
-    from compiler.build_plan import resolve_plan  # pylint: disable=import-outside-toplevel
-    from compiler.importer import import_model, open_model  # pylint: disable=import-outside-toplevel
+    from compiler.codegen import hexagon, pipeline  # pylint: disable=import-outside-toplevel
+    from compiler.model_import.importer import import_model, open_model  # pylint: disable=import-outside-toplevel
+    from compiler.target.build_plan import resolve_plan  # pylint: disable=import-outside-toplevel
 
     plan = resolve_plan(target)
     with open_model(str(write_config(name, tmp_path / name)), weights_required=False) as ckpt:

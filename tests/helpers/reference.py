@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from compiler.kv_cache_dtype import CODE_FORMATS
+from compiler.model_import.kv_cache_dtype import CODE_FORMATS
 
 
 def reference_greedy(model, prompt_ids: list[int], n_tokens: int) -> tuple[list[int], np.ndarray, list[np.ndarray]]:

@@ -8,7 +8,7 @@ import functools
 
 import tvm
 
-from compiler import pipeline
+from compiler.codegen import pipeline
 from compiler.testing import pocl
 
 PREFILL = 7  # a prefill length that is not a multiple of any tile, so padding paths run
@@ -29,10 +29,10 @@ NOT_RUN = {
 def kernels(target_name: str, quant: str, compute_dtype: str = "float32"):
     """(spec, {name: (scheduled PrimFunc, PrimFunc before scheduling)}) for SmolLM2 on the target, computing in
     `compute_dtype` (float32 for PoCL, which has no fp16)."""
-    from compiler.build_plan import resolve_plan  # pylint: disable=import-outside-toplevel
-    from compiler.importer import import_model  # pylint: disable=import-outside-toplevel
     from compiler.loaders import open_checkpoint  # pylint: disable=import-outside-toplevel
     from compiler.loaders.default_model import default_model_path  # pylint: disable=import-outside-toplevel
+    from compiler.model_import.importer import import_model  # pylint: disable=import-outside-toplevel
+    from compiler.target.build_plan import resolve_plan  # pylint: disable=import-outside-toplevel
 
     plan = resolve_plan(target_name, quant, compute_dtype=compute_dtype)
     spec = plan.spec

@@ -17,8 +17,7 @@ from tvm.relax.frontend.nn.llm._decode_kernels import _attention_decode_cpu
 from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
 from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill_cpu, _attention_prefill_ragged_cpu
 
-from compiler import pipeline
-from compiler.build_plan import resolve_plan
+from compiler.codegen import pipeline
 from compiler.errors import MobilecError
 from compiler.kernels.cpu_attention import (
     ATTN_LOGIT_CAP_ATTR,
@@ -35,6 +34,7 @@ from compiler.kernels.cpu_attention import (
     vector_lanes,
 )
 from compiler.passes.replace_cpu_attention import ReplaceCPUAttention, decode_shape, ragged_shape
+from compiler.target.build_plan import resolve_plan
 from tests.helpers.cpu import X86_FAMILY_TARGETS, assembly, runs_here
 
 AVX512 = X86_FAMILY_TARGETS["avx512bw"]

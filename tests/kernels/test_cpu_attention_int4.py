@@ -31,7 +31,7 @@ from compiler.kernels.cpu_attention import (
     quantized_split_rotary,
     vector_lanes,
 )
-from compiler.kv_cache_dtype import CODE_FORMATS, KV_FORMAT_ATTR, Carrier
+from compiler.model_import.kv_cache_dtype import CODE_FORMATS, KV_FORMAT_ATTR, Carrier
 from compiler.passes.replace_cpu_attention import ReplaceCPUAttention
 from tests.kernels.test_cpu_attention import (
     PAGE,
@@ -374,8 +374,8 @@ def test_quantized_kernels_refuse_inline_rope(dtype):
 
 @pytest.fixture(scope="module")
 def tiny_int4_module(tmp_path_factory):
-    from compiler.build_plan import resolve_plan
-    from compiler.importer import import_model, open_model
+    from compiler.model_import.importer import import_model, open_model
+    from compiler.target.build_plan import resolve_plan
     from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
     d = tmp_path_factory.mktemp("tiny") / "hf"

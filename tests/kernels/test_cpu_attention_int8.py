@@ -30,7 +30,7 @@ from compiler.kernels.cpu_attention import (
     quantized_split_rotary,
     vector_lanes,
 )
-from compiler.kv_cache_dtype import CODE_FORMATS, KV_FORMAT_ATTR, Carrier
+from compiler.model_import.kv_cache_dtype import CODE_FORMATS, KV_FORMAT_ATTR, Carrier
 from compiler.passes.replace_cpu_attention import ReplaceCPUAttention, float_split_rotary_for, in_place_of
 from tests.kernels.test_cpu_attention import (
     PAGE,
@@ -296,8 +296,8 @@ def test_merge_state_merges_the_real_heads():
 
 @pytest.fixture(scope="module")
 def tiny_int8_module(tmp_path_factory):
-    from compiler.build_plan import resolve_plan
-    from compiler.importer import import_model, open_model
+    from compiler.model_import.importer import import_model, open_model
+    from compiler.target.build_plan import resolve_plan
     from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
     d = tmp_path_factory.mktemp("tiny") / "hf"
@@ -353,8 +353,8 @@ def test_pass_gives_an_int8_cache_the_models_rope_scaling(tmp_path):
     """A Llama 3.x model's int8 cache: the split + RoPE kernel gets its RoPE scaling, recorded by the importer
     (ROPE_ATTR; the attention kernels read K after RoPE, and have none); negative control: the plain kernel
     differs."""
-    from compiler.build_plan import resolve_plan
-    from compiler.importer import import_model, open_model
+    from compiler.model_import.importer import import_model, open_model
+    from compiler.target.build_plan import resolve_plan
     from tests.helpers.tiny_models import LLAMA3_ROPE, build_model, save_compilable_checkpoint
 
     save_compilable_checkpoint(build_model("llama3_rope"), tmp_path / "hf")

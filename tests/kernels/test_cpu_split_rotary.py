@@ -12,7 +12,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import RopeMode
 from tvm.relax.frontend.nn.llm.position_embedding import llama_rope_with_position_map
 
 from compiler.kernels.cpu_attention import float_split_rotary, vector_lanes
-from compiler.kv_cache_dtype import ROPE_ATTR
+from compiler.model_import.kv_cache_dtype import ROPE_ATTR
 from compiler.passes.replace_cpu_attention import ReplaceCPUAttention
 from tests.kernels.test_cpu_attention import AVX512, D, RUN, _tvm_cache_module
 from tests.kernels.test_cpu_attention_int8 import LLAMA3

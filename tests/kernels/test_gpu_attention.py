@@ -20,7 +20,7 @@ from compiler.kernels.gpu_attention import (
     gpu_attention_prefill_ragged,
     gpu_merge_state,
 )
-from compiler.targets import load_target
+from compiler.target.targets import load_target
 from compiler.testing import pocl
 from tests.kernels import test_cpu_attention as cpu
 

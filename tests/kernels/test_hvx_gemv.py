@@ -13,13 +13,13 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from compiler import hexagon
+from compiler.codegen import hexagon
 from compiler.errors import MobilecError
 from compiler.kernels import hvx_gemv
 from compiler.quantization import hvx_blocks
 from compiler.quantization.gguf_blocks import LAYOUTS, convert_blocks
 from compiler.quantization.group import GroupLayout, dequantize, quantize
-from compiler.targets import load_target
+from compiler.target.targets import load_target
 from compiler.testing import emulated_hexagon
 
 

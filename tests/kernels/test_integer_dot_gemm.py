@@ -9,9 +9,9 @@ import pytest
 import tvm
 from tvm.support import cc
 
-from compiler.isa import cpu_isa
 from compiler.kernels.integer_dot_gemm import TILE_M, GemmShape, family, gemm, quantize_rows
 from compiler.quantization import group
+from compiler.target.isa import cpu_isa
 from tests.helpers.cpu import assembly
 
 ARM = {"kind": "llvm", "mtriple": "aarch64-linux-gnu"}

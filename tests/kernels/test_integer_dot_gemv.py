@@ -10,9 +10,9 @@ import pytest
 import tvm
 from tvm.support import cc
 
-from compiler.isa import cpu_isa
 from compiler.kernels.integer_dot_gemv import BATCH, GemvShape, family, gemv, quantize_activation
 from compiler.quantization import group
+from compiler.target.isa import cpu_isa
 from tests.helpers.cpu import X86_FAMILY_TARGETS, assembly, runs_here
 
 N = 48
@@ -304,7 +304,7 @@ def test_family_follows_the_target():
     assert family(cpu_isa(tvm.target.Target({"kind": "opencl"}))) is None
 
 
-# aarch64: one target per integer dot-product family (compiler/isa.py), as the shipped target files use them
+# aarch64: one target per integer dot-product family (compiler/target/isa.py), as the shipped target files use them
 ARM = {"kind": "llvm", "mtriple": "aarch64-linux-gnu"}
 ARM_FAMILY_TARGETS = {
     "dotprod": tvm.target.Target({**ARM, "mcpu": "cortex-a76", "mattr": ["+neon", "+dotprod"]}),

@@ -1,5 +1,5 @@
 """The native runtime (native/runtime), built once per test session with the system compiler into a packaged layout
-(bin/, lib/, include/) by compiler/native_runtime.py."""
+(bin/, lib/, include/) by compiler/artifacts/native_runtime.py."""
 
 import os
 import shutil
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from compiler.native_runtime import build_runtime
+from compiler.artifacts.native_runtime import build_runtime
 
 COMPILER = os.environ.get("CXX", "g++")
 

@@ -1,5 +1,5 @@
-"""The native chat prompt (native/runtime/chat_prompt.cc) renders what compiler/chat_prompt.py renders from the
-same artifact config entry: released models' templates (tests/data/chat_templates), dates, Python's whitespace
+"""The native chat prompt (native/runtime/chat_prompt.cc) renders what compiler/model_import/chat_prompt.py renders from
+the same artifact config entry: released models' templates (tests/data/chat_templates), dates, Python's whitespace
 strip, and the same one-line refusals.
 
 The C++ is built once per session with the system compiler into a test driver (tests/native/chat_prompt_main.cc)."""
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from compiler import chat_prompt
 from compiler.errors import MobilecError
+from compiler.model_import import chat_prompt
 from tests.test_chat_prompt import BAD_TEMPLATES, FIXED_NOW, MESSAGES, TEMPLATE_FILES, _config
 
 REPO = Path(__file__).resolve().parents[2]

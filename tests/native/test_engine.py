@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from compiler.artifact import load_artifact
-from compiler.build_plan import resolve_plan
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.artifacts.artifact import load_artifact
+from compiler.commands.compile_model import CompileOptions, compile_model
 from compiler.runtime.session import LoadedArtifact
 from compiler.serve.engine import Engine
+from compiler.target.build_plan import resolve_plan
 from tests.helpers.tiny_models import build_model, save_hf
 from tests.helpers.tiny_tokenizer import BYTE_VOCAB_SIZE, save_byte_tokenizer
 from tests.native.conftest import c_client

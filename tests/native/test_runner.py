@@ -2,8 +2,8 @@
 for this machine: the same greedy tokens and text, the same --json fields, and the same one-line refusals (exit
 code 2) for bad artifacts, bad options, prompts past the context window and CPU features this machine lacks.
 
-The runtime is built once per session with the system compiler (compiler/native_runtime.py) into a packaged layout
-(bin/, lib/, include/), and run from there."""
+The runtime is built once per session with the system compiler (compiler/artifacts/native_runtime.py) into a packaged
+layout (bin/, lib/, include/), and run from there."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from compiler.artifact import load_artifact
-from compiler.cli import main
-from compiler.isa import feature_flags
+from compiler.artifacts.artifact import load_artifact
+from compiler.artifacts.native_runtime import build_runtime
+from compiler.commands.cli import main
 from compiler.loaders.tokenizer import load_tokenizer
-from compiler.native_runtime import build_runtime
+from compiler.target.isa import feature_flags
 from tests.helpers.assertions import strict_json
 from tests.native.conftest import COMPILER, c_client
 from tests.test_chat_prompt import TEMPLATES, _config
@@ -329,8 +329,8 @@ def cpu_flags() -> set[str]:
 
 
 def test_cpu_features_are_read_as_proc_cpuinfo_lists_them(runner, smollm2_gguf_exact, tmp_path):
-    """Every feature compiler/isa.py knows: one this machine lacks (by /proc/cpuinfo) is refused by name before the
-    library loads (it would be SIGILL); all those it has together run."""
+    """Every feature compiler/target/isa.py knows: one this machine lacks (by /proc/cpuinfo) is refused by name before
+    the library loads (it would be SIGILL); all those it has together run."""
     arch = {"x86_64": "x86_64", "aarch64": "aarch64"}.get(platform.machine())
     if arch is None:
         pytest.skip(f"no CPU features recorded for {platform.machine()}")
@@ -347,7 +347,7 @@ def test_cpu_features_are_read_as_proc_cpuinfo_lists_them(runner, smollm2_gguf_e
     done = run_native(runner, artifact, "--prompt", "hi", "--max-new-tokens", "1")
     assert done.returncode == 0, done.stderr
     if not missing:
-        pytest.skip("this CPU has every feature compiler/isa.py knows: no refusal to check")
+        pytest.skip("this CPU has every feature compiler/target/isa.py knows: no refusal to check")
 
 
 def test_another_architecture_is_refused(runner, smollm2_gguf_exact, tmp_path):
@@ -364,8 +364,8 @@ def test_aarch64_build_reads_the_cpu_features_from_hwcaps(smollm2_gguf_exact, tm
     cross, qemu = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64-static")
     if cross is None or qemu is None or not Path("/usr/aarch64-linux-gnu/lib").is_dir():
         pytest.skip("needs aarch64-linux-gnu-g++, qemu-aarch64-static and the aarch64 libc in /usr/aarch64-linux-gnu")
+    from compiler.artifacts.tvm_runtime_libraries import tvm_libraries
     from compiler.errors import MobilecError
-    from compiler.tvm_runtime_libraries import tvm_libraries
 
     try:
         libraries = tvm_libraries("aarch64")

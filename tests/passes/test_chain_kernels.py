@@ -12,14 +12,14 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
-from compiler import pipeline
-from compiler.compile_model import CompileOptions, compile_model
-from compiler.artifact import load_artifact
-from compiler.build_plan import resolve_plan
-from compiler.importer import import_model, open_model
-from compiler.inspect_ir import kernel_launches
+from compiler.artifacts.artifact import load_artifact
+from compiler.codegen import pipeline
+from compiler.commands.compile_model import CompileOptions, compile_model
+from compiler.commands.inspect_ir import kernel_launches
+from compiler.model_import.importer import import_model, open_model
 from compiler.passes.chain_kernels import ChainKernels
 from compiler.runtime.session import Session
+from compiler.target.build_plan import resolve_plan
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 

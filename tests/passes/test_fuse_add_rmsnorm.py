@@ -7,9 +7,9 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
-from compiler import pipeline
-from compiler.build_plan import resolve_plan
+from compiler.codegen import pipeline
 from compiler.passes.fuse_add_rmsnorm import FuseAddRMSNorm
+from compiler.target.build_plan import resolve_plan
 
 H, EPS = 48, 1e-5
 

@@ -8,15 +8,15 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
-from compiler import pipeline
-from compiler.build_plan import resolve_plan
-from compiler.importer import import_model
+from compiler.codegen import pipeline
 from compiler.loaders import open_checkpoint
+from compiler.model_import.importer import import_model
 from compiler.passes.fuse_dequantize_matmul import FuseDequantizeMatmul
 from compiler.passes.fuse_transpose_matmul import FuseTransposeMatmul
 from compiler.quantization.dequantize_te import dequantize_te
 from compiler.quantization.group import GroupLayout, dequantize, quantize
-from compiler.targets import TARGETS_DIR
+from compiler.target.build_plan import resolve_plan
+from compiler.target.targets import TARGETS_DIR
 from tests.helpers.tiny_models import build_model, save_hf
 
 K, N = 64, 24

@@ -11,9 +11,9 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from compiler.passes.fuse_gemv_prologue import FuseGEMVPrologue
-from compiler.schedules import gpu as gpu_schedules
-from compiler.targets import load_target
 from compiler.runtime import opencl_device
+from compiler.schedules import gpu as gpu_schedules
+from compiler.target.targets import load_target
 from tests.helpers.pocl_device import NEEDS_OPENCL
 
 

@@ -8,10 +8,10 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
-from compiler import pipeline
-from compiler.build_plan import resolve_plan
+from compiler.codegen import pipeline
 from compiler.passes.fuse_swiglu import FuseSwiGLU
-from compiler.targets import load_target
+from compiler.target.build_plan import resolve_plan
+from compiler.target.targets import load_target
 
 INTER = 40
 

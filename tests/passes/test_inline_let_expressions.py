@@ -5,10 +5,10 @@ import pytest
 import tvm
 from tvm.script import tirx as T
 
-from compiler import pipeline
-from compiler.build_plan import resolve_plan
-from compiler.importer import import_model, open_model
+from compiler.codegen import pipeline
+from compiler.model_import.importer import import_model, open_model
 from compiler.passes.inline_let_expressions import InlineLetExpressions
+from compiler.target.build_plan import resolve_plan
 from tests.helpers.real_shapes import write_config
 
 

@@ -9,13 +9,13 @@ import tarfile
 
 import pytest
 
-from compiler import pipeline
-from compiler.build_plan import resolve_plan
+from compiler.codegen import pipeline
 from compiler.kernels import integer_dot_gemm
 from compiler.passes.fuse_transpose_matmul import FuseTransposeMatmul
 from compiler.passes.integer_dot_gemm import IntegerDotGEMM
 from compiler.passes.integer_dot_gemv import IntegerDotGEMV
-from compiler.targets import load_target
+from compiler.target.build_plan import resolve_plan
+from compiler.target.targets import load_target
 from tests.passes.test_integer_dot_gemv import _callees, _module
 
 OBJDUMP = "llvm-objdump-15"

@@ -11,17 +11,17 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
-from compiler import pipeline
-from compiler.build_plan import resolve_plan
-from compiler.importer import import_model
-from compiler.isa import cpu_isa
+from compiler.codegen import pipeline
 from compiler.kernels import integer_dot_gemv
 from compiler.loaders import open_checkpoint
+from compiler.model_import.importer import import_model
 from compiler.passes.fuse_transpose_matmul import FuseTransposeMatmul
 from compiler.passes.integer_dot_gemv import IntegerDotGEMV
 from compiler.quantization.dequantize_te import dequantize_te
 from compiler.quantization.group import GroupLayout, dequantize, quantize
 from compiler.quantization.modules import LAYOUT_ATTR
+from compiler.target.build_plan import resolve_plan
+from compiler.target.isa import cpu_isa
 from tests.helpers.tiny_models import build_model, save_hf
 
 K, N = 128, 48

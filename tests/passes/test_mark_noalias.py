@@ -4,11 +4,11 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from compiler import pipeline
-from compiler.build_plan import resolve_plan
-from compiler.importer import import_model
+from compiler.codegen import pipeline
 from compiler.loaders import open_checkpoint
+from compiler.model_import.importer import import_model
 from compiler.passes.mark_noalias import MarkNoalias
+from compiler.target.build_plan import resolve_plan
 from tests.helpers.tiny_models import build_model, save_hf
 
 

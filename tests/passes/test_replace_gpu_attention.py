@@ -10,8 +10,7 @@ import tvm_ffi
 from tvm import relax
 from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
 
-from compiler import pipeline
-from compiler.build_plan import resolve_plan
+from compiler.codegen import pipeline
 from compiler.errors import MobilecError
 from compiler.kernels.cpu_attention import ATTN_LOGIT_CAP_ATTR, LAYER_SLIDING_WINDOW_ATTR, SLIDING_WINDOW_ATTR
 from compiler.kernels.cpu_attention import AttentionShape
@@ -23,10 +22,11 @@ from compiler.kernels.gpu_attention import (
     gpu_merge_state,
     gpu_quantized_split_rotary,
 )
-from compiler.kv_cache_dtype import KV_FORMAT_ATTR, carrier_for
+from compiler.model_import.kv_cache_dtype import KV_FORMAT_ATTR, carrier_for
 from compiler.passes.replace_cpu_attention import decode_shape, ragged_shape
 from compiler.passes.replace_gpu_attention import ReplaceGPUAttention
-from compiler.targets import load_target
+from compiler.target.build_plan import resolve_plan
+from compiler.target.targets import load_target
 
 TARGET = load_target("android-adreno").tvm_target()
 DECODE, RAGGED, PAGED = "tir_attention_decode", "tir_attention_prefill_ragged", "tir_attention_prefill"

@@ -6,7 +6,7 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
-from compiler.inspect_ir import kernel_launches
+from compiler.commands.inspect_ir import kernel_launches
 from compiler.passes.reuse_host_scalars import ReuseHostScalars
 
 

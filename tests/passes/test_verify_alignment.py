@@ -7,13 +7,13 @@ import tvm
 from tvm import relax
 from tvm.script import tirx as T
 
-from compiler import pipeline
-from compiler.artifact import load_artifact
-from compiler.build_plan import resolve_plan
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.artifacts.artifact import load_artifact
+from compiler.codegen import pipeline
+from compiler.commands.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
 from compiler.passes.verify_alignment import VerifyAlignment
 from compiler.runtime.session import Session
+from compiler.target.build_plan import resolve_plan
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 

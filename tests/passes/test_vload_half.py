@@ -15,7 +15,7 @@ from compiler.quantization import group
 from compiler.quantization.dequantize_te import dequantize_te
 from compiler.quantization.gguf_blocks import LAYOUTS
 from compiler.schedules import gpu as gpu_schedules
-from compiler.targets import load_target, with_overrides
+from compiler.target.targets import load_target, with_overrides
 
 
 @T.prim_func(private=True, s_tir=True)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from compiler.artifact import load_artifact
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.artifacts.artifact import load_artifact
+from compiler.commands.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
 from compiler.quantization import awq, group
 from compiler.quantization.schemes import get_scheme

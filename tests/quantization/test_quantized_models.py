@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from compiler.artifact import load_artifact
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.artifacts.artifact import load_artifact
+from compiler.commands.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
 from compiler.quantization.schemes import SCHEMES
 from compiler.runtime.session import Session

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from compiler.cli import main
+from compiler.commands.cli import main
 from tests.helpers.assertions import without_progress
 from tests.helpers.compiled_once import compiled_once
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from compiler.artifact import CONFIG_FILE, FORMAT_VERSION, PARAMS_INDEX, load_artifact
+from compiler.artifacts.artifact import CONFIG_FILE, FORMAT_VERSION, PARAMS_INDEX, load_artifact
 from compiler.errors import MobilecError
 from tests.robustness.conftest import one_line_error, run_cli, run_subprocess
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from compiler.artifact import load_artifact
+from compiler.artifacts.artifact import load_artifact
 from compiler.errors import MobilecError
 from compiler.loaders.tokenizer import load_tokenizer
 from compiler.runtime.generate import check_fits

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from compiler import validate
-from compiler.artifact import CONFIG_FILE, load_artifact
+from compiler.artifacts.artifact import CONFIG_FILE, load_artifact
+from compiler.artifacts.export import atomic_directory
 from compiler.errors import MobilecError
-from compiler.export import atomic_directory
 from tests.robustness.conftest import CONTEXT, one_line_error, run_cli
 
 pytestmark = pytest.mark.slow  # compiles into each kind of output path: ~1.5 minutes

@@ -17,9 +17,9 @@ import pytest
 from click.testing import CliRunner
 
 from compiler import stop_signals
-from compiler.artifact import PARTIAL_MARKER, load_artifact
-from compiler.cli import main
-from compiler.export import atomic_directory, remove_stale_partials
+from compiler.artifacts.artifact import PARTIAL_MARKER, load_artifact
+from compiler.artifacts.export import atomic_directory, remove_stale_partials
+from compiler.commands.cli import main
 from compiler.stop_signals import Terminated
 from tests.robustness.conftest import CONTEXT
 
@@ -143,16 +143,16 @@ def test_a_new_command_forgets_the_signals_of_an_earlier_one(tmp_path, monkeypat
 
 _SIGNAL_INSIDE_TVM = """
 import signal, sys
-import compiler.compile_model
+import compiler.commands.compile_model
 from compiler import stop_signals
-from compiler.cli import main
+from compiler.commands.cli import main
 
 def compile_model(options):
     if {signal_arrived}:
         stop_signals.note(signal.SIGTERM)  # what the handler does before it raises Terminated ...
     raise RuntimeError("15")  # ... which TVM's FFI hands back as an error of its own when raised in a callback
 
-compiler.compile_model.compile_model = compile_model
+compiler.commands.compile_model.compile_model = compile_model
 sys.argv = ["mobilec", "compile", "--model", "default", "-o", {out!r}]
 main()
 """

@@ -15,7 +15,7 @@ from transformers import LlamaConfig as HFLlamaConfig
 from compiler import validate
 from compiler.errors import MobilecError
 from compiler.models.llama import LlamaConfig
-from compiler.targets import TARGETS_DIR, load_target
+from compiler.target.targets import TARGETS_DIR, load_target
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 from tests.robustness.conftest import CONTEXT, one_line_error, run_cli, run_subprocess
 

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from tvm import rpc
 
 from compiler import board_folder, device_server
-from compiler.cli import main
+from compiler.commands.cli import main
 from compiler.testing.local_rpc import HOST, LocalProcess, free_port, start_tracker, wait_until_free
 from tests.helpers.pocl_device import NEEDS_OPENCL
 

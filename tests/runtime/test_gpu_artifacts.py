@@ -10,11 +10,11 @@ import json
 import numpy as np
 import pytest
 
-from compiler.artifact import CONFIG_FILE, load_artifact
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.artifacts.artifact import CONFIG_FILE, load_artifact
+from compiler.commands.compile_model import CompileOptions, compile_model
 from compiler.runtime.profile import profile_decode_step
 from compiler.runtime.session import Session
-from compiler.targets import load_target, with_overrides
+from compiler.target.targets import load_target, with_overrides
 from tests.helpers.assertions import assert_mobilec_error
 from tests.helpers.pocl_device import NEEDS_OPENCL, ON_POCL
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint

@@ -16,14 +16,14 @@ import pytest
 from click.testing import CliRunner
 
 from compiler import tuning_log
-from compiler.artifact import load_artifact
-from compiler.cli import main
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.artifacts.artifact import load_artifact
+from compiler.commands.cli import main
+from compiler.commands.compile_model import CompileOptions, compile_model
+from compiler.commands.tune import TuneOptions, tune
 from compiler.runtime import opencl_device
 from compiler.runtime.bench import generate, prompt_ids
 from compiler.runtime.session import Session
 from compiler.testing.local_rpc import start_server, start_tracker, wait_until_free
-from compiler.tune import TuneOptions, tune
 from tests.helpers.assertions import assert_mobilec_error
 from tests.helpers.pocl_device import (
     FP16_PLATFORM,

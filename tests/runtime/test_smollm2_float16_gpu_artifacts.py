@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from compiler.cli import main
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.commands.cli import main
+from compiler.commands.compile_model import CompileOptions, compile_model
 from compiler.runtime import opencl_device
 from compiler.testing.local_rpc import start_server, start_tracker, wait_until_free
 from tests.helpers.pocl_device import FP16_PLATFORM, NEEDS_X86_FOR_FP16, ON_FP16_OPENCL, fp16_platform_installed

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from compiler.artifact import CONFIG_FILE
-from compiler.cli import main
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.artifacts.artifact import CONFIG_FILE
+from compiler.commands.cli import main
+from compiler.commands.compile_model import CompileOptions, compile_model
 from tests.helpers.pocl_device import NEEDS_OPENCL, ON_POCL
 
 pytestmark = [pytest.mark.slow,  # three compiles, 32 tokens decoded on PoCL, short evals: ~3 minutes

@@ -11,12 +11,12 @@ from tvm.relax.backend.cpu_generic import pipeline as cp
 from tvm.s_tir import dlight as dl
 from tvm.script import tirx as T
 
-from compiler.host import host_features
-from compiler.isa import cpu_isa, missing_features
 from compiler.kernels import prefill_gemm
 from compiler.passes.fuse_transpose_matmul import FuseTransposeMatmul
 from compiler.quantization import dequantize_te, group
 from compiler.schedules import cpu
+from compiler.target.host import host_features
+from compiler.target.isa import cpu_isa, missing_features
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 ISA = cpu_isa(TARGET)

@@ -5,8 +5,8 @@ import tvm
 import tvm_ffi
 from tvm.script import tirx as T
 
-from compiler.isa import cpu_isa
 from compiler.schedules.cpu import DecodeGEMV, Elementwise, PrefillMatmul, RowReduction
+from compiler.target.isa import cpu_isa
 
 AVX2 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v3", "num-cores": 2})
 ISA = cpu_isa(AVX2)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.commands.compile_model import CompileOptions, compile_model
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 CONTEXT_WINDOW = 128

@@ -3,7 +3,7 @@
 import pytest
 from click.testing import CliRunner
 
-from compiler.cli import main
+from compiler.commands.cli import main
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -9,12 +9,12 @@ import psutil
 import pytest
 import tvm
 
-from compiler.artifact import load_artifact
-from compiler.build_plan import resolve_plan
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.artifacts.artifact import load_artifact
+from compiler.commands.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
 from compiler.runtime.session import LoadedArtifact, Session
 from compiler.serve.engine import Engine, Failed, Finished, QueueFull, Request, SamplingParams, Token, kv_cache_bytes
+from compiler.target.build_plan import resolve_plan
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 from tests.serve.conftest import CONTEXT_WINDOW
 

@@ -20,7 +20,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from compiler.artifact import load_artifact
+from compiler.artifacts.artifact import load_artifact
 from compiler.runtime.session import Session
 from tests.serve.conftest import CONTEXT_WINDOW
 

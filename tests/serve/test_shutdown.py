@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.commands.compile_model import CompileOptions, compile_model
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 from tests.serve.test_http import MODEL, ServerProcess
 

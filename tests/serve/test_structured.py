@@ -9,7 +9,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.commands.compile_model import CompileOptions, compile_model
 from compiler.loaders.default_model import default_model_path
 from tests.helpers.tiny_models import build_model, save_hf
 from tests.serve.test_http import ServerProcess

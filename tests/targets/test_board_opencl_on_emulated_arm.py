@@ -11,9 +11,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from compiler.artifact import load_artifact
-from compiler.cli import main
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.artifacts.artifact import load_artifact
+from compiler.commands.cli import main
+from compiler.commands.compile_model import CompileOptions, compile_model
 from compiler.runtime.bench import generate, prompt_ids
 from compiler.runtime.session import Session
 from tests.helpers.pocl_device import NEEDS_OPENCL

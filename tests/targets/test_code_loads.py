@@ -17,7 +17,7 @@ from tvm.s_tir import dlight
 from compiler.quantization.dequantize_te import dequantize_te
 from compiler.quantization.schemes import get_scheme
 from compiler.schedules import code_loads, gpu
-from compiler.targets import load_target
+from compiler.target.targets import load_target
 from compiler.testing import pocl
 
 TARGETS = ["android-adreno", "android-mali"]

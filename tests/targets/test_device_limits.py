@@ -4,11 +4,11 @@ import pytest
 import tvm
 from tvm import relax, s_tir, te
 
-from compiler import pipeline
-from compiler.build_plan import resolve_plan
+from compiler.codegen import pipeline
 from compiler.errors import MobilecError
 from compiler.passes.verify_device_limits import VerifyDeviceLimits
-from compiler.targets import TARGETS_DIR
+from compiler.target.build_plan import resolve_plan
+from compiler.target.targets import TARGETS_DIR
 
 
 def _module(threads: int, n_inputs: int = 1):

@@ -6,7 +6,7 @@ from tvm import te, tirx
 from tvm.s_tir import dlight
 
 from compiler.schedules import gpu
-from compiler.targets import load_target
+from compiler.target.targets import load_target
 
 
 def _nt_matmul(m):

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import tvm
 
-from compiler import hexagon
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.codegen import hexagon
+from compiler.commands.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
 from compiler.quantization.group import GroupLayout, dequantize
-from compiler.targets import load_target
+from compiler.target.targets import load_target
 from compiler.testing import emulated_hexagon
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 

@@ -22,8 +22,8 @@ import pytest
 import tvm
 from tvm.relax import VMExecutable
 
-from compiler import pipeline
-from compiler.compile_model import CompileOptions, compile_model
+from compiler.codegen import pipeline
+from compiler.commands.compile_model import CompileOptions, compile_model
 from compiler.runtime import opencl_device
 from tests.helpers.pocl_device import ON_POCL
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint

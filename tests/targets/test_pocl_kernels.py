@@ -1,6 +1,6 @@
 """SmolLM2's OpenCL kernels (android-adreno, android-mali) run on PoCL and match the same PrimFuncs on the CPU.
 
-The model is imported and taken through compiler.pipeline up to and including the `schedule` step; every
+The model is imported and taken through compiler.codegen.pipeline up to and including the `schedule` step; every
 PrimFunc our GPU rules scheduled is built for the target (OpenCL), its kernels run on PoCL (CPU OpenCL, see
 compiler/testing/pocl.py) with random inputs, and the result is compared with the PrimFunc as it was before
 scheduling, built for llvm and run on the same inputs. Dynamic dimensions are bound to concrete values: the

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from compiler.artifact import load_artifact
-from compiler.compile_model import CompileOptions, compile_model
-from compiler.package import package
+from compiler.artifacts.artifact import load_artifact
+from compiler.commands.compile_model import CompileOptions, compile_model
+from compiler.commands.package import package
 from compiler.runtime.bench import prompt_ids
 from compiler.runtime.session import Session
-from compiler.targets import TARGETS_DIR
+from compiler.target.targets import TARGETS_DIR
 from tests.helpers.compiled_once import compiled_once
 
 PROMPT_LEN, GEN_LEN = 8, 6  # qemu runs SmolLM2 at a few tokens per second
@@ -76,7 +76,7 @@ def test_arm64_build_on_the_emulated_device_gives_the_x86_tokens(tmp_path, tmp_p
     vpmaddwd on x86): 32 greedy tokens on the emulated device equal the x86 host build's. int8 (llama.cpp's rounding
     on both): fed the device's tokens, the x86 build picks the same token at INT8_SAME_SHARE of the steps and at the
     others ranks the device's token within INT8_NEAR_TIE of its own."""
-    from compiler.build_plan import resolve_plan
+    from compiler.target.build_plan import resolve_plan
 
     if not resolve_plan("host").integer_decode:
         pytest.skip("this CPU has no x86 integer GEMV to compare with")

@@ -7,11 +7,12 @@ import tomllib
 import pytest
 from click.testing import CliRunner
 
-from compiler import host, link
-from compiler.cli import main
+from compiler.codegen import link
+from compiler.commands.cli import main
 from compiler.errors import MobilecError
-from compiler.isa import cpu_isa
-from compiler.targets import TARGETS_DIR, available_targets, load_target
+from compiler.target import host
+from compiler.target.isa import cpu_isa
+from compiler.target.targets import TARGETS_DIR, available_targets, load_target
 
 SHIPPED = ["android-adreno", "android-arm64", "android-mali", "hexagon-npu", "host", "linux-arm64",
            "x86-64-v3", "x86-64-v4"]
@@ -156,7 +157,7 @@ def test_cross_compiler_present():
 def test_cli_bad_target_file_is_one_line(tmp_path):
     from click.testing import CliRunner  # pylint: disable=import-outside-toplevel
 
-    from compiler.cli import main  # pylint: disable=import-outside-toplevel
+    from compiler.commands.cli import main  # pylint: disable=import-outside-toplevel
 
     path = _edited(tmp_path, "linux-arm64", 'compiler = "aarch64-linux-gnu-g++"', 'compiler = "no-such-g++"')
     result = CliRunner().invoke(main, ["compile", "--target", path, "--output", str(tmp_path / "out")])

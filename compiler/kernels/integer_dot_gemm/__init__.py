@@ -36,8 +36,8 @@ import functools
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ...isa import CpuIsa
 from ...quantization.group import ORDER_MARKS, signed_codes, takes_code_order
+from ...target.isa import CpuIsa
 from . import arm
 
 BLOCK = 32  # activation values per scale, and the values of one block product
@@ -48,8 +48,8 @@ QMAX = 127
 
 
 def family(isa: CpuIsa | None) -> str | None:
-    """The integer matrix family the GEMM uses on a CPU of instruction set `isa` (compiler/isa.py; None: not a CPU
-    target), or None where it has no variant."""
+    """The integer matrix family the GEMM uses on a CPU of instruction set `isa` (compiler/target/isa.py; None: not a
+    CPU target), or None where it has no variant."""
     if isa is None or isa.arch != "aarch64" or isa.int_dot not in arm.FAMILIES:
         return None
     return isa.int_dot

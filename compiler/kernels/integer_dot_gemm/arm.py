@@ -27,7 +27,7 @@ from tvm.script import tirx as T
 
 from ...quantization.group import paired_position
 
-# int_dot family (compiler/isa.py) -> X rows per 16-byte activation vector: smmla pairs, sdot fours
+# int_dot family (compiler/target/isa.py) -> X rows per 16-byte activation vector: smmla pairs, sdot fours
 ROWS_PER_VECTOR = {"i8mm": 2, "dotprod": 4}
 FAMILIES = tuple(ROWS_PER_VECTOR)
 LANES = 4  # int32 lanes of a tile

@@ -5,8 +5,8 @@ value, results equal to the float GEMV's to ~2e-5; the default of targets whose 
 `--decode-activations int8` (the ARM targets' default, targets/*.toml device.decode_activations), to int8 as
 llama.cpp does for its Q4/Q8 dot products (~100x the error, ~1.4x faster). The inner loop then multiplies
 codes by activations in integer arithmetic instead of widening every code to float: the instructions are the
-CPU's integer dot-product family (compiler/isa.py), one variant file per architecture (x86.py: `vpmaddwd` for int16
-on AVX-512BW or AVX2, `vpdpbusd` for int8 with VNNI, else `vpmaddubsw` + `vpmaddwd`; arm.py: NEON `sdot`, `usdot`
+CPU's integer dot-product family (compiler/target/isa.py), one variant file per architecture (x86.py: `vpmaddwd` for
+int16 on AVX-512BW or AVX2, `vpdpbusd` for int8 with VNNI, else `vpmaddubsw` + `vpmaddwd`; arm.py: NEON `sdot`, `usdot`
 with i8mm, int16 as two int8 planes). Per 32-code block the int32 sum is scaled once:
 
     sum_k w_k x_k = sum_blocks d * xs * sum_j c_j q_j  +  m * xs * sum_j q_j,     w = d c + m,  x = xs q
@@ -41,8 +41,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...choices import DECODE_ACTIVATIONS
-from ...isa import CpuIsa
 from ...quantization.group import FALLBACK, ORDER_MARKS, signed_codes, takes_code_order
+from ...target.isa import CpuIsa
 from . import arm, x86
 
 BLOCK = 32  # activation values per scale, and codes per int32 block sum
@@ -52,7 +52,7 @@ ROWS_PER_TASK = 16
 # with the hardware prefetcher alone, went 1.29 -> 1.44 ms with it.
 PREFETCH_BYTES = 2048
 ACTIVATION_BITS = tuple(int(name.removeprefix("int")) for name in DECODE_ACTIVATIONS)  # (16, 8)
-# architecture -> the variant file with its families (compiler/isa.py INT_DOT_FAMILIES) and dot step
+# architecture -> the variant file with its families (compiler/target/isa.py INT_DOT_FAMILIES) and dot step
 VARIANTS = {"x86_64": x86, "aarch64": arm}
 
 
@@ -92,7 +92,8 @@ def _variant(name: str):
 @dataclasses.dataclass(frozen=True)
 class GemvShape:
     """y[n] = sum_k W[n, k] x[k], W stored as `bits`-bit codes with one scale (and min) per `group` values;
-    activations quantized to `act_bits` (16 or 8), multiplied with the instructions of `family` (compiler/isa.py)."""
+    activations quantized to `act_bits` (16 or 8), multiplied with the instructions of `family`
+    (compiler/target/isa.py)."""
 
     n: int
     k: int

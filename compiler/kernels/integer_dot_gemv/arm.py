@@ -1,7 +1,7 @@
 """aarch64 variants of the integer decode GEMV's step: 4 blocks of 32 codes times their activations into 4 int32
-lanes, one per block, with NEON's int8 dot products (compiler/isa.py families "dotprod" and "i8mm"). The algorithm
-around it (compiler/kernels/integer_dot_gemv) is the one x86 uses; this file says how a step is computed, in which
-order the activation kernel stores activations, and how many rows step together.
+lanes, one per block, with NEON's int8 dot products (compiler/target/isa.py families "dotprod" and "i8mm"). The
+algorithm around it (compiler/kernels/integer_dot_gemv) is the one x86 uses; this file says how a step is computed, in
+which order the activation kernel stores activations, and how many rows step together.
 
 - A whole 4-bit step (4 blocks, 64 bytes of codes) is 4 vectors each holding 4 code bytes of every block, block i
   in lane i, so after AND 0x0F (low nibbles) and a shift by 4 (high nibbles) every `sdot` (16 int8 products summed

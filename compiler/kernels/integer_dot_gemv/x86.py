@@ -1,5 +1,5 @@
 """x86 variants of the integer decode GEMV's step: a vector of code bytes times their activations into int32 lanes, per
-integer dot-product family of compiler/isa.py, and the order the activation kernel stores activations in so that
+integer dot-product family of compiler/target/isa.py, and the order the activation kernel stores activations in so that
 each instruction reads them contiguously. The algorithm around it (compiler/kernels/integer_dot_gemv) is the same
 for every family.
 

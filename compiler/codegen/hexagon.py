@@ -18,10 +18,10 @@ import tvm
 import tvm_ffi
 from tvm import relax, tirx
 
-from .errors import MobilecError
-from .passes.ir_walk import tir_statements
+from ..errors import MobilecError
+from ..passes.ir_walk import tir_statements
+from ..target.targets import TargetSpec
 from .pipeline import naming_failures
-from .targets import TargetSpec
 
 OBJECT = "hexagon/kernels.o"
 SHARED = "hexagon/kernels.so"

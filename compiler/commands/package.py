@@ -22,12 +22,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import link, native_runtime
-from .artifact import CONFIG_FILE, file_manifest, foreign_files, installed_versions, load_artifact
-from .errors import MobilecError
-from .export import atomic_directory
-from .tvm_runtime_libraries import host_arch, libraries_in, tvm_libraries
-from .targets import load_target
+from ..artifacts import native_runtime
+from ..artifacts.artifact import CONFIG_FILE, file_manifest, foreign_files, installed_versions, load_artifact
+from ..artifacts.export import atomic_directory
+from ..artifacts.tvm_runtime_libraries import host_arch, libraries_in, tvm_libraries
+from ..codegen import link
+from ..errors import MobilecError
+from ..target.targets import load_target
 
 PACKAGE_FILE = "mobilec-package.json"
 ANDROID_README = "README-android.md"

@@ -19,7 +19,7 @@ import time
 from typing import Any
 from unittest import mock
 
-from .errors import MobilecError
+from ..errors import MobilecError
 
 # Private-use characters no template writes: the markers of the message and of the date format
 _OPEN, _CLOSE = "\ue000", "\ue001"

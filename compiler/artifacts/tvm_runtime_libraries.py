@@ -12,10 +12,10 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from ..errors import MobilecError
+from ..user_cache import cache_path
 from .artifact import installed_versions
-from .errors import MobilecError
 from .native_runtime import TvmLibraries, host_tvm_libraries
-from .user_cache import cache_path
 
 # architecture -> the wheel platform tags of its Linux builds (the newest first)
 WHEEL_PLATFORMS = {"aarch64": ("manylinux_2_28_aarch64", "manylinux2014_aarch64")}

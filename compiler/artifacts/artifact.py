@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import MobilecError
+from ..errors import MobilecError
 
 # 2: the config lists every file of the artifact with its size and sha256 ("files"), the library included.
 FORMAT_VERSION = 3
@@ -23,7 +23,7 @@ PARAMS_INDEX = "params/index.json"
 TOKENIZER_DIR = "tokenizer"
 ALIGNMENT = 64  # bytes; every tensor in a shard starts on this boundary so it can be mapped without a copy
 SHARD_BYTES = 32 * 1024 * 1024
-# In every temporary directory a compile writes into (compiler/export.py), never in a finished artifact.
+# In every temporary directory a compile writes into (compiler/artifacts/export.py), never in a finished artifact.
 PARTIAL_MARKER = ".mobilec-partial"
 # What the top level of an artifact holds; an artifact written before its config listed its files has no more.
 TOP_LEVEL = (CONFIG_FILE, LIBRARY_DIR, PARAMS_DIR, TOKENIZER_DIR)

@@ -10,11 +10,12 @@ from typing import Any
 import tvm
 from tvm import relax, tirx
 
-from . import pipeline, validate
-from .call_sites import ATTENTION_BUILTIN
-from .build_plan import BuildPlan, resolve_plan
-from .errors import MobilecError
-from .importer import import_model, open_model
+from .. import validate
+from ..codegen import pipeline
+from ..codegen.call_sites import ATTENTION_BUILTIN
+from ..errors import MobilecError
+from ..model_import.importer import import_model, open_model
+from ..target.build_plan import BuildPlan, resolve_plan
 
 
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")

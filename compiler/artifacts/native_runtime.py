@@ -18,9 +18,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from ..data_files import data_dir
+from ..errors import MobilecError
 from .artifact import installed_versions
-from .data_files import data_dir
-from .errors import MobilecError
 
 SOURCE_DIR = data_dir("native") / "runtime"  # the checkout's, or the installed copy (pyproject data-files)
 LIBRARY_SOURCES = ("mobilec_api.cc", "bpe_tokenizer.cc", "chat_prompt.cc", "sha256.cc")

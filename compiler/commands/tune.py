@@ -34,13 +34,14 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 from tvm.support import cc
 
-from . import link, pipeline, tuning_log, validate
-from .choices import TUNE_FUNCTIONS
-from .build_plan import BuildPlan, resolve_plan
-from .errors import MobilecError
-from .importer import import_model, open_model
-from .rpc_peers import check_key, last_line, open_tracker
-from .targets import TargetSpec
+from .. import tuning_log, validate
+from ..choices import TUNE_FUNCTIONS
+from ..codegen import link, pipeline
+from ..errors import MobilecError
+from ..model_import.importer import import_model, open_model
+from ..rpc_peers import check_key, last_line, open_tracker
+from ..target.build_plan import BuildPlan, resolve_plan
+from ..target.targets import TargetSpec
 
 # A round gives one kernel this many trials, then the next kernel has its turn: a --max-seconds budget then
 # leaves every kernel some tuning instead of all of it to the first.

@@ -19,16 +19,19 @@ import tvm
 from tvm import relax, tirx
 from tvm.sym.analyzer import Analyzer
 
-from . import host, kv_cache_dtype, pipeline, roofline
-from .build_plan import BuildPlan, resolve_plan
-from .errors import MobilecError
-from .importer import PAGE_SIZE, ImportedModel, import_model, open_model, tensor_bytes
-from .loaders import Checkpoint, ConfigCheckpoint
-from .models.llama import LlamaConfig
-from .quantization import awq, group
-from .quantization.schemes import SCHEMES, Scheme
-from .targets import TargetSpec
-from .validate import USABLE_CORES
+from .. import roofline
+from ..codegen import pipeline
+from ..errors import MobilecError
+from ..loaders import Checkpoint, ConfigCheckpoint
+from ..model_import import kv_cache_dtype
+from ..model_import.importer import PAGE_SIZE, ImportedModel, import_model, open_model, tensor_bytes
+from ..models.llama import LlamaConfig
+from ..quantization import awq, group
+from ..quantization.schemes import SCHEMES, Scheme
+from ..target import host
+from ..target.build_plan import BuildPlan, resolve_plan
+from ..target.targets import TargetSpec
+from ..validate import USABLE_CORES
 
 MARGIN = 0.2  # the runtime, library, tokenizer and allocator slack the count above does not see
 GIB = 2**30  # target files give ram_gb and max_alloc_gb in GiB, as passes/verify_device_limits.py reads the latter

@@ -10,30 +10,30 @@ from tvm import relax, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 from tvm.s_tir import dlight
 
-from . import stop_signals
-from .build_plan import BuildPlan
-from .errors import MobilecError
-from .passes.apply_tuning_database import ApplyTuningDatabase
-from .passes.chain_kernels import ChainKernels
-from .passes.fuse_add_rmsnorm import FuseAddRMSNorm
-from .passes.fuse_dequantize_matmul import FuseDequantizeMatmul
-from .passes.fuse_gemv_prologue import FuseGEMVPrologue
-from .passes.fuse_swiglu import FuseSwiGLU
-from .passes.fuse_transpose_matmul import FuseTransposeMatmul
-from .passes.guard_kv_append import GuardKVAppend
-from .passes.integer_dot_gemm import IntegerDotGEMM
-from .passes.inline_let_expressions import InlineLetExpressions
-from .passes.integer_dot_gemv import IntegerDotGEMV
-from .passes.mark_noalias import MarkNoalias
-from .passes.replace_cpu_attention import ReplaceCPUAttention
-from .passes.replace_gpu_attention import ReplaceGPUAttention
-from .passes.reuse_host_scalars import ReuseHostScalars
-from .passes.verify_alignment import VerifyAlignment
-from .passes.verify_device_limits import VerifyDeviceLimits
-from .passes.vload_half import VloadHalf, opencl_half_pointers
-from .schedules import cpu as cpu_schedules
-from .schedules import gpu as gpu_schedules
-from .targets import TargetSpec
+from .. import stop_signals
+from ..errors import MobilecError
+from ..passes.apply_tuning_database import ApplyTuningDatabase
+from ..passes.chain_kernels import ChainKernels
+from ..passes.fuse_add_rmsnorm import FuseAddRMSNorm
+from ..passes.fuse_dequantize_matmul import FuseDequantizeMatmul
+from ..passes.fuse_gemv_prologue import FuseGEMVPrologue
+from ..passes.fuse_swiglu import FuseSwiGLU
+from ..passes.fuse_transpose_matmul import FuseTransposeMatmul
+from ..passes.guard_kv_append import GuardKVAppend
+from ..passes.inline_let_expressions import InlineLetExpressions
+from ..passes.integer_dot_gemm import IntegerDotGEMM
+from ..passes.integer_dot_gemv import IntegerDotGEMV
+from ..passes.mark_noalias import MarkNoalias
+from ..passes.replace_cpu_attention import ReplaceCPUAttention
+from ..passes.replace_gpu_attention import ReplaceGPUAttention
+from ..passes.reuse_host_scalars import ReuseHostScalars
+from ..passes.verify_alignment import VerifyAlignment
+from ..passes.verify_device_limits import VerifyDeviceLimits
+from ..passes.vload_half import VloadHalf, opencl_half_pointers
+from ..schedules import cpu as cpu_schedules
+from ..schedules import gpu as gpu_schedules
+from ..target.build_plan import BuildPlan
+from ..target.targets import TargetSpec
 
 Step = tuple[str, tvm.transform.Pass]
 # `mobilec tune` takes its kernels from the IR right before this step, so its database keys match at compile time.

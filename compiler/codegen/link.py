@@ -9,8 +9,8 @@ from pathlib import Path
 import tvm
 from tvm.support import cc
 
-from .errors import MobilecError
-from .targets import TargetSpec
+from ..errors import MobilecError
+from ..target.targets import TargetSpec
 
 NDK_HOST = "linux-x86_64"
 

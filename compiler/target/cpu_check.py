@@ -12,7 +12,7 @@ from typing import Any
 
 import tvm
 
-from .errors import MobilecError
+from ..errors import MobilecError
 from .isa import CpuIsa, arch_of_triple, code_cpu_isa, missing_features
 
 
@@ -46,7 +46,7 @@ class Cpu:
 
 
 def this_cpu() -> Cpu:
-    """The CPU of this machine (compiler/host.py: LLVM's name for it, features cut to /proc/cpuinfo's flags)."""
+    """The CPU of this machine (compiler/target/host.py: LLVM's name for it, features cut to /proc/cpuinfo's flags)."""
     from . import host  # pylint: disable=import-outside-toplevel  # host imports tvm's LLVM helpers
 
     target = host.host_target_json()

@@ -11,16 +11,17 @@ from pathlib import Path
 
 import tvm
 
-from . import kv_cache_dtype, validate
-from .build_plan import BuildPlan
-from .errors import MobilecError
-from .kernels.cpu_attention import ATTN_LOGIT_CAP_ATTR, LAYER_SLIDING_WINDOW_ATTR, SLIDING_WINDOW_ATTR
-from .loaders import Checkpoint, open_checkpoint
-from .loaders.default_model import default_model_path
-from .models.llama import LlamaConfig
-from .models.registry import ModelFamily, family_for
-from .quantization import awq
-from .quantization.quantize_model import WeightPlan, quantize_model
+from .. import validate
+from ..errors import MobilecError
+from ..kernels.cpu_attention import ATTN_LOGIT_CAP_ATTR, LAYER_SLIDING_WINDOW_ATTR, SLIDING_WINDOW_ATTR
+from ..loaders import Checkpoint, open_checkpoint
+from ..loaders.default_model import default_model_path
+from ..models.llama import LlamaConfig
+from ..models.registry import ModelFamily, family_for
+from ..quantization import awq
+from ..quantization.quantize_model import WeightPlan, quantize_model
+from ..target.build_plan import BuildPlan
+from . import kv_cache_dtype
 
 PAGE_SIZE = 16  # tokens per page of the paged KV cache
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from . import stop_signals, validate
+from .. import stop_signals, validate
+from ..errors import MobilecError
 from .artifact import ALIGNMENT, CONFIG_FILE, PARAMS_INDEX, PARTIAL_MARKER, SHARD_BYTES, foreign_files
-from .errors import MobilecError
 
 
 class ShardWriter:

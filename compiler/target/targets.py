@@ -13,12 +13,13 @@ from typing import Any
 
 import tvm
 
-from . import host, validate
-from .choices import DECODE_ACTIVATIONS, KV_DTYPE_NAMES
-from .data_files import data_dir
-from .errors import MobilecError
-from .quantization.schemes import SCHEMES
-from .schedules import gpu as gpu_schedules
+from .. import validate
+from ..choices import DECODE_ACTIVATIONS, KV_DTYPE_NAMES
+from ..data_files import data_dir
+from ..errors import MobilecError
+from ..quantization.schemes import SCHEMES
+from ..schedules import gpu as gpu_schedules
+from . import host
 
 TARGETS_DIR = data_dir("targets")
 # Values a target file may leave to the machine it is loaded on (targets/host.toml): the CPU ([tvm] target),

@@ -11,11 +11,11 @@ import threading
 
 import click
 
-from . import stop_signals
-from .choices import COMPUTE_DTYPES, DECODE_ACTIVATIONS, KV_DTYPES, MODEL_TYPES, TUNE_FUNCTIONS
-from .errors import MobilecError
-from .quantization.schemes import schemes_help
-from .stop_signals import Terminated
+from .. import stop_signals
+from ..choices import COMPUTE_DTYPES, DECODE_ACTIVATIONS, KV_DTYPES, MODEL_TYPES, TUNE_FUNCTIONS
+from ..errors import MobilecError
+from ..quantization.schemes import schemes_help
+from ..stop_signals import Terminated
 
 # Signals that end a command as Ctrl-C does: the exception unwinds it, so every cleanup on the way runs (a
 # compile's temporary directory is removed), then the process ends by the same signal.
@@ -141,8 +141,8 @@ def targets(as_json):
     """List the target files in targets/, one line each: the name, the code's kind, the default scheme (--quant),
     the decode GEMVs' default activations where the CPU has integer ones (--decode-activations; "-" elsewhere),
     and what the target is."""
-    from .build_plan import resolve_plan  # pylint: disable=import-outside-toplevel
-    from .targets import available_targets  # pylint: disable=import-outside-toplevel
+    from ..target.build_plan import resolve_plan  # pylint: disable=import-outside-toplevel
+    from ..target.targets import available_targets  # pylint: disable=import-outside-toplevel
 
     rows = []
     for name in available_targets():
@@ -221,7 +221,7 @@ def compile(as_json, **options):  # pylint: disable=redefined-builtin
         echo_json(summary)
         return
     if "npu_coverage" in summary:
-        from .hexagon import format_coverage  # pylint: disable=import-outside-toplevel
+        from ..codegen.hexagon import format_coverage  # pylint: disable=import-outside-toplevel
 
         click.echo(format_coverage(summary["npu_coverage"]))
     if "note" in summary:
@@ -342,10 +342,10 @@ def evaluate(as_json, **options):
     """Perplexity of ARTIFACT vs its float reference, and per-layer cosine similarity of hidden states.
 
     Windows done and the time left are reported on stderr (a line every 10 s)."""
-    from .runtime.evaluate import EvalOptions  # pylint: disable=import-outside-toplevel
-    from .runtime.evaluate import evaluate as run_eval  # pylint: disable=import-outside-toplevel
+    from ..runtime.evaluate import EvalOptions  # pylint: disable=import-outside-toplevel
+    from ..runtime.evaluate import evaluate as run_eval  # pylint: disable=import-outside-toplevel
 
-    from .progress import Steps  # pylint: disable=import-outside-toplevel
+    from ..progress import Steps  # pylint: disable=import-outside-toplevel
 
     result = run_eval(EvalOptions(**options), progress=Steps("eval", 0).reporter("windows"))
     if as_json:
@@ -377,7 +377,7 @@ def generate(as_json, **options):
     # pylint: disable=import-outside-toplevel
     import dataclasses
 
-    from .runtime.generate import GenerateOptions, generate_text
+    from ..runtime.generate import GenerateOptions, generate_text
 
     def stream(piece: str) -> None:
         click.echo(piece, nl=False)
@@ -427,7 +427,7 @@ def serve(as_json, **options):
         -d '{"model": "smollm2-host", "messages": [{"role": "user", "content": "Hi"}]}'
     """
     # pylint: disable=import-outside-toplevel
-    from . import validate
+    from .. import validate
 
     validate.count(options["port"], "--port", 1, 65535)
     validate.count(options["max_sessions"], "--max-sessions", 1, 8)
@@ -438,7 +438,7 @@ def serve(as_json, **options):
     if options["api_key"] is not None:
         validate.text(options["api_key"], "--api-key")
     try:
-        from .serve.http import ServeOptions, serve as run_server
+        from ..serve.http import ServeOptions, serve as run_server
     except ImportError as err:
         raise MobilecError(f"`mobilec serve` needs its extra packages ({err.name} is missing); "
                            f"pip install 'mobilec[serve]'") from None
@@ -511,8 +511,8 @@ def bench(as_json, **options):
     The library and weight shards are uploaded once; later runs skip shards the device has (same sha256).
     """
     # pylint: disable=import-outside-toplevel
-    from .runtime.bench import BenchOptions, format_table
-    from .runtime.bench import bench as run_bench
+    from ..runtime.bench import BenchOptions, format_table
+    from ..runtime.bench import bench as run_bench
 
     result = run_bench(BenchOptions(**options))
     if as_json:
@@ -538,7 +538,7 @@ def profile(as_json, **options):
     With --rpc or --tracker: the step timed on that device, and on its OpenCL device each kernel's device time
     (the host-side split needs this process)."""
     # pylint: disable=import-outside-toplevel
-    from .runtime.profile import ProfileOptions, format_profile, profile_report
+    from ..runtime.profile import ProfileOptions, format_profile, profile_report
 
     result = profile_report(ProfileOptions(**options))
     if as_json:
@@ -554,8 +554,8 @@ def device_server_command(server_args):
     """Serve this machine to `mobilec bench`/`tune` over TVM RPC, its OpenCL device loaded where a platform exists
     (options: `mobilec device-server --help`; a board runs the same server from `mobilec board-folder`)."""
     # pylint: disable=import-outside-toplevel
-    from . import device_server
-    from .runtime import opencl_device
+    from .. import device_server
+    from ..runtime import opencl_device
 
     opencl_device.use_installed_platforms()
     try:
@@ -575,7 +575,7 @@ def board_folder(as_json, directory, arch):
     `python3 DIRECTORY/device_server.py --tracker HOST:9190 --key KEY`."""
     from pathlib import Path  # pylint: disable=import-outside-toplevel
 
-    from .board_folder import write_board_folder  # pylint: disable=import-outside-toplevel
+    from ..board_folder import write_board_folder  # pylint: disable=import-outside-toplevel
 
     written = write_board_folder(Path(directory), arch)
     if as_json:

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import tvm
 
-from . import chat_prompt, hexagon, link, pipeline, validate
-from .artifact import (
+from .. import validate
+from ..artifacts.artifact import (
     CONFIG_FILE,
     FORMAT_VERSION,
     LIBRARY_DIR,
@@ -22,18 +22,20 @@ from .artifact import (
     file_manifest,
     installed_versions,
 )
-from .build_plan import resolve_plan
-from .call_sites import call_site_map
-from .cpu_check import cpu_entry
-from .errors import MobilecError
+from ..artifacts.export import ShardWriter, atomic_directory, check_output
+from ..codegen import hexagon, link, pipeline
+from ..codegen.call_sites import call_site_map
+from ..errors import MobilecError
+from ..loaders import Checkpoint, open_checkpoint
+from ..loaders.tokenizer import load_tokenizer
+from ..model_import import chat_prompt
+from ..model_import.importer import PAGE_SIZE, ImportedModel, import_model, resolve_model_path, tensor_bytes
+from ..passes.apply_tuning_database import tuned_kernels
+from ..progress import Steps
+from ..quantization import awq
+from ..target.build_plan import resolve_plan
+from ..target.cpu_check import cpu_entry
 from .estimate import RecordMemoryPlan, check_compile_fits, estimate_imported, over_budget_message, recording
-from .export import ShardWriter, atomic_directory, check_output
-from .importer import PAGE_SIZE, ImportedModel, import_model, resolve_model_path, tensor_bytes
-from .loaders import Checkpoint, open_checkpoint
-from .loaders.tokenizer import load_tokenizer
-from .progress import Steps
-from .passes.apply_tuning_database import tuned_kernels
-from .quantization import awq
 
 
 def model_name(path: Path) -> str:

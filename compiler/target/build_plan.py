@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import kv_cache_dtype
-from .choices import DECODE_ACTIVATIONS
-from .errors import MobilecError
+from ..choices import DECODE_ACTIVATIONS
+from ..errors import MobilecError
+from ..kernels import integer_dot_gemm, integer_dot_gemv
+from ..model_import import kv_cache_dtype
+from ..quantization.schemes import Scheme, get_scheme
 from .isa import CpuIsa, code_cpu_isa
-from .kernels import integer_dot_gemm, integer_dot_gemv
-from .quantization.schemes import Scheme, get_scheme
 from .targets import TargetSpec, load_target, with_overrides
 
 

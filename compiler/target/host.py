@@ -17,10 +17,10 @@ import numpy as np
 import tvm
 from tvm.target.codegen import llvm_get_cpu_features, llvm_get_system_cpu, llvm_is_valid_cpu
 
-from .errors import MobilecError
+from ..errors import MobilecError
+from ..user_cache import cache_path
+from ..validate import USABLE_CORES
 from .isa import arch_of_triple, feature_flags
-from .user_cache import cache_path
-from .validate import USABLE_CORES
 
 TRIPLES = {"x86_64": "x86_64-unknown-linux-gnu", "aarch64": "aarch64-linux-gnu"}
 # When LLVM does not know the CPU's name: a baseline the features from /proc/cpuinfo are added to.

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 
 import tvm
 
-from .choices import KV_DTYPE_NAMES, KV_DTYPES
-from .errors import MobilecError
+from ..choices import KV_DTYPE_NAMES, KV_DTYPES
+from ..errors import MobilecError
 
 if TYPE_CHECKING:
-    from .quantization.schemes import Scheme
-    from .targets import TargetSpec
+    from ..quantization.schemes import Scheme
+    from ..target.targets import TargetSpec
 
 TVM_DTYPES = dict(zip(KV_DTYPE_NAMES, ("float32", "float16", "int8", "int4"), strict=True))
 # llama.cpp's default too: half the bytes of float32, within 0.001% perplexity on SmolLM2 (docs/quantization.md)

@@ -1,0 +1,1 @@
+"""The `mobilec` commands that build: the CLI and compile, estimate, inspect, tune, package."""

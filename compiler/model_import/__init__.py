@@ -1,0 +1,1 @@
+"""Model import: checkpoint + build plan -> Relax IRModule, the KV cache's dtype, the chat prompt."""

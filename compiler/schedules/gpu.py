@@ -79,10 +79,10 @@ class GEMV(dlight.gpu.GEMV):
             return None
         sch = s_tir.Schedule(func)
         infos = normalize_prim_func(sch)
-        prologue = _row_values(sch, infos)
-        if not prologue:
+        prologue, epilogue = _around_gemv(sch, infos)
+        if not prologue and not epilogue:
             return super().apply(func, target, tunable)
-        return self._with_prologue(sch, target, infos, prologue)
+        return self._with_norms(sch, target, infos, prologue, epilogue)
 
     def takes(self, func: tirx.PrimFunc, target: Target) -> bool:
         """Whether this rule schedules `func`. dlight's analyses assert, and schedule primitives raise, on access
@@ -92,36 +92,61 @@ class GEMV(dlight.gpu.GEMV):
         except Exception:  # pylint: disable=broad-exception-caught
             return False
 
-    def _with_prologue(self, sch: s_tir.Schedule, target: Target, infos: list[SBlockInfo],
-                       prologue: list[SBlockInfo]):
-        """A GEMV whose vector operand is computed in the kernel from values of the whole input row (RMSNorm's sum
-        of squares and its rsqrt, passes/fuse_gemv_prologue.py): each work group reduces the row itself, across
-        its K threads, before its share of the GEMV; the elementwise rest is inlined into the GEMV's loads."""
+    def _with_norms(self, sch: s_tir.Schedule, target: Target, infos: list[SBlockInfo],
+                    prologue: list[SBlockInfo], epilogue: list[SBlockInfo]):
+        """A GEMV with the norms around it (passes/fuse_gemv_norms.py). Prologue: its vector operand computed in the
+        kernel from values of the whole input row (RMSNorm's sum of squares and its rsqrt): each work group reduces
+        the row itself, across its K threads, before its share of the GEMV; the elementwise rest is inlined into the
+        GEMV's loads. Epilogue: a norm over groups of its results (a q/k norm over each head): each work group
+        computes one group's rows into local memory, one row per thread (the target file's threads along K where
+        the work group has room), reduces them and writes the group normalized."""
         rest = try_inline_contiguous_spatial(sch, [info for info in infos if info not in prologue])
-        if rest is None or len(rest) > 2 or (len(rest) == 2 and not rest[1].is_injective()):
+        if not rest:
             return None
-        gemv = rest[0]
+        gemv, after = rest[0], rest[1:]
+        ts, tr = self.params["ts"], self.params["tr"]
+        if epilogue:
+            group = _group_rows(sch, gemv, after)
+            if group is None:
+                return None
+            ts, tr = group, max(1, ts * tr // group)
+        elif len(after) > 1 or (after and not after[0].is_injective()):
+            return None
         vector_buffers = is_gemv(sch, gemv) if len(gemv.iters) in (2, 3) else None
         if vector_buffers is None or normalize(sch, gemv) is not True:
             return None
-        sch = self.sch_inner_reduction(sch, target, gemv.block_rv, vector_buffers, rest[1] if len(rest) == 2 else None)
+        sch = self.sch_inner_reduction(sch, target, gemv.block_rv, vector_buffers, None if epilogue else
+                                       (after[0] if after else None), ts, tr)
         work_group = sch.get_loops(gemv.block_rv)[0]
-        tag_r = ROW_THREAD_TAGS[1 - ROW_THREAD_TAGS.index(self.params["row_threads"])]
+        tag_s = self.params["row_threads"]
+        tag_r = ROW_THREAD_TAGS[1 - ROW_THREAD_TAGS.index(tag_s)]
         for info in reversed(prologue):  # each before its readers, which are in the work group by now
             sch.compute_at(info.block_rv, work_group, preserve_unit_loops=True)
             if info.is_reduction():
-                _, threads = sch.split(sch.get_loops(info.block_rv)[-1], factors=[None, self.params["tr"]])
+                _, threads = sch.split(sch.get_loops(info.block_rv)[-1], factors=[None, tr])
                 sch.bind(threads, tag_r)
                 sch.set_scope(info.block_rv, 0, "shared")
             else:
                 sch.set_scope(info.block_rv, 0, "local")
+        if epilogue:
+            sch.set_scope(gemv.block_rv, 0, "shared")
+            for info in after:  # each group's sum of squares across the row threads, then its rows normalized
+                sch.reverse_compute_at(info.block_rv, work_group, preserve_unit_loops=True)
+                loops = sch.get_loops(info.block_rv)[1:]
+                inner = [loop for loop in loops if get_extent(sch, loop) != 1] or loops[-1:]
+                _, threads = sch.split(sch.fuse(*inner), factors=[None, ts])
+                sch.bind(threads, tag_s)
+                if info is not after[-1]:
+                    sch.set_scope(info.block_rv, 0, "shared")
         return sch
 
     def sch_inner_reduction(  # pylint: disable=too-many-arguments,too-many-locals,unused-argument
-        self, sch: s_tir.Schedule, target: Target, block, vector_input_buffers, epilogue_info: SBlockInfo | None
+        self, sch: s_tir.Schedule, target: Target, block, vector_input_buffers, epilogue_info: SBlockInfo | None,
+        ts: int | None = None, tr: int | None = None,
     ):
+        """dlight's signature; `ts` x `tr` threads per work group (rows x K), the target file's unless given."""
         p = self.params
-        ts, tr, unroll, tag_s = p["ts"], p["tr"], p["unroll"], p["row_threads"]
+        ts, tr, unroll, tag_s = ts or p["ts"], tr or p["tr"], p["unroll"], p["row_threads"]
         tag_r = ROW_THREAD_TAGS[1 - ROW_THREAD_TAGS.index(tag_s)]
         _, _, r, c = sch.get_loops(block)
         len_r, len_c = (get_extent(sch, loop) for loop in (r, c))
@@ -205,19 +230,38 @@ def _matrix_read(sch: s_tir.Schedule, block) -> int:
                 if len(collect_block_iter_vars_used_in_access_region(stmt, read.region)) == len(stmt.iter_vars))
 
 
-def _row_values(sch: s_tir.Schedule, infos: list[SBlockInfo] | None) -> list[SBlockInfo]:
-    """The blocks before a function's last reduction that write one value (a decode row's sum of squares and its
-    rsqrt) where a reduction is among them; [] for any other function."""
+def _around_gemv(sch: s_tir.Schedule, infos: list[SBlockInfo] | None) -> tuple[list[SBlockInfo], list[SBlockInfo]]:
+    """(prologue, epilogue) of a function's GEMV, its first reduction that writes more than one value: the prologue,
+    the blocks before it that write one value (a decode row's sum of squares and its rsqrt) where a reduction is among
+    them; the epilogue, the blocks after it where a reduction is among them (a norm of its results). Each [] where
+    it is not so."""
     if not infos:
-        return []
-    reductions = [i for i, info in enumerate(infos) if info.is_reduction()]
-    if len(reductions) < 2:
-        return []
-    scalars = [info for info in infos[:reductions[-1]]
-               if all(_extent(d) == 1 for d in sch.get(info.block_rv).writes[0].source.shape)]
-    if not all(infos[i] in scalars for i in reductions[:-1]):
-        return []
-    return scalars
+        return [], []
+    scalar = [all(_extent(d) == 1 for d in sch.get(info.block_rv).writes[0].source.shape) for info in infos]
+    gemv = next((i for i, info in enumerate(infos) if info.is_reduction() and not scalar[i]), None)
+    if gemv is None:
+        return [], []
+    before = [info for info, one in zip(infos[:gemv], scalar[:gemv]) if one]
+    reduced_before = any(info.is_reduction() for info in infos[:gemv])
+    prologue = before if reduced_before and all(info in before for info in infos[:gemv] if info.is_reduction()) else []
+    epilogue = infos[gemv + 1:] if any(info.is_reduction() for info in infos[gemv + 1:]) else []
+    return prologue, epilogue
+
+
+def _group_rows(sch: s_tir.Schedule, gemv: SBlockInfo, after: list[SBlockInfo]) -> int | None:
+    """The rows of one group of an epilogue norm (its reduction's extent): a reduction then the elementwise
+    normalization, over whole groups of more than one; None for any other epilogue."""
+    if len(after) != 2 or not after[0].is_reduction() or not after[1].is_injective():
+        return None
+    group = 1
+    for var in sch.get(after[0].block_rv).iter_vars:
+        if var.iter_type == tirx.IterVar.CommReduce:
+            group *= _extent(var.dom.extent) or 0
+    rows = 1
+    for var in sch.get(gemv.block_rv).iter_vars:
+        if var.iter_type == tirx.IterVar.DataPar:
+            rows *= _extent(var.dom.extent) or 0
+    return group if group > 1 and rows > group and rows % group == 0 else None
 
 
 def _extent(dim) -> int | None:

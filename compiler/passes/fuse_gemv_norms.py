@@ -1,7 +1,8 @@
-"""FuseGEMVNorms: on GPUs, the norms around a projection's decode GEMV run inside it instead of as launches of their own.
+"""FuseGEMVNorms: on GPUs, the norms around a projection's decode GEMV run inside it, not as launches of their own.
 
-Prologue: the RMSNorm whose only reader is the GEMV; each work group reduces the row itself (a few hundred
-multiply-adds) instead of a round trip of the normalized row through global memory. Epilogue: a norm over groups of
+Prologue: the RMSNorm whose only reader is the GEMV (with the dtype cast of its input that only it reads: Gemma's
+float32 norms of a float16 model); each work group reduces the row itself (a few hundred multiply-adds) instead of a
+round trip of the normalized row through global memory. Epilogue: a norm over groups of
 the GEMV's results (Qwen3's and Gemma 3's q/k norm over each head of the QKV projection), reached through kernels that
 only move data (a reshape); the GEMV rule then gives each work group whole groups (one head), which it normalizes
 before writing them.
@@ -30,10 +31,13 @@ def _reduces(func: tirx.PrimFunc) -> bool:
 
 
 def _moves_data(func: tirx.PrimFunc) -> bool:
-    """Whether every block of `func` stores a value it loads unchanged (a reshape, a transpose)."""
+    """Whether every block of `func` stores a value it loads, at most converted (a reshape, a dtype cast)."""
     blocks = [stmt for stmt in tir_statements(func.body) if isinstance(stmt, s_tir.SBlock) and stmt.name_hint != "root"]
-    return bool(blocks) and all(isinstance(b.body, tirx.BufferStore) and isinstance(b.body.value, tvm.ir.expr.TensorLoad)
-                                for b in blocks)
+
+    def loaded(value) -> bool:
+        return isinstance(value, tvm.ir.expr.TensorLoad) or (isinstance(value, tirx.Cast) and loaded(value.value))
+
+    return bool(blocks) and all(isinstance(b.body, tirx.BufferStore) and loaded(b.body.value) for b in blocks)
 
 
 def _root(func: tirx.PrimFunc) -> s_tir.SBlock:
@@ -111,30 +115,47 @@ class _Rewriter(PyExprMutator):
             for gemv in filter(reads_weight, calls.values()):
                 prologue = next(((calls[a], i) for i, a in enumerate(gemv.value.args[1].fields)
                                  if a in calls and only_reader(a) is gemv and is_norm(calls[a])), None)
-                epilogue, var = [], gemv.var
+                if prologue is not None:  # the cast of the norm's input, if only the norm reads it
+                    norm = prologue[0]
+                    cast = next(((calls[a], j) for j, a in enumerate(norm.value.args[1].fields)
+                                 if a in calls and only_reader(a) is norm and not reads_weight(calls[a])
+                                 and isinstance(calls[a].value.ty, relax.TensorType)
+                                 and _moves_data(self.mod[calls[a].value.args[0]])), None)
+                    prologue = (*prologue, cast)
+                # kernels that move data, the norm, then kernels that only compute on its result (Gemma's RoPE)
+                epilogue, var, norm = [], gemv.var, None
                 while (reader := only_reader(var)) is not None and not reads_weight(reader):
-                    epilogue.append(reader)
-                    if not _moves_data(self.mod[reader.value.args[0]]):
+                    if _reduces(self.mod[reader.value.args[0]]):
+                        if norm is not None or not is_norm(reader):
+                            break
+                        norm = len(epilogue)
+                    elif norm is None and not _moves_data(self.mod[reader.value.args[0]]):
                         break
+                    epilogue.append(reader)
                     var = reader.var
-                if not (epilogue and is_norm(epilogue[-1])):
-                    epilogue = []
-                for group in ([prologue, epilogue], [prologue, []], [None, epilogue]):
+                # each with the longest epilogue the schedule takes
+                tails = [epilogue[:end] for end in range(len(epilogue), norm, -1)] if norm is not None else []
+                for group in [*([prologue, tail] for tail in tails), [prologue, []], *([None, tail] for tail in tails)]:
                     if self._try(gemv, *group):
                         break
 
     def _try(self, gemv: relax.VarBinding, prologue: tuple | None, epilogue: list) -> bool:
-        """Fuse `prologue` (a norm binding and the GEMV argument it computes), `gemv` and `epilogue` (the bindings
-        after it, each reading the one before) into one kernel, if there is more than the GEMV and the schedule
-        takes it."""
-        bindings = [gemv, *epilogue, *([prologue[0]] if prologue is not None else [])]
+        """Fuse `prologue` (a norm binding, the GEMV argument it computes, and (the binding of a cast, the norm
+        argument it computes) or None), `gemv` and `epilogue` (the bindings after it, each reading the one before)
+        into one kernel, if there is more than the GEMV and the schedule takes it."""
+        before = [] if prologue is None else [prologue[0]] + ([prologue[2][0]] if prologue[2] is not None else [])
+        bindings = [gemv, *epilogue, *before]
         if (prologue is None and not epilogue) or any(b.var in self.fused or b.var in self.dropped for b in bindings):
             return False
         func, inputs = self.mod[gemv.value.args[0]], list(gemv.value.args[1].fields)
         name = gemv.value.args[0].name_hint
         if prologue is not None:
-            norm, index = prologue
-            func, inputs = fuse(self.mod[norm.value.args[0]], func, index, list(norm.value.args[1].fields), inputs)
+            norm, index, cast = prologue
+            norm_func, norm_inputs = self.mod[norm.value.args[0]], list(norm.value.args[1].fields)
+            if cast is not None:
+                norm_func, norm_inputs = fuse(self.mod[cast[0].value.args[0]], norm_func, cast[1],
+                                              list(cast[0].value.args[1].fields), norm_inputs)
+            func, inputs = fuse(norm_func, func, index, norm_inputs, inputs)
             name = f"{name}_after_{norm.value.args[0].name_hint}"
         previous = gemv
         for binding in epilogue:
@@ -142,13 +163,13 @@ class _Rewriter(PyExprMutator):
             func, inputs = fuse(func, self.mod[binding.value.args[0]], args.index(previous.var), inputs, args)
             previous = binding
         if epilogue:
-            name = f"{name}_then_{epilogue[-1].value.args[0].name_hint}"
+            norm = next(b.value.args[0] for b in epilogue if _reduces(self.mod[b.value.args[0]]))
+            name = f"{name}_then_{norm.name_hint}"
+        func = tirx.PrimFunc(func.params, func.body).with_attrs(dict(self.mod[gemv.value.args[0]].attrs))
         if not self._schedulable(func):
             return False
         self.fused[previous.var] = (name, func, inputs)
-        self.dropped.update(b.var for b in [gemv, *epilogue[:-1]] if b is not previous)
-        if prologue is not None:
-            self.dropped.add(prologue[0].var)
+        self.dropped.update(b.var for b in [gemv, *epilogue[:-1], *before] if b is not previous)
         return True
 
     def _schedulable(self, func: tirx.PrimFunc) -> bool:

@@ -13,6 +13,7 @@ from typing import Any
 
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight
+from tvm.s_tir.schedule import _ffi_api as schedule_ffi
 from tvm.s_tir.dlight.analysis import (SBlockInfo, collect_block_iter_vars_used_in_access_region,
                                        is_broadcast_epilogue, is_gemv, normalize, normalize_prim_func)
 from tvm.s_tir.dlight.base import get_extent, try_inline_contiguous_spatial
@@ -100,9 +101,15 @@ class GEMV(dlight.gpu.GEMV):
         GEMV's loads. Epilogue: a norm over groups of its results (a q/k norm over each head): each work group
         computes one group's rows into local memory, one row per thread (the target file's threads along K where
         the work group has room), reduces them and writes the group normalized."""
-        rest = try_inline_contiguous_spatial(sch, [info for info in infos if info not in prologue])
+        # The normalized rows stay a block of their own: inlined into a reader of other rows of the head (RoPE's
+        # rotate-half), its reads would index the GEMV's flat rows, whose region TVM cannot solve per head.
+        normalized = next((infos[i + 1] for i, info in enumerate(infos[:-1]) if info in epilogue and
+                           info.is_reduction()), None)
+        rest = try_inline_contiguous_spatial(sch, [info for info in infos if info not in prologue
+                                                   and info is not normalized])
         if not rest:
             return None
+        rest = sorted([*rest, *([normalized] if normalized is not None else [])], key=infos.index)
         gemv, after = rest[0], rest[1:]
         ts, tr = self.params["ts"], self.params["tr"]
         if epilogue:
@@ -131,6 +138,7 @@ class GEMV(dlight.gpu.GEMV):
         if epilogue:
             sch.set_scope(gemv.block_rv, 0, "shared")
             for info in after:  # each group's sum of squares across the row threads, then its rows normalized
+                _reads_within_groups(sch, info.block_rv, [sch.get(a.block_rv).writes[0].source for a in after])
                 sch.reverse_compute_at(info.block_rv, work_group, preserve_unit_loops=True)
                 loops = sch.get_loops(info.block_rv)[1:]
                 inner = [loop for loop in loops if get_extent(sch, loop) != 1] or loops[-1:]
@@ -250,8 +258,9 @@ def _around_gemv(sch: s_tir.Schedule, infos: list[SBlockInfo] | None) -> tuple[l
 
 def _group_rows(sch: s_tir.Schedule, gemv: SBlockInfo, after: list[SBlockInfo]) -> int | None:
     """The rows of one group of an epilogue norm (its reduction's extent): a reduction then the elementwise
-    normalization, over whole groups of more than one; None for any other epilogue."""
-    if len(after) != 2 or not after[0].is_reduction() or not after[1].is_injective():
+    normalization (and what follows it within the group: Gemma's RoPE), over whole groups of more than one; None for
+    any other epilogue."""
+    if len(after) < 2 or not after[0].is_reduction() or not all(info.is_injective() for info in after[1:]):
         return None
     group = 1
     for var in sch.get(after[0].block_rv).iter_vars:
@@ -262,6 +271,29 @@ def _group_rows(sch: s_tir.Schedule, gemv: SBlockInfo, after: list[SBlockInfo]) 
         if var.iter_type == tirx.IterVar.DataPar:
             rows *= _extent(var.dom.extent) or 0
     return group if group > 1 and rows > group and rows % group == 0 else None
+
+
+def _reads_within_groups(sch: s_tir.Schedule, block, buffers: list) -> None:
+    """Declare each read of `block` from `buffers` (the epilogue's) at an offset of an iterator (RoPE's rotate-half
+    reads position d -+ half of the head) as a read at that iterator. TVM's reverse_compute_at solves a block's
+    iterators only from plain indices; the declared region places the block per group as its real one would, since
+    the producer writes whole groups in the same work group (in shared memory: TVM's barrier comes from the real
+    accesses, not this declaration)."""
+    stmt = sch.get(block)
+    iters = [v.var for v in stmt.iter_vars]
+    for index, read in enumerate(stmt.reads):
+        if not any(read.source.same_as(b) for b in buffers):
+            continue
+        bounds, offset = [], False
+        for r in read.region:
+            used = [v for v in tirx.analysis.undefined_vars(r.min, []) if any(v.same_as(i) for i in iters)]
+            if len(used) > 1:
+                break
+            offset |= bool(used) and not (r.min.same_as(used[0]) and _extent(r.extent) == 1)
+            bounds += [used[0], used[0] + 1] if used else [r.min, r.min + r.extent]
+        else:
+            if offset:  # Schedule.annotate_buffer_access takes a range per block iterator, not per buffer dimension
+                schedule_ffi.ScheduleAnnotateBufferAccess(sch, block, index, 0, tirx.IndexMap(iters, bounds, None))
 
 
 def _extent(dim) -> int | None:

@@ -6,6 +6,7 @@ machine's OpenCL against numpy."""
 import numpy as np
 import pytest
 import tvm
+from tvm import relax
 from tvm.s_tir import dlight
 from tvm.script import ir as I
 from tvm.script import relax as R
@@ -323,6 +324,225 @@ class _HeadsApart:
         return z
 
 
+@I.ir_module
+class _CastBefore:
+    """cast (float16 -> float32, read only by the norm) -> norm -> projection: Gemma's float32 norm of a float16 row."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def cast(x: T.Buffer((1, 8), "float16"), y: T.Buffer((1, 8), "float32")):
+        T.func_attr({"op_pattern": 0, "tirx.noalias": True})
+        for i in range(8):
+            with T.sblock("cast"):
+                vi = T.axis.spatial(8, i)
+                y[0, vi] = T.Cast("float32", x[0, vi])
+
+    @T.prim_func(private=True, s_tir=True)
+    def norm(x: T.Buffer((1, 8), "float32"), w: T.Buffer((8,), "float32"), y: T.Buffer((1, 8), "float32")):
+        T.func_attr({"op_pattern": 4, "tirx.noalias": True})
+        sum_sq = T.sblock_alloc_buffer((1,))
+        for k in range(8):
+            with T.sblock("sum_sq"):
+                vk = T.axis.reduce(8, k)
+                with T.init():
+                    sum_sq[0] = T.float32(0)
+                sum_sq[0] = sum_sq[0] + x[0, vk] * x[0, vk]
+        for i in range(8):
+            with T.sblock("norm"):
+                vi = T.axis.spatial(8, i)
+                y[0, vi] = x[0, vi] * T.rsqrt(sum_sq[0]) * w[vi]
+
+    @T.prim_func(private=True, s_tir=True)
+    def gemv(x: T.Buffer((1, 8), "float32"), w: T.Buffer((4, 8), "float32"), y: T.Buffer((1, 4), "float32")):
+        T.func_attr({"op_pattern": 4, "tirx.noalias": True})
+        for n, k in T.grid(4, 8):
+            with T.sblock("gemv"):
+                vn, vk = T.axis.remap("SR", [n, k])
+                with T.init():
+                    y[0, vn] = T.float32(0)
+                y[0, vn] = y[0, vn] + w[vn, vk] * x[0, vk]
+
+    @R.function
+    def decode(x: R.Tensor((1, 8), "float16"), params: R.Tuple(R.Tensor((8,), "float32"),
+                                                              R.Tensor((4, 8), "float32"))):
+        cls = _CastBefore
+        with R.dataflow():
+            w_norm = params[0]
+            w_proj = params[1]
+            x32 = R.call_tir(cls.cast, (x,), out_ty=R.Tensor((1, 8), "float32"))
+            h = R.call_tir(cls.norm, (x32, w_norm), out_ty=R.Tensor((1, 8), "float32"))
+            y = R.call_tir(cls.gemv, (h, w_proj), out_ty=R.Tensor((1, 4), "float32"))
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class _CastExpected:
+    """One kernel: the cast's block, the norm's, the projection's; the cast and norm results buffers of its own."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def gemv_after_norm(x: T.Buffer((1, 8), "float16"), w: T.Buffer((8,), "float32"),
+                        w_1: T.Buffer((4, 8), "float32"), y: T.Buffer((1, 4), "float32")):
+        T.func_attr({"op_pattern": 4, "tirx.noalias": True})
+        with T.sblock("root"):
+            T.reads()
+            T.writes()
+            y_1 = T.sblock_alloc_buffer((1, 8))
+            sum_sq = T.sblock_alloc_buffer((1,))
+            y_2 = T.sblock_alloc_buffer((1, 8))
+            for i in range(8):
+                with T.sblock("cast"):
+                    vi = T.axis.spatial(8, i)
+                    y_1[0, vi] = T.Cast("float32", x[0, vi])
+            for k in range(8):
+                with T.sblock("sum_sq"):
+                    vk = T.axis.reduce(8, k)
+                    with T.init():
+                        sum_sq[0] = T.float32(0)
+                    sum_sq[0] = sum_sq[0] + y_1[0, vk] * y_1[0, vk]
+            for i in range(8):
+                with T.sblock("norm"):
+                    vi = T.axis.spatial(8, i)
+                    y_2[0, vi] = y_1[0, vi] * T.rsqrt(sum_sq[0]) * w[vi]
+            for n, k in T.grid(4, 8):
+                with T.sblock("gemv"):
+                    vn, vk = T.axis.remap("SR", [n, k])
+                    with T.init():
+                        y[0, vn] = T.float32(0)
+                    y[0, vn] = y[0, vn] + w_1[vn, vk] * y_2[0, vk]
+
+    @R.function
+    def decode(x: R.Tensor((1, 8), "float16"), params: R.Tuple(R.Tensor((8,), "float32"),
+                                                              R.Tensor((4, 8), "float32"))):
+        cls = _CastExpected
+        with R.dataflow():
+            w_norm = params[0]
+            w_proj = params[1]
+            y = R.call_tir(cls.gemv_after_norm, (x, w_norm, w_proj), out_ty=R.Tensor((1, 4), "float32"))
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class _HeadsRope:
+    """projection -> reshape to heads -> a norm over each head -> rotate-half of each head (Gemma's RoPE in the
+    graph: reads the other half of its head)."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def gemv(x: T.Buffer((1, 8), "float32"), w: T.Buffer((8, 8), "float32"), y: T.Buffer((1, 8), "float32")):
+        T.func_attr({"op_pattern": 4, "tirx.noalias": True})
+        for n, k in T.grid(8, 8):
+            with T.sblock("gemv"):
+                vn, vk = T.axis.remap("SR", [n, k])
+                with T.init():
+                    y[0, vn] = T.float32(0)
+                y[0, vn] = y[0, vn] + w[vn, vk] * x[0, vk]
+
+    @T.prim_func(private=True, s_tir=True)
+    def reshape(y: T.Buffer((1, 8), "float32"), heads: T.Buffer((2, 4), "float32")):
+        T.func_attr({"op_pattern": 2, "tirx.noalias": True})
+        for h, d in T.grid(2, 4):
+            with T.sblock("reshape"):
+                vh, vd = T.axis.remap("SS", [h, d])
+                heads[vh, vd] = y[0, vh * 4 + vd]
+
+    @T.prim_func(private=True, s_tir=True)
+    def head_norm(x: T.Buffer((2, 4), "float32"), y: T.Buffer((2, 4), "float32")):
+        T.func_attr({"op_pattern": 4, "tirx.noalias": True})
+        sum_sq = T.sblock_alloc_buffer((2,))
+        for h, d in T.grid(2, 4):
+            with T.sblock("sum_sq"):
+                vh, vd = T.axis.remap("SR", [h, d])
+                with T.init():
+                    sum_sq[vh] = T.float32(0)
+                sum_sq[vh] = sum_sq[vh] + x[vh, vd] * x[vh, vd]
+        for h, d in T.grid(2, 4):
+            with T.sblock("norm"):
+                vh, vd = T.axis.remap("SS", [h, d])
+                y[vh, vd] = x[vh, vd] * T.rsqrt(sum_sq[vh])
+
+    @T.prim_func(private=True, s_tir=True)
+    def rotate(x: T.Buffer((2, 4), "float32"), y: T.Buffer((2, 4), "float32")):
+        T.func_attr({"op_pattern": 2, "tirx.noalias": True})
+        for h, d in T.grid(2, 4):
+            with T.sblock("rotate"):
+                vh, vd = T.axis.remap("SS", [h, d])
+                y[vh, vd] = T.if_then_else(vd < 2, T.float32(0) - x[vh, vd + 2], x[vh, vd - 2])
+
+    @R.function
+    def decode(x: R.Tensor((1, 8), "float32"), params: R.Tuple(R.Tensor((8, 8), "float32"))):
+        cls = _HeadsRope
+        with R.dataflow():
+            w = params[0]
+            y = R.call_tir(cls.gemv, (x, w), out_ty=R.Tensor((1, 8), "float32"))
+            heads = R.call_tir(cls.reshape, (y,), out_ty=R.Tensor((2, 4), "float32"))
+            z = R.call_tir(cls.head_norm, (heads,), out_ty=R.Tensor((2, 4), "float32"))
+            r = R.call_tir(cls.rotate, (z,), out_ty=R.Tensor((2, 4), "float32"))
+            R.output(r)
+        return r
+
+    @R.function
+    def normed_read_twice(x: R.Tensor((1, 8), "float32"), params: R.Tuple(R.Tensor((8, 8), "float32"))):
+        cls = _HeadsRope
+        with R.dataflow():
+            w = params[0]
+            y = R.call_tir(cls.gemv, (x, w), out_ty=R.Tensor((1, 8), "float32"))
+            heads = R.call_tir(cls.reshape, (y,), out_ty=R.Tensor((2, 4), "float32"))
+            z = R.call_tir(cls.head_norm, (heads,), out_ty=R.Tensor((2, 4), "float32"))
+            r = R.call_tir(cls.rotate, (z,), out_ty=R.Tensor((2, 4), "float32"))
+            R.output(z, r)
+        return (z, r)
+
+
+@I.ir_module
+class _HeadsRopeExpected:
+    """decode: one kernel, the rotation's block last, reading the normalized heads (a buffer of the kernel's own)."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def gemv_then_head_norm(x: T.Buffer((1, 8), "float32"), w: T.Buffer((8, 8), "float32"),
+                            y: T.Buffer((2, 4), "float32")):
+        T.func_attr({"op_pattern": 4, "tirx.noalias": True})
+        with T.sblock("root"):
+            T.reads()
+            T.writes()
+            y_1 = T.sblock_alloc_buffer((1, 8))
+            heads = T.sblock_alloc_buffer((2, 4))
+            sum_sq = T.sblock_alloc_buffer((2,))
+            y_2 = T.sblock_alloc_buffer((2, 4))
+            for n, k in T.grid(8, 8):
+                with T.sblock("gemv"):
+                    vn, vk = T.axis.remap("SR", [n, k])
+                    with T.init():
+                        y_1[0, vn] = T.float32(0)
+                    y_1[0, vn] = y_1[0, vn] + w[vn, vk] * x[0, vk]
+            for h, d in T.grid(2, 4):
+                with T.sblock("reshape"):
+                    vh, vd = T.axis.remap("SS", [h, d])
+                    heads[vh, vd] = y_1[0, vh * 4 + vd]
+            for h, d in T.grid(2, 4):
+                with T.sblock("sum_sq"):
+                    vh, vd = T.axis.remap("SR", [h, d])
+                    with T.init():
+                        sum_sq[vh] = T.float32(0)
+                    sum_sq[vh] = sum_sq[vh] + heads[vh, vd] * heads[vh, vd]
+            for h, d in T.grid(2, 4):
+                with T.sblock("norm"):
+                    vh, vd = T.axis.remap("SS", [h, d])
+                    y_2[vh, vd] = heads[vh, vd] * T.rsqrt(sum_sq[vh])
+            for h, d in T.grid(2, 4):
+                with T.sblock("rotate"):
+                    vh, vd = T.axis.remap("SS", [h, d])
+                    y[vh, vd] = T.if_then_else(vd < 2, T.float32(0) - y_2[vh, vd + 2], y_2[vh, vd - 2])
+
+    @R.function
+    def decode(x: R.Tensor((1, 8), "float32"), params: R.Tuple(R.Tensor((8, 8), "float32"))):
+        cls = _HeadsRopeExpected
+        with R.dataflow():
+            w = params[0]
+            r = R.call_tir(cls.gemv_then_head_norm, (x, w), out_ty=R.Tensor((2, 4), "float32"))
+            R.output(r)
+        return r
+
+
 def _fused(mod: tvm.IRModule, schedulable=lambda _: True) -> tvm.IRModule:
     return FuseGEMVNorms(schedulable)(mod)
 
@@ -346,6 +566,28 @@ def test_a_norm_over_heads_of_the_result_becomes_the_gemvs_epilogue():
 
 def test_results_read_elsewhere_or_followed_by_no_norm_stay_apart():
     tvm.ir.assert_structural_equal(_fused(_HeadsApart), _HeadsApart)
+
+
+def test_the_cast_only_the_norm_reads_joins_the_prologue():
+    tvm.ir.assert_structural_equal(_fused(_CastBefore), _CastExpected)
+
+
+def _calls(mod: tvm.IRModule, function: str) -> list[str]:
+    names = []
+    relax.analysis.post_order_visit(mod[function], lambda e: names.append(e.args[0].name_hint) if isinstance(
+        e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir" else None)
+    return names
+
+
+def test_what_only_reads_the_normalized_heads_joins_the_epilogue():
+    fused = _fused(_HeadsRope)
+    tvm.ir.assert_structural_equal(fused["decode"], _HeadsRopeExpected["decode"], map_free_vars=True)
+    tvm.ir.assert_structural_equal(fused["gemv_then_head_norm"], _HeadsRopeExpected["gemv_then_head_norm"])
+    # negative control: normalized heads that are also an output stay the norm's result; the rotation apart
+    assert _calls(fused, "normed_read_twice") == ["gemv_then_head_norm1", "rotate"]
+    # a rotation the schedule does not take stays apart, the norm still fused
+    refused = _fused(_HeadsRope, lambda func: "rotate" not in func.script())
+    assert _calls(refused, "decode") == ["gemv_then_head_norm", "rotate"]
 
 
 HIDDEN, ROWS, EPS = 256, 64, 1e-5
@@ -524,3 +766,80 @@ def test_gemv_head_norm_numerics_on_opencl(tmp_path, target_name):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     whole = y / np.sqrt((y * y).mean() + EPS) * head_w  # negative control: one norm over all heads
     assert not np.allclose(got, whole, rtol=1e-2, atol=1e-2)
+
+
+def _gemv_head_norm_rope() -> tvm.IRModule:
+    """The GEMV + head norm of _gemv_head_norm, then RoPE's rotate-half within each head (Gemma's q/k after their
+    norms): out = normed * cos + rotate_half(normed) * sin, cos and sin per position of the head."""
+    rows, half = HEADS * HEAD_DIM, HEAD_DIM // 2
+
+    @T.prim_func(s_tir=True)
+    def gemv_head_norm_rope(x: T.Buffer((1, 1, HIDDEN), "float32"), w: T.Buffer((rows, HIDDEN), "float32"),
+                            cos: T.Buffer((HEAD_DIM,), "float32"), sin: T.Buffer((HEAD_DIM,), "float32"),
+                            out: T.Buffer((1, 1, HEADS, HEAD_DIM), "float32")):
+        T.func_attr({"global_symbol": "gemv_head_norm_rope", "op_pattern": 4, "tirx.noalias": True})
+        y = T.sblock_alloc_buffer((1, 1, rows))
+        heads = T.sblock_alloc_buffer((1, 1, HEADS, HEAD_DIM))
+        sum_sq = T.sblock_alloc_buffer((1, 1, HEADS))
+        normed = T.sblock_alloc_buffer((1, 1, HEADS, HEAD_DIM))
+        for n, k in T.grid(rows, HIDDEN):
+            with T.sblock("gemv"):
+                vn, vk = T.axis.remap("SR", [n, k])
+                with T.init():
+                    y[0, 0, vn] = T.float32(0)
+                y[0, 0, vn] = y[0, 0, vn] + x[0, 0, vk] * w[vn, vk]
+        for h, d in T.grid(HEADS, HEAD_DIM):
+            with T.sblock("reshape"):
+                vh, vd = T.axis.remap("SS", [h, d])
+                heads[0, 0, vh, vd] = y[0, 0, vh * HEAD_DIM + vd]
+        for h, d in T.grid(HEADS, HEAD_DIM):
+            with T.sblock("sum_sq"):
+                vh, vd = T.axis.remap("SR", [h, d])
+                with T.init():
+                    sum_sq[0, 0, vh] = T.float32(0)
+                sum_sq[0, 0, vh] = sum_sq[0, 0, vh] + heads[0, 0, vh, vd] * heads[0, 0, vh, vd]
+        for h, d in T.grid(HEADS, HEAD_DIM):
+            with T.sblock("norm"):
+                vh, vd = T.axis.remap("SS", [h, d])
+                normed[0, 0, vh, vd] = heads[0, 0, vh, vd] * T.rsqrt(sum_sq[0, 0, vh] / T.float32(HEAD_DIM)
+                                                                      + T.float32(EPS))
+        for h, d in T.grid(HEADS, HEAD_DIM):
+            with T.sblock("rope"):
+                vh, vd = T.axis.remap("SS", [h, d])
+                out[0, 0, vh, vd] = normed[0, 0, vh, vd] * cos[vd] + T.if_then_else(
+                    vd < half, T.float32(0) - normed[0, 0, vh, vd + half], normed[0, 0, vh, vd - half]) * sin[vd]
+
+    return tvm.IRModule({"gemv_head_norm_rope": gemv_head_norm_rope})
+
+
+@NEEDS_OPENCL
+@pytest.mark.parametrize("target_name", ["android-adreno", "android-mali"])
+def test_gemv_head_norm_rope_numerics_on_opencl(tmp_path, target_name):
+    """Each work group rotates the head it normalized, reading the other half of it from shared memory: a rotation
+    that read the other half before it was written, or another head's, is off by far more than the tolerance."""
+    spec = load_target(target_name)
+    mod = _gemv_head_norm_rope()
+    with _device_target(target_name) as target:
+        rule = gpu_schedules.GEMV(spec.schedule["gemv"])
+        assert rule.takes(mod["gemv_head_norm_rope"], target)
+        mod = dlight.ApplyDefaultSchedule(rule)(mod)
+    assert f'T.thread_binding({HEADS}, thread="blockIdx.x")' in mod["gemv_head_norm_rope"].script()
+    opencl_device.load()
+    dev = tvm.opencl(0)
+    tvm.compile(mod, target=_device_target(target_name)).export_library(str(tmp_path / "rope.so"))
+    lib = tvm.runtime.load_module(str(tmp_path / "rope.so"))
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, 1, HIDDEN)).astype("float32")
+    w = (rng.standard_normal((HEADS * HEAD_DIM, HIDDEN)) * np.repeat(np.arange(1, HEADS + 1), HEAD_DIM)[:, None]
+         ).astype("float32")
+    angles = rng.uniform(0, 2 * np.pi, HEAD_DIM).astype("float32")
+    cos, sin = np.cos(angles), np.sin(angles)
+    y = (w @ x.reshape(-1)).reshape(HEADS, HEAD_DIM)
+    normed = y / np.sqrt((y * y).mean(axis=1, keepdims=True) + EPS)
+    half = HEAD_DIM // 2
+    want = normed * cos + np.concatenate([-normed[:, half:], normed[:, :half]], axis=1) * sin
+    out = tvm.runtime.tensor(np.full((1, 1, HEADS, HEAD_DIM), np.nan, "float32"), dev)
+    lib["gemv_head_norm_rope"](*(tvm.runtime.tensor(a, dev) for a in (x, w, cos, sin)), out)
+    got = out.numpy().reshape(HEADS, HEAD_DIM)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert not np.allclose(got, normed * cos + normed * sin, rtol=1e-2, atol=1e-2)  # negative control: no rotation

@@ -1,6 +1,6 @@
 """Tiny Qwen3 and Gemma 3 for android-adreno on this machine's OpenCL (PoCL, float32): the build whose norms run
-inside the decode GEMVs (passes/fuse_gemv_norms.py: the input norm before, the q/k norm per head after) gives the
-unfused build's greedy tokens, and its prompt and decode logits within 1e-5 relative."""
+inside the decode GEMVs (passes/fuse_gemv_norms.py: the input norm before, the q/k norm per head after, and Gemma's
+RoPE after that) gives the unfused build's greedy tokens, and its prompt and decode logits within 1e-5 relative."""
 
 from __future__ import annotations
 

@@ -92,7 +92,7 @@ def steps(spec: TargetSpec, tuning: bool = False, decode_activations: str | None
         ("fuse-tir", relax.transform.FuseTIR(), every_target),
         ("dead-code-elimination", relax.transform.DeadCodeElimination(), every_target),
         # GPU targets: the RMSNorm before a decode GEMV runs inside it, where our GEMV rule schedules the pair (each
-        # work group reduces the row it reads).
+        # work group reduces the row it reads); a q/k norm over each head after it too (a work group per head).
         ("fuse-gemv-norms", FuseGEMVNorms(lambda func: gemv_rule.takes(func, target)), gpu),
         # Kernels that tuned faster than our rules; dlight skips them (tirx.is_scheduled).
         (APPLY_TUNING_STEP, ApplyTuningDatabase(spec.name), tuning),

@@ -1,11 +1,11 @@
 """FuseGEMVNorms: on GPUs, the norms around a projection's decode GEMV run inside it, not as launches of their own.
 
-Prologue: the RMSNorm whose only reader is the GEMV (with the dtype cast of its input that only it reads: Gemma's
-float32 norms of a float16 model); each work group reduces the row itself (a few hundred multiply-adds) instead of a
-round trip of the normalized row through global memory. Epilogue: a norm over groups of
-the GEMV's results (Qwen3's and Gemma 3's q/k norm over each head of the QKV projection), reached through kernels that
-only move data (a reshape); the GEMV rule then gives each work group whole groups (one head), which it normalizes
-before writing them.
+Prologue: the RMSNorm whose only reader is the GEMV, with the dtype cast of its input if only the norm reads that
+(Gemma's float32 norms of a float16 row); each work group reduces the row itself (a few hundred multiply-adds)
+instead of a round trip of the normalized row through global memory. Epilogue: a norm over groups of the GEMV's
+results (Qwen3's and Gemma 3's q/k norm over each head of the QKV projection), reached through kernels that only move
+data (a reshape), and the kernels after it that alone read its result (Gemma's RoPE, within each head); the GEMV rule
+gives such a kernel one group (head) per work group, which it normalizes before writing it.
 
 Only norms (kernels that reduce) qualify: an elementwise producer (SwiGLU before the down projection) would be
 recomputed by every work group for every weight it multiplies (a GPU GEMV work group holds 2-4 rows), one sigmoid
@@ -194,9 +194,10 @@ class _Rewriter(PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="FuseGEMVNorms")
 class FuseGEMVNorms:  # pylint: disable=too-few-public-methods
-    """Fuse into each decode GEMV the norm kernel it alone reads and the norm over groups of its results that alone
-    reads them (compiler/passes/fuse_gemv_norms.py); after FuseTIR, before the schedule. `schedulable` says whether
-    the schedule rules take a fused kernel: where they do not, the kernels stay apart."""
+    """Fuse into each decode GEMV the norm kernel it alone reads (with its input's cast) and the norm over groups of
+    its results that alone reads them (with what alone reads the norm's result), compiler/passes/fuse_gemv_norms.py;
+    after FuseTIR, before the schedule. `schedulable` says whether the schedule rules take a fused kernel: where they
+    do not, the kernels stay apart (a shorter epilogue is tried first)."""
 
     def __init__(self, schedulable: Callable[[tirx.PrimFunc], bool]):
         self.schedulable = schedulable

@@ -98,9 +98,10 @@ class GEMV(dlight.gpu.GEMV):
         """A GEMV with the norms around it (passes/fuse_gemv_norms.py). Prologue: its vector operand computed in the
         kernel from values of the whole input row (RMSNorm's sum of squares and its rsqrt): each work group reduces
         the row itself, across its K threads, before its share of the GEMV; the elementwise rest is inlined into the
-        GEMV's loads. Epilogue: a norm over groups of its results (a q/k norm over each head): each work group
-        computes one group's rows into local memory, one row per thread (the target file's threads along K where
-        the work group has room), reduces them and writes the group normalized."""
+        GEMV's loads. Epilogue: a norm over groups of its results (a q/k norm over each head) and what follows it
+        within the group (RoPE): each work group computes one group's rows into shared memory, one row per thread
+        (with the target file's threads along K where its ts x tr work group has room), reduces them across the row
+        threads and writes the group normalized."""
         # The normalized rows stay a block of their own: inlined into a reader of other rows of the head (RoPE's
         # rotate-half), its reads would index the GEMV's flat rows, whose region TVM cannot solve per head.
         normalized = next((infos[i + 1] for i, info in enumerate(infos[:-1]) if info in epilogue and

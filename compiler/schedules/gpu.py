@@ -100,8 +100,8 @@ class GEMV(dlight.gpu.GEMV):
         the row itself, across its K threads, before its share of the GEMV; the elementwise rest is inlined into the
         GEMV's loads. Epilogue: a norm over groups of its results (a q/k norm over each head) and what follows it
         within the group (RoPE): each work group computes one group's rows into shared memory, one row per thread
-        (with the target file's threads along K where its ts x tr work group has room), reduces them across the row
-        threads and writes the group normalized."""
+        and no threads along K, reduces them across those threads and writes the group normalized (the prologue's
+        row reduction across them too)."""
         # The normalized rows stay a block of their own: inlined into a reader of other rows of the head (RoPE's
         # rotate-half), its reads would index the GEMV's flat rows, whose region TVM cannot solve per head.
         normalized = next((infos[i + 1] for i, info in enumerate(infos[:-1]) if info in epilogue and
@@ -117,7 +117,9 @@ class GEMV(dlight.gpu.GEMV):
             group = _group_rows(sch, gemv, after)
             if group is None:
                 return None
-            ts, tr = group, max(1, ts * tr // group)
+            # one thread per row and none beside it: TVM's barrier placement misses a shared row one thread along
+            # K writes and another reads at the same row index (Oclgrind found the race)
+            ts, tr = group, 1
         elif len(after) > 1 or (after and not after[0].is_injective()):
             return None
         vector_buffers = is_gemv(sch, gemv) if len(gemv.iters) in (2, 3) else None
@@ -128,11 +130,13 @@ class GEMV(dlight.gpu.GEMV):
         work_group = sch.get_loops(gemv.block_rv)[0]
         tag_s = self.params["row_threads"]
         tag_r = ROW_THREAD_TAGS[1 - ROW_THREAD_TAGS.index(tag_s)]
+        # the prologue's row reduction across the K threads, or across the rows' where each row has one thread
+        threads_r, tag_p = (ts, tag_s) if epilogue else (tr, tag_r)
         for info in reversed(prologue):  # each before its readers, which are in the work group by now
             sch.compute_at(info.block_rv, work_group, preserve_unit_loops=True)
             if info.is_reduction():
-                _, threads = sch.split(sch.get_loops(info.block_rv)[-1], factors=[None, tr])
-                sch.bind(threads, tag_r)
+                _, threads = sch.split(sch.get_loops(info.block_rv)[-1], factors=[None, threads_r])
+                sch.bind(threads, tag_p)
                 sch.set_scope(info.block_rv, 0, "shared")
             else:
                 sch.set_scope(info.block_rv, 0, "local")
@@ -145,8 +149,10 @@ class GEMV(dlight.gpu.GEMV):
                 inner = [loop for loop in loops if get_extent(sch, loop) != 1] or loops[-1:]
                 _, threads = sch.split(sch.fuse(*inner), factors=[None, ts])
                 sch.bind(threads, tag_s)
+                # the sum of squares in each thread (an allreduce: a shared one would make TVM's in-thread partial
+                # sums shared by the threads too); rows read across threads (RoPE) in shared memory
                 if info is not after[-1]:
-                    sch.set_scope(info.block_rv, 0, "shared")
+                    sch.set_scope(info.block_rv, 0, "local" if info.is_reduction() else "shared")
         return sch
 
     def sch_inner_reduction(  # pylint: disable=too-many-arguments,too-many-locals,unused-argument

@@ -727,10 +727,14 @@ def _scheduled_gemv_head_norm(target_name: str) -> tvm.IRModule:
 @pytest.mark.parametrize("target_name", ["android-adreno", "android-mali"])
 def test_each_work_group_computes_and_normalizes_one_head(target_name):
     text = _scheduled_gemv_head_norm(target_name)["gemv_head_norm"].script()
-    # one work group per head, one thread per row of it; the head's rows and sum of squares in shared memory
+    # one work group per head, one thread per row of it (none along K); the head's rows in shared memory, its sum
+    # of squares in each thread (an allreduce)
+    row_threads = load_target(target_name).schedule["gemv"]["row_threads"]
+    k_threads = next(tag for tag in gpu_schedules.ROW_THREAD_TAGS if tag != row_threads)
     assert f'T.thread_binding({HEADS}, thread="blockIdx.x")' in text
-    assert f'T.thread_binding({HEAD_DIM}, thread="{load_target(target_name).schedule["gemv"]["row_threads"]}")' in text
-    assert 'y_shared = T.sblock_alloc_buffer' in text and 'sum_sq_shared = T.sblock_alloc_buffer' in text
+    assert f'T.thread_binding({HEAD_DIM}, thread="{row_threads}")' in text
+    assert f'T.thread_binding(1, thread="{k_threads}")' in text
+    assert 'y_shared = T.sblock_alloc_buffer' in text and 'sum_sq_local = T.sblock_alloc_buffer' in text
     assert text.index('T.sblock("gemv_rf') < text.index('T.sblock("sum_sq")') < text.index('T.sblock("norm")')
 
 

@@ -16,7 +16,7 @@ from ..passes.apply_tuning_database import ApplyTuningDatabase
 from ..passes.chain_kernels import ChainKernels
 from ..passes.fuse_add_rmsnorm import FuseAddRMSNorm
 from ..passes.fuse_dequantize_matmul import FuseDequantizeMatmul
-from ..passes.fuse_gemv_prologue import FuseGEMVPrologue
+from ..passes.fuse_gemv_norms import FuseGEMVNorms
 from ..passes.fuse_swiglu import FuseSwiGLU
 from ..passes.fuse_transpose_matmul import FuseTransposeMatmul
 from ..passes.guard_kv_append import GuardKVAppend
@@ -83,8 +83,8 @@ def steps(plan: BuildPlan, tuning: bool = False) -> list[Step]:
         ("fuse-tir", relax.transform.FuseTIR(), every_target),
         ("dead-code-elimination", relax.transform.DeadCodeElimination(), every_target),
         # GPU targets: the RMSNorm before a decode GEMV runs inside it, where our GEMV rule schedules the pair (each
-        # work group reduces the row it reads).
-        ("fuse-gemv-prologue", FuseGEMVPrologue(lambda func: gemv_rule.takes(func, target)), gpu),
+        # work group reduces the row it reads); a q/k norm over each head after it too (a work group per head).
+        ("fuse-gemv-norms", FuseGEMVNorms(lambda func: gemv_rule.takes(func, target)), gpu),
         # Kernels that tuned faster than our rules; dlight skips them (tirx.is_scheduled).
         (APPLY_TUNING_STEP, ApplyTuningDatabase(spec.name), tuning),
         ("schedule", dlight.ApplyDefaultSchedule(*schedule_rules), every_target),

@@ -58,6 +58,9 @@ def _stored_array(ckpt: Checkpoint, imported: ImportedModel, name: str, made: di
         return array
     parts = [ckpt.get(src) for src in imported.sources[name]]
     array = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    offset = imported.cfg.param_offsets().get(name)
+    if offset is not None:
+        array = np.asarray(array, np.float32) + np.float32(offset)
     return imported.calibration.float_param(name, array) if imported.calibration else array
 
 

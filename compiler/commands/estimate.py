@@ -4,7 +4,8 @@ Everything is derived from what `compile` itself builds, so the estimate cannot 
 - weights: the parameters of the family's nn.Module after quantization (shapes and dtypes only, no values
   read), which are exactly the tensors `compile` writes to params/;
 - KV cache: TVM's paged cache as its runtime allocates it (src/runtime/vm/paged_kv_cache.cc);
-- activations: the storage TVM's static memory planner gives prefill and decode in the compile pipeline.
+- activations: the storage TVM's static memory planner gives prefill and decode in the compile pipeline, and the
+  heap scratch of the kernel of each that holds most (its buffers of its own: the runtime's workspace pool).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 from typing import Any
 
 import tvm
-from tvm import relax, tirx
+from tvm import relax, s_tir, tirx
 from tvm.sym.analyzer import Analyzer
 
 from .. import roofline
@@ -26,6 +27,7 @@ from ..loaders import Checkpoint, ConfigCheckpoint
 from ..model_import import kv_cache_dtype
 from ..model_import.importer import PAGE_SIZE, ImportedModel, import_model, open_model, tensor_bytes
 from ..models.llama import LlamaConfig
+from ..passes.ir_walk import tir_statements
 from ..quantization import awq, group
 from ..quantization.schemes import SCHEMES, Scheme
 from ..target import host
@@ -95,20 +97,26 @@ class RecordMemoryPlan:
     def plan(self) -> ActivationPlan:
         if self.mod is None:
             raise RuntimeError("no pipeline step runs LowerAllocTensor, so there is no memory plan to read")
-        return ActivationPlan({name: _storage_sizes(self.mod[name]) for name in PLANNED_FUNCTIONS})
+        return ActivationPlan({name: _storage_sizes(self.mod[name]) for name in PLANNED_FUNCTIONS},
+                              {name: _kernel_scratch(self.mod, self.mod[name]) for name in PLANNED_FUNCTIONS})
 
 
 @dataclasses.dataclass(frozen=True)
 class ActivationPlan:
-    """The storage allocations of each planned function, in bytes, symbolic in the prompt length."""
+    """The storage allocations of each planned function, and the heap scratch of each kernel it calls (one call at a
+    time, from a pool that keeps what it gave back), in bytes, symbolic in the prompt length."""
 
     sizes: dict[str, list[tirx.PrimExpr]]
+    scratch: dict[str, list[tirx.PrimExpr]]
 
     def at(self, prefill_chunk: int) -> tuple[int, int]:
-        """(bytes of the function that allocates most, largest single allocation), every symbolic dimension at
-        the prefill chunk: prefill's seq_len is the only one, and the runtime never passes a longer prompt."""
-        per_function = [[_bound(size, prefill_chunk) for size in sizes] for sizes in self.sizes.values()]
-        return max(map(sum, per_function)), max(max(sizes, default=0) for sizes in per_function)
+        """(bytes of the function that holds most: its storage and its largest kernel scratch, largest single
+        storage allocation), every symbolic dimension at the prefill chunk: prefill's seq_len is the only one, and
+        the runtime never passes a longer prompt."""
+        per_function = {name: [_bound(size, prefill_chunk) for size in sizes] for name, sizes in self.sizes.items()}
+        held = [sum(sizes) + max((_bound(size, prefill_chunk) for size in self.scratch[name]), default=0)
+                for name, sizes in per_function.items()]
+        return max(held), max(max(sizes, default=0) for sizes in per_function.values())
 
 
 def _bound(size: tirx.PrimExpr, value: int) -> int:
@@ -129,6 +137,42 @@ def _storage_sizes(func: relax.Function) -> list[tirx.PrimExpr]:
 
     relax.analysis.post_order_visit(func, visit)
     return sizes
+
+
+def scratch_bytes(func: tirx.PrimFunc) -> tirx.PrimExpr:
+    """Global-scope buffers of a kernel's own: its root block's through the call, and those inside one of its
+    statements at a time (a chained kernel's parts, passes/chain_kernels.py)."""
+
+    def total(buffers) -> tirx.PrimExpr:
+        sizes = [functools.reduce(operator.mul, [tirx.Cast("int64", d) for d in b.shape],
+                                  tirx.const(tvm.DataType(str(b.dtype)).bits * tvm.DataType(str(b.dtype)).lanes // 8,
+                                             "int64"))
+                 for b in buffers if b.scope() in ("global", "")]
+        return sum(sizes, tirx.const(0, "int64"))
+
+    def inside(stmt) -> tirx.PrimExpr:
+        return total([b for node in tir_statements(stmt) for b in (
+            [node.buffer] if isinstance(node, tirx.AllocBuffer) else getattr(node, "alloc_buffers", []))])
+
+    root = func.body.block if isinstance(func.body, s_tir.SBlockRealize) else None
+    if root is None:
+        return inside(func.body)
+    parts = list(root.body.seq) if isinstance(root.body, tirx.SeqStmt) else [root.body]
+    return functools.reduce(tirx.max, [inside(part) for part in parts], total(root.alloc_buffers))
+
+
+def _kernel_scratch(mod: tvm.IRModule, func: relax.Function) -> list[tirx.PrimExpr]:
+    """The scratch of each kernel `func` calls."""
+    called = {}
+
+    def visit(expr) -> None:
+        if isinstance(expr, relax.Call):
+            for gv in (expr.op, *expr.args[:1]):
+                if isinstance(gv, tvm.ir.GlobalVar) and isinstance(mod[gv], tirx.PrimFunc):
+                    called[gv.name_hint] = mod[gv]
+
+    relax.analysis.post_order_visit(func, visit)
+    return [scratch_bytes(kernel) for kernel in called.values()]
 
 
 def plan_activations(mod: tvm.IRModule, plan: BuildPlan) -> ActivationPlan:

@@ -92,6 +92,10 @@ class GemmaConfig(SlidingLayers, LlamaConfig):
             shapes[f"{p}.pre_feedforward_layernorm.weight"] = shapes[f"{p}.post_feedforward_layernorm.weight"] = (h,)
         return shapes
 
+    def param_offsets(self) -> dict[str, float]:
+        """Every RMSNorm weight (the layers' four, the q/k norms, the last norm) stored as 1 + w (GemmaRMSNorm)."""
+        return {name: 1.0 for name in self.param_sources() if name.endswith("norm.weight")}
+
     def param_sources(self) -> dict[str, list[str]]:
         src = super().param_sources()
         for i in range(self.num_hidden_layers):
@@ -155,17 +159,20 @@ def _pattern_layer_types(hf: dict[str, Any], layers: int) -> list[str]:
 
 
 class GemmaRMSNorm(nn.Module):
-    """x * rsqrt(mean(x^2) + eps) * (1 + weight), computed in float32 and returned in x's dtype."""
+    """x * rsqrt(mean(x^2) + eps) * (1 + w), computed in float32 and returned in x's dtype. The parameter holds
+    1 + w in float32 (GemmaConfig.param_offsets), as the norm uses it: no kernel casts it or adds 1 at run time."""
 
     def __init__(self, dim: int, eps: float):
-        self.weight = nn.Parameter((dim,))
+        self.weight = nn.Parameter((dim,), "float32")
         self.eps = eps
+
+    def to(self, dtype: str | None = None) -> None:  # pylint: disable=invalid-name,unused-argument
+        """The weight stays float32 in a float16 model."""
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
         x32 = x if dtype == "float32" else x.astype("float32")
-        w32 = self.weight if self.weight.dtype == "float32" else self.weight.astype("float32")
-        out = op.rms_norm(x32, w32 + 1.0, axes=[-1], epsilon=self.eps)
+        out = op.rms_norm(x32, self.weight, axes=[-1], epsilon=self.eps)
         return out if dtype == "float32" else out.astype(dtype)
 
 
@@ -182,8 +189,6 @@ class GemmaMLP(nn.Module):
 class GemmaAttention(LlamaAttention):
     """Llama's fused q/k/v projection, q/k norms (Gemma 3's own) and cache; this layer's RoPE applied in the graph
     (rotary.py)."""
-
-    QK_NORM_WEIGHT_OFFSET = 1.0
 
     def __init__(self, cfg: GemmaConfig, layer_id: int):
         super().__init__(cfg)

@@ -130,6 +130,11 @@ class LlamaConfig:
         used = {name for names in self.param_sources().values() for name in names}
         return {name: shape for name, shape in shapes.items() if name in used}
 
+    def param_offsets(self) -> dict[str, float]:
+        """Our parameter name -> a constant added to it when it is stored (compile_model.py): a weight the model only
+        ever uses offset (Gemma's RMSNorms scale by 1 + w) is stored offset, so no kernel adds it at every step."""
+        return {}
+
     def param_sources(self) -> dict[str, list[str]]:
         """Our parameter name -> the checkpoint tensors concatenated (along rows) to make it."""
         src: dict[str, list[str]] = {"model.embed_tokens.weight": ["model.embed_tokens.weight"]}
@@ -286,8 +291,6 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    QK_NORM_WEIGHT_OFFSET = 0.0  # the q/k norms scale by weight + this (Gemma: 1)
-
     def __init__(self, cfg: LlamaConfig):
         self.num_q_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -313,11 +316,10 @@ class LlamaAttention(nn.Module):
         if not self.qk_norm:
             return qkv
         q_heads, normed_heads, eps = self.num_q_heads, self.num_q_heads + self.num_kv_heads, self.qk_norm_eps
-        offset = self.QK_NORM_WEIGHT_OFFSET
 
         def qk_norm(x: te.Tensor, q_weight: te.Tensor, k_weight: te.Tensor) -> te.Tensor:
             """One kernel (a GPU launch, not split / two norms / concat): the q and k heads RMS-normalized over
-            head_dim in float32, each by its weight (+ the offset), the v heads as they are."""
+            head_dim in float32, each by its weight, the v heads as they are."""
             d = x.shape[-1]
             k = te.reduce_axis((0, d), name="k")
             sum_sq = te.compute(x.shape[:-1], lambda *i: te.sum(
@@ -326,7 +328,7 @@ class LlamaAttention(nn.Module):
             def value(*i):
                 weight = tirx.if_then_else(i[2] < q_heads, q_weight[i[3]], k_weight[i[3]]).astype("float32")
                 rsqrt = tirx.rsqrt(sum_sq(*i[:-1]) / tirx.const(int(d), "float32") + tirx.const(eps, "float32"))
-                normed = (rsqrt * x(*i).astype("float32") * (weight + tirx.const(offset, "float32"))).astype(x.dtype)
+                normed = (rsqrt * x(*i).astype("float32") * weight).astype(x.dtype)
                 return tirx.if_then_else(i[2] < normed_heads, normed, x(*i))
 
             return te.compute(x.shape, value, name="qk_norm")

@@ -1,6 +1,6 @@
-"""ChainKernels: consecutive CPU kernels of decode's shapes (fixed, or batch_decode's row per sequence) become one
-kernel per weight-reading kernel (its prologue and epilogue), so that a decode step launches one kernel per projection
-instead of one per operation."""
+"""ChainKernels: consecutive CPU kernels become one kernel per weight-reading kernel (its prologue and epilogue), the
+sequence-long results that only the chain reads held in buffers of its own, so that decode and prefill launch one
+kernel per projection instead of one per operation without holding more activations."""
 
 from __future__ import annotations
 
@@ -44,9 +44,9 @@ def _outputs(call: relax.Call) -> list:
 
 def decode_shapes(call: relax.Call) -> bool:
     """Whether every result of `call` has decode's shape: fixed dimensions, or batch_decode's row per sequence (BATCH,
-    at most a few). Prefill's sequence-long results are left apart: a chain's results are all allocated at once, where
-    the memory plan reuses one kernel's storage for a later one's (SmolLM2's prefill activations would grow 77 -> 98
-    MB), and prefill is bound by compute, not launches."""
+    at most a few). A chain keeps such results its results even where only it reads them: Relax plans them once and
+    they are small, while as buffers of the kernel's own (stack arrays, which LLVM may fold) they changed Gemma 3
+    q0f32's decode logits by up to 6e-6; a sequence-long one is heap scratch, and prefill's logits stay the same."""
     return all(isinstance(ty, relax.TensorType) and ty.shape is not None and all(
         isinstance(d, tirx.IntImm) or is_batch(d) for d in ty.shape.values)
         for ty in _outputs(call))
@@ -56,6 +56,45 @@ def _reads(expr) -> list:
     found = []
     relax.analysis.post_order_visit(expr, lambda e: found.append(e) if isinstance(e, relax.Var) else None)
     return found
+
+
+def _readers(func: relax.Function) -> dict:
+    """Var -> the vars of the bindings that read it (None: the function's result)."""
+    readers: dict = {}
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            for var in _reads(binding.value):
+                readers.setdefault(var, set()).add(binding.var)
+    for var in _reads(func.body.body):
+        readers.setdefault(var, set()).add(None)
+    return readers
+
+
+def _chain_results(chain: _Chain, readers: dict, items: dict) -> set:
+    """(var of a chain kernel's binding, result index) of the chained kernel's results: those of decode's shapes
+    (decode_shapes), and those something outside the chain reads: another binding (directly or through a tuple item),
+    a later block or the function's result. A sequence-long result only the chain reads is a buffer of the kernel's
+    own (heap scratch from the runtime's pool, given back when the call ends): as a result of the call it would be
+    live beside all the others, and prefill's would grow the memory plan (SmolLM2: 77 -> 98 MB)."""
+    members = {b.var for b in chain.bindings}
+
+    def outside(var) -> bool:
+        return not isinstance(var, relax.DataflowVar) or bool(readers.get(var, set()) - members)
+
+    of_tuple: dict = {}  # var of a chain kernel's tuple result -> {index: its item vars}
+    for var, (tuple_var, index) in items.items():
+        of_tuple.setdefault(tuple_var, {}).setdefault(index, []).append(var)
+    read = set()
+    for binding in chain.bindings:
+        by_index = of_tuple.get(binding.var, {})
+        item_vars = {v for vs in by_index.values() for v in vs}
+        # decode's shapes, the block's output, or (a tuple) read other than by its items: every result
+        whole = (decode_shapes(binding.value) or not isinstance(binding.var, relax.DataflowVar)
+                 or bool(readers.get(binding.var, set()) - members - item_vars))
+        for index in range(len(_outputs(binding.value))):
+            if whole or any(outside(v) for v in by_index.get(index, ())):
+                read.add((binding.var, index))
+    return read
 
 
 class _Planner:
@@ -79,7 +118,7 @@ class _Planner:
         runs, run, between, produced = [], [], [], set()
         for binding in block.bindings:
             call = kernel_call(binding)
-            if call is not None and isinstance(self.mod[call.args[0]], tirx.PrimFunc) and decode_shapes(call):
+            if call is not None and isinstance(self.mod[call.args[0]], tirx.PrimFunc):
                 run.append(binding)
                 produced.add(binding.var)
             elif (run and isinstance(binding.value, relax.TupleGetItem)
@@ -126,13 +165,15 @@ def same_buffer(a, b) -> bool:
     return a.dtype == b.dtype and len(a.shape) == len(b.shape)
 
 
-def _chained_func(mod: tvm.IRModule, chain: _Chain, items: dict) -> tuple[tirx.PrimFunc, list[relax.Expr]] | None:
-    """One PrimFunc running the chain's kernels in order, and its Relax inputs; `items` maps a tuple item's var to
-    (tuple var, index). None where a kernel's parameter does not take the buffer it is given as it stands (another
+def _chained_func(mod: tvm.IRModule, chain: _Chain, items: dict, read: set
+                  ) -> tuple[tirx.PrimFunc, list[relax.Expr], list] | None:
+    """One PrimFunc running the chain's kernels in order, its Relax inputs and its results ((var of a chain kernel's
+    binding, result index) in `read`, in order; the others are buffers of its own); `items` maps a tuple item's var
+    to (tuple var, index). None where a kernel's parameter does not take the buffer it is given as it stands (another
     dtype or rank)."""
     inputs: list[relax.Expr] = []
-    input_params, output_params, bodies = [], [], []
-    produced: dict = {}  # (Relax var of a chain kernel's result, index) -> the output buffer that holds it
+    input_params, output_params, results, own, bodies = [], [], [], [], []
+    produced: dict = {}  # (Relax var of a chain kernel's result, index) -> the buffer that holds it
     seen = set()
     for binding in chain.bindings:
         func = mod[binding.value.args[0]]
@@ -154,23 +195,36 @@ def _chained_func(mod: tvm.IRModule, chain: _Chain, items: dict) -> tuple[tirx.P
             if not same_buffer(param, source):
                 return None
             pairs.append((param, source))
-            # the kernel's own symbolic dimensions (batch_decode's rows) are the chain buffer's
+            # the kernel's own symbolic dimensions (batch_decode's rows, prefill's sequence) are the chain buffer's
             pairs.extend((mine, theirs) for mine, theirs in zip(param.shape, source.shape)
                          if isinstance(mine, tirx.Var) and not mine.same_as(theirs))
-        for i, out in enumerate(params[len(args):]):
-            output_params.append(out)
-            produced[(binding.var, i)] = out
 
         def replace(var, pairs=pairs):
             return next((new for old, new in pairs if var.same_as(old)), var)
 
-        bodies.append(tvm_ffi.structural_map(func.body, [(tvm.ir.expr.Var, replace)]) if pairs else func.body)
-    root = s_tir.SBlock([], [], [], "root", tirx.SeqStmt(bodies))
+        def mapped(node, replace=replace):
+            return tvm_ffi.structural_map(node, [(tvm.ir.expr.Var, replace)])
+
+        for i, out in enumerate(params[len(args):]):
+            # in the chain's dimension variables (a buffer's shape is not mapped with its uses), the same data
+            out, old = tirx.decl_buffer([mapped(d) for d in out.shape], out.dtype, out.name, data=out.data,
+                                        data_alignment=out.data_alignment, layout=out.layout), out
+            pairs.append((old, out))
+            if (binding.var, i) in read:
+                output_params.append(out)
+                results.append((binding.var, i))
+            else:
+                own.append(out)
+            produced[(binding.var, i)] = out
+        bodies.append(mapped(func.body))
+    if not results:
+        return None
+    root = s_tir.SBlock([], [], [], "root", tirx.SeqStmt(bodies), alloc_buffers=own)
     # s_tir: the kernels' blocks are s_tir blocks, as each part says of itself
     marks = {key: True for key in ("s_tir",) if any(mod[b.value.args[0]].attrs.get(key) for b in chain.bindings)}
     merged = tirx.PrimFunc([*input_params, *output_params], s_tir.SBlockRealize([], True, root)).with_attrs(
         {"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": _OPAQUE, **marks})
-    return merged, inputs
+    return merged, inputs, results
 
 
 @mutator
@@ -178,63 +232,73 @@ class _Rewriter(PyExprMutator):
     def __init__(self, mod: tvm.IRModule):
         super().__init__(mod)
         self.mod = mod
-        self.first: dict = {}  # var of a chain's first binding -> (chain, its PrimFunc, its inputs)
+        self.first: dict = {}  # var of a chain's first binding -> (chain, its PrimFunc, its inputs, its results)
         self.later: set = set()  # vars of the chains' other bindings (and the bindings they hoist): emitted first
-        self.items: dict = {}  # var of a chain kernel's tuple result -> (the chained call's var, its first index)
+        self.items: dict = {}  # var of a chain kernel's tuple result -> {index: its item of the chained call}
         self.kernels = UniqueKernels(self.builder_)
 
     def plan(self, func: relax.Function) -> None:
         self.first, self.later, self.items = {}, set(), {}
-        planner = _Planner(self.mod, func)
+        planner, readers = _Planner(self.mod, func), _readers(func)
         for block in func.body.blocks:
             items = {b.var: (b.value.tuple_value, b.value.index) for b in block.bindings
                      if isinstance(b.value, relax.TupleGetItem)}
             for chain in planner.chains(block):
-                built = _chained_func(self.mod, chain, items)
+                built = _chained_func(self.mod, chain, items, _chain_results(chain, readers, items))
                 if built is None:
                     continue
                 self.first[chain.bindings[0].var] = (chain, *built)
                 self.later.update(b.var for b in chain.bindings[1:] + chain.hoisted)
+                # the tuple items of results the chain keeps inside: read by nothing outside it, not emitted
+                self.later.update(v for v, (t, i) in items.items() if any(t.same_as(b.var) for b in chain.bindings)
+                                  and (t, i) not in built[2])
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         if binding.var in self.later:
             return
         value = binding.value
         if isinstance(value, relax.TupleGetItem) and value.tuple_value in self.items:
-            merged, offset = self.items[value.tuple_value]
+            positions = self.items[value.tuple_value]
             emit = self.builder_.emit if isinstance(binding.var, relax.DataflowVar) else self.builder_.emit_output
-            self.set_var_remap(binding.var, emit(relax.TupleGetItem(merged, offset + value.index), binding.var.name))
+            self.set_var_remap(binding.var, emit(positions[value.index], binding.var.name))
             return
         if binding.var not in self.first:
             super().visit_var_binding_(binding)
             return
-        chain, func, inputs = self.first[binding.var]
+        chain, func, inputs, results = self.first[binding.var]
         for hoisted in chain.hoisted:
             super().visit_var_binding_(hoisted)
         anchor = chain.anchor or chain.bindings[0]
         gv = self.kernels.add(func, f"{anchor.value.args[0].name_hint}_chained")
-        outputs = [ty for b in chain.bindings for ty in _outputs(b.value)]
-        merged = self.builder_.emit(relax.call_tir(gv, [self.visit_expr(i) for i in inputs], outputs),
-                                    "chained")
-        offset = 0
+        types = {(b.var, i): ty for b in chain.bindings for i, ty in enumerate(_outputs(b.value))}
+        merged = self.builder_.emit(relax.call_tir(gv, [self.visit_expr(i) for i in inputs],
+                                                   [types[r] for r in results]), "chained")
+
+        def result(position: int) -> relax.Expr:  # a call of one result returns it, not a tuple
+            return merged if len(results) == 1 else relax.TupleGetItem(merged, position)
+
         for b in chain.bindings:
-            count = len(_outputs(b.value))
+            positions = {i: results.index((var, i)) for var, i in results if var.same_as(b.var)}
+            if not positions:
+                continue
             if isinstance(b.value.ty, relax.TupleType):
                 # its tuple items are read from the chained call's; the tuple itself, where something else reads it
-                self.items[b.var] = (merged, offset)
-                value = relax.Tuple([relax.TupleGetItem(merged, offset + i) for i in range(count)])
+                self.items[b.var] = {i: result(p) for i, p in positions.items()}
+                if len(positions) < len(b.value.ty.fields):
+                    continue
+                value = relax.Tuple([result(positions[i]) for i in range(len(positions))])
             else:
-                value = relax.TupleGetItem(merged, offset)
+                value = result(positions[0])
             emit = self.builder_.emit if isinstance(b.var, relax.DataflowVar) else self.builder_.emit_output
             self.set_var_remap(b.var, emit(value, b.var.name))
-            offset += count
 
 
 @tvm.transform.module_pass(opt_level=0, name="ChainKernels")
 class ChainKernels:  # pylint: disable=too-few-public-methods
     """Chain consecutive scheduled CPU kernels (compiler/passes/chain_kernels.py); after the schedule step, before
     the dataflow is lowered. Each chained kernel runs its parts' code unchanged, in the same order, writing the
-    same outputs: results are bit-identical, one VM call replaces several."""
+    same values (prefill's that only it reads to buffers of its own): results are bit-identical, one VM call replaces
+    several."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         rewriter = _Rewriter(mod)

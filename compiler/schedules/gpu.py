@@ -13,6 +13,7 @@ from typing import Any
 
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight
+from tvm.s_tir.schedule import _ffi_api as schedule_ffi
 from tvm.s_tir.dlight.analysis import (SBlockInfo, collect_block_iter_vars_used_in_access_region,
                                        is_broadcast_epilogue, is_gemv, normalize, normalize_prim_func)
 from tvm.s_tir.dlight.base import get_extent, try_inline_contiguous_spatial
@@ -79,10 +80,10 @@ class GEMV(dlight.gpu.GEMV):
             return None
         sch = s_tir.Schedule(func)
         infos = normalize_prim_func(sch)
-        prologue = _row_values(sch, infos)
-        if not prologue:
+        prologue, epilogue = _around_gemv(sch, infos)
+        if not prologue and not epilogue:
             return super().apply(func, target, tunable)
-        return self._with_prologue(sch, target, infos, prologue)
+        return self._with_norms(sch, target, infos, prologue, epilogue)
 
     def takes(self, func: tirx.PrimFunc, target: Target) -> bool:
         """Whether this rule schedules `func`. dlight's analyses assert, and schedule primitives raise, on access
@@ -92,36 +93,75 @@ class GEMV(dlight.gpu.GEMV):
         except Exception:  # pylint: disable=broad-exception-caught
             return False
 
-    def _with_prologue(self, sch: s_tir.Schedule, target: Target, infos: list[SBlockInfo],
-                       prologue: list[SBlockInfo]):
-        """A GEMV whose vector operand is computed in the kernel from values of the whole input row (RMSNorm's sum
-        of squares and its rsqrt, passes/fuse_gemv_prologue.py): each work group reduces the row itself, across
-        its K threads, before its share of the GEMV; the elementwise rest is inlined into the GEMV's loads."""
-        rest = try_inline_contiguous_spatial(sch, [info for info in infos if info not in prologue])
-        if rest is None or len(rest) > 2 or (len(rest) == 2 and not rest[1].is_injective()):
+    def _with_norms(self, sch: s_tir.Schedule, target: Target, infos: list[SBlockInfo],
+                    prologue: list[SBlockInfo], epilogue: list[SBlockInfo]):
+        """A GEMV with the norms around it (passes/fuse_gemv_norms.py). Prologue: its vector operand computed in the
+        kernel from values of the whole input row (RMSNorm's sum of squares and its rsqrt): each work group reduces
+        the row itself, across its K threads, before its share of the GEMV; the elementwise rest is inlined into the
+        GEMV's loads. Epilogue: a norm over groups of its results (a q/k norm over each head) and what follows it
+        within the group (RoPE): each work group computes one group's rows into shared memory, one row per thread
+        and no threads along K, reduces them across those threads and writes the group normalized (the prologue's
+        row reduction across them too)."""
+        # The normalized rows stay a block of their own: inlined into a reader of other rows of the head (RoPE's
+        # rotate-half), its reads would index the GEMV's flat rows, whose region TVM cannot solve per head.
+        normalized = next((infos[i + 1] for i, info in enumerate(infos[:-1]) if info in epilogue and
+                           info.is_reduction()), None)
+        rest = try_inline_contiguous_spatial(sch, [info for info in infos if info not in prologue
+                                                   and info is not normalized])
+        if not rest:
             return None
-        gemv = rest[0]
+        rest = sorted([*rest, *([normalized] if normalized is not None else [])], key=infos.index)
+        gemv, after = rest[0], rest[1:]
+        ts, tr = self.params["ts"], self.params["tr"]
+        if epilogue:
+            group = _group_rows(sch, gemv, after)
+            if group is None:
+                return None
+            # one thread per row and none beside it: TVM's barrier placement misses a shared row one thread along
+            # K writes and another reads at the same row index (Oclgrind found the race)
+            ts, tr = group, 1
+        elif len(after) > 1 or (after and not after[0].is_injective()):
+            return None
         vector_buffers = is_gemv(sch, gemv) if len(gemv.iters) in (2, 3) else None
         if vector_buffers is None or normalize(sch, gemv) is not True:
             return None
-        sch = self.sch_inner_reduction(sch, target, gemv.block_rv, vector_buffers, rest[1] if len(rest) == 2 else None)
+        sch = self.sch_inner_reduction(sch, target, gemv.block_rv, vector_buffers, None if epilogue else
+                                       (after[0] if after else None), ts, tr)
         work_group = sch.get_loops(gemv.block_rv)[0]
-        tag_r = ROW_THREAD_TAGS[1 - ROW_THREAD_TAGS.index(self.params["row_threads"])]
+        tag_s = self.params["row_threads"]
+        tag_r = ROW_THREAD_TAGS[1 - ROW_THREAD_TAGS.index(tag_s)]
+        # the prologue's row reduction across the K threads, or across the rows' where each row has one thread
+        threads_r, tag_p = (ts, tag_s) if epilogue else (tr, tag_r)
         for info in reversed(prologue):  # each before its readers, which are in the work group by now
             sch.compute_at(info.block_rv, work_group, preserve_unit_loops=True)
             if info.is_reduction():
-                _, threads = sch.split(sch.get_loops(info.block_rv)[-1], factors=[None, self.params["tr"]])
-                sch.bind(threads, tag_r)
+                _, threads = sch.split(sch.get_loops(info.block_rv)[-1], factors=[None, threads_r])
+                sch.bind(threads, tag_p)
                 sch.set_scope(info.block_rv, 0, "shared")
             else:
                 sch.set_scope(info.block_rv, 0, "local")
+        if epilogue:
+            sch.set_scope(gemv.block_rv, 0, "shared")
+            for info in after:  # each group's sum of squares across the row threads, then its rows normalized
+                _reads_within_groups(sch, info.block_rv, [sch.get(a.block_rv).writes[0].source for a in after])
+                sch.reverse_compute_at(info.block_rv, work_group, preserve_unit_loops=True)
+                loops = sch.get_loops(info.block_rv)[1:]
+                inner = [loop for loop in loops if get_extent(sch, loop) != 1] or loops[-1:]
+                _, threads = sch.split(sch.fuse(*inner), factors=[None, ts])
+                sch.bind(threads, tag_s)
+                # the sum of squares in each thread (an allreduce: a shared one would make TVM's in-thread partial
+                # sums shared by the threads too); rows read across threads (RoPE) in shared memory
+                if info is not after[-1]:
+                    sch.set_scope(info.block_rv, 0, "local" if info.is_reduction() else "shared")
         return sch
 
     def sch_inner_reduction(  # pylint: disable=too-many-arguments,too-many-locals,unused-argument
-        self, sch: s_tir.Schedule, target: Target, block, vector_input_buffers, epilogue_info: SBlockInfo | None
+        self, sch: s_tir.Schedule, target: Target, block, vector_input_buffers, epilogue_info: SBlockInfo | None,
+        ts: int | None = None, tr: int | None = None,
     ):
+        """dlight's signature; `ts` x `tr` threads per work group (rows x K), the target file's unless given."""
         p = self.params
-        ts, tr, unroll, tag_s = p["ts"], p["tr"], p["unroll"], p["row_threads"]
+        ts, tr, unroll, tag_s = ts or p["ts"], tr or p["tr"], p["unroll"], p["row_threads"]
         tag_r = ROW_THREAD_TAGS[1 - ROW_THREAD_TAGS.index(tag_s)]
         _, _, r, c = sch.get_loops(block)
         len_r, len_c = (get_extent(sch, loop) for loop in (r, c))
@@ -205,19 +245,62 @@ def _matrix_read(sch: s_tir.Schedule, block) -> int:
                 if len(collect_block_iter_vars_used_in_access_region(stmt, read.region)) == len(stmt.iter_vars))
 
 
-def _row_values(sch: s_tir.Schedule, infos: list[SBlockInfo] | None) -> list[SBlockInfo]:
-    """The blocks before a function's last reduction that write one value (a decode row's sum of squares and its
-    rsqrt) where a reduction is among them; [] for any other function."""
+def _around_gemv(sch: s_tir.Schedule, infos: list[SBlockInfo] | None) -> tuple[list[SBlockInfo], list[SBlockInfo]]:
+    """(prologue, epilogue) of a function's GEMV, its first reduction that writes more than one value: the prologue,
+    the blocks before it that write one value (a decode row's sum of squares and its rsqrt) where a reduction is among
+    them; the epilogue, the blocks after it where a reduction is among them (a norm of its results). Each [] where
+    it is not so."""
     if not infos:
-        return []
-    reductions = [i for i, info in enumerate(infos) if info.is_reduction()]
-    if len(reductions) < 2:
-        return []
-    scalars = [info for info in infos[:reductions[-1]]
-               if all(_extent(d) == 1 for d in sch.get(info.block_rv).writes[0].source.shape)]
-    if not all(infos[i] in scalars for i in reductions[:-1]):
-        return []
-    return scalars
+        return [], []
+    scalar = [all(_extent(d) == 1 for d in sch.get(info.block_rv).writes[0].source.shape) for info in infos]
+    gemv = next((i for i, info in enumerate(infos) if info.is_reduction() and not scalar[i]), None)
+    if gemv is None:
+        return [], []
+    before = [info for info, one in zip(infos[:gemv], scalar[:gemv]) if one]
+    reduced_before = any(info.is_reduction() for info in infos[:gemv])
+    prologue = before if reduced_before and all(info in before for info in infos[:gemv] if info.is_reduction()) else []
+    epilogue = infos[gemv + 1:] if any(info.is_reduction() for info in infos[gemv + 1:]) else []
+    return prologue, epilogue
+
+
+def _group_rows(sch: s_tir.Schedule, gemv: SBlockInfo, after: list[SBlockInfo]) -> int | None:
+    """The rows of one group of an epilogue norm (its reduction's extent): a reduction then the elementwise
+    normalization (and what follows it within the group: Gemma's RoPE), over whole groups of more than one; None for
+    any other epilogue."""
+    if len(after) < 2 or not after[0].is_reduction() or not all(info.is_injective() for info in after[1:]):
+        return None
+    group = 1
+    for var in sch.get(after[0].block_rv).iter_vars:
+        if var.iter_type == tirx.IterVar.CommReduce:
+            group *= _extent(var.dom.extent) or 0
+    rows = 1
+    for var in sch.get(gemv.block_rv).iter_vars:
+        if var.iter_type == tirx.IterVar.DataPar:
+            rows *= _extent(var.dom.extent) or 0
+    return group if group > 1 and rows > group and rows % group == 0 else None
+
+
+def _reads_within_groups(sch: s_tir.Schedule, block, buffers: list) -> None:
+    """Declare each read of `block` from `buffers` (the epilogue's) at an offset of an iterator (RoPE's rotate-half
+    reads position d -+ half of the head) as a read at that iterator. TVM's reverse_compute_at solves a block's
+    iterators only from plain indices; the declared region places the block per group as its real one would, since
+    the producer writes whole groups in the same work group (in shared memory: TVM's barrier comes from the real
+    accesses, not this declaration)."""
+    stmt = sch.get(block)
+    iters = [v.var for v in stmt.iter_vars]
+    for index, read in enumerate(stmt.reads):
+        if not any(read.source.same_as(b) for b in buffers):
+            continue
+        bounds, offset = [], False
+        for r in read.region:
+            used = [v for v in tirx.analysis.undefined_vars(r.min, []) if any(v.same_as(i) for i in iters)]
+            if len(used) > 1:
+                break
+            offset |= bool(used) and not (r.min.same_as(used[0]) and _extent(r.extent) == 1)
+            bounds += [used[0], used[0] + 1] if used else [r.min, r.min + r.extent]
+        else:
+            if offset:  # Schedule.annotate_buffer_access takes a range per block iterator, not per buffer dimension
+                schedule_ffi.ScheduleAnnotateBufferAccess(sch, block, index, 0, tirx.IndexMap(iters, bounds, None))
 
 
 def _extent(dim) -> int | None:

@@ -162,23 +162,25 @@ def _write_shard(path: Path, tensors: list[tuple[str, tuple[int, ...]]], seed: i
                 f.write((values.view(np.uint32) >> 16).astype(np.uint16).tobytes())
 
 
-def target_files(x86: bool) -> list[str]:
-    """The target files whose CPU code is x86, or the others. `host` is left out: its code is this machine's CPU's,
-    which x86-64-v3 (AVX2) or x86-64-v4 (AVX-512) builds already (CI's machines are one or the other)."""
+def target_files(x86: bool | None = None) -> list[str]:
+    """The target files whose CPU code is x86 (x86=True), the others (False), or all (None). `host` is left out: its
+    code is this machine's CPU's, which x86-64-v3 (AVX2) or x86-64-v4 (AVX-512) builds already (CI's machines are one
+    or the other)."""
     from compiler.target.targets import available_targets, load_target  # pylint: disable=import-outside-toplevel
 
     return [name for name in sorted(available_targets()) if name != "host"
-            and ("x86_64" in str(load_target(name).model_target().export().get("mtriple", ""))) == x86]
+            and (x86 is None or ("x86_64" in str(load_target(name).model_target().export().get("mtriple", ""))) == x86)]
 
 
-def matrix(targets_per_shape: list[list[str]]) -> list:
-    """pytest params (shape, target) of every shape on every target, where shape i compiles in the default set for
-    `targets_per_shape[k][i % len(targets_per_shape[k])]` of each k (each shape once per target class, the targets of a
-    class taking turns) and the rest of the matrix is `extended`: one target's code for a shape differs from another
-    of its class in instruction choices, not in whether the shape's layout, heads or vocabulary compile."""
-    default = {(shape, group[i % len(group)]) for i, shape in enumerate(SHAPES) for group in targets_per_shape}
+def matrix(targets: list[str]) -> list:
+    """pytest params (shape, target) of every shape on each of `targets`, where shape i compiles in the default set
+    for one target file, all of them taking turns (target_files()[i % count]), and the rest of the matrix is
+    `extended`: a shape that compiles for one target file compiles for the others but where one of them refuses an
+    instruction choice or a device limit, which the extended set finds."""
+    every = target_files()
+    default = {(shape, every[i % len(every)]) for i, shape in enumerate(SHAPES)}
     return [pytest.param(shape, target, marks=() if (shape, target) in default else pytest.mark.extended)
-            for shape in SHAPES for target in sorted({t for group in targets_per_shape for t in group})]
+            for shape in SHAPES for target in targets]
 
 
 def check_compiles(name: str, target: str, tmp_path: Path) -> None:

@@ -45,7 +45,7 @@ GEMV = "fused_dequantize4_NT_matmul4"  # the MLP's down projection, once per lay
 TRIALS = 2
 FP16_QUANT, FP16_KEY = "q4f16_g32", "mobilec-opencl-fp16"
 # the down projection's float16 form (its residual add inside; it reads SwiGLU's result, not a norm, so it stays a
-# kernel of its own: passes/fuse_gemv_prologue.py)
+# kernel of its own: passes/fuse_gemv_norms.py)
 FP16_GEMV = "fused_fused_dequantize3_NT_matmul3_cast1_add"
 
 

@@ -150,19 +150,17 @@ def test_quantized_kv_caches_on_the_float16_gpu_keep_the_perplexity(perplexity, 
     assert gpu <= f16 * KV_GATES[kv] and gpu != f16, (gpu, f16)
 
 
-def test_bench_and_profile_name_the_fp16_device(artifacts):
+def test_bench_and_profile_here_and_over_rpc_run_on_fp16_opencl(artifacts, tmp_path):
+    """Here: bench and profile name Intel's fp16 device; through a tracker: the server's fp16 OpenCL runs the
+    kernels (this process has no OpenCL platform), gives the same tokens, and times each launch."""
     path = artifacts["android-adreno", "q4f16_g32"]
-    bench = _json(_mobilec_process("bench", path, "--prompt-len", 8, "--gen-len", 4, "--repeat", 1, "--json"))
-    opencl = bench["device"]["opencl"]
-    assert bench["device"]["kernels_on"] == "opencl" and opencl["fp16"] and "Intel" in opencl["platform"]
+    local = _json(_mobilec_process("bench", path, "--prompt-len", 8, "--gen-len", 4, "--repeat", 1, "--json"))
+    opencl = local["device"]["opencl"]
+    assert local["device"]["kernels_on"] == "opencl" and opencl["fp16"] and "Intel" in opencl["platform"]
     profile = _json(_mobilec_process("profile", path, "--context-len", 8, "--steps", 2, "--json"))
     device = profile["device"]
     assert device["launches_per_step"] >= profile["kernel_calls_per_step"] > 0
     assert 0.9 <= device["fraction_of_step"] <= 1.1, device  # the device times add up to the step
-
-
-def test_bench_and_profile_over_rpc_run_on_the_servers_fp16_opencl(artifacts, tmp_path):
-    path = artifacts["android-adreno", "q4f16_g32"]
     tracker, port = start_tracker(tmp_path / "tracker.log")
     server = None
     try:
@@ -182,7 +180,6 @@ def test_bench_and_profile_over_rpc_run_on_the_servers_fp16_opencl(artifacts, tm
     device = profile["device"]
     assert profile["remote"]["opencl"]["fp16"] and device["launches_per_step"] > 30 * 2  # SmolLM2's 30 layers
     assert 0.9 <= device["fraction_of_step"] <= 1.1, device  # the device's kernel times add up to its step
-    local = _json(_mobilec_process("bench", path, "--prompt-len", 8, "--gen-len", 4, "--repeat", 1, "--json"))
     assert bench["tokens"] == local["tokens"]
 
 

@@ -43,10 +43,12 @@ ARTIFACTS = {
     "adreno-kv-int8": ("qwen3", "android-adreno", "q4f32_g32", "int8"),
     "adreno-kv-int4": ("qwen3-head64", "android-adreno", "q4f32_g32", "int4"),
     "adreno-gemma2-window-cap": ("gemma2", "android-adreno", "q4f32_g32", "auto"),
+    # the QKV GEMV with its q/k norm and RoPE, one head per work group (passes/fuse_gemv_norms.py)
+    "adreno-gemma3": ("gemma3", "android-adreno", "q4f32_g32", "auto"),
 }
 # tiny model -> (tiny_models name, config changes)
 MODELS = {"llama_gqa": ("llama_gqa", {}), "qwen3": ("qwen3", {}), "qwen3-head64": ("qwen3", {"head_dim": 64}),
-          "gemma2": ("gemma2", {})}
+          "gemma2": ("gemma2", {}), "gemma3": ("gemma3", {})}
 # Oclgrind 21.10's uninitialized-value check aborts a work-item on LLVM's `freeze` ("Unsupported instruction"), which
 # its clang emits for a division and a remainder by one constant that is not a power of two: TVM's K/V append
 # (tir_kv_cache_transpose_append) on a quantized cache's carrier divides by its 3 declared KV heads, so the append
@@ -56,7 +58,7 @@ MODELS = {"llama_gqa": ("llama_gqa", {}), "qwen3": ("qwen3", {}), "qwen3-head64"
 WITHOUT_UNINITIALIZED = {"adreno-kv-int8", "adreno-kv-int4"}
 # Its cache writes the length rows of its sliding layers at offsets, which the OpenCL device writes from offset 0 on
 # Oclgrind (native/opencl): the tokens must be PoCL's (PoCL's kernel builds cost ~10 s, so only here)
-SAME_TOKENS_AS_POCL = {"adreno-gemma2-window-cap"}
+SAME_TOKENS_AS_POCL = {"adreno-gemma2-window-cap", "adreno-gemma3"}
 _FINDING = re.compile(r"^\s*Kernel: (\S+)", re.MULTILINE)
 _LAUNCH = re.compile(r"^\[mobilec opencl\] (\S+) global", re.MULTILINE)
 # Why generate launches none of a PrimFunc's kernels although the paged KV cache holds it (the runtime decides)

@@ -1,0 +1,211 @@
+"""FuseGEMVNorms: on GPUs, the norms around a projection's decode GEMV run inside it, not as launches of their own.
+
+Prologue: the RMSNorm whose only reader is the GEMV, with the dtype cast of its input if only the norm reads that
+(Gemma's float32 norms of a float16 row); each work group reduces the row itself (a few hundred multiply-adds)
+instead of a round trip of the normalized row through global memory. Epilogue: a norm over groups of the GEMV's
+results (Qwen3's and Gemma 3's q/k norm over each head of the QKV projection), reached through kernels that only move
+data (a reshape), and the kernels after it that alone read its result (Gemma's RoPE, within each head); the GEMV rule
+gives such a kernel one group (head) per work group, which it normalizes before writing it.
+
+Only norms (kernels that reduce) qualify: an elementwise producer (SwiGLU before the down projection) would be
+recomputed by every work group for every weight it multiplies (a GPU GEMV work group holds 2-4 rows), one sigmoid
+per weight, which costs a large model more than the launch it saves."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tvm
+import tvm_ffi
+from tvm import relax, s_tir, tirx
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from .chain_kernels import decode_shapes, kernel_call, same_buffer
+from .ir_walk import UniqueKernels, equal_entry, packed_weights, tir_statements, use_counts
+
+
+def _reduces(func: tirx.PrimFunc) -> bool:
+    """Whether some block of `func` has a reduction iterator."""
+    return any(isinstance(stmt, s_tir.SBlock) and any(v.iter_type == tirx.IterVar.CommReduce for v in stmt.iter_vars)
+               for stmt in tir_statements(func.body))
+
+
+def _moves_data(func: tirx.PrimFunc) -> bool:
+    """Whether every block of `func` stores a value it loads, at most converted (a reshape, a dtype cast)."""
+    blocks = [stmt for stmt in tir_statements(func.body) if isinstance(stmt, s_tir.SBlock) and stmt.name_hint != "root"]
+
+    def loaded(value) -> bool:
+        return isinstance(value, tvm.ir.expr.TensorLoad) or (isinstance(value, tirx.Cast) and loaded(value.value))
+
+    return bool(blocks) and all(isinstance(b.body, tirx.BufferStore) and loaded(b.body.value) for b in blocks)
+
+
+def _root(func: tirx.PrimFunc) -> s_tir.SBlock:
+    return func.body.block
+
+
+def _stmts(stmt) -> list:
+    return list(stmt.seq) if isinstance(stmt, tirx.SeqStmt) else [stmt]
+
+
+def fuse(producer: tirx.PrimFunc, consumer: tirx.PrimFunc, index: int, producer_args: list, consumer_args: list
+         ) -> tuple[tirx.PrimFunc, list]:
+    """One PrimFunc running `producer` then `consumer`, whose parameter `index` reads the producer's one result: that
+    result becomes a buffer of the function's own; the Relax arguments read once where both kernels read them."""
+    result = producer.params[-1]
+    inputs = list(producer_args)
+    params = list(producer.params[:-1])
+    pairs = [(consumer.params[index], result)]
+    for i, (arg, param) in enumerate(zip(consumer_args, consumer.params)):
+        if i == index:
+            continue
+        known = next((j for j, seen in enumerate(inputs) if seen.same_as(arg)), None)
+        if known is not None and same_buffer(param, params[known]):
+            pairs.append((param, params[known]))
+            continue
+        inputs.append(arg)
+        params.append(param)
+    params.extend(consumer.params[len(consumer_args):])
+
+    def replace(var):
+        return next((new for old, new in pairs if var.same_as(old)), var)
+
+    consumer_root = tvm_ffi.structural_map(_root(consumer), [(tvm.ir.expr.Var, replace)])
+    root = s_tir.SBlock([], [], [], "root", tirx.SeqStmt(_stmts(_root(producer).body) + _stmts(consumer_root.body)),
+                        alloc_buffers=[*_root(producer).alloc_buffers, result, *consumer_root.alloc_buffers])
+    func = tirx.PrimFunc(params, s_tir.SBlockRealize([], True, root)).with_attrs(dict(consumer.attrs))
+    return func, inputs
+
+
+@mutator
+class _Rewriter(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, schedulable: Callable[[tirx.PrimFunc], bool]):
+        super().__init__(mod)
+        self.mod = mod
+        self.schedulable = schedulable
+        self.fused: dict = {}  # var of a group's last binding -> (kernel name, fused PrimFunc, its Relax inputs)
+        self.dropped: set = set()  # vars of the other bindings of a group, now inside its kernel
+        self.kernels = UniqueKernels(self.builder_)
+        self.verdicts: list[tuple[tirx.PrimFunc, bool]] = []  # each layer's fused kernels are the same: asked once
+
+    def plan(self, func: relax.Function) -> None:
+        self.fused, self.dropped = {}, set()
+        weights, uses = packed_weights(func), use_counts(func)
+        for block in func.body.blocks:
+            calls = {b.var: b for b in block.bindings if kernel_call(b) is not None and decode_shapes(b.value)}
+            readers: dict = {}  # var -> the kernel bindings that read it
+            for binding in calls.values():
+                for arg in binding.value.args[1].fields:
+                    readers.setdefault(arg, []).append(binding)
+
+            def reads_weight(binding) -> bool:
+                return any(isinstance(a, relax.Var) and a in weights for a in binding.value.args[1].fields)
+
+            def only_reader(var):
+                """The kernel binding that alone reads dataflow var `var` (its value needed nowhere else)."""
+                found = readers.get(var, [])
+                if isinstance(var, relax.DataflowVar) and uses.get(var) == 1 and len(found) == 1:
+                    return found[0]
+                return None
+
+            def is_norm(binding) -> bool:
+                return (isinstance(binding.value.ty, relax.TensorType) and not reads_weight(binding)
+                        and _reduces(self.mod[binding.value.args[0]]))
+
+            for gemv in filter(reads_weight, calls.values()):
+                prologue = next(((calls[a], i) for i, a in enumerate(gemv.value.args[1].fields)
+                                 if a in calls and only_reader(a) is gemv and is_norm(calls[a])), None)
+                if prologue is not None:  # the cast of the norm's input, if only the norm reads it
+                    norm = prologue[0]
+                    cast = next(((calls[a], j) for j, a in enumerate(norm.value.args[1].fields)
+                                 if a in calls and only_reader(a) is norm and not reads_weight(calls[a])
+                                 and isinstance(calls[a].value.ty, relax.TensorType)
+                                 and _moves_data(self.mod[calls[a].value.args[0]])), None)
+                    prologue = (*prologue, cast)
+                # kernels that move data, the norm, then kernels that only compute on its result (Gemma's RoPE)
+                epilogue, var, norm = [], gemv.var, None
+                while (reader := only_reader(var)) is not None and not reads_weight(reader):
+                    if _reduces(self.mod[reader.value.args[0]]):
+                        if norm is not None or not is_norm(reader):
+                            break
+                        norm = len(epilogue)
+                    elif norm is None and not _moves_data(self.mod[reader.value.args[0]]):
+                        break
+                    epilogue.append(reader)
+                    var = reader.var
+                # each with the longest epilogue the schedule takes
+                tails = [epilogue[:end] for end in range(len(epilogue), norm, -1)] if norm is not None else []
+                for group in [*([prologue, tail] for tail in tails), [prologue, []], *([None, tail] for tail in tails)]:
+                    if self._try(gemv, *group):
+                        break
+
+    def _try(self, gemv: relax.VarBinding, prologue: tuple | None, epilogue: list) -> bool:
+        """Fuse `prologue` (a norm binding, the GEMV argument it computes, and (the binding of a cast, the norm
+        argument it computes) or None), `gemv` and `epilogue` (the bindings after it, each reading the one before)
+        into one kernel, if there is more than the GEMV and the schedule takes it."""
+        before = [] if prologue is None else [prologue[0]] + ([prologue[2][0]] if prologue[2] is not None else [])
+        bindings = [gemv, *epilogue, *before]
+        if (prologue is None and not epilogue) or any(b.var in self.fused or b.var in self.dropped for b in bindings):
+            return False
+        func, inputs = self.mod[gemv.value.args[0]], list(gemv.value.args[1].fields)
+        name = gemv.value.args[0].name_hint
+        if prologue is not None:
+            norm, index, cast = prologue
+            norm_func, norm_inputs = self.mod[norm.value.args[0]], list(norm.value.args[1].fields)
+            if cast is not None:
+                norm_func, norm_inputs = fuse(self.mod[cast[0].value.args[0]], norm_func, cast[1],
+                                              list(cast[0].value.args[1].fields), norm_inputs)
+            func, inputs = fuse(norm_func, func, index, norm_inputs, inputs)
+            name = f"{name}_after_{norm.value.args[0].name_hint}"
+        previous = gemv
+        for binding in epilogue:
+            args = list(binding.value.args[1].fields)
+            func, inputs = fuse(func, self.mod[binding.value.args[0]], args.index(previous.var), inputs, args)
+            previous = binding
+        if epilogue:
+            norm = next(b.value.args[0] for b in epilogue if _reduces(self.mod[b.value.args[0]]))
+            name = f"{name}_then_{norm.name_hint}"
+        func = tirx.PrimFunc(func.params, func.body).with_attrs(dict(self.mod[gemv.value.args[0]].attrs))
+        if not self._schedulable(func):
+            return False
+        self.fused[previous.var] = (name, func, inputs)
+        self.dropped.update(b.var for b in [gemv, *epilogue[:-1], *before] if b is not previous)
+        return True
+
+    def _schedulable(self, func: tirx.PrimFunc) -> bool:
+        verdict = equal_entry(self.verdicts, func)
+        if verdict is None:
+            verdict = self.schedulable(func)
+            self.verdicts.append((func, verdict))
+        return verdict
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        if binding.var in self.dropped:
+            return
+        if binding.var not in self.fused:
+            super().visit_var_binding_(binding)
+            return
+        name, func, inputs = self.fused[binding.var]
+        gv = self.kernels.add(func, name)
+        call = relax.call_tir(gv, [self.visit_expr(i) for i in inputs], binding.value.ty)
+        emit = self.builder_.emit if isinstance(binding.var, relax.DataflowVar) else self.builder_.emit_output
+        self.set_var_remap(binding.var, emit(call, binding.var.name))
+
+
+@tvm.transform.module_pass(opt_level=0, name="FuseGEMVNorms")
+class FuseGEMVNorms:  # pylint: disable=too-few-public-methods
+    """Fuse into each decode GEMV the norm kernel it alone reads (with its input's cast) and the norm over groups of
+    its results that alone reads them (with what alone reads the norm's result), compiler/passes/fuse_gemv_norms.py;
+    after FuseTIR, before the schedule. `schedulable` says whether the schedule rules take a fused kernel: where they
+    do not, the kernels stay apart (a shorter epilogue is tried first)."""
+
+    def __init__(self, schedulable: Callable[[tirx.PrimFunc], bool]):
+        self.schedulable = schedulable
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        rewriter = _Rewriter(mod, self.schedulable)
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                rewriter.plan(func)
+                rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+        return relax.transform.DeadCodeElimination()(rewriter.builder_.get())

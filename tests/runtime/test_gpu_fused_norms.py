@@ -1,0 +1,56 @@
+"""Tiny Qwen3 and Gemma 3 for android-adreno on this machine's OpenCL (PoCL, float32): the build whose norms run
+inside the decode GEMVs (passes/fuse_gemv_norms.py: the input norm before, the q/k norm per head after, and Gemma's
+RoPE after that) gives the unfused build's greedy tokens, and its prompt and decode logits within 1e-5 relative."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tvm
+
+from compiler.artifacts.artifact import load_artifact
+from compiler.codegen import pipeline
+from compiler.commands.compile_model import CompileOptions, compile_model
+from compiler.runtime.session import Session
+from tests.helpers.pocl_device import NEEDS_OPENCL, ON_POCL
+from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
+
+# two compiles per family (~45 s each here); the fused kernels' numerics are in tests/passes/test_fuse_gemv_norms.py
+pytestmark = [NEEDS_OPENCL, pytest.mark.extended]
+
+PROMPT = [3, 7, 1, 4, 4, 9, 2, 5]
+STEPS = 8
+
+
+def _greedy(path: Path) -> tuple[np.ndarray, list[int]]:
+    session = Session(load_artifact(path))
+    session.reset()
+    logits = [np.asarray(session.prefill(PROMPT)).reshape(-1)]
+    tokens = [int(logits[-1].argmax())]
+    while len(tokens) < STEPS:
+        logits.append(np.asarray(session.decode(tokens[-1])).reshape(-1))
+        tokens.append(int(logits[-1].argmax()))
+    return np.stack(logits), tokens
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_fused_norms_decode_the_unfused_builds_tokens(tmp_path, monkeypatch, family):
+    checkpoint = save_compilable_checkpoint(build_model(family), tmp_path / "hf")
+
+    def build(name: str) -> tuple[np.ndarray, list[int], list[str]]:
+        compile_model(CompileOptions(str(checkpoint), "android-adreno", "q4f32_g32", str(tmp_path / name),
+                                     context_window=64, progress=False, kv_dtype="f32", **ON_POCL))
+        kernels = load_artifact(tmp_path / name).config["call_sites"]["kernels"]
+        return (*_greedy(tmp_path / name), kernels)
+
+    fused_logits, fused_tokens, fused_kernels = build("fused")
+    monkeypatch.setattr(pipeline, "FuseGEMVNorms", lambda _: tvm.transform.Sequential([]))
+    logits, tokens, kernels = build("unfused")
+    # the q/k norm inside the QKV GEMV in one build only
+    assert [any("_then_qk_norm" in k for k in names) for names in (fused_kernels, kernels)] == [True, False]
+    assert fused_tokens == tokens
+    np.testing.assert_allclose(fused_logits, logits, rtol=0, atol=1e-5 * np.abs(logits).max())
+    # Negative control: the comparison sees a wrong step (the logits move from step to step).
+    assert np.abs(fused_logits[1:] - logits[:-1]).max() > 1e-3 * np.abs(logits).max()

@@ -235,14 +235,17 @@ class _Rewriter(PyExprMutator):
         self.first: dict = {}  # var of a chain's first binding -> (chain, its PrimFunc, its inputs, its results)
         self.later: set = set()  # vars of the chains' other bindings (and the bindings they hoist): emitted first
         self.items: dict = {}  # var of a chain kernel's tuple result -> {index: its item of the chained call}
+        self.item_bindings: dict = {}  # var of a tuple-item binding -> the binding
+        self.emitted: set = set()  # tuple-item bindings emitted ahead of their place (a chain reads them first)
         self.kernels = UniqueKernels(self.builder_)
 
     def plan(self, func: relax.Function) -> None:
-        self.first, self.later, self.items = {}, set(), {}
+        self.first, self.later, self.items, self.emitted = {}, set(), {}, set()
         planner, readers = _Planner(self.mod, func), _readers(func)
         for block in func.body.blocks:
             items = {b.var: (b.value.tuple_value, b.value.index) for b in block.bindings
                      if isinstance(b.value, relax.TupleGetItem)}
+            self.item_bindings.update((b.var, b) for b in block.bindings if isinstance(b.value, relax.TupleGetItem))
             for chain in planner.chains(block):
                 built = _chained_func(self.mod, chain, items, _chain_results(chain, readers, items))
                 if built is None:
@@ -253,14 +256,19 @@ class _Rewriter(PyExprMutator):
                 self.later.update(v for v, (t, i) in items.items() if any(t.same_as(b.var) for b in chain.bindings)
                                   and (t, i) not in built[2])
 
+    def _emit_item(self, binding: relax.VarBinding) -> None:
+        """A tuple item of an earlier chain's result, read from the chained call's."""
+        value = binding.value
+        emit = self.builder_.emit if isinstance(binding.var, relax.DataflowVar) else self.builder_.emit_output
+        self.set_var_remap(binding.var, emit(self.items[value.tuple_value][value.index], binding.var.name))
+        self.emitted.add(binding.var)
+
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        if binding.var in self.later:
+        if binding.var in self.later or binding.var in self.emitted:
             return
         value = binding.value
         if isinstance(value, relax.TupleGetItem) and value.tuple_value in self.items:
-            positions = self.items[value.tuple_value]
-            emit = self.builder_.emit if isinstance(binding.var, relax.DataflowVar) else self.builder_.emit_output
-            self.set_var_remap(binding.var, emit(positions[value.index], binding.var.name))
+            self._emit_item(binding)
             return
         if binding.var not in self.first:
             super().visit_var_binding_(binding)
@@ -268,6 +276,12 @@ class _Rewriter(PyExprMutator):
         chain, func, inputs, results = self.first[binding.var]
         for hoisted in chain.hoisted:
             super().visit_var_binding_(hoisted)
+        # an earlier chain's tuple item this chain reads may stand later in the block, among this chain's bindings
+        # (prefill_hidden_states: the residual beside the layers' outputs it is concatenated with)
+        for var in inputs:
+            item = self.item_bindings.get(var)
+            if item is not None and var not in self.emitted and item.value.tuple_value in self.items:
+                self._emit_item(item)
         anchor = chain.anchor or chain.bindings[0]
         gv = self.kernels.add(func, f"{anchor.value.args[0].name_hint}_chained")
         types = {(b.var, i): ty for b in chain.bindings for i, ty in enumerate(_outputs(b.value))}

@@ -388,6 +388,27 @@ def test_cpu_decode_launches_five_kernels_per_layer(lowered, family, target, qua
     assert kernel_launches(mod, "prefill") - 3 <= MAX_LAUNCHES_PER_LAYER * layers
 
 
+@pytest.mark.parametrize("family,target,quant", CPU_CASES)
+def test_every_function_is_well_formed_after_chaining(lowered, family, target, quant):
+    """Every var a chained kernel reads is defined before it: prefill_hidden_states concatenates a residual, an
+    earlier chain's tuple item, whose binding stands among the later chain's kernels (android-arm64's build failed
+    with "Var lv4 is not defined")."""
+    _, chained, _ = lowered(family, target, quant)
+    for gv, func in chained.functions_items():
+        if not isinstance(func, relax.Function):
+            continue
+        defined = set(func.params)
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                value = binding.value
+                args = [value.tuple_value] if isinstance(value, relax.TupleGetItem) else list(
+                    getattr(value, "args", getattr(value, "fields", [])))
+                read = [f for a in args for f in (a.fields if isinstance(a, relax.Tuple) else [a])]
+                undefined = [v.name for v in read if isinstance(v, relax.Var) and v not in defined]
+                assert not undefined, (gv.name_hint, binding.var.name, undefined)
+                defined.add(binding.var)
+
+
 @pytest.mark.parametrize("target", GPU_TARGETS)
 def test_gpu_decode_launches_at_most_six_kernels_per_layer(lowered, target):
     """Llama: each RMSNorm inside the GEMV that reads it (passes/fuse_gemv_norms.py); the QKV, O, gate/up and down

@@ -273,10 +273,12 @@ def _budget(description: str, spec: TargetSpec, quant: str, cfg: LlamaConfig, pa
     ram, max_alloc = int(spec.device["ram_gb"] * GIB), int(spec.device["max_alloc_gb"] * GIB)
     bandwidth = float(spec.device["memory_bandwidth_gbs"])
     # Another KV dtype's activations are not planned: a cache in a dtype other than the activations' adds the cast
-    # q/k/v and output of one prefill chunk (kv_cache_dtype.conversion_bytes_per_token), counted here as if never
-    # reused, so its context is never overstated.
+    # q/k/v and output of one prefill chunk (kv_cache_dtype.conversion_bytes_per_token), counted as if never reused,
+    # and a float cast twice: a prefill chain (passes/chain_kernels.py) holds the casts and the copies around them as
+    # buffers of its own. So the context is never overstated.
     by_kv = {name: _longest_context(cfg, sum(weights.values()) + planned + (
-                 cfg.prefill_chunk_size * kv_cache_dtype.conversion_bytes_per_token(
+                 (1 if kv in kv_cache_dtype.CODE_FORMATS else 2) * cfg.prefill_chunk_size
+                 * kv_cache_dtype.conversion_bytes_per_token(
                      kv, dtype, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
                  if kv != cfg.kv_dtype else 0), kv, ram, max_alloc)
              for name, kv in ((name, kv_cache_dtype.TVM_DTYPES[name])

@@ -240,7 +240,7 @@ class _Rewriter(PyExprMutator):
         self.kernels = UniqueKernels(self.builder_)
 
     def plan(self, func: relax.Function) -> None:
-        self.first, self.later, self.items, self.emitted = {}, set(), {}, set()
+        self.first, self.later, self.items, self.item_bindings, self.emitted = {}, set(), {}, {}, set()
         planner, readers = _Planner(self.mod, func), _readers(func)
         for block in func.body.blocks:
             items = {b.var: (b.value.tuple_value, b.value.index) for b in block.bindings

@@ -1,4 +1,5 @@
-"""Greedy decoding and logits with a transformers model: the reference mobilec is compared against."""
+"""Greedy decoding and logits with a transformers model (the reference mobilec is compared against) and with an
+artifact."""
 
 import functools
 import math
@@ -10,7 +11,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from compiler.artifacts.artifact import load_artifact
 from compiler.model_import.kv_cache_dtype import CODE_FORMATS
+from compiler.runtime.session import Session
 
 
 def reference_greedy(model, prompt_ids: list[int], n_tokens: int) -> tuple[list[int], np.ndarray, list[np.ndarray]]:
@@ -27,6 +30,18 @@ def reference_greedy(model, prompt_ids: list[int], n_tokens: int) -> tuple[list[
             tok = int(out.logits[0, -1].argmax())
             tokens.append(tok)
     return tokens, prefill_logits, decode_logits
+
+
+def artifact_greedy(path, prompt_ids, n_tokens: int) -> tuple[np.ndarray, list[int], str]:
+    """(logits of the prompt and after each decoded token, n_tokens greedy token ids, the device the kernels ran
+    on) of the artifact at `path`."""
+    session = Session(load_artifact(path))
+    logits = [np.asarray(session.prefill(prompt_ids)).reshape(-1)]
+    tokens = [int(logits[-1].argmax())]
+    while len(tokens) < n_tokens:
+        logits.append(np.asarray(session.decode(tokens[-1])).reshape(-1))
+        tokens.append(int(logits[-1].argmax()))
+    return np.stack(logits), tokens, str(session.device.dev)
 
 
 # llama.cpp's logits at every position, computed in a child process: a llama.cpp that crashes (llama-cpp-python

@@ -17,6 +17,7 @@ from compiler.runtime.session import Session
 from compiler.target.targets import load_target, with_overrides
 from tests.helpers.assertions import assert_mobilec_error
 from tests.helpers.pocl_device import NEEDS_OPENCL, ON_POCL
+from tests.helpers.reference import artifact_greedy
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 pytestmark = [pytest.mark.slow,  # five compiles
@@ -42,27 +43,16 @@ def _compile(root, target: str, quant: str, name: str, **overrides) -> str:
     return str(out)
 
 
-def _greedy(path: str) -> tuple[np.ndarray, list[int], str]:
-    """(logits of the prompt and each step, greedy tokens, the device the kernels ran on)."""
-    session = Session(load_artifact(path))
-    session.reset()
-    logits = [np.asarray(session.prefill(PROMPT)).reshape(-1)]
-    tokens = [int(logits[-1].argmax())]
-    while len(tokens) < STEPS:
-        logits.append(np.asarray(session.decode(tokens[-1])).reshape(-1))
-        tokens.append(int(logits[-1].argmax()))
-    return np.stack(logits), tokens, str(session.device.dev)
-
-
 @pytest.mark.parametrize("target,quant,atol", [("android-adreno", "q0f32", 1e-4), ("android-mali", "q4f32_g32", 1e-2)])
 def test_gpu_artifact_decodes_the_host_artifacts_tokens_on_opencl(checkpoint, target, quant, atol):
     gpu = _compile(checkpoint, target, quant, f"{target}-{quant}", **ON_POCL)
     config = json.loads((load_artifact(gpu).path / CONFIG_FILE).read_text())
     assert config["target"]["overrides"] == {"host_target": "host", "compute_dtype": "float32"}
     assert config["target"]["tvm_target"]["kind"] == "opencl" and config["compute_dtype"] == "float32"
-    gpu_logits, gpu_tokens, device = _greedy(gpu)
+    gpu_logits, gpu_tokens, device = artifact_greedy(gpu, PROMPT, STEPS)
     assert device.startswith("opencl")
-    host_logits, host_tokens, host_device = _greedy(_compile(checkpoint, "host", quant, f"host-{quant}"))
+    host = _compile(checkpoint, "host", quant, f"host-{quant}")
+    host_logits, host_tokens, host_device = artifact_greedy(host, PROMPT, STEPS)
     assert host_device.startswith("cpu")
     assert gpu_tokens == host_tokens
     np.testing.assert_allclose(gpu_logits, host_logits, atol=atol, rtol=0)

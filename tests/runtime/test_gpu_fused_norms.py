@@ -4,8 +4,6 @@ RoPE after that) gives the unfused build's greedy tokens, and its prompt and dec
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import tvm
@@ -13,8 +11,8 @@ import tvm
 from compiler.artifacts.artifact import load_artifact
 from compiler.codegen import pipeline
 from compiler.commands.compile_model import CompileOptions, compile_model
-from compiler.runtime.session import Session
 from tests.helpers.pocl_device import NEEDS_OPENCL, ON_POCL
+from tests.helpers.reference import artifact_greedy
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 
 # two compiles per family (~45 s each here); the fused kernels' numerics are in tests/passes/test_fuse_gemv_norms.py
@@ -22,17 +20,6 @@ pytestmark = [NEEDS_OPENCL, pytest.mark.extended]
 
 PROMPT = [3, 7, 1, 4, 4, 9, 2, 5]
 STEPS = 8
-
-
-def _greedy(path: Path) -> tuple[np.ndarray, list[int]]:
-    session = Session(load_artifact(path))
-    session.reset()
-    logits = [np.asarray(session.prefill(PROMPT)).reshape(-1)]
-    tokens = [int(logits[-1].argmax())]
-    while len(tokens) < STEPS:
-        logits.append(np.asarray(session.decode(tokens[-1])).reshape(-1))
-        tokens.append(int(logits[-1].argmax()))
-    return np.stack(logits), tokens
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
@@ -43,7 +30,7 @@ def test_fused_norms_decode_the_unfused_builds_tokens(tmp_path, monkeypatch, fam
         compile_model(CompileOptions(str(checkpoint), "android-adreno", "q4f32_g32", str(tmp_path / name),
                                      context_window=64, progress=False, kv_dtype="f32", **ON_POCL))
         kernels = load_artifact(tmp_path / name).config["call_sites"]["kernels"]
-        return (*_greedy(tmp_path / name), kernels)
+        return (*artifact_greedy(tmp_path / name, PROMPT, STEPS)[:2], kernels)
 
     fused_logits, fused_tokens, fused_kernels = build("fused")
     monkeypatch.setattr(pipeline, "FuseGEMVNorms", lambda _: tvm.transform.Sequential([]))

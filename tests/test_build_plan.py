@@ -10,6 +10,7 @@ from compiler.codegen import pipeline
 from compiler.commands.compile_model import CompileOptions, compile_model
 from compiler.kernels import integer_dot_gemm, integer_dot_gemv
 from compiler.model_import import kv_cache_dtype
+from compiler.model_import.importer import keeps_gguf_blocks
 from compiler.target import isa
 from compiler.target.build_plan import resolve_plan
 from compiler.target.targets import available_targets, load_target
@@ -64,6 +65,69 @@ def test_options_resolve_with_the_target():
     assert resolve_plan(spec).spec is spec  # a loaded file is taken as it is
     with pytest.raises(dataclasses.FrozenInstanceError):
         resolve_plan("host").kv_dtype = "float16"
+
+
+@pytest.mark.parametrize("name", list(available_targets()))
+def test_a_gguf_file_keeps_its_own_blocks_where_integer_dot_kernels_take_them(name):
+    """Without --quant a GGUF input is `gguf` on CPU targets with integer-dot GEMVs (the fast path, and no second
+    rounding of weights already quantized); elsewhere, and for an HF directory, the target file's; --quant wins."""
+    spec_default = load_target(name).device["default_quant"]
+    gguf = resolve_plan(name, gguf_keepable=True)
+    assert gguf.scheme.name == ("gguf" if gguf.gemv_family is not None else spec_default)
+    assert resolve_plan(name).scheme.name == spec_default
+    assert resolve_plan(name, "q4f32_g32", gguf_keepable=True).scheme.name == "q4f32_g32"
+
+
+def test_which_targets_default_to_a_ggufs_blocks():
+    assert {name: resolve_plan(name, gguf_keepable=True).scheme.name for name in (
+        "x86-64-v3", "android-arm64", "android-adreno", "hexagon-npu")} == {
+        "x86-64-v3": "gguf", "android-arm64": "gguf", "android-adreno": "q4f16_g32", "hexagon-npu": "q4f16_g32"}
+
+
+def test_a_gguf_with_a_type_gguf_cannot_keep_defaults_to_the_targets_scheme(tmp_path):
+    """A GGUF holding a Q5_0 tensor (dequantized by the float schemes, refused by `gguf`) keeps the target file's
+    default instead of failing for an option the user never gave; the SmolLM2 GGUF (Q4_1, Q8_0) is kept."""
+    import numpy as np  # noqa: PLC0415
+    from gguf import GGMLQuantizationType, GGUFWriter  # noqa: PLC0415
+
+    assert keeps_gguf_blocks("default") and not keeps_gguf_blocks({"model_type": "llama"})
+    path = tmp_path / "q5_0.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("w", np.zeros((1, 22), np.uint8), raw_dtype=GGMLQuantizationType.Q5_0)  # one 32-value block
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert not keeps_gguf_blocks(str(path)) and not keeps_gguf_blocks(str(tmp_path))
+
+
+def test_the_commands_tell_the_plan_whether_the_model_is_a_gguf_file(tmp_path, monkeypatch):
+    """compile, estimate, inspect and tune pass gguf_keepable from the model they are given (negative control: an HF
+    directory); each stops at the spy, before any import."""
+    from compiler.commands import compile_model as compile_command, estimate, inspect_ir, tune  # noqa: PLC0415
+
+    hf = save_compilable_checkpoint(build_model("llama_gqa"), tmp_path / "hf")
+    seen = []
+
+    class Resolved(Exception):
+        pass
+
+    def spy(*_args, gguf_keepable=False, **_kwargs):
+        seen.append(gguf_keepable)
+        raise Resolved
+
+    runs = {
+        compile_command: lambda model: compile_model(CompileOptions(model, "host", output=str(tmp_path / "o"))),
+        estimate: lambda model: estimate.estimate_memory(estimate.EstimateOptions(model)),
+        inspect_ir: lambda model: inspect_ir.inspect_model(inspect_ir.InspectOptions(model)),
+        tune: lambda model: tune.tune(tune.TuneOptions(model=model)),
+    }
+    for module, run in runs.items():
+        monkeypatch.setattr(module, "resolve_plan", spy)
+        for model, expected in (("default", True), (str(hf), False)):
+            with pytest.raises(Resolved):
+                run(model)
+            assert seen.pop() is expected, (module.__name__, model)
 
 
 @pytest.mark.parametrize("target,options,fragments", [

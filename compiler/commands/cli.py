@@ -126,7 +126,8 @@ def main():
     Every command follows the same conventions:
       --json             one JSON object on stdout instead of text (progress and errors go to stderr)
       --model            a checkpoint: an HF directory, a .gguf file, or "default" (SmolLM2-135M)
-      --target / --quant a target file name or path (`mobilec targets`) / a scheme (default: the target's)
+      --target / --quant a target file name or path (`mobilec targets`) / a scheme (default: the target's;
+                         a GGUF file keeps its own blocks, `gguf`, on CPUs with integer-dot kernels)
       --context-window   tokens the KV cache holds, fixed when the model is compiled
       --context-len      tokens already in the sequence when a measurement starts (profile)
       --threads          CPU threads of the compiled model (default: TVM_NUM_THREADS or one per core)
@@ -140,8 +141,9 @@ def main():
 def targets(as_json):
     """List the target files in targets/, one line each: the name, the code's kind, the default scheme (--quant),
     the decode GEMVs' default activations where the CPU has integer ones (--decode-activations; "-" elsewhere),
-    and what the target is."""
-    from ..target.build_plan import resolve_plan  # pylint: disable=import-outside-toplevel
+    the default scheme for a GGUF file (`gguf`, its own blocks, where integer-dot kernels take them), and what the
+    target is."""
+    from ..target.build_plan import default_scheme, resolve_plan  # pylint: disable=import-outside-toplevel
     from ..target.targets import available_targets  # pylint: disable=import-outside-toplevel
 
     rows = []
@@ -149,6 +151,7 @@ def targets(as_json):
         plan = resolve_plan(name)
         spec = plan.spec
         rows.append({"name": name, "kind": spec.tvm_target_json["kind"], "default_quant": spec.device["default_quant"],
+                     "default_quant_gguf": default_scheme(spec, True, plan.integer_decode),
                      "decode_activations": plan.decode_activations if plan.integer_decode else None,
                      "description": spec.description, "path": str(spec.path)})
     if as_json:
@@ -156,7 +159,7 @@ def targets(as_json):
         return
     for row in rows:
         click.echo(f"{row['name']:16s} {row['kind']:8s} {row['default_quant']:10s} "
-                   f"{row['decode_activations'] or '-':6s} {row['description']}")
+                   f"{row['decode_activations'] or '-':6s} {row['default_quant_gguf']:10s} {row['description']}")
 
 
 @main.command()
@@ -165,7 +168,9 @@ def targets(as_json):
                    "Its model_type is one of: " + "; ".join(f"{k} ({v})" for k, v in MODEL_TYPES.items()) + ".")
 @click.option("--target", "target", default="host", show_default=True,
               help="A target name from `mobilec targets` or a path to a target .toml file.")
-@click.option("--quant", default=None, help=f"Quantization scheme (default: the target's). {schemes_help()}.")
+@click.option("--quant", default=None,
+              help=f"Quantization scheme (default: `gguf` for a GGUF file on a CPU target with integer-dot kernels, "
+                   f"the file's own blocks; else the target's, `mobilec targets`). {schemes_help()}.")
 @click.option("--output", "-o", default=None, help="Artifact directory (default: build/<model>-<quant>-<target>).")
 @click.option("--context-window", type=int, default=None,
               help="Longest sequence (prompt + output) the KV cache holds; default min(model max, 2048).")

@@ -29,7 +29,8 @@ from ..errors import MobilecError
 from ..loaders import Checkpoint, open_checkpoint
 from ..loaders.tokenizer import load_tokenizer
 from ..model_import import chat_prompt
-from ..model_import.importer import PAGE_SIZE, ImportedModel, import_model, resolve_model_path, tensor_bytes
+from ..model_import.importer import (PAGE_SIZE, ImportedModel, import_model, keeps_gguf_blocks, resolve_model_path,
+                                     tensor_bytes)
 from ..passes.apply_tuning_database import tuned_kernels
 from ..progress import Steps
 from ..quantization import awq
@@ -114,12 +115,13 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
     if o.output:
         check_output(Path(o.output), overwrite)  # before anything is loaded or built
     # every option about the target and scheme, resolved (and a bad one refused) before any work
+    model_path = resolve_model_path(o.model)
     plan = resolve_plan(o.target, o.quant, kv_dtype=o.kv_dtype, decode_activations=o.decode_activations,
-                        host_target=o.host_target, compute_dtype=o.compute_dtype)
+                        host_target=o.host_target, compute_dtype=o.compute_dtype,
+                        gguf_keepable=keeps_gguf_blocks(model_path))
     spec, scheme = plan.spec, plan.scheme
     link.check_toolchain(spec)  # before the build, not after it
     awq.check_options(o.calibrate, o.calib_text, scheme.layout)
-    model_path = resolve_model_path(o.model)
     out_dir = Path(o.output) if o.output else default_output(model_path, scheme.name, spec.name)
     check_output(out_dir, overwrite)
     steps = Steps("compile", 4, o.progress)

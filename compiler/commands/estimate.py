@@ -25,7 +25,7 @@ from ..codegen import pipeline
 from ..errors import MobilecError
 from ..loaders import Checkpoint, ConfigCheckpoint
 from ..model_import import kv_cache_dtype
-from ..model_import.importer import PAGE_SIZE, ImportedModel, import_model, open_model, tensor_bytes
+from ..model_import.importer import PAGE_SIZE, ImportedModel, import_model, keeps_gguf_blocks, open_model, tensor_bytes
 from ..models.llama import LlamaConfig
 from ..passes.ir_walk import tir_statements
 from ..quantization import awq, group
@@ -378,7 +378,7 @@ class EstimateOptions:
 def estimate_memory(options: EstimateOptions) -> MemoryEstimate:
     """The estimate for `options.model` on `options.target`, with the target's scheme unless `quant` says."""
     model, quant_skip = options.model, list(options.quant_skip)
-    plan = resolve_plan(options.target, options.quant, kv_dtype=options.kv_dtype)
+    plan = resolve_plan(options.target, options.quant, kv_dtype=options.kv_dtype, gguf_keepable=keeps_gguf_blocks(model))
     awq.check_options(options.calibrate, None, plan.scheme.layout)
     if isinstance(model, dict):
         ckpt: Checkpoint = ConfigCheckpoint(model, f"a {model.get('model_type')} config")

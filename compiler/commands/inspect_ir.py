@@ -14,7 +14,7 @@ from .. import validate
 from ..codegen import pipeline
 from ..codegen.call_sites import ATTENTION_BUILTIN
 from ..errors import MobilecError
-from ..model_import.importer import import_model, open_model
+from ..model_import.importer import import_model, keeps_gguf_blocks, open_model
 from ..target.build_plan import BuildPlan, resolve_plan
 
 
@@ -105,7 +105,7 @@ def inspect_model(options: InspectOptions) -> list[dict[str, Any]]:
     """Run import, quantization and every pipeline step; write `NN-step.py` files into `dump` (all, or `only_step`)."""
     model, target, dump, only_step = options.model, options.target, options.dump, options.only_step
     context_window, quant_skip = options.context_window, list(options.quant_skip)
-    plan = resolve_plan(target, options.quant)
+    plan = resolve_plan(target, options.quant, gguf_keepable=keeps_gguf_blocks(model))
     spec = plan.spec
     names = step_names(plan)
     if only_step is not None and only_step not in names:

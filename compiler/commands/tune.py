@@ -38,7 +38,7 @@ from .. import tuning_log, validate
 from ..choices import TUNE_FUNCTIONS
 from ..codegen import link, pipeline
 from ..errors import MobilecError
-from ..model_import.importer import import_model, open_model
+from ..model_import.importer import import_model, keeps_gguf_blocks, open_model
 from ..rpc_peers import check_key, last_line, open_tracker
 from ..target.build_plan import BuildPlan, resolve_plan
 from ..target.targets import TargetSpec
@@ -341,7 +341,8 @@ def tune(options: TuneOptions) -> dict[str, Any]:
                                                   options.tracker, options.key)
     only, kernel_patterns, max_seconds = options.only, options.kernel_patterns, options.max_seconds
     started = time.monotonic()
-    plan = resolve_plan(target, quant, host_target=options.host_target, compute_dtype=options.compute_dtype)
+    plan = resolve_plan(target, quant, host_target=options.host_target, compute_dtype=options.compute_dtype,
+                        gguf_keepable=keeps_gguf_blocks(model))
     spec = plan.spec
     tuning_target = _tuning_target(spec, on_device=tracker is not None)
     devices = tracker_devices(tracker, key) if tracker is not None else None

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..errors import MobilecError
 from .checkpoint import Checkpoint, ConfigCheckpoint
 
-__all__ = ["Checkpoint", "ConfigCheckpoint", "open_checkpoint"]
+__all__ = ["Checkpoint", "ConfigCheckpoint", "is_gguf_file", "open_checkpoint"]
 
 _GGUF_MAGIC = b"GGUF"
 _USAGE = "pass a Hugging Face model directory (config.json + weights) or a .gguf file"
@@ -32,9 +32,7 @@ def open_checkpoint(path: str | os.PathLike, weights_required: bool = True) -> C
         return HFCheckpoint(p)
     if not p.is_file():  # a FIFO or device would block the read below, or never end
         raise MobilecError(f"checkpoint {str(p)!r} is neither a regular file nor a directory; {_USAGE}")
-    with open(p, "rb") as f:
-        magic = f.read(len(_GGUF_MAGIC))
-    if magic == _GGUF_MAGIC:
+    if is_gguf_file(p):
         from .gguf import GGUFCheckpoint
 
         return GGUFCheckpoint(p)
@@ -42,3 +40,12 @@ def open_checkpoint(path: str | os.PathLike, weights_required: bool = True) -> C
     if (p.parent / "config.json").is_file() and p.suffix in (".safetensors", ".bin", ".json"):
         raise MobilecError(f"{str(p)!r} is a file inside a model directory; pass the directory {str(p.parent)!r}")
     raise MobilecError(f"{str(p)!r} is not a GGUF file (no GGUF magic bytes) nor a model directory; {_USAGE}")
+
+
+def is_gguf_file(path: str | os.PathLike) -> bool:
+    """Whether `path` is a regular file that starts with GGUF's magic bytes (anything else: False, never an error)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(len(_GGUF_MAGIC)) == _GGUF_MAGIC

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 
 import tvm
@@ -14,11 +15,12 @@ import tvm
 from .. import validate
 from ..errors import MobilecError
 from ..kernels.cpu_attention import ATTN_LOGIT_CAP_ATTR, LAYER_SLIDING_WINDOW_ATTR, SLIDING_WINDOW_ATTR
-from ..loaders import Checkpoint, open_checkpoint
+from ..loaders import Checkpoint, is_gguf_file, open_checkpoint
 from ..loaders.default_model import default_model_path
+from ..loaders.gguf_file import GGUFFile, GGUFFormatError
 from ..models.llama import LlamaConfig
 from ..models.registry import ModelFamily, family_for
-from ..quantization import awq
+from ..quantization import awq, gguf_blocks
 from ..quantization.quantize_model import WeightPlan, quantize_model
 from ..target.build_plan import BuildPlan
 from . import kv_cache_dtype
@@ -30,6 +32,17 @@ def resolve_model_path(model: str | None) -> Path:
     if model in (None, "default"):
         return default_model_path()
     return Path(model)
+
+
+def keeps_gguf_blocks(model: str | os.PathLike | dict | None) -> bool:
+    """Whether `model` (a path, None / "default", or an HF config dict) names a GGUF file whose every tensor the
+    `gguf` scheme keeps (resolve_plan's default scheme depends on it); reads the file's header only."""
+    if isinstance(model, dict) or not is_gguf_file(path := resolve_model_path(model)):
+        return False
+    try:
+        return gguf_blocks.keeps_every_type(t.tensor_type.name for t in GGUFFile(path).tensors)
+    except GGUFFormatError:
+        return False  # opening the checkpoint names what is wrong with it
 
 
 def open_model(model: str | None, weights_required: bool = True) -> Checkpoint:

@@ -31,6 +31,11 @@ FLOAT_TYPES = ("F32", "F16")
 SUPPORTED_TYPES = ", ".join([*LAYOUTS, *FLOAT_TYPES])
 
 
+def keeps_every_type(ggml_types) -> bool:
+    """Whether every ggml type name in `ggml_types` is one `--quant gguf` keeps."""
+    return all(t in LAYOUTS or t in FLOAT_TYPES for t in ggml_types)
+
+
 def _one_layout(ggml_type: str, tensor: str) -> GroupLayout | None:
     if ggml_type in FLOAT_TYPES:
         return None

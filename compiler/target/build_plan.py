@@ -44,16 +44,18 @@ class BuildPlan:  # pylint: disable=too-many-instance-attributes
 
 def resolve_plan(target: str | TargetSpec, quant: str | None = None, *, kv_dtype: str = "auto",
                  decode_activations: str | None = None, host_target: str | None = None,
-                 compute_dtype: str | None = None) -> BuildPlan:
+                 compute_dtype: str | None = None, gguf_keepable: bool = False) -> BuildPlan:
     """The plan for `target` (a name, a .toml path or a loaded TargetSpec) and the options compile takes: `quant`
-    (None: the target's default scheme), `kv_dtype` (a --kv-dtype name), `decode_activations` (None: the target
-    file's), `host_target` and `compute_dtype` (with_overrides). Bad input is refused in one line."""
+    (None: default_scheme's), `kv_dtype` (a --kv-dtype name), `decode_activations` (None: the target file's),
+    `host_target` and `compute_dtype` (with_overrides); `gguf_keepable`: the model is a GGUF file every tensor of
+    which `gguf` keeps (importer.keeps_gguf_blocks). Bad input is refused in one line."""
     spec = load_target(target) if isinstance(target, str) else target
-    scheme = get_scheme(quant or spec.device["default_quant"])
+    asked = get_scheme(quant) if quant else None  # a bad --quant is named before anything about the target
     spec = with_overrides(spec, host_target, compute_dtype)
     cpu = code_cpu_isa(spec.tvm_target())
     isa = cpu if spec.tvm_target_json["kind"] == "llvm" else None
     gemv_family = integer_dot_gemv.family(isa)
+    scheme = asked or get_scheme(default_scheme(spec, gguf_keepable, gemv_family is not None))
     activations = _decode_activations(decode_activations, spec, gemv_family is not None)
     # Prefill in integers only where decode already rounds activations to int8 as llama.cpp does (the ARM targets'
     # default): with int16 decode activations, which keep the float model's results, prefill stays float.
@@ -67,6 +69,12 @@ def resolve_plan(target: str | TargetSpec, quant: str | None = None, *, kv_dtype
         compute_dtype=scheme.float_dtype or spec.device["compute_dtype"],
         attention_lanes=cpu.float_lanes if cpu_attention else None,
     )
+
+
+def default_scheme(spec: TargetSpec, gguf_keepable: bool, integer_gemvs: bool) -> str:
+    """The scheme compile uses without --quant: a GGUF file's own blocks (`gguf`) where integer-dot kernels multiply
+    them as stored (the fast path, and no second rounding of weights already quantized); else the target file's."""
+    return "gguf" if gguf_keepable and integer_gemvs else spec.device["default_quant"]
 
 
 def _decode_activations(asked: str | None, spec: TargetSpec, integer_gemvs: bool) -> str:

@@ -38,9 +38,13 @@ def test_targets_command_lists_each_file_with_its_defaults():
         "android-arm64": "int8", "linux-arm64": "int8", "x86-64-v3": "int16", "x86-64-v4": "int16",
         "android-adreno": None, "hexagon-npu": None}
     assert all(row["default_quant"] == load_target(name).device["default_quant"] for name, row in rows.items())
+    # a GGUF file's own blocks where integer-dot kernels take them
+    assert [name for name, row in rows.items() if row["default_quant_gguf"] == "gguf"] == [
+        name for name, row in rows.items() if row["decode_activations"]]
     text = CliRunner().invoke(main, ["targets"]).output.splitlines()
-    assert [line.split()[:4] for line in text if line.split()[0] in ("android-arm64", "android-mali")] == [
-        ["android-arm64", "llvm", "q4f16_g32", "int8"], ["android-mali", "opencl", "q4f16_g32", "-"]]
+    assert [line.split()[:5] for line in text if line.split()[0] in ("android-arm64", "android-mali")] == [
+        ["android-arm64", "llvm", "q4f16_g32", "int8", "gguf"],
+        ["android-mali", "opencl", "q4f16_g32", "-", "q4f16_g32"]]
 
 
 def test_host_is_this_machine():

@@ -11,7 +11,11 @@ from click.testing import CliRunner
 from compiler.artifacts.artifact import CONFIG_FILE, load_artifact
 from compiler.commands.cli import main
 from compiler.commands.compile_model import CompileOptions, compile_model
-from compiler.commands.estimate import GIB, EstimateOptions, estimate_memory
+from compiler.commands.estimate import GIB, EstimateOptions, estimate_memory, pipeline_activations, plan_activations
+from compiler.loaders import ConfigCheckpoint
+from compiler.model_import.importer import import_model
+from compiler.models.sliding_layers import FULL, SLIDING
+from compiler.target.build_plan import resolve_plan
 from compiler.target.targets import TARGETS_DIR
 from tests.helpers.assertions import assert_mobilec_error, without_progress
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
@@ -49,6 +53,38 @@ def _estimate_json(*args) -> dict:
 def llama_7b_adreno(llama_7b_dir) -> dict:
     return _estimate_json("--model", str(llama_7b_dir), "--target", "android-adreno", "--quant", "q4f16_g32",
                           "--context-window", "4096")
+
+
+# ---------------------------------------------------------------- activations planned on the first layers
+
+
+@pytest.mark.parametrize("name,changes,kept", [
+    ("llama_gqa", {"num_hidden_layers": 5}, ()),
+    ("gemma3", {"num_hidden_layers": 5, "layer_types": [SLIDING, SLIDING, SLIDING, FULL, SLIDING]},
+     (SLIDING, SLIDING, SLIDING, FULL)),
+    ("qwen3", {"num_hidden_layers": 4, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 3},
+     (FULL, FULL, FULL, SLIDING)),
+    ("qwen3", {"num_hidden_layers": 4, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0},
+     (SLIDING, SLIDING)),
+])
+def test_the_first_layers_keep_every_attention_kind(name, changes, kept):
+    """LlamaConfig.first_layers(2): two layers, or as many as hold one of each attention kind, their kinds kept."""
+    ckpt = ConfigCheckpoint(build_model(name, **changes).config.to_dict(), name)
+    cut = import_model(ckpt, resolve_plan("host", "q0f32"), 64, export=False, first_layers=2).cfg
+    assert cut.num_hidden_layers == max(2, len(kept)) and getattr(cut, "layer_types", ()) == kept
+
+
+@pytest.mark.parametrize("name,changes,target", [
+    ("llama_gqa", {"num_hidden_layers": 5}, "android-adreno"),
+    ("gemma3", {"num_hidden_layers": 5, "layer_types": [SLIDING, SLIDING, SLIDING, FULL, SLIDING]}, "x86-64-v3"),
+])
+def test_the_first_layers_plan_the_whole_models_activations(name, changes, target):
+    """plan_activations (the model cut to its first layers) gives the same storage and kernel scratch as the whole
+    model's memory plan, on a GPU and a CPU target (integer-dot GEMVs and chained kernels)."""
+    ckpt = ConfigCheckpoint(build_model(name, **changes).config.to_dict(), name)
+    plan = resolve_plan(target, "q4f16_g32")
+    whole = pipeline_activations(import_model(ckpt, plan, 64).mod, plan)
+    assert str(plan_activations(ckpt, plan, 64, [])) == str(whole)
 
 
 # ---------------------------------------------------------------- (a) weights as compile writes them

@@ -78,15 +78,18 @@ class ImportedModel:
 
 def import_model(ckpt: Checkpoint, plan: BuildPlan, context_window: int | None,
                  quant_skip: list[str] = (), quantize: bool = True,
-                 calibration: awq.Calibration | None = None, export: bool = True) -> ImportedModel:
+                 calibration: awq.Calibration | None = None, export: bool = True,
+                 first_layers: int | None = None) -> ImportedModel:
     """Build the nn.Module for the checkpoint's family, quantize its layers by the plan's scheme (unless told not
     to: `inspect` shows the float import first), and export it to a Relax IRModule (unless told not to: the
     parameters' shapes and dtypes, all `estimate` needs of another scheme, come without the seconds exporting
-    takes)."""
+    takes). `first_layers`: only the model's first layers (its config's first_layers), for estimate's activations."""
     validate.context_length(context_window)
     spec = plan.spec
     family = family_for(ckpt.hf_config)
     cfg = dataclasses.replace(family.config_class.from_hf(ckpt.hf_config, context_window), kv_dtype=plan.kv_dtype)
+    if first_layers is not None:
+        cfg = cfg.first_layers(first_layers)
     if plan.gpu:
         if hasattr(cfg, "sliding_pages_all"):  # kernels/gpu_attention.py says why
             cfg = dataclasses.replace(cfg, sliding_pages_all=True)

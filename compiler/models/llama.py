@@ -109,6 +109,10 @@ class LlamaConfig:
         cache's RoPE over whole heads."""
         return None
 
+    def first_layers(self, count: int) -> "LlamaConfig":
+        """This config cut to its first `count` layers (at most all of them): estimate plans activations on it."""
+        return dataclasses.replace(self, num_hidden_layers=min(count, self.num_hidden_layers))
+
     def source_shapes(self) -> dict[str, tuple[int, ...]]:
         """The shape of every checkpoint tensor param_sources reads, as this config implies it (HF layout)."""
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim

@@ -40,6 +40,13 @@ class SlidingLayers:
     def every_layer_slides(self) -> bool:
         return bool(self.layer_types) and FULL not in self.layer_types
 
+    def first_layers(self, count: int):
+        """As LlamaConfig's, with at least one layer of each attention kind kept: a cut of sliding layers alone
+        would build another cache (every_layer_slides)."""
+        count = max([count, *(self.layer_types.index(kind) + 1 for kind in set(self.layer_types))])
+        cut = super().first_layers(count)  # pylint: disable=no-member
+        return dataclasses.replace(cut, layer_types=self.layer_types[:cut.num_hidden_layers])
+
 
 def read_layer_types(hf: dict[str, Any], layers: int, derive: Callable[[], list[str]]) -> tuple[tuple[str, ...], int]:
     """(the attention kind of each layer, the sliding layers' window: 0 without any): the config's layer_types

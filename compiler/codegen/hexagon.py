@@ -13,6 +13,7 @@ float, which QEMU cannot run (emulated_hexagon.emulation_spec).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -33,6 +34,8 @@ from .pipeline import naming_failures
 
 OBJECT = "hexagon/kernels.o"
 SHARED = "hexagon/kernels.so"
+# One decode step: the token's embedding, then the step (runtime/session.py, Session.decode).
+DECODE_STEP = ("embed", "decode")
 # The packed function the host build calls for NPU kernel `name` (NPU_FUNCTION + name).
 NPU_FUNCTION = "mobilec.npu."
 _LINK_HOOK = "tvm.contrib.hexagon.link_shared"
@@ -197,26 +200,30 @@ def forward_to_npu(lowered: tvm.IRModule, npu: set[str]) -> tvm.IRModule:
 
 
 def coverage(mod: tvm.IRModule, npu: set[str], cpu: dict[str, str]) -> dict[str, Any]:
-    """Which operators run where, and how often one decode step crosses between NPU and CPU (the VM starts
-    and ends the step on the CPU; memory bookkeeping is not counted)."""
-    sequence: list[str] = []
+    """Which operators run where, and what one decode step (DECODE_STEP's functions) calls on each side, per kernel
+    or VM builtin, and how often it crosses between NPU and CPU (the VM starts and ends the step on the CPU; memory
+    bookkeeping is not counted)."""
+    sequence: list[tuple[str, str]] = []  # (side, kernel or builtin) in the order they run
 
     def visit(expr):
         if not isinstance(expr, relax.Call):
             return
         if isinstance(expr.op, tvm.ir.GlobalVar) and expr.op.name_hint in npu | set(cpu):
-            sequence.append("npu" if expr.op.name_hint in npu else "cpu")
-        elif isinstance(expr.op, relax.ExternFunc):
-            sequence.append("cpu")  # VM builtins: attention over the paged KV cache, sampling helpers
+            sequence.append(("npu" if expr.op.name_hint in npu else "cpu", expr.op.name_hint))
+        elif isinstance(expr.op, relax.ExternFunc):  # VM builtins: attention over the paged KV cache, checks
+            sequence.append(("cpu", str(expr.op.global_symbol)))
 
-    relax.analysis.post_order_visit(mod["decode"], visit)
-    steps = ["cpu", *sequence, "cpu"]
+    for name in DECODE_STEP:
+        relax.analysis.post_order_visit(mod[name], visit)
+    sides = ["cpu", *(side for side, _ in sequence), "cpu"]
     return {
         "npu_kernels": sorted(npu),
         "cpu_kernels": dict(sorted(cpu.items())),
-        "decode_npu_calls": sequence.count("npu"),
-        "decode_cpu_calls": sequence.count("cpu"),
-        "decode_crossings": sum(a != b for a, b in zip(steps, steps[1:])),
+        "decode_npu_calls": sides.count("npu"),
+        "decode_cpu_calls": sides.count("cpu") - 2,
+        "decode_crossings": sum(a != b for a, b in zip(sides, sides[1:])),
+        "decode_calls": {side: dict(sorted(collections.Counter(n for s, n in sequence if s == side).items()))
+                         for side in ("npu", "cpu")},
     }
 
 
@@ -226,4 +233,7 @@ def format_coverage(report: dict[str, Any]) -> str:
     lines += [f"  {name}: {why}" for name, why in report["cpu_kernels"].items()]
     lines.append(f"one decode step: {report['decode_npu_calls']} NPU kernel calls, {report['decode_cpu_calls']} CPU "
                  f"calls, {report['decode_crossings']} NPU<->CPU crossings")
+    if report.get("dsp") == "emulated":
+        lines.append("the NPU kernels are built for the emulated Hexagon DSP (no HVX float) and the host side for "
+                     "this CPU: generate, eval and bench run them here under qemu-hexagon")
     return "\n".join(lines)

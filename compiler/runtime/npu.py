@@ -25,12 +25,6 @@ from ..testing import emulated_hexagon
 REGION_BYTES = 1 << 30
 
 
-def runs_here(config: dict) -> bool:
-    """Whether an artifact is a hexagon-npu one whose host side was built (--host-target), to run here."""
-    return config["target"]["tvm_target"].get("kind") == "hexagon" and "host_target" in config["target"].get(
-        "overrides", {})
-
-
 class EmulatedNPU:
     """The kernel server of one loaded artifact and the packed functions that forward its NPU kernels there.
     `calls` counts the launches per kernel."""

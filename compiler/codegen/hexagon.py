@@ -235,5 +235,5 @@ def format_coverage(report: dict[str, Any]) -> str:
                  f"calls, {report['decode_crossings']} NPU<->CPU crossings")
     if report.get("dsp") == "emulated":
         lines.append("the NPU kernels are built for the emulated Hexagon DSP (no HVX float) and the host side for "
-                     "this CPU: generate, eval and bench run them here under qemu-hexagon")
+                     "this CPU: generate, eval, bench, profile and serve run them here under qemu-hexagon")
     return "\n".join(lines)

@@ -16,6 +16,7 @@ from compiler.artifacts.artifact import CONFIG_FILE, load_artifact
 from compiler.codegen.hexagon import NPU_FUNCTION
 from compiler.commands.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
+from compiler.runtime import remote
 from compiler.runtime.session import Session
 from compiler.target.cpu_check import check_cpu, this_cpu
 from compiler.testing import emulated_hexagon
@@ -127,3 +128,13 @@ def test_a_missing_emulator_or_compiler_is_one_line(artifacts, monkeypatch, tmp_
     with pytest.raises(MobilecError, match=named) as error:
         Session(load_artifact(artifacts["npu"]))
     assert "\n" not in str(error.value) and "fetch_qemu_hexagon.sh" in str(error.value)
+
+
+def test_an_rpc_device_is_refused_in_one_line(artifacts):
+    """The emulated DSP is this machine's: an RPC device cannot run the NPU kernels (a stand-in session suffices,
+    the refusal comes before any call)."""
+    device = remote.Device.__new__(remote.Device)
+    device.session, device.description = object(), {"name": "a board"}
+    with pytest.raises(MobilecError, match="without --rpc or --tracker") as error:
+        device.use_device_of(load_artifact(artifacts["npu"]))
+    assert "\n" not in str(error.value)

@@ -138,7 +138,7 @@ def test_the_commands_tell_the_plan_whether_the_model_is_a_gguf_file(tmp_path, m
     ("host", {"kv_dtype": "q4_0"}, ("--kv-dtype 'q4_0'", "f16")),
     ("hexagon-npu", {"kv_dtype": "int8"}, ("--kv-dtype int8 on hexagon-npu", "use f16")),
     ("android-adreno", {"kv_dtype": "f16", "compute_dtype": "float32"}, ("--kv-dtype f16", "use --kv-dtype f32")),
-    ("host", {"host_target": "linux-arm64"}, ("--host-target applies to GPU targets", "drop the option")),
+    ("host", {"host_target": "linux-arm64"}, ("--host-target applies to GPU and NPU targets", "drop the option")),
     ("host", {"compute_dtype": "bfloat16"}, ("--compute-dtype", "float16")),
 ])
 def test_bad_options_are_refused_in_one_line(target, options, fragments):

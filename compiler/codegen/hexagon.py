@@ -4,11 +4,18 @@
 `tvm_call_packed`; so the device kernels go through the TIR default pipeline and `target.build.hexagon`
 directly. That codegen always asks `tvm.contrib.hexagon.link_shared` for a .so: the hook below keeps the
 object it is handed, and links only when the Hexagon SDK is there (HEXAGON_TOOLCHAIN).
+
+With --host-target (`runs_here`) the host side is built too, for that CPU: every NPU kernel's call site becomes a
+call of the packed function NPU_FUNCTION names, which the artifact loader (runtime/npu.py) backs with the kernel
+running on the emulated DSP (testing/emulated_hexagon.py); the NPU kernels are then built for that DSP, without HVX
+float, which QEMU cannot run (emulated_hexagon.emulation_spec).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -17,19 +24,35 @@ from typing import Any
 import tvm
 import tvm_ffi
 from tvm import relax, tirx
+from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..errors import MobilecError
 from ..passes.ir_walk import tir_statements
 from ..target.targets import TargetSpec
+from ..testing import emulated_hexagon
 from .pipeline import naming_failures
 
 OBJECT = "hexagon/kernels.o"
 SHARED = "hexagon/kernels.so"
+# One decode step: the token's embedding, then the step (runtime/session.py, Session.decode).
+DECODE_STEP = ("embed", "decode")
+# The packed function the host build calls for NPU kernel `name` (NPU_FUNCTION + name).
+NPU_FUNCTION = "mobilec.npu."
 _LINK_HOOK = "tvm.contrib.hexagon.link_shared"
 # LLVM's Hexagon backend in this TVM has no lowering for these float math intrinsics ("Cannot find intrinsic
 # declaration: llvm.sqrt"); kernels that use them run on the CPU.
 _NO_NPU_MATH = {"tirx.exp", "tirx.exp2", "tirx.sqrt", "tirx.rsqrt", "tirx.pow", "tirx.log", "tirx.tanh",
                 "tirx.sin", "tirx.cos", "tirx.erf", "tirx.sigmoid"}
+
+
+def runs_here(spec: TargetSpec) -> bool:
+    """Whether the host side is built (--host-target), with the NPU kernels for the emulated DSP."""
+    return "host_target" in spec.overrides
+
+
+def host_spec(spec: TargetSpec) -> TargetSpec:
+    """The CPU target the host side of `spec` is built for, as a target of its own."""
+    return dataclasses.replace(spec, tvm_target_json=dict(spec.tvm_target_json["host"]))
 
 
 def sdk_linker() -> Path | None:
@@ -109,14 +132,13 @@ def _keep_object(lib_dir: Path, link: bool):
             tvm_ffi.register_global_func(_LINK_HOOK, previous, override=True)
 
 
-def build_object(kernels: dict[str, tirx.PrimFunc], spec: TargetSpec, lib_dir: Path) -> bool:
-    """Compile `kernels` into lib_dir/hexagon/ (the object, and the .so when the SDK links it); whether it linked."""
+def build_object(kernels: dict[str, tirx.PrimFunc], spec: TargetSpec, lib_dir: Path, link: bool) -> None:
+    """Compile `kernels` into lib_dir/hexagon/: the object, and with `link` the .so the SDK links."""
     device = {key: value for key, value in spec.tvm_target_json.items() if key != "host"}
     target = tvm.target.Target(device, host=device)  # the kernels' own entry code runs on the DSP too
     mod = tirx.transform.BindTarget(target)(tvm.IRModule({tvm.ir.GlobalVar(n): f for n, f in kernels.items()}))
     lower, finalize_host, _ = tirx.get_default_tir_pipeline(target)
     (lib_dir / OBJECT).parent.mkdir(parents=True, exist_ok=True)
-    link = sdk_linker() is not None
     build = tvm.get_global_func("target.build.hexagon")
 
     def generate(part: tvm.IRModule):
@@ -124,44 +146,84 @@ def build_object(kernels: dict[str, tirx.PrimFunc], spec: TargetSpec, lib_dir: P
 
     with target, _keep_object(lib_dir, link), naming_failures("NPU code generation", spec, mod, generate):
         generate(mod)
-    return link
 
 
 def build_kernels(lowered: tvm.IRModule, spec: TargetSpec, lib_dir: Path) -> tuple[str, dict[str, Any]]:
-    """Compile the NPU kernels into lib_dir/hexagon/; returns (library path under lib/, coverage report)."""
+    """Compile the NPU kernels into lib_dir/hexagon/ (for the emulated DSP when the host side `runs_here`); returns
+    (library path under lib/, coverage report)."""
     npu, cpu = partition(lowered)
     if not npu:
         raise MobilecError(f"no kernel of this model can run on {spec.name}; use an android-* target")
-    link = build_object(npu, spec, lib_dir)
+    emulated = runs_here(spec)
+    link = sdk_linker() is not None and not emulated  # the SDK links for a real DSP
+    build_object(npu, emulated_hexagon.emulation_spec(spec) if emulated else spec, lib_dir, link)
     report = coverage(lowered, set(npu), cpu)
     report["library"] = SHARED if link else OBJECT
-    if not link:
+    if emulated:
+        report["dsp"] = "emulated"
+        # which arguments each NPU kernel writes: what the loader copies back from the DSP's memory
+        report["npu_writes"] = {name: written_params(func) for name, func in sorted(npu.items())}
+    elif not link:
         report["note"] = ("no Hexagon SDK linker (HEXAGON_TOOLCHAIN/bin/hexagon-link): the NPU kernels are left as "
                           f"the object lib/{OBJECT}; set HEXAGON_TOOLCHAIN and recompile for lib/{SHARED}")
     return report["library"], report
 
 
+def written_params(func: tirx.PrimFunc) -> list[int]:
+    """The indices of the buffer parameters `func` stores into."""
+    stored = [node.buffer for node in tir_statements(func.body) if isinstance(node, tirx.BufferStore)]
+    return [i for i, param in enumerate(func.params) if any(param.same_as(buffer) for buffer in stored)]
+
+
+@mutator
+class _ForwardToNPU(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, npu: set[str]):
+        super().__init__(mod)
+        self.npu = npu
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = self.visit_expr_post_order(call)
+        if isinstance(call.op, tvm.ir.GlobalVar) and call.op.name_hint in self.npu:
+            return relax.Call(relax.ExternFunc(NPU_FUNCTION + call.op.name_hint), call.args, ty_args=[call.ty])
+        return call
+
+
+def forward_to_npu(lowered: tvm.IRModule, npu: set[str]) -> tvm.IRModule:
+    """The host side: `lowered` with each call of an NPU kernel made a call of the packed function NPU_FUNCTION
+    names (same arguments, outputs last), and the NPU kernels left out."""
+    rewriter = _ForwardToNPU(lowered, npu)
+    for gv, func in lowered.functions_items():
+        if isinstance(func, relax.Function):
+            rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+    host = rewriter.builder_.get()
+    return tvm.IRModule({gv: func for gv, func in host.functions_items() if gv.name_hint not in npu}, attrs=host.attrs)
+
+
 def coverage(mod: tvm.IRModule, npu: set[str], cpu: dict[str, str]) -> dict[str, Any]:
-    """Which operators run where, and how often one decode step crosses between NPU and CPU (the VM starts
-    and ends the step on the CPU; memory bookkeeping is not counted)."""
-    sequence: list[str] = []
+    """Which operators run where, and what one decode step (DECODE_STEP's functions) calls on each side, per kernel
+    or VM builtin, and how often it crosses between NPU and CPU (the VM starts and ends the step on the CPU; memory
+    bookkeeping is not counted)."""
+    sequence: list[tuple[str, str]] = []  # (side, kernel or builtin) in the order they run
 
     def visit(expr):
         if not isinstance(expr, relax.Call):
             return
         if isinstance(expr.op, tvm.ir.GlobalVar) and expr.op.name_hint in npu | set(cpu):
-            sequence.append("npu" if expr.op.name_hint in npu else "cpu")
-        elif isinstance(expr.op, relax.ExternFunc):
-            sequence.append("cpu")  # VM builtins: attention over the paged KV cache, sampling helpers
+            sequence.append(("npu" if expr.op.name_hint in npu else "cpu", expr.op.name_hint))
+        elif isinstance(expr.op, relax.ExternFunc):  # VM builtins: attention over the paged KV cache, checks
+            sequence.append(("cpu", str(expr.op.global_symbol)))
 
-    relax.analysis.post_order_visit(mod["decode"], visit)
-    steps = ["cpu", *sequence, "cpu"]
+    for name in DECODE_STEP:
+        relax.analysis.post_order_visit(mod[name], visit)
+    sides = ["cpu", *(side for side, _ in sequence), "cpu"]
     return {
         "npu_kernels": sorted(npu),
         "cpu_kernels": dict(sorted(cpu.items())),
-        "decode_npu_calls": sequence.count("npu"),
-        "decode_cpu_calls": sequence.count("cpu"),
-        "decode_crossings": sum(a != b for a, b in zip(steps, steps[1:])),
+        "decode_npu_calls": sides.count("npu"),
+        "decode_cpu_calls": sides.count("cpu") - 2,
+        "decode_crossings": sum(a != b for a, b in zip(sides, sides[1:])),
+        "decode_calls": {side: dict(sorted(collections.Counter(n for s, n in sequence if s == side).items()))
+                         for side in ("npu", "cpu")},
     }
 
 
@@ -171,4 +233,7 @@ def format_coverage(report: dict[str, Any]) -> str:
     lines += [f"  {name}: {why}" for name, why in report["cpu_kernels"].items()]
     lines.append(f"one decode step: {report['decode_npu_calls']} NPU kernel calls, {report['decode_cpu_calls']} CPU "
                  f"calls, {report['decode_crossings']} NPU<->CPU crossings")
+    if report.get("dsp") == "emulated":
+        lines.append("the NPU kernels are built for the emulated Hexagon DSP (no HVX float) and the host side for "
+                     "this CPU: generate, eval, bench, profile and serve run them here under qemu-hexagon")
     return "\n".join(lines)

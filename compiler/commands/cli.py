@@ -197,8 +197,9 @@ def targets(as_json):
 @click.option("--overwrite", is_flag=True,
               help="Replace the artifact already at --output (only a mobilec artifact with no other files in it).")
 @click.option("--host-target", default=None, metavar="TARGET",
-              help="GPU targets: build the host side (the code that launches kernels) for this target file's CPU, "
-                   "e.g. host to run an android-adreno artifact on this machine's OpenCL (PoCL); kernels unchanged.")
+              help="GPU and NPU targets: build the host side (the code that launches kernels) for this target "
+                   "file's CPU, e.g. host to run an android-adreno artifact on this machine's OpenCL (PoCL), kernels "
+                   "unchanged, or a hexagon-npu one with its NPU kernels on the emulated Hexagon DSP (qemu-hexagon).")
 @click.option("--compute-dtype", type=click.Choice(COMPUTE_DTYPES), default=None,
               help="Activations (and the KV cache, unless --kv-dtype) in this dtype instead of the target's "
                    "(PoCL has no fp16).")

@@ -156,12 +156,16 @@ def compile_model(options: CompileOptions) -> dict[str, Any]:
             if not memory.fits and not o.force:
                 raise MobilecError(f"{over_budget_message(memory)}; or --force to compile it anyway")
             (tmp / LIBRARY_DIR).mkdir()
-            npu, call_sites = None, None
-            if spec.link["method"] == "hexagon":
+            npu, call_sites, executable = None, None, None
+            if spec.tvm_target_json["kind"] == "hexagon":
                 name, npu = hexagon.build_kernels(lowered, spec, tmp / LIBRARY_DIR)
                 note = npu.get("note")
+                if hexagon.runs_here(spec):  # the host side, its NPU kernel calls forwarded to the emulated DSP
+                    executable = pipeline.generate(hexagon.forward_to_npu(lowered, set(npu["npu_kernels"])),
+                                                   hexagon.host_spec(spec))
             else:
                 executable = pipeline.generate(lowered, spec)
+            if executable is not None:
                 call_sites = call_site_map(executable.mod, len(imported.params))
                 name, note = link.export_library(executable, spec, tmp / LIBRARY_DIR)
             library = f"{LIBRARY_DIR}/{name}"

@@ -29,6 +29,7 @@ import numpy as np
 from .. import validate
 from ..artifacts.artifact import Artifact, load_artifact
 from ..codegen.call_sites import ATTENTION_BUILTIN, stored_call_sites
+from ..codegen.hexagon import NPU_FUNCTION
 from ..errors import MobilecError
 from ..model_import import kv_cache_dtype
 from ..roofline import artifact_read_bytes, floor_figures
@@ -179,15 +180,15 @@ def profile_decode_step(session: Session, context_len: int, steps: int = DEFAULT
     session's sequence is reset afterwards.
 
     wall_ms (and tok_s) is the median Session.decode step, timed without the instrument. split_ms divides the
-    fastest step, wall_ms_best, into kernels (every compiled
-    kernel and the KV cache's attention call, in embed and decode, timed by the instrument less its own cost
-    per call, instrument_floor_us), vm_overhead (the embed and decode VM calls, timed without the
-    instrument, less their kernels: the interpreter, allocation and tuple builtins), host (the input tensor,
-    KV begin/end_forward and the logits copy to numpy) and unattributed (the rest: Python in Session.decode
-    and measurement noise). Every part, and every kernel's time, is the fastest of the steps: noise only
-    adds time, and parts measured in different steps are only comparable without it. A kernel's time still
-    includes the instrument converting its arguments for Python (~0.1 us each), so with very short kernels
-    the kernels part is a little high and vm_overhead a little low."""
+    fastest step, wall_ms_best, into kernels (every compiled kernel, the KV cache's attention call and a hexagon-npu
+    artifact's NPU kernels on the emulated DSP, in embed and decode, timed by the instrument less its own cost per
+    call, instrument_floor_us), vm_overhead (the embed and decode VM calls, timed without the instrument, less their
+    kernels: the interpreter, allocation and tuple builtins), host (the input tensor, KV begin/end_forward and the
+    logits copy to numpy) and unattributed (the rest: Python in Session.decode and measurement noise). Every part,
+    and every kernel's time, is the fastest of the steps: noise only adds time, and parts measured in different
+    steps are only comparable without it. A kernel's time still includes the instrument converting its arguments for
+    Python (~0.1 us each), so with very short kernels the kernels part is a little high and vm_overhead a little
+    low."""
     _check_room(session.artifact.config, context_len, steps)
     artifact = session.artifact
     tensors = artifact.index["tensors"]
@@ -224,8 +225,8 @@ def profile_decode_step(session: Session, context_len: int, steps: int = DEFAULT
                        if n.startswith("vm.builtin.") and not n.startswith(ATTENTION_BUILTIN)]
     floor = min(builtin_medians, default=0.0)
 
-    def is_kernel(name: str) -> bool:
-        return name in primfuncs or name.startswith(ATTENTION_BUILTIN)
+    def is_kernel(name: str) -> bool:  # a compiled kernel, the KV cache's attention, or an NPU kernel on the DSP
+        return name in primfuncs or name.startswith((ATTENTION_BUILTIN, NPU_FUNCTION))
 
     matched = all(sites.get(fn) is not None and [s.name for s in sites[fn]] == [n for n, _ in calls]
                   for step in recorded for fn, calls in step.items())
@@ -279,7 +280,8 @@ def profile_decode_step(session: Session, context_len: int, steps: int = DEFAULT
         per_step_bytes = row["bytes_read"] // steps
         kernels.append({
             "name": name, "function": fn, "category": category,
-            "kind": "primfunc" if name in primfuncs else "kv_cache builtin",
+            "kind": "primfunc" if name in primfuncs else "npu kernel" if name.startswith(NPU_FUNCTION) else
+                    "kv_cache builtin",
             "calls_per_step": row["calls"] / steps, "ms": ms(seconds), "pct_of_step": 100 * seconds / wall_s,
             "bytes_read": per_step_bytes, "gbs": _rate(category, per_step_bytes, seconds),
         })

@@ -115,6 +115,11 @@ class Device:
         OpenCL device, runtime/opencl_device.py; an RPC server must have been started with it: `mobilec
         device-server`, or on a board the device_server.py that `mobilec board-folder` writes)."""
         kind = artifact.config["target"]["tvm_target"]["kind"]
+        if kind == "hexagon" and self.session is not None:
+            raise MobilecError(f"{artifact.path} runs its NPU kernels on the emulated Hexagon DSP of this machine, "
+                               f"which an RPC device cannot reach; run it here, without --rpc or --tracker")
+        if kind == "hexagon":
+            self.description["kernels_on"] = "cpu and the emulated hexagon dsp"
         if kind != "opencl":
             return
         from . import opencl_device  # pylint: disable=import-outside-toplevel
@@ -410,7 +415,8 @@ def connect(rpc_address: str | None, tracker_address: str | None, key: str | Non
     return Device(session, description, session_timeout_s)
 
 
-RUNNABLE_KINDS = ("llvm", "opencl")  # Hexagon artifacts need the Hexagon SDK to link, and its runtime to run
+# Hexagon: built with --host-target, its NPU kernels on the emulated DSP (check_cpu refuses one built without)
+RUNNABLE_KINDS = ("llvm", "opencl", "hexagon")
 
 
 def artifact_arch(artifact: Artifact) -> str:
@@ -426,8 +432,8 @@ def check_runs_on(artifact: Artifact, device: Device) -> dict[str, Any]:
     target = artifact.config["target"]
     if target["tvm_target"]["kind"] not in RUNNABLE_KINDS:
         raise MobilecError(f"{artifact.path} is built for {target['name']} ({target['tvm_target']['kind']}); "
-                           f"mobilec runs CPU (llvm) and OpenCL artifacts: compile one with --target host, "
-                           f"linux-arm64/android-arm64 or android-adreno/android-mali")
+                           f"mobilec runs CPU (llvm), OpenCL and Hexagon artifacts: compile one with --target host, "
+                           f"linux-arm64/android-arm64, android-adreno/android-mali or hexagon-npu")
     done = check_cpu(artifact.path, artifact.config, device.cpu)
     required = done["required"]
     notes = []

@@ -11,6 +11,7 @@ from tvm import relax
 
 from ..artifacts.artifact import Artifact
 from ..errors import MobilecError
+from . import npu
 from .remote import Device, check_runs_on, local_device
 
 
@@ -32,6 +33,10 @@ class LoadedArtifact:
         staged_at = time.perf_counter()
         with self.device.errors("loading the library"):
             lib = self.device.load_library(artifact, self.staged)
+        # the NPU kernels' functions, which the VM looks up as it starts (a hexagon-npu artifact here was built with
+        # --host-target: check_runs_on refused one without)
+        hexagon = artifact.config["target"]["tvm_target"]["kind"] == "hexagon"
+        self.npu = npu.EmulatedNPU(artifact) if hexagon else None
         with self.device.errors("loading the weights"):
             self.vm = relax.VirtualMachine(lib, self.device.devices)
             self.params = self.device.load_params(self.staged, artifact)

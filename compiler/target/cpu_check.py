@@ -89,12 +89,18 @@ def _rebuild_hint(cpu: Cpu) -> str:
 
 def check_cpu(artifact_path: str | Path, config: dict[str, Any], cpu: Cpu) -> dict[str, Any]:
     """Refuse an artifact whose code `cpu` cannot run (another architecture, or a required feature missing), as far
-    as `cpu` is known; returns what was checked (for reports such as bench's JSON)."""
+    as `cpu` is known; returns what was checked (for reports such as bench's JSON). A hexagon-npu artifact built
+    without --host-target holds the DSP's kernels alone: no CPU runs it."""
+    recorded = config.get("target", {})
+    if recorded.get("tvm_target", {}).get("kind") == "hexagon" and "host_target" not in recorded.get("overrides", {}):
+        raise MobilecError(f"{artifact_path} holds only the NPU's kernels (compiled without --host-target), no code "
+                           f"that runs here; recompile it with --host-target host to run its NPU kernels on the "
+                           f"emulated Hexagon DSP")
     need = artifact_cpu(config)
     done = {"required": need, "arch_checked": False, "features_checked": False}
     if need is None:
         return done
-    target = config.get("target", {}).get("name", "?")
+    target = recorded.get("name", "?")
     if cpu.arch is not None:
         done["arch_checked"] = True
         if need["arch"] != cpu.arch:

@@ -270,15 +270,16 @@ def load_target(name_or_path: str) -> TargetSpec:
 def with_overrides(spec: TargetSpec, host_target: str | None = None, compute_dtype: str | None = None) -> TargetSpec:
     """`spec` with its host side built for another target file's CPU (`host_target`: its TVM target and how it
     links; the device kernels unchanged) and/or another compute dtype: how a phone's GPU artifact runs on this
-    machine (PoCL has no fp16, and this machine is not an aarch64 phone). The artifact records both."""
+    machine (PoCL has no fp16, and this machine is not an aarch64 phone), and a Hexagon artifact with its NPU
+    kernels on the emulated DSP (codegen/hexagon.py). The artifact records both."""
     if host_target is None and compute_dtype is None:
         return spec
     overrides: dict[str, str] = {}
     tvm_json, link, device = dict(spec.tvm_target_json), spec.link, dict(spec.device)
     if host_target is not None:
-        if "host" not in tvm_json or spec.link["method"] == "hexagon":
-            raise MobilecError(f"--host-target applies to GPU targets, whose host side runs on a CPU; {spec.name} "
-                               f"is a {tvm_json['kind']} target: drop the option")
+        if "host" not in tvm_json:
+            raise MobilecError(f"--host-target applies to GPU and NPU targets, whose host side runs on a CPU; "
+                               f"{spec.name} is a {tvm_json['kind']} target: drop the option")
         host_spec = load_target(host_target)
         if host_spec.tvm_target_json["kind"] != "llvm":
             raise MobilecError(f"--host-target {host_target} is a {host_spec.tvm_target_json['kind']} target; pass a "

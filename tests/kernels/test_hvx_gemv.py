@@ -141,7 +141,7 @@ def test_tir_kernel_calls_the_c_kernel(tmp_path):
     relaid = {t: hvx_blocks.relayout(arrays, layout, k) for t, (arrays, layout, _) in weights.items()}
     kernels = {f"gemv_{t}": hvx_gemv.tir_kernel(n, k, w.bits, w.mins, w.zero).with_attr("global_symbol", f"gemv_{t}")
                for t, w in relaid.items()}
-    hexagon.build_object(kernels, emulated_hexagon.emulation_spec(load_target("hexagon-npu")), tmp_path)
+    hexagon.build_object(kernels, emulated_hexagon.emulation_spec(load_target("hexagon-npu")), tmp_path, link=False)
     program = emulated_hexagon.build_device(tmp_path, (tmp_path / hexagon.OBJECT,))
     x = rng.standard_normal(k).astype(np.float32)
     records, factors = _quantize_on_host(x)

@@ -1,0 +1,140 @@
+"""A hexagon-npu artifact built with --host-target host runs end to end here: its host side on this CPU, every NPU
+kernel on the emulated DSP (compiler/runtime/npu.py), through the same Session that generate, eval and bench use.
+Its logits and greedy tokens equal the same model's `host` build; an NPU kernel given a wrong input must break
+that; one decode step sends to the DSP and keeps on the CPU exactly the calls the compile's coverage report
+counts."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import numpy as np
+import pytest
+
+from compiler.artifacts.artifact import CONFIG_FILE, load_artifact
+from compiler.codegen.hexagon import NPU_FUNCTION
+from compiler.commands.compile_model import CompileOptions, compile_model
+from compiler.errors import MobilecError
+from compiler.runtime import remote
+from compiler.runtime.session import Session
+from compiler.target.cpu_check import check_cpu, this_cpu
+from compiler.testing import emulated_hexagon
+from tests.helpers.reference import artifact_greedy
+from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
+
+pytestmark = pytest.mark.skipif(not emulated_hexagon.ready(), reason="scripts/fetch_qemu_hexagon.sh installs it")
+PROMPT = [1, 17, 42, 99, 5]
+TOKENS = 6
+CONTEXT = 32  # the KV cache's pages and the kernels' shapes stay small
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    """{"npu": the tiny Llama for hexagon-npu with --host-target host, "host": the same model for host}, q0f32."""
+    root = tmp_path_factory.mktemp("npu-runs")
+    checkpoint = save_compilable_checkpoint(build_model("llama_gqa"), root / "hf")
+    built = {}
+    for name, target, host_target in (("npu", "hexagon-npu", "host"), ("host", "host", None)):
+        compile_model(CompileOptions(str(checkpoint), target, "q0f32", str(root / name), context_window=CONTEXT,
+                                     progress=False, host_target=host_target))
+        built[name] = root / name
+    return built
+
+
+def test_logits_and_tokens_equal_the_host_build(artifacts):
+    npu_logits, npu_tokens, _ = artifact_greedy(artifacts["npu"], PROMPT, TOKENS)
+    host_logits, host_tokens, _ = artifact_greedy(artifacts["host"], PROMPT, TOKENS)
+    assert npu_tokens == host_tokens
+    assert np.abs(npu_logits - host_logits).max() < 1e-4 * max(1.0, float(np.abs(host_logits).max()))
+
+
+@pytest.mark.extended
+def test_the_default_scheme_gives_the_host_builds_tokens(tmp_path):
+    """q4f16_g32, hexagon-npu's default: the GEMVs dequantize 4-bit codes with float16 scales on the DSP. The host
+    build's decode GEMVs round their activations to int16 (~2e-5 each), so the logits agree to 1e-3 of the largest
+    (1.6e-4 seen), not 1e-4. ~80 s of compiling."""
+    checkpoint = save_compilable_checkpoint(build_model("llama_gqa"), tmp_path / "hf")
+    results = []
+    for target, host_target in (("hexagon-npu", "host"), ("host", None)):
+        compile_model(CompileOptions(str(checkpoint), target, "q4f16_g32", str(tmp_path / target),
+                                     context_window=CONTEXT, progress=False, host_target=host_target, kv_dtype="f32"))
+        results.append(artifact_greedy(tmp_path / target, PROMPT, TOKENS))
+    (npu_logits, npu_tokens, _), (host_logits, host_tokens, _) = results
+    assert npu_tokens == host_tokens
+    assert np.abs(npu_logits - host_logits).max() < 1e-3 * float(np.abs(host_logits).max())
+
+
+def test_a_wrong_input_to_one_npu_kernel_shows(artifacts, monkeypatch):
+    """Negative control: the o_proj GEMV's activations, shifted by 1e-2 on their way to the DSP, move the logits
+    past the tolerance above (the DSP's results are what the model uses)."""
+    call = emulated_hexagon.Device.call
+
+    def shifted(device, kernel, *args):
+        if kernel == "NT_matmul1":
+            args[0][...] += np.float32(1e-2)
+        return call(device, kernel, *args)
+
+    host_logits, _, _ = artifact_greedy(artifacts["host"], PROMPT, TOKENS)
+    monkeypatch.setattr(emulated_hexagon.Device, "call", shifted)
+    npu_logits, _, _ = artifact_greedy(artifacts["npu"], PROMPT, TOKENS)
+    assert np.abs(npu_logits - host_logits).max() > 1e-3
+
+
+def test_one_decode_step_runs_what_the_coverage_report_counts(artifacts):
+    """The calls of one Session.decode, seen by the VM and by the DSP's server, equal the report's per kernel:
+    every NPU kernel call reached the DSP, every CPU kernel and builtin the report counts ran on the CPU."""
+    report = json.loads((artifacts["npu"] / CONFIG_FILE).read_text())["npu_coverage"]
+    session = Session(load_artifact(artifacts["npu"]))
+    token = int(session.prefill(PROMPT).argmax())
+    seen: collections.Counter[str] = collections.Counter()
+
+    def count(_func, name, before_run, _ret, *_args):
+        seen[name] += before_run
+        return 0
+
+    launched = collections.Counter(session.npu.calls)
+    session.vm.set_instrument(count)
+    session.decode(token)
+    on_dsp = session.npu.calls - launched
+    assert dict(on_dsp) == report["decode_calls"]["npu"]
+    assert sum(on_dsp.values()) == report["decode_npu_calls"] > 0
+    assert {n.removeprefix(NPU_FUNCTION): c for n, c in seen.items() if n.startswith(NPU_FUNCTION)} == dict(on_dsp)
+    on_cpu = {name: seen[name] for name in report["decode_calls"]["cpu"]}
+    assert on_cpu == report["decode_calls"]["cpu"] and sum(on_cpu.values()) == report["decode_cpu_calls"]
+    # no NPU kernel ran on the CPU: the host library has none of them
+    assert not set(seen) & set(report["npu_kernels"])
+
+
+def test_a_compile_only_artifact_is_refused_in_one_line(artifacts):
+    """Built without --host-target, a hexagon-npu artifact has no code this machine runs: one line says so."""
+    config = json.loads((artifacts["npu"] / CONFIG_FILE).read_text())
+    del config["target"]["overrides"]
+    with pytest.raises(MobilecError, match="recompile it with --host-target host") as error:
+        check_cpu(artifacts["npu"], config, this_cpu())
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("missing,named", [("qemu", "no qemu-hexagon"), ("clang", "no Debian clang")])
+def test_a_missing_emulator_or_compiler_is_one_line(artifacts, monkeypatch, tmp_path, missing, named):
+    """Loading starts the DSP: without qemu-hexagon or clang (which links the kernel server), one line names it
+    and the script that installs it."""
+    if missing == "qemu":
+        which = emulated_hexagon.shutil.which
+        monkeypatch.setattr(emulated_hexagon, "KEPT_QEMU", tmp_path / "qemu-hexagon")
+        monkeypatch.setattr(emulated_hexagon.shutil, "which", lambda name: None if "qemu" in name else which(name))
+    else:
+        monkeypatch.setattr(emulated_hexagon, "llvm_version", lambda: None)
+    with pytest.raises(MobilecError, match=named) as error:
+        Session(load_artifact(artifacts["npu"]))
+    assert "\n" not in str(error.value) and "fetch_qemu_hexagon.sh" in str(error.value)
+
+
+def test_an_rpc_device_is_refused_in_one_line(artifacts):
+    """The emulated DSP is this machine's: an RPC device cannot run the NPU kernels (a stand-in session suffices,
+    the refusal comes before any call)."""
+    device = remote.Device.__new__(remote.Device)
+    device.session, device.description = object(), {"name": "a board"}
+    with pytest.raises(MobilecError, match="without --rpc or --tracker") as error:
+        device.use_device_of(load_artifact(artifacts["npu"]))
+    assert "\n" not in str(error.value)

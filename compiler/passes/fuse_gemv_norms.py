@@ -7,17 +7,19 @@ results (Qwen3's and Gemma 3's q/k norm over each head of the QKV projection), r
 data (a reshape), and the kernels after it that alone read its result (Gemma's RoPE, within each head); the GEMV rule
 gives such a kernel one group (head) per work group, which it normalizes before writing it.
 
-Residual prologue: the norm kernel the prologue's norm (or its cast) reads (Gemma's post-attention and
+Residual prologue: the norm kernel the prologue's norm (or its cast) reads (Gemma 3's post-attention and
 post-feedforward norms with their residual adds: the row the next norm reduces is residual + norm(projection)). It
 cannot be the epilogue of the projection it normalizes (O, down): that norm needs the whole output row and a work
-group holds a few rows. So each work group of the next GEMV computes it too (two row reductions instead of one, a few
-thousand multiply-adds against the rows of weights it multiplies). Where others read its result as well (the
-residual stream, read by the next residual add after the GEMV), the kernel runs that norm kernel a second time, last,
-into a second result, and the schedule runs that second run in the first work group only: every work group reads the
-row it computed itself, never the result, so no work group reads what another writes, and each value is written
-once. (A second run, not a copy of the first: the first run's row reduction sits inside the GEMV's work group loop,
-which TVM's compute_at places only once every reader of it is inside; a copy block there would be a reader that only
-reverse_compute_at can place, once the reduction is inside.)
+group holds a few rows. So each work group of the next GEMV (gate/up; the next layer's QKV; lm_head) computes it
+too: two row reductions instead of one, a few thousand multiply-adds against the rows of weights it multiplies, and
+no launch. That leaves Gemma 3 Llama's 6 launches per layer on GPUs: QKV, attention, O, gate/up, GeGLU, down.
+Where others read its result as well (the residual stream, read by the next residual add after the GEMV), the
+kernel runs that norm kernel a second time, last, into a second result, and the schedule runs the second run in the
+first work group only: every work group reads the row it computed itself, never the result, so no work group reads
+what another writes, and each value is written once (Oclgrind: no race). A second run, not a copy of the first: the
+first run's row reduction moves into the GEMV's work group loop by compute_at, which TVM allows only once every
+reader is inside, and a copy (a result block) gets inside only by reverse_compute_at, once what it reads is inside.
+Where the residual row is also read before the GEMV (or its epilogue) ends, the norm kernel stays a kernel.
 
 Only norms (kernels that reduce) qualify: an elementwise producer (SwiGLU before the down projection) would be
 recomputed by every work group for every weight it multiplies (a GPU GEMV work group holds 2-4 rows), one sigmoid
@@ -260,10 +262,11 @@ class _Rewriter(PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="FuseGEMVNorms")
 class FuseGEMVNorms:  # pylint: disable=too-few-public-methods
-    """Fuse into each decode GEMV the norm kernel it alone reads (with its input's cast) and the norm over groups of
-    its results that alone reads them (with what alone reads the norm's result), compiler/passes/fuse_gemv_norms.py;
-    after FuseTIR, before the schedule. `schedulable` says whether the schedule rules take a fused kernel: where they
-    do not, the kernels stay apart (a shorter epilogue is tried first)."""
+    """Fuse into each decode GEMV the norm kernel it alone reads (with its input's cast, and the norm kernel that reads,
+    with a second result where others read that one's) and the norm over groups of its results that alone reads them
+    (with what alone reads the norm's result), compiler/passes/fuse_gemv_norms.py; after FuseTIR, before the schedule.
+    `schedulable` says whether the schedule rules take a fused kernel: where they do not, the kernels stay apart (a
+    shorter epilogue is tried first, then the prologue without the residual norm kernel)."""
 
     def __init__(self, schedulable: Callable[[tirx.PrimFunc], bool]):
         self.schedulable = schedulable

@@ -96,8 +96,10 @@ class GEMV(dlight.gpu.GEMV):
         except Exception:  # pylint: disable=broad-exception-caught
             return False
 
-    def _with_norms(self, sch: s_tir.Schedule, target: Target, infos: list[SBlockInfo],  # pylint: disable=too-many-arguments
-                    prologue: list[SBlockInfo], epilogue: list[SBlockInfo], second_run: list[SBlockInfo]):
+    def _with_norms(  # pylint: disable=too-many-arguments,too-many-locals
+        self, sch: s_tir.Schedule, target: Target, infos: list[SBlockInfo], prologue: list[SBlockInfo],
+        epilogue: list[SBlockInfo], second_run: list[SBlockInfo],
+    ):
         """A GEMV with the norms around it (passes/fuse_gemv_norms.py). Prologue: its vector operand computed in the
         kernel from values of the whole input row (RMSNorm's sum of squares and its rsqrt): each work group reduces
         the row itself, across its K threads, before its share of the GEMV; the elementwise rest is inlined into the
@@ -105,8 +107,8 @@ class GEMV(dlight.gpu.GEMV):
         within the group (RoPE): each work group computes one group's rows into shared memory, one row per thread
         and no threads along K, reduces them across those threads and writes the group normalized (the prologue's
         row reduction across them too). A second run of a norm kernel of the prologue, into a result of its own
-        (Gemma's residual stream): in the first work group only, after the GEMV, its row reduction across threads as
-        the prologue's and its elementwise rest inlined into its result, which all the work group's threads write."""
+        (Gemma's residual stream): in the first work group only, after the GEMV, its row reduction whole in each
+        thread and its elementwise rest inlined into its result, which the work group's threads write."""
         # The normalized rows stay a block of their own: inlined into a reader of other rows of the head (RoPE's
         # rotate-half), its reads would index the GEMV's flat rows, whose region TVM cannot solve per head.
         normalized = next((infos[i + 1] for i, info in enumerate(infos[:-1]) if info in epilogue and
@@ -166,16 +168,15 @@ class GEMV(dlight.gpu.GEMV):
         for info in second_run:
             sch.reverse_compute_at(info.block_rv, work_group, preserve_unit_loops=True)
             if info.is_reduction():
-                _, threads = sch.split(sch.get_loops(info.block_rv)[-1], factors=[None, threads_r])
-                sch.bind(threads, tag_p)
-                sch.set_scope(info.block_rv, 0, "shared")
+                # whole in each thread: TVM places no barrier (a cross-thread sum's) under the first work group's
+                # condition, and across threads every work group would pay for a sum only the first one uses
+                sch.set_scope(info.block_rv, 0, "local")
             else:
                 _, thread_y, thread_x = sch.split(sch.fuse(*sch.get_loops(info.block_rv)[1:]),
                                                   factors=[None, extents["threadIdx.y"], extents["threadIdx.x"]])
                 sch.bind(thread_y, "threadIdx.y")
                 sch.bind(thread_x, "threadIdx.x")
-        # its row reduction runs in every work group: TVM inserts no barrier (its cross-thread sum) under a condition
-        return _in_first_work_group(sch, work_group, [info for info in second_run if not info.is_reduction()])
+        return _in_first_work_group(sch, work_group, second_run)
 
     def sch_inner_reduction(  # pylint: disable=too-many-arguments,too-many-locals,unused-argument
         self, sch: s_tir.Schedule, target: Target, block, vector_input_buffers, epilogue_info: SBlockInfo | None,

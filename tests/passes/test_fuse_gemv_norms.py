@@ -1201,13 +1201,16 @@ def _scheduled_residual_norm_gemv(target_name: str) -> tvm.IRModule:
 @pytest.mark.parametrize("target_name", ["android-adreno", "android-mali"])
 def test_the_second_run_writes_its_result_from_the_first_work_group_only(target_name):
     text = _scheduled_residual_norm_gemv(target_name)["residual_norm_gemv"].script()
-    # both row reductions before the GEMV, the second run's after it; only its result predicated on the work group
+    # both row reductions before the GEMV, the second run's after it: its sum (whole in each thread, no barrier) and
+    # its result, and nothing else, predicated on the first work group
     assert (text.index('T.sblock("o_sum_sq")') < text.index('T.sblock("sum_sq")') < text.index('T.sblock("gemv_rf')
             < text.index('T.sblock("o_sum_sq_again")') < text.index('T.sblock("residual_again")'))
+    assert 'o_sum_sq_again_local = T.sblock_alloc_buffer((1, 1), scope="local")' in text
     work_group = re.search(r'for (\w+) in T.thread_binding\(\d+, thread="blockIdx.x"\)', text).group(1)
-    predicates = re.findall(r"T.where\((.*)\)", text)
-    assert predicates == [f"{work_group} == 0"], predicates
-    assert text.index(f"T.where({work_group} == 0)") > text.index('T.sblock("residual_again")')
+    predicates = [(m.start(), m.group(1)) for m in re.finditer(r"T.where\((.*)\)", text)]
+    assert [p for _, p in predicates] == [f"{work_group} == 0"] * 2, predicates
+    assert text.index('T.sblock("o_sum_sq_again")') < predicates[0][0] < text.index('T.sblock("residual_again")')
+    assert text.index('T.sblock("residual_again")') < predicates[1][0]
     assert 'T.sblock("residual")' not in text and 'T.sblock("normed")' not in text  # inlined into their readers
 
 

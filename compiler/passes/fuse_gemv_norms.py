@@ -12,7 +12,7 @@ post-feedforward norms with their residual adds: the row the next norm reduces i
 cannot be the epilogue of the projection it normalizes (O, down): that norm needs the whole output row and a work
 group holds a few rows. So each work group of the next GEMV (gate/up; the next layer's QKV; lm_head) computes it
 too: two row reductions instead of one, a few thousand multiply-adds against the rows of weights it multiplies, and
-no launch. That leaves Gemma 3 Llama's 6 launches per layer on GPUs: QKV, attention, O, gate/up, GeGLU, down.
+no launch: Gemma 3 gets Llama's 6 launches per layer on GPUs (QKV, attention, O, gate/up, GeGLU, down).
 Where others read its result as well (the residual stream, read by the next residual add after the GEMV), the
 kernel runs that norm kernel a second time, last, into a second result, and the schedule runs the second run in the
 first work group only: every work group reads the row it computed itself, never the result, so no work group reads
@@ -224,14 +224,14 @@ class _Rewriter(PyExprMutator):
         if epilogue:
             norm = next(b.value.args[0] for b in epilogue if _reduces(self.mod[b.value.args[0]]))
             name = f"{name}_then_{norm.name_hint}"
-        kept = residual[0].var if residual is not None and residual[2] else None
-        if kept is not None:
+        second_result = residual[0].var if residual is not None and residual[2] else None
+        if second_result is not None:
             func = with_second_run(func, inputs, self.mod[residual[0].value.args[0]],
                                    list(residual[0].value.args[1].fields))
         func = tirx.PrimFunc(func.params, func.body).with_attrs(dict(self.mod[gemv.value.args[0]].attrs))
         if not self._schedulable(func):
             return False
-        self.fused[previous.var] = (name, func, inputs, kept)
+        self.fused[previous.var] = (name, func, inputs, second_result)
         self.dropped.update(b.var for b in [gemv, *epilogue[:-1], *before] if b is not previous)
         return True
 
@@ -248,15 +248,15 @@ class _Rewriter(PyExprMutator):
         if binding.var not in self.fused:
             super().visit_var_binding_(binding)
             return
-        name, func, inputs, kept = self.fused[binding.var]
+        name, func, inputs, second_result = self.fused[binding.var]
         gv = self.kernels.add(func, name)
         args = [self.visit_expr(i) for i in inputs]
         emit = self.builder_.emit if isinstance(binding.var, relax.DataflowVar) else self.builder_.emit_output
-        if kept is None:
+        if second_result is None:
             self.set_var_remap(binding.var, emit(relax.call_tir(gv, args, binding.value.ty), binding.var.name))
             return
-        results = self.builder_.emit(relax.call_tir(gv, args, [kept.ty, binding.value.ty]), binding.var.name)
-        self.set_var_remap(kept, self.builder_.emit(relax.TupleGetItem(results, 0), kept.name))
+        results = self.builder_.emit(relax.call_tir(gv, args, [second_result.ty, binding.value.ty]), binding.var.name)
+        self.set_var_remap(second_result, self.builder_.emit(relax.TupleGetItem(results, 0), second_result.name))
         self.set_var_remap(binding.var, emit(relax.TupleGetItem(results, 1), binding.var.name))
 
 

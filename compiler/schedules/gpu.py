@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight
 from tvm.s_tir.schedule import _ffi_api as schedule_ffi
@@ -80,10 +81,12 @@ class GEMV(dlight.gpu.GEMV):
             return None
         sch = s_tir.Schedule(func)
         infos = normalize_prim_func(sch)
+        second_run = _second_run(sch, func, infos)
+        infos = [info for info in infos if info not in second_run]
         prologue, epilogue = _around_gemv(sch, infos)
         if not prologue and not epilogue:
-            return super().apply(func, target, tunable)
-        return self._with_norms(sch, target, infos, prologue, epilogue)
+            return None if second_run else super().apply(func, target, tunable)
+        return self._with_norms(sch, target, infos, prologue, epilogue, second_run)
 
     def takes(self, func: tirx.PrimFunc, target: Target) -> bool:
         """Whether this rule schedules `func`. dlight's analyses assert, and schedule primitives raise, on access
@@ -93,15 +96,19 @@ class GEMV(dlight.gpu.GEMV):
         except Exception:  # pylint: disable=broad-exception-caught
             return False
 
-    def _with_norms(self, sch: s_tir.Schedule, target: Target, infos: list[SBlockInfo],
-                    prologue: list[SBlockInfo], epilogue: list[SBlockInfo]):
+    def _with_norms(  # pylint: disable=too-many-arguments,too-many-locals
+        self, sch: s_tir.Schedule, target: Target, infos: list[SBlockInfo], prologue: list[SBlockInfo],
+        epilogue: list[SBlockInfo], second_run: list[SBlockInfo],
+    ):
         """A GEMV with the norms around it (passes/fuse_gemv_norms.py). Prologue: its vector operand computed in the
         kernel from values of the whole input row (RMSNorm's sum of squares and its rsqrt): each work group reduces
         the row itself, across its K threads, before its share of the GEMV; the elementwise rest is inlined into the
         GEMV's loads. Epilogue: a norm over groups of its results (a q/k norm over each head) and what follows it
         within the group (RoPE): each work group computes one group's rows into shared memory, one row per thread
         and no threads along K, reduces them across those threads and writes the group normalized (the prologue's
-        row reduction across them too)."""
+        row reduction across them too). A second run of a norm kernel of the prologue, into a result of its own
+        (Gemma's residual stream): in the first work group only, after the GEMV, its row reduction whole in each
+        thread and its elementwise rest inlined into its result, which the work group's threads write."""
         # The normalized rows stay a block of their own: inlined into a reader of other rows of the head (RoPE's
         # rotate-half), its reads would index the GEMV's flat rows, whose region TVM cannot solve per head.
         normalized = next((infos[i + 1] for i, info in enumerate(infos[:-1]) if info in epilogue and
@@ -153,7 +160,23 @@ class GEMV(dlight.gpu.GEMV):
                 # sums shared by the threads too); rows read across threads (RoPE) in shared memory
                 if info is not after[-1]:
                     sch.set_scope(info.block_rv, 0, "local" if info.is_reduction() else "shared")
-        return sch
+        if not second_run:
+            return sch
+        # each after its producers, which are in the work group by now (the reduction has none: its loads inlined)
+        second_run = try_inline_contiguous_spatial(sch, second_run)
+        extents = {tag_s: ts, tag_r: tr}
+        for info in second_run:
+            sch.reverse_compute_at(info.block_rv, work_group, preserve_unit_loops=True)
+            if info.is_reduction():
+                # whole in each thread: TVM places no barrier (a cross-thread sum's) under the first work group's
+                # condition, and across threads every work group would pay for a sum only the first one uses
+                sch.set_scope(info.block_rv, 0, "local")
+            else:
+                _, thread_y, thread_x = sch.split(sch.fuse(*sch.get_loops(info.block_rv)[1:]),
+                                                  factors=[None, extents["threadIdx.y"], extents["threadIdx.x"]])
+                sch.bind(thread_y, "threadIdx.y")
+                sch.bind(thread_x, "threadIdx.x")
+        return _in_first_work_group(sch, work_group, second_run)
 
     def sch_inner_reduction(  # pylint: disable=too-many-arguments,too-many-locals,unused-argument
         self, sch: s_tir.Schedule, target: Target, block, vector_input_buffers, epilogue_info: SBlockInfo | None,
@@ -261,6 +284,32 @@ def _around_gemv(sch: s_tir.Schedule, infos: list[SBlockInfo] | None) -> tuple[l
     prologue = before if reduced_before and all(info in before for info in infos[:gemv] if info.is_reduction()) else []
     epilogue = infos[gemv + 1:] if any(info.is_reduction() for info in infos[gemv + 1:]) else []
     return prologue, epilogue
+
+
+def _second_run(sch: s_tir.Schedule, func: tirx.PrimFunc, infos: list[SBlockInfo]) -> list[SBlockInfo]:
+    """The blocks after the last that writes the function's last result (FuseGEMVNorms' second run of a norm kernel of
+    the prologue, into a result of its own)."""
+    last = max((i for i, info in enumerate(infos) if sch.get(info.block_rv).writes[0].source.same_as(func.params[-1])),
+               default=len(infos))
+    return infos[last + 1:]
+
+
+def _in_first_work_group(sch: s_tir.Schedule, work_group, infos: list[SBlockInfo]) -> s_tir.Schedule:
+    """`sch`'s function with the blocks of `infos` run by the first work group only: their result is written once, by
+    work-items of one work group, which read nothing another work group writes. Schedule primitives cannot predicate a
+    block on a loop outside it, so this edits the blocks' predicates and starts a schedule of the result."""
+    func, loop = sch.mod["main"], sch.get(work_group)
+    first = tirx.EQ(loop.loop_var, tirx.const(0, loop.loop_var.ty))
+    blocks = [sch.get(info.block_rv) for info in infos]
+
+    def first_only(realize: s_tir.SBlockRealize) -> s_tir.SBlockRealize:
+        if not any(realize.block.same_as(block) for block in blocks):
+            return realize
+        always = isinstance(realize.predicate, tirx.IntImm) and realize.predicate.value == 1
+        return s_tir.SBlockRealize(realize.iter_values, first if always else tirx.And(realize.predicate, first),
+                                   realize.block)
+
+    return s_tir.Schedule(func.with_body(tvm_ffi.structural_map(func.body, [(s_tir.SBlockRealize, first_only)])))
 
 
 def _group_rows(sch: s_tir.Schedule, gemv: SBlockInfo, after: list[SBlockInfo]) -> int | None:

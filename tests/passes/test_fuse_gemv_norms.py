@@ -1,7 +1,10 @@
-"""FuseGEMVNorms: IR in/IR out (Before/Expected) for the norm before a GEMV (prologue) and the norm over each head
-after it (epilogue), the kernels it must leave alone (negative controls), the GPU GEMV rule on both kinds of fused
-kernel (each work group reduces the row across its K threads; one head per work group), and their numerics on this
-machine's OpenCL against numpy."""
+"""FuseGEMVNorms: IR in/IR out (Before/Expected) for the norm before a GEMV (prologue), the norm kernel that norm
+reads (a post-norm with its residual add, run again into a second result), and the norm over each head after it
+(epilogue), the kernels it must leave alone (negative controls), the GPU GEMV rule on these fused kernels (each work
+group reduces the row across its K threads; the second run's result from the first work group; one head per work
+group), and their numerics on this machine's OpenCL against numpy."""
+
+import re
 
 import numpy as np
 import pytest
@@ -543,6 +546,265 @@ class _HeadsRopeExpected:
         return r
 
 
+@I.ir_module
+class _Residual:
+    """post_norm_add (residual + RMSNorm of a projection's result: Gemma's post-norms) -> norm -> projection. decode:
+    the residual row is read again after the projection (the next residual add); last: only by the norm (lm_head)."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def post_norm_add(o: T.Buffer((1, 8), "float32"), w: T.Buffer((8,), "float32"), r: T.Buffer((1, 8), "float32"),
+                      x: T.Buffer((1, 8), "float32")):
+        T.func_attr({"op_pattern": 4, "tirx.noalias": True})
+        sum_sq = T.sblock_alloc_buffer((1,))
+        for k in range(8):
+            with T.sblock("sum_sq"):
+                vk = T.axis.reduce(8, k)
+                with T.init():
+                    sum_sq[0] = T.float32(0)
+                sum_sq[0] = sum_sq[0] + o[0, vk] * o[0, vk]
+        for i in range(8):
+            with T.sblock("add"):
+                vi = T.axis.spatial(8, i)
+                x[0, vi] = r[0, vi] + o[0, vi] * T.rsqrt(sum_sq[0]) * w[vi]
+
+    @T.prim_func(private=True, s_tir=True)
+    def norm(x: T.Buffer((1, 8), "float32"), w: T.Buffer((8,), "float32"), y: T.Buffer((1, 8), "float32")):
+        T.func_attr({"op_pattern": 4, "tirx.noalias": True})
+        sum_sq = T.sblock_alloc_buffer((1,))
+        for k in range(8):
+            with T.sblock("sum_sq"):
+                vk = T.axis.reduce(8, k)
+                with T.init():
+                    sum_sq[0] = T.float32(0)
+                sum_sq[0] = sum_sq[0] + x[0, vk] * x[0, vk]
+        for i in range(8):
+            with T.sblock("norm"):
+                vi = T.axis.spatial(8, i)
+                y[0, vi] = x[0, vi] * T.rsqrt(sum_sq[0]) * w[vi]
+
+    @T.prim_func(private=True, s_tir=True)
+    def gemv(x: T.Buffer((1, 8), "float32"), w: T.Buffer((4, 8), "float32"), y: T.Buffer((1, 4), "float32")):
+        T.func_attr({"op_pattern": 4, "tirx.noalias": True})
+        for n, k in T.grid(4, 8):
+            with T.sblock("gemv"):
+                vn, vk = T.axis.remap("SR", [n, k])
+                with T.init():
+                    y[0, vn] = T.float32(0)
+                y[0, vn] = y[0, vn] + w[vn, vk] * x[0, vk]
+
+    @T.prim_func(private=True, s_tir=True)
+    def scale(x: T.Buffer((1, 8), "float32"), y: T.Buffer((1, 8), "float32")):
+        T.func_attr({"op_pattern": 0, "tirx.noalias": True})
+        for i in range(8):
+            with T.sblock("scale"):
+                vi = T.axis.spatial(8, i)
+                y[0, vi] = x[0, vi] * T.float32(2)
+
+    @R.function
+    def decode(o: R.Tensor((1, 8), "float32"), r: R.Tensor((1, 8), "float32"),
+               params: R.Tuple(R.Tensor((8,), "float32"), R.Tensor((8,), "float32"), R.Tensor((4, 8), "float32"))):
+        cls = _Residual
+        with R.dataflow():
+            w_post = params[0]
+            w_norm = params[1]
+            w_proj = params[2]
+            x = R.call_tir(cls.post_norm_add, (o, w_post, r), out_ty=R.Tensor((1, 8), "float32"))
+            h = R.call_tir(cls.norm, (x, w_norm), out_ty=R.Tensor((1, 8), "float32"))
+            y = R.call_tir(cls.gemv, (h, w_proj), out_ty=R.Tensor((1, 4), "float32"))
+            s = R.call_tir(cls.scale, (x,), out_ty=R.Tensor((1, 8), "float32"))
+            R.output(y, s)
+        return (y, s)
+
+
+@I.ir_module
+class _ResidualExpected:
+    """One kernel: post_norm_add's blocks (its row a buffer of the kernel's own), the norm's, the projection's, then
+    post_norm_add's again (variables of their own) into the kernel's first result, the row decode reads again."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def gemv_after_norm_after_post_norm_add(o: T.Buffer((1, 8), "float32"), w: T.Buffer((8,), "float32"),
+                                            r: T.Buffer((1, 8), "float32"), w_1: T.Buffer((8,), "float32"),
+                                            w_2: T.Buffer((4, 8), "float32"), x_1: T.Buffer((1, 8), "float32"),
+                                            y_1: T.Buffer((1, 4), "float32")):
+        T.func_attr({"op_pattern": 4, "tirx.noalias": True})
+        with T.sblock("root"):
+            T.reads()
+            T.writes()
+            sum_sq = T.sblock_alloc_buffer((1,))
+            x = T.sblock_alloc_buffer((1, 8))
+            sum_sq_1 = T.sblock_alloc_buffer((1,))
+            y = T.sblock_alloc_buffer((1, 8))
+            sum_sq_2 = T.sblock_alloc_buffer((1,))
+            for k in range(8):
+                with T.sblock("sum_sq"):
+                    vk = T.axis.reduce(8, k)
+                    with T.init():
+                        sum_sq[0] = T.float32(0)
+                    sum_sq[0] = sum_sq[0] + o[0, vk] * o[0, vk]
+            for i in range(8):
+                with T.sblock("add"):
+                    vi = T.axis.spatial(8, i)
+                    x[0, vi] = r[0, vi] + o[0, vi] * T.rsqrt(sum_sq[0]) * w[vi]
+            for k in range(8):
+                with T.sblock("sum_sq"):
+                    vk = T.axis.reduce(8, k)
+                    with T.init():
+                        sum_sq_1[0] = T.float32(0)
+                    sum_sq_1[0] = sum_sq_1[0] + x[0, vk] * x[0, vk]
+            for i in range(8):
+                with T.sblock("norm"):
+                    vi = T.axis.spatial(8, i)
+                    y[0, vi] = x[0, vi] * T.rsqrt(sum_sq_1[0]) * w_1[vi]
+            for n, k in T.grid(4, 8):
+                with T.sblock("gemv"):
+                    vn, vk = T.axis.remap("SR", [n, k])
+                    with T.init():
+                        y_1[0, vn] = T.float32(0)
+                    y_1[0, vn] = y_1[0, vn] + w_2[vn, vk] * y[0, vk]
+            for k in range(8):
+                with T.sblock("sum_sq"):
+                    vk = T.axis.reduce(8, k)
+                    with T.init():
+                        sum_sq_2[0] = T.float32(0)
+                    sum_sq_2[0] = sum_sq_2[0] + o[0, vk] * o[0, vk]
+            for i in range(8):
+                with T.sblock("add"):
+                    vi = T.axis.spatial(8, i)
+                    x_1[0, vi] = r[0, vi] + o[0, vi] * T.rsqrt(sum_sq_2[0]) * w[vi]
+
+    @T.prim_func(private=True, s_tir=True)
+    def scale(x: T.Buffer((1, 8), "float32"), y: T.Buffer((1, 8), "float32")):
+        T.func_attr({"op_pattern": 0, "tirx.noalias": True})
+        for i in range(8):
+            with T.sblock("scale"):
+                vi = T.axis.spatial(8, i)
+                y[0, vi] = x[0, vi] * T.float32(2)
+
+    @R.function
+    def decode(o: R.Tensor((1, 8), "float32"), r: R.Tensor((1, 8), "float32"),
+               params: R.Tuple(R.Tensor((8,), "float32"), R.Tensor((8,), "float32"), R.Tensor((4, 8), "float32"))):
+        cls = _ResidualExpected
+        with R.dataflow():
+            w_post = params[0]
+            w_norm = params[1]
+            w_proj = params[2]
+            results = R.call_tir(cls.gemv_after_norm_after_post_norm_add, (o, w_post, r, w_norm, w_proj),
+                                 out_ty=[R.Tensor((1, 8), "float32"), R.Tensor((1, 4), "float32")])
+            x = results[0]
+            y = results[1]
+            s = R.call_tir(cls.scale, (x,), out_ty=R.Tensor((1, 8), "float32"))
+            R.output(y, s)
+        return (y, s)
+
+
+
+@I.ir_module
+class _ResidualApart:
+    """last: the residual row read only by the norm (lm_head after the last layer's post-norm): it joins, no second
+    result. Negative controls. read_before: the row also read before the projection, where the kernel's second result
+    would not exist yet; elementwise: a producer that reduces nothing (Llama's residual add)."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def post_norm_add(o: T.Buffer((1, 8), "float32"), w: T.Buffer((8,), "float32"), r: T.Buffer((1, 8), "float32"),
+                      x: T.Buffer((1, 8), "float32")):
+        T.func_attr({"op_pattern": 4, "tirx.noalias": True})
+        sum_sq = T.sblock_alloc_buffer((1,))
+        for k in range(8):
+            with T.sblock("sum_sq"):
+                vk = T.axis.reduce(8, k)
+                with T.init():
+                    sum_sq[0] = T.float32(0)
+                sum_sq[0] = sum_sq[0] + o[0, vk] * o[0, vk]
+        for i in range(8):
+            with T.sblock("add"):
+                vi = T.axis.spatial(8, i)
+                x[0, vi] = r[0, vi] + o[0, vi] * T.rsqrt(sum_sq[0]) * w[vi]
+
+    @T.prim_func(private=True, s_tir=True)
+    def add(o: T.Buffer((1, 8), "float32"), r: T.Buffer((1, 8), "float32"), x: T.Buffer((1, 8), "float32")):
+        T.func_attr({"op_pattern": 0, "tirx.noalias": True})
+        for i in range(8):
+            with T.sblock("add"):
+                vi = T.axis.spatial(8, i)
+                x[0, vi] = r[0, vi] + o[0, vi]
+
+    @T.prim_func(private=True, s_tir=True)
+    def norm(x: T.Buffer((1, 8), "float32"), w: T.Buffer((8,), "float32"), y: T.Buffer((1, 8), "float32")):
+        T.func_attr({"op_pattern": 4, "tirx.noalias": True})
+        sum_sq = T.sblock_alloc_buffer((1,))
+        for k in range(8):
+            with T.sblock("sum_sq"):
+                vk = T.axis.reduce(8, k)
+                with T.init():
+                    sum_sq[0] = T.float32(0)
+                sum_sq[0] = sum_sq[0] + x[0, vk] * x[0, vk]
+        for i in range(8):
+            with T.sblock("norm"):
+                vi = T.axis.spatial(8, i)
+                y[0, vi] = x[0, vi] * T.rsqrt(sum_sq[0]) * w[vi]
+
+    @T.prim_func(private=True, s_tir=True)
+    def gemv(x: T.Buffer((1, 8), "float32"), w: T.Buffer((4, 8), "float32"), y: T.Buffer((1, 4), "float32")):
+        T.func_attr({"op_pattern": 4, "tirx.noalias": True})
+        for n, k in T.grid(4, 8):
+            with T.sblock("gemv"):
+                vn, vk = T.axis.remap("SR", [n, k])
+                with T.init():
+                    y[0, vn] = T.float32(0)
+                y[0, vn] = y[0, vn] + w[vn, vk] * x[0, vk]
+
+    @T.prim_func(private=True, s_tir=True)
+    def scale(x: T.Buffer((1, 8), "float32"), y: T.Buffer((1, 8), "float32")):
+        T.func_attr({"op_pattern": 0, "tirx.noalias": True})
+        for i in range(8):
+            with T.sblock("scale"):
+                vi = T.axis.spatial(8, i)
+                y[0, vi] = x[0, vi] * T.float32(2)
+
+    @R.function
+    def last(o: R.Tensor((1, 8), "float32"), r: R.Tensor((1, 8), "float32"),
+             params: R.Tuple(R.Tensor((8,), "float32"), R.Tensor((8,), "float32"), R.Tensor((4, 8), "float32"))):
+        cls = _ResidualApart
+        with R.dataflow():
+            w_post = params[0]
+            w_norm = params[1]
+            w_proj = params[2]
+            x = R.call_tir(cls.post_norm_add, (o, w_post, r), out_ty=R.Tensor((1, 8), "float32"))
+            h = R.call_tir(cls.norm, (x, w_norm), out_ty=R.Tensor((1, 8), "float32"))
+            y = R.call_tir(cls.gemv, (h, w_proj), out_ty=R.Tensor((1, 4), "float32"))
+            R.output(y)
+        return y
+
+    @R.function
+    def read_before(o: R.Tensor((1, 8), "float32"), r: R.Tensor((1, 8), "float32"),
+                    params: R.Tuple(R.Tensor((8,), "float32"), R.Tensor((8,), "float32"),
+                                    R.Tensor((4, 8), "float32"))):
+        cls = _ResidualApart
+        with R.dataflow():
+            w_post = params[0]
+            w_norm = params[1]
+            w_proj = params[2]
+            x = R.call_tir(cls.post_norm_add, (o, w_post, r), out_ty=R.Tensor((1, 8), "float32"))
+            h = R.call_tir(cls.norm, (x, w_norm), out_ty=R.Tensor((1, 8), "float32"))
+            s = R.call_tir(cls.scale, (x,), out_ty=R.Tensor((1, 8), "float32"))
+            y = R.call_tir(cls.gemv, (h, w_proj), out_ty=R.Tensor((1, 4), "float32"))
+            R.output(y, s)
+        return (y, s)
+
+    @R.function
+    def elementwise(o: R.Tensor((1, 8), "float32"), r: R.Tensor((1, 8), "float32"),
+                    params: R.Tuple(R.Tensor((8,), "float32"), R.Tensor((4, 8), "float32"))):
+        cls = _ResidualApart
+        with R.dataflow():
+            w_norm = params[0]
+            w_proj = params[1]
+            x = R.call_tir(cls.add, (o, r), out_ty=R.Tensor((1, 8), "float32"))
+            h = R.call_tir(cls.norm, (x, w_norm), out_ty=R.Tensor((1, 8), "float32"))
+            y = R.call_tir(cls.gemv, (h, w_proj), out_ty=R.Tensor((1, 4), "float32"))
+            s = R.call_tir(cls.scale, (x,), out_ty=R.Tensor((1, 8), "float32"))
+            R.output(y, s)
+        return (y, s)
+
 def _fused(mod: tvm.IRModule, schedulable=lambda _: True) -> tvm.IRModule:
     return FuseGEMVNorms(schedulable)(mod)
 
@@ -570,6 +832,27 @@ def test_results_read_elsewhere_or_followed_by_no_norm_stay_apart():
 
 def test_the_cast_only_the_norm_reads_joins_the_prologue():
     tvm.ir.assert_structural_equal(_fused(_CastBefore), _CastExpected)
+
+
+def test_the_norm_kernel_the_prologue_reads_joins_it_and_runs_again_into_a_second_result():
+    tvm.ir.assert_structural_equal(_fused(_Residual), _ResidualExpected)
+    # the schedule refuses it: the norm alone joins the projection
+    refused = _fused(_Residual, lambda func: 'T.sblock("add")' not in func.script())
+    assert _calls(refused, "decode") == ["post_norm_add", "gemv_after_norm", "scale"]
+
+
+def test_a_residual_row_read_only_by_the_norm_joins_without_a_second_result():
+    fused = _fused(_ResidualApart)
+    assert _calls(fused, "last") == ["gemv_after_norm_after_post_norm_add"]
+    kernel = fused["gemv_after_norm_after_post_norm_add"]
+    # inputs o, w_post, r, w_norm, w_proj and the one result; post_norm_add's blocks once
+    assert len(kernel.params) == 6 and kernel.script().count('T.sblock("add")') == 1
+
+
+def test_a_residual_row_read_before_the_projection_or_an_elementwise_producer_stays_apart():
+    fused = _fused(_ResidualApart)
+    assert _calls(fused, "read_before") == ["post_norm_add", "scale", "gemv_after_norm"]
+    assert _calls(fused, "elementwise") == ["add", "gemv_after_norm", "scale"]
 
 
 def _calls(mod: tvm.IRModule, function: str) -> list[str]:
@@ -847,3 +1130,114 @@ def test_gemv_head_norm_rope_numerics_on_opencl(tmp_path, target_name):
     got = out.numpy().reshape(HEADS, HEAD_DIM)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert not np.allclose(got, normed * cos + normed * sin, rtol=1e-2, atol=1e-2)  # negative control: no rotation
+
+
+def _residual_norm_gemv() -> tvm.IRModule:
+    """A post-norm with its residual add (x = r + RMSNorm(o) * w_post), RMSNorm of x, a GEMV, then the post-norm again
+    into a second result, float32: Gemma's gate/up projection as the pass fuses it with both norms before it."""
+
+    @T.prim_func(s_tir=True)
+    def residual_norm_gemv(o: T.Buffer((1, 1, HIDDEN), "float32"), w_post: T.Buffer((HIDDEN,), "float32"),
+                           r: T.Buffer((1, 1, HIDDEN), "float32"), norm_w: T.Buffer((HIDDEN,), "float32"),
+                           w: T.Buffer((ROWS, HIDDEN), "float32"), x_out: T.Buffer((1, 1, HIDDEN), "float32"),
+                           out: T.Buffer((1, 1, ROWS), "float32")):
+        T.func_attr({"global_symbol": "residual_norm_gemv", "op_pattern": 4, "tirx.noalias": True})
+        o_sum_sq = T.sblock_alloc_buffer((1, 1))
+        x = T.sblock_alloc_buffer((1, 1, HIDDEN))
+        sum_sq = T.sblock_alloc_buffer((1, 1))
+        normed = T.sblock_alloc_buffer((1, 1, HIDDEN))
+        o_sum_sq_again = T.sblock_alloc_buffer((1, 1))
+        for k in range(HIDDEN):
+            with T.sblock("o_sum_sq"):
+                vk = T.axis.reduce(HIDDEN, k)
+                with T.init():
+                    o_sum_sq[0, 0] = T.float32(0)
+                o_sum_sq[0, 0] = o_sum_sq[0, 0] + o[0, 0, vk] * o[0, 0, vk]
+        for k in range(HIDDEN):
+            with T.sblock("residual"):
+                vk = T.axis.spatial(HIDDEN, k)
+                x[0, 0, vk] = r[0, 0, vk] + o[0, 0, vk] * T.rsqrt(o_sum_sq[0, 0] / T.float32(HIDDEN) + T.float32(EPS)
+                                                                   ) * w_post[vk]
+        for k in range(HIDDEN):
+            with T.sblock("sum_sq"):
+                vk = T.axis.reduce(HIDDEN, k)
+                with T.init():
+                    sum_sq[0, 0] = T.float32(0)
+                sum_sq[0, 0] = sum_sq[0, 0] + x[0, 0, vk] * x[0, 0, vk]
+        for k in range(HIDDEN):
+            with T.sblock("normed"):
+                vk = T.axis.spatial(HIDDEN, k)
+                normed[0, 0, vk] = x[0, 0, vk] * T.rsqrt(sum_sq[0, 0] / T.float32(HIDDEN) + T.float32(EPS)) * norm_w[vk]
+        for n, k in T.grid(ROWS, HIDDEN):
+            with T.sblock("gemv"):
+                vn, vk = T.axis.remap("SR", [n, k])
+                with T.init():
+                    out[0, 0, vn] = T.float32(0)
+                out[0, 0, vn] = out[0, 0, vn] + normed[0, 0, vk] * w[vn, vk]
+        for k in range(HIDDEN):
+            with T.sblock("o_sum_sq_again"):
+                vk = T.axis.reduce(HIDDEN, k)
+                with T.init():
+                    o_sum_sq_again[0, 0] = T.float32(0)
+                o_sum_sq_again[0, 0] = o_sum_sq_again[0, 0] + o[0, 0, vk] * o[0, 0, vk]
+        for k in range(HIDDEN):
+            with T.sblock("residual_again"):
+                vk = T.axis.spatial(HIDDEN, k)
+                x_out[0, 0, vk] = r[0, 0, vk] + o[0, 0, vk] * T.rsqrt(
+                    o_sum_sq_again[0, 0] / T.float32(HIDDEN) + T.float32(EPS)) * w_post[vk]
+
+    return tvm.IRModule({"residual_norm_gemv": residual_norm_gemv})
+
+
+def _scheduled_residual_norm_gemv(target_name: str) -> tvm.IRModule:
+    spec = load_target(target_name)
+    mod = _residual_norm_gemv()
+    with _device_target(target_name) as target:
+        rule = gpu_schedules.GEMV(spec.schedule["gemv"])
+        assert rule.takes(mod["residual_norm_gemv"], target)
+        return dlight.ApplyDefaultSchedule(rule)(mod)
+
+
+@pytest.mark.parametrize("target_name", ["android-adreno", "android-mali"])
+def test_the_second_run_writes_its_result_from_the_first_work_group_only(target_name):
+    text = _scheduled_residual_norm_gemv(target_name)["residual_norm_gemv"].script()
+    # both row reductions before the GEMV, the second run's after it: its sum (whole in each thread, no barrier) and
+    # its result, and nothing else, predicated on the first work group
+    assert (text.index('T.sblock("o_sum_sq")') < text.index('T.sblock("sum_sq")') < text.index('T.sblock("gemv_rf')
+            < text.index('T.sblock("o_sum_sq_again")') < text.index('T.sblock("residual_again")'))
+    assert 'o_sum_sq_again_local = T.sblock_alloc_buffer((1, 1), scope="local")' in text
+    work_group = re.search(r'for (\w+) in T.thread_binding\(\d+, thread="blockIdx.x"\)', text).group(1)
+    predicates = [(m.start(), m.group(1)) for m in re.finditer(r"T.where\((.*)\)", text)]
+    assert [p for _, p in predicates] == [f"{work_group} == 0"] * 2, predicates
+    assert text.index('T.sblock("o_sum_sq_again")') < predicates[0][0] < text.index('T.sblock("residual_again")')
+    assert text.index('T.sblock("residual_again")') < predicates[1][0]
+    assert 'T.sblock("residual")' not in text and 'T.sblock("normed")' not in text  # inlined into their readers
+
+
+@NEEDS_OPENCL
+@pytest.mark.parametrize("target_name", ["android-adreno", "android-mali"])
+def test_residual_norm_gemv_numerics_on_opencl(tmp_path, target_name):
+    """The scheduled kernel on this machine's OpenCL against numpy: the GEMV of the twice-normalized row, and the
+    residual row written whole (its buffer starts as NaN: a value no work group wrote stays NaN)."""
+    opencl_device.load()
+    dev = tvm.opencl(0)
+    tvm.compile(_scheduled_residual_norm_gemv(target_name), target=_device_target(target_name)).export_library(
+        str(tmp_path / "residual.so"))
+    lib = tvm.runtime.load_module(str(tmp_path / "residual.so"))
+    rng = np.random.default_rng(2)
+    o, r = (rng.standard_normal((1, 1, HIDDEN)).astype("float32") for _ in range(2))
+    w_post, norm_w = (rng.uniform(0.5, 1.5, HIDDEN).astype("float32") for _ in range(2))
+    w = rng.standard_normal((ROWS, HIDDEN)).astype("float32")
+
+    def rms_norm(v, weight):
+        return v / np.sqrt((v * v).mean() + EPS) * weight
+
+    x = r.reshape(-1) + rms_norm(o.reshape(-1), w_post)
+    x_out = tvm.runtime.tensor(np.full((1, 1, HIDDEN), np.nan, "float32"), dev)
+    out = tvm.runtime.tensor(np.full((1, 1, ROWS), np.nan, "float32"), dev)
+    lib["residual_norm_gemv"](*(tvm.runtime.tensor(a, dev) for a in (o, w_post, r, norm_w, w)), x_out, out)
+    np.testing.assert_allclose(x_out.numpy().reshape(-1), x, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out.numpy().reshape(-1), w @ rms_norm(x, norm_w), rtol=1e-4, atol=1e-4)
+    # negative control: without the post-norm (the residual plus the raw projection)
+    assert not np.allclose(out.numpy().reshape(-1), w @ rms_norm(r.reshape(-1) + o.reshape(-1), norm_w),
+                           rtol=1e-2, atol=1e-2)

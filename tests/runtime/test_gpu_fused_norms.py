@@ -1,6 +1,7 @@
 """Tiny Qwen3 and Gemma 3 for android-adreno on this machine's OpenCL (PoCL, float32): the build whose norms run
-inside the decode GEMVs (passes/fuse_gemv_norms.py: the input norm before, the q/k norm per head after, and Gemma's
-RoPE after that) gives the unfused build's greedy tokens, and its prompt and decode logits within 1e-5 relative."""
+inside the decode GEMVs (passes/fuse_gemv_norms.py: the input norm before, Gemma 3's post-norm with its residual add
+before that, written again as the residual stream; the q/k norm per head after, and Gemma's RoPE after that) gives
+the unfused build's greedy tokens, and its prompt and decode logits within 1e-5 relative."""
 
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ def test_fused_norms_decode_the_unfused_builds_tokens(tmp_path, monkeypatch, fam
     logits, tokens, kernels = build("unfused")
     # the q/k norm inside the QKV GEMV in one build only
     assert [any("_then_qk_norm" in k for k in names) for names in (fused_kernels, kernels)] == [True, False]
+    # Gemma 3: its post-norms with their residual adds inside the next GEMVs (gate/up, the next layer's QKV, lm_head)
+    residual = [sum(k.count("_after_") == 2 for k in names) for names in (fused_kernels, kernels)]
+    assert residual == ([3, 0] if family == "gemma3" else [0, 0]), fused_kernels
     assert fused_tokens == tokens
     np.testing.assert_allclose(fused_logits, logits, rtol=0, atol=1e-5 * np.abs(logits).max())
     # Negative control: the comparison sees a wrong step (the logits move from step to step).

@@ -100,11 +100,16 @@ def load() -> None:
 
 def available() -> bool:
     """Whether OpenCL kernels can run in this process (loading the device if needed)."""
+    return unavailable_reason() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why OpenCL kernels cannot run in this process (load's message, naming the fix), or None where they can."""
     try:
         load()
-    except MobilecError:
-        return False
-    return bool(tvm.opencl(0).exist)
+    except MobilecError as exc:
+        return str(exc)
+    return None if tvm.opencl(0).exist else "no OpenCL device 0 in this process"
 
 
 def runnable(module):

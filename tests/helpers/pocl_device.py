@@ -7,8 +7,7 @@ import pytest
 
 from compiler.runtime import opencl_device
 
-NEEDS_OPENCL = pytest.mark.skipif(not opencl_device.available(),
-                                  reason="no OpenCL platform (apt-get install pocl-opencl-icd)")
+NEEDS_OPENCL = pytest.mark.skipif(not opencl_device.available(), reason=str(opencl_device.unavailable_reason()))
 # compile options that make a GPU target's artifact run here: host code for this CPU, float32 (PoCL has no fp16)
 ON_POCL = {"host_target": "host", "compute_dtype": "float32"}
 # a float16 GPU artifact runs here with host code for this CPU, on the platform MOBILEC_OPENCL_PLATFORM names

@@ -6,8 +6,8 @@ declaration"), and a float division is a call of compiler-rt's `__hexagon_divsf3
 server does not have (a real DSP's SDK does). So, on float32 values (float16 ones through float32):
 
 - rsqrt(x): an estimate from the float's bits (0x5f375a86 - bits/2, within 3.4e-2) and Newton steps, the last in
-  residual form so that its rounding stays near one ulp; denormal x are scaled by 2^24 first; 0, inf, x < 0 and NaN
-  give inf, 0, NaN, NaN.
+  residual form so that its rounding stays near one ulp; denormal x are scaled by 2^24 first; +-0, inf, x < 0 and NaN
+  give +-inf, 0, NaN, NaN.
 - sqrt(x): x * rsqrt(x), corrected once by the residual x - s^2 (Heron); 0 and inf stay, x < 0 gives NaN.
 - exp(x): x = n ln2 + r with |r| <= ln2/2 (ln2 in two parts, Cody-Waite, so n ln2 is exact), e^r by Cephes' expf
   polynomial, and 2^n applied as two factors built in the exponent bits, so results overflow to inf and
@@ -95,7 +95,13 @@ def rsqrt(x: tirx.PrimExpr, newton_steps: int = RSQRT_NEWTON_STEPS) -> tirx.Prim
     return _let("rsqrt_x", x, lambda v: tirx.Select(
         v > _f32(0.0),
         tirx.Select(v < _bits_as_float(0x7F800000), _rsqrt_positive(v, newton_steps), _f32(0.0)),
-        tirx.Select(v == _f32(0.0), _bits_as_float(0x7F800000), _bits_as_float(0x7FC00000))))
+        tirx.Select(v == _f32(0.0), _signed_infinity(v), _bits_as_float(0x7FC00000))))
+
+
+def _signed_infinity(zero: tirx.PrimExpr) -> tirx.PrimExpr:
+    """inf with the sign of `zero` (rsqrt(-0) is -inf), from its sign bit."""
+    return tirx.Select(tirx.reinterpret(I32, zero) < tirx.const(0, I32), _bits_as_float(-0x800000),
+                       _bits_as_float(0x7F800000))
 
 
 def _rsqrt_positive(x: tirx.PrimExpr, newton_steps: int) -> tirx.PrimExpr:

@@ -1,5 +1,5 @@
-"""expand_float_math: a kernel's float math intrinsics and float divisions by constants, as arithmetic that LLVM's Hexagon
-backend lowers inline.
+"""expand_float_math: a kernel's float math intrinsics and float divisions by constants, as arithmetic that LLVM's
+Hexagon backend lowers inline.
 
 This TVM's Hexagon codegen has no lowering for `exp`, `sqrt`, `rsqrt` or `sigmoid` ("Cannot find intrinsic
 declaration"), and a float division is a call of compiler-rt's `__hexagon_divsf3`, which the emulated DSP's kernel

@@ -27,6 +27,7 @@ from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..errors import MobilecError
+from ..passes.expand_npu_math import expand_float_math
 from ..passes.ir_walk import tir_statements
 from ..target.targets import TargetSpec
 from ..testing import emulated_hexagon
@@ -40,7 +41,8 @@ DECODE_STEP = ("embed", "decode")
 NPU_FUNCTION = "mobilec.npu."
 _LINK_HOOK = "tvm.contrib.hexagon.link_shared"
 # LLVM's Hexagon backend in this TVM has no lowering for these float math intrinsics ("Cannot find intrinsic
-# declaration: llvm.sqrt"); kernels that use them run on the CPU.
+# declaration: llvm.sqrt"); passes/expand_npu_math.py rewrites exp, sqrt, rsqrt and sigmoid of float32/float16 into
+# arithmetic it lowers; kernels still using one after that run on the CPU.
 _NO_NPU_MATH = {"tirx.exp", "tirx.exp2", "tirx.sqrt", "tirx.rsqrt", "tirx.pow", "tirx.log", "tirx.tanh",
                 "tirx.sin", "tirx.cos", "tirx.erf", "tirx.sigmoid"}
 
@@ -77,13 +79,17 @@ def _called_kernels(mod: tvm.IRModule) -> set[str]:
 
 
 def _math_ops(func: tirx.PrimFunc) -> set[str]:
+    """The intrinsics of _NO_NPU_MATH `func` uses, and "division" for a float division (a compiler-rt call on
+    Hexagon, `__hexagon_divsf3`, which the emulated DSP's kernel server lacks)."""
     ops: set[str] = set()
     stack = list(tir_statements(func.body))
     while stack:
         node = stack.pop()
         if isinstance(node, tvm.ir.expr.Call) and isinstance(node.op, tvm.ir.Op) and node.op.name in _NO_NPU_MATH:
             ops.add(node.op.name)
-        for field in ("value", "args", "a", "b", "condition", "true_value", "false_value", "indices"):
+        elif isinstance(node, tirx.Div) and str(node.ty).startswith(("float", "bfloat")):
+            ops.add("division")
+        for field in ("value", "body", "args", "a", "b", "condition", "true_value", "false_value", "indices"):
             child = getattr(node, field, None)
             children = child if child is not None and type(child).__name__ == "Array" else [child]
             stack.extend(c for c in children if isinstance(c, tirx.Expr))
@@ -91,7 +97,8 @@ def _math_ops(func: tirx.PrimFunc) -> set[str]:
 
 
 def partition(mod: tvm.IRModule) -> tuple[dict[str, tirx.PrimFunc], dict[str, str]]:
-    """(kernels for the NPU, {kernel: why it stays on the CPU})."""
+    """(kernels for the NPU, their float math expanded (passes/expand_npu_math.py), {kernel: why it stays on the
+    CPU})."""
     called = _called_kernels(mod)
     npu, cpu = {}, {}
     for gv, func in mod.functions_items():
@@ -100,7 +107,7 @@ def partition(mod: tvm.IRModule) -> tuple[dict[str, tirx.PrimFunc], dict[str, st
         name = gv.name_hint
         if name not in called:
             cpu[name] = "not called by the model's functions: run by the KV cache or the VM on the CPU"
-        elif math := _math_ops(func):
+        elif math := _math_ops(func := expand_float_math(func)):
             cpu[name] = f"uses {', '.join(sorted(op.split('.')[-1] for op in math))} (no Hexagon lowering)"
         else:
             npu[name] = func

@@ -44,6 +44,7 @@ extern void *__TVMBackendFreeWorkspace __attribute__((weak));
 extern void *__TVMFFIFunctionCall __attribute__((weak));
 extern void *__TVMFFIEnvModLookupFromImports __attribute__((weak));
 extern void *__TVMFFIHandleInitOnce __attribute__((weak));
+extern void *__TVMBackendParallelLaunch __attribute__((weak));
 
 static char error_message[1024];
 static int32_t error_length;
@@ -62,6 +63,23 @@ void TVMFFIErrorSetRaisedFromCStrParts(const char *kind, const char **parts, int
 /* LLVM's Hexagon backend calls this for copies it knows to be aligned and long. */
 void *__hexagon_memcpy_likely_aligned_min32bytes_mult8bytes(void *dst, const void *src, size_t n) {
     return memcpy(dst, src, n);
+}
+
+/* compiler-rt's signed 64-bit division (a real DSP's SDK links its own): LLVM calls it where a kernel divides int64
+   values by a variable, as the loops over a dynamic sequence length of a norm do. Shift-and-subtract, one quotient
+   bit per step; Hexagon has no divide instruction. */
+long long __hexagon_divdi3(long long a, long long b) {
+    unsigned long long n = a < 0 ? -(unsigned long long)a : (unsigned long long)a;
+    unsigned long long d = b < 0 ? -(unsigned long long)b : (unsigned long long)b;
+    unsigned long long quotient = 0, remainder = 0;
+    for (int bit = 63; bit >= 0; bit--) {
+        remainder = remainder << 1 | (n >> bit & 1);
+        if (remainder >= d) {
+            remainder -= d;
+            quotient |= 1ULL << bit;
+        }
+    }
+    return (a < 0) != (b < 0) ? -(long long)quotient : (long long)quotient;
 }
 
 /* Workspace: fresh pages, their size kept in the first 128 bytes (a vector, so the kernel's part stays aligned). */
@@ -105,12 +123,23 @@ static int function_call(void *function, TVMFFIAny *args, int32_t num_args, TVMF
     return function == (void *)SET_DEVICE ? 0 : runtime_error("a kernel called a packed function", "");
 }
 
+/* A parallel loop (a norm over a dynamic sequence length is scheduled as one) runs as a single task: the emulated
+ * DSP has one thread; a real DSP's TVM runtime spreads the tasks over its hardware threads. */
+typedef struct { void *sync_handle; int32_t num_task; } parallel_env;
+typedef int (*parallel_lambda)(int task_id, parallel_env *env, void *closure);
+
+static int parallel_launch(parallel_lambda lambda, void *closure, int num_task) {
+    parallel_env env = {0, 1};
+    return lambda(0, &env, closure);
+}
+
 static void install_runtime(void) {
     if (&__TVMBackendAllocWorkspace) __TVMBackendAllocWorkspace = (void *)alloc_workspace;
     if (&__TVMBackendFreeWorkspace) __TVMBackendFreeWorkspace = (void *)free_workspace;
     if (&__TVMFFIFunctionCall) __TVMFFIFunctionCall = (void *)function_call;
     if (&__TVMFFIEnvModLookupFromImports) __TVMFFIEnvModLookupFromImports = (void *)lookup_from_imports;
     if (&__TVMFFIHandleInitOnce) __TVMFFIHandleInitOnce = (void *)handle_init_once;
+    if (&__TVMBackendParallelLaunch) __TVMBackendParallelLaunch = (void *)parallel_launch;
 }
 
 static int32_t read_word(void) {

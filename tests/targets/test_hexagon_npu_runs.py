@@ -2,7 +2,7 @@
 kernel on the emulated DSP (compiler/runtime/npu.py), through the same Session that generate, eval and bench use.
 Its logits and greedy tokens equal the same model's `host` build; an NPU kernel given a wrong input must break
 that; one decode step sends to the DSP and keeps on the CPU exactly the calls the compile's coverage report
-counts."""
+counts, and leaves the DSP only for attention."""
 
 from __future__ import annotations
 
@@ -104,6 +104,19 @@ def test_one_decode_step_runs_what_the_coverage_report_counts(artifacts):
     assert on_cpu == report["decode_calls"]["cpu"] and sum(on_cpu.values()) == report["decode_cpu_calls"]
     # no NPU kernel ran on the CPU: the host library has none of them
     assert not set(seen) & set(report["npu_kernels"])
+
+
+def test_only_attention_leaves_the_dsp(artifacts):
+    """Issue 43: with rsqrt and sigmoid expanded into arithmetic (passes/expand_npu_math.py) the norms and SwiGLU run
+    on the DSP, so a decode step leaves it per layer only for attention over the paged KV cache: 2 crossings a layer,
+    besides the 6 of every step (the embedding's take and reshape on either side of the VM's make_shape: 4; the
+    step's start and end on the CPU: 2). 22 crossings before, 8 a layer; 10 now."""
+    report = json.loads((artifacts["npu"] / CONFIG_FILE).read_text())["npu_coverage"]
+    layers = report["decode_calls"]["cpu"]["vm.builtin.attention_kv_cache_attention_with_fused_qkv"]
+    assert layers == 2
+    assert report["decode_crossings"] - 6 <= 2 * layers
+    assert {"rms_norm", "add_rms_norm", "swiglu"} <= set(report["decode_calls"]["npu"])
+    assert not [name for name, why in report["cpu_kernels"].items() if why.startswith("uses")]
 
 
 def test_a_compile_only_artifact_is_refused_in_one_line(artifacts):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import math
 import os
 import shutil
 from pathlib import Path
@@ -39,6 +40,7 @@ SHARED = "hexagon/kernels.so"
 DECODE_STEP = ("embed", "decode")
 # The packed function the host build calls for NPU kernel `name` (NPU_FUNCTION + name).
 NPU_FUNCTION = "mobilec.npu."
+GATHER_KERNEL = "take"  # the embedding's row gather (take, take_dequantize): reads one row of its table a token
 _LINK_HOOK = "tvm.contrib.hexagon.link_shared"
 # LLVM's Hexagon backend in this TVM has no lowering for these float math intrinsics ("Cannot find intrinsic
 # declaration: llvm.sqrt"); passes/expand_npu_math.py rewrites exp, sqrt, rsqrt and sigmoid of float32/float16 into
@@ -223,6 +225,13 @@ def coverage(mod: tvm.IRModule, npu: set[str], cpu: dict[str, str]) -> dict[str,
     for name in DECODE_STEP:
         relax.analysis.post_order_visit(mod[name], visit)
     sides = ["cpu", *(side for side, _ in sequence), "cpu"]
+    weight_bytes = {"npu": 0, "cpu": 0}
+    for nbytes, rows, readers in _weight_readers(mod, npu, set(cpu)).values():
+        # each weight once per step, on the side of the kernel that multiplies it; read only by the embedding's
+        # gather (an untied table), one row of it (as roofline.decode_read counts it)
+        matmul = {side for side, kernel in readers if not kernel.startswith(GATHER_KERNEL)}
+        side = "npu" if "npu" in matmul else "cpu" if matmul else readers[0][0]
+        weight_bytes[side] += nbytes if matmul else nbytes // rows
     return {
         "npu_kernels": sorted(npu),
         "cpu_kernels": dict(sorted(cpu.items())),
@@ -231,7 +240,33 @@ def coverage(mod: tvm.IRModule, npu: set[str], cpu: dict[str, str]) -> dict[str,
         "decode_crossings": sum(a != b for a, b in zip(sides, sides[1:])),
         "decode_calls": {side: dict(sorted(collections.Counter(n for s, n in sequence if s == side).items()))
                          for side in ("npu", "cpu")},
+        "decode_weight_bytes": weight_bytes,
     }
+
+
+def _weight_readers(mod: tvm.IRModule, npu: set[str], cpu: set[str]) -> dict[int, tuple[int, int, list]]:
+    """Each weight one decode step reads (by its index in the parameter tuple): (its bytes, its rows, the (side,
+    kernel) of each kernel call of DECODE_STEP's functions that reads it)."""
+    found: dict[int, tuple[int, int, list]] = {}
+    for name in DECODE_STEP:
+        func = mod[name]
+        packed = [p for p in func.params if isinstance(p.ty, relax.TupleType)]
+        weights = {}  # var -> parameter index
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                value = binding.value
+                if isinstance(value, relax.TupleGetItem) and any(value.tuple_value.same_as(p) for p in packed):
+                    weights[binding.var] = value.index
+                elif isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.GlobalVar) and \
+                        value.op.name_hint in npu | cpu:
+                    side = "npu" if value.op.name_hint in npu else "cpu"
+                    for arg in value.args:
+                        if arg in weights:
+                            shape = [int(d) for d in arg.ty.shape.values]
+                            nbytes = math.prod(shape) * tvm.DataType(arg.ty.dtype).bits // 8
+                            entry = found.setdefault(weights[arg], (nbytes, shape[0], []))
+                            entry[2].append((side, value.op.name_hint))
+    return found
 
 
 def format_coverage(report: dict[str, Any]) -> str:
@@ -240,6 +275,10 @@ def format_coverage(report: dict[str, Any]) -> str:
     lines += [f"  {name}: {why}" for name, why in report["cpu_kernels"].items()]
     lines.append(f"one decode step: {report['decode_npu_calls']} NPU kernel calls, {report['decode_cpu_calls']} CPU "
                  f"calls, {report['decode_crossings']} NPU<->CPU crossings")
+    weights = report["decode_weight_bytes"]
+    lines.append(f"weights read per decode step: {weights['npu'] / 1e6:.2f} MB by NPU kernels, "
+                 f"{weights['cpu'] / 1e6:.2f} MB by CPU ones "
+                 f"({100 * weights['npu'] / max(1, weights['npu'] + weights['cpu']):.1f}% on the NPU)")
     if report.get("dsp") == "emulated":
         lines.append("the NPU kernels are built for the emulated Hexagon DSP (no HVX float) and the host side for "
                      "this CPU: generate, eval, bench, profile and serve run them here under qemu-hexagon")

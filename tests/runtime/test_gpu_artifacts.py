@@ -82,7 +82,8 @@ def test_without_host_target_the_phone_host_code_is_refused(checkpoint):
 
 def test_host_target_applies_to_gpu_targets_only():
     assert_mobilec_error(lambda: with_overrides(load_target("linux-arm64"), host_target="host"), "--host-target",
-                         "GPU targets")
+                         "GPU and NPU targets")
+    assert with_overrides(load_target("hexagon-npu"), host_target="host").overrides == {"host_target": "host"}
     assert_mobilec_error(lambda: with_overrides(load_target("android-adreno"), host_target="android-mali"),
                          "CPU target file")
     assert_mobilec_error(lambda: with_overrides(load_target("android-adreno"), compute_dtype="int8"),

@@ -12,6 +12,7 @@ compiler and that device's TVM libraries (`build_runtime(out, "aarch64-linux-gnu
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from ..data_files import data_dir
 from ..errors import MobilecError
+from ..user_cache import cache_path, keep_directory
 from .artifact import installed_versions
 
 SOURCE_DIR = data_dir("native") / "runtime"  # the checkout's, or the installed copy (pyproject data-files)
@@ -73,23 +75,63 @@ class BuiltRuntime:
     header: Path
 
 
-def _run_compiler(command: list[str], what: str) -> None:
+def _run_compilers(commands: list[tuple[list[str], str]]) -> None:
+    """Run the compiler commands side by side (one per source), each with what it builds; the first that fails,
+    in the given order, is told in one line."""
     try:
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        running = [(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), command,
+                    what) for command, what in commands]
     except FileNotFoundError:
-        raise MobilecError(f"the C++ compiler {command[0]} is missing: install it (apt-get install g++, or the cross "
-                           f"compiler for the device)") from None
-    if done.returncode != 0:
-        lines = done.stderr.splitlines()
-        first = next((line for line in lines if "error" in line), lines[0] if lines else f"exit {done.returncode}")
-        raise MobilecError(f"{command[0]} failed {what}: {first.strip()}")
+        raise MobilecError(f"the C++ compiler {commands[0][0][0]} is missing: install it (apt-get install g++, or the "
+                           f"cross compiler for the device)") from None
+    failures = []
+    for process, command, what in running:
+        stderr = process.communicate()[1]
+        if process.returncode != 0:
+            lines = stderr.splitlines()
+            first = next((line for line in lines if "error" in line), lines[0] if lines else f"exit {process.returncode}")
+            failures.append(f"{command[0]} failed {what}: {first.strip()}")
+    if failures:
+        raise MobilecError(failures[0])
+
+
+def _cache_entry(compiler: str, flags: list[str], tvm_libs: TvmLibraries) -> Path | None:
+    """Where a build with these inputs is kept (bin/, lib/libmobilec.so, include/): the compiler binary, the flags,
+    every file of the runtime's sources and the TVM libraries linked against; None for a compiler not on PATH (the
+    build then fails, naming it)."""
+    binary = shutil.which(compiler)
+    if binary is None:
+        return None
+    digest = hashlib.sha256()
+    for path in (Path(binary).resolve(), tvm_libs.runtime_library, tvm_libs.ffi_library):
+        stat = path.stat()
+        digest.update(f"{path}|{stat.st_size}|{stat.st_mtime_ns}\0".encode())
+    digest.update("\0".join([*flags, *map(str, tvm_libs.include_dirs)]).encode())
+    for source in sorted(p for p in SOURCE_DIR.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(source.relative_to(SOURCE_DIR).as_posix().encode() + b"\0" + source.read_bytes())
+    return cache_path("native-runtime", digest.hexdigest()[:24])
+
+
+def _compile_into(staging: Path, compiler: str, flags: list[str], lib_dir: Path) -> None:
+    """bin/mobilec-run, lib/libmobilec.so and include/mobilec.h built in `staging` (TVM's libraries already in
+    `lib_dir`)."""
+    objects = {source: staging / "obj" / f"{Path(source).stem}.o" for source in LIBRARY_SOURCES + RUNNER_SOURCES}
+    _run_compilers([([compiler, *flags, "-c", str(SOURCE_DIR / source), "-o", str(obj)], f"on {source}")
+                    for source, obj in objects.items()])
+    _run_compilers([([compiler, "-shared", *(str(objects[s]) for s in LIBRARY_SOURCES), "-o",
+                      str(lib_dir / LIBRARY_NAME), f"-Wl,-soname,{LIBRARY_NAME}", "-Wl,-rpath,$ORIGIN",
+                      f"-L{lib_dir}", "-ltvm_runtime", "-ltvm_ffi"], f"linking {LIBRARY_NAME}")])
+    _run_compilers([([compiler, *(str(objects[s]) for s in RUNNER_SOURCES), "-o", str(staging / "bin" / RUNNER_NAME),
+                      "-Wl,-rpath,$ORIGIN/../lib", f"-L{lib_dir}", "-lmobilec"], f"linking {RUNNER_NAME}")])
+    shutil.copy2(SOURCE_DIR / PUBLIC_HEADER, staging / "include" / PUBLIC_HEADER)
 
 
 def build_runtime(out_dir: str | Path, compiler: str = "g++", tvm_libs: TvmLibraries | None = None,
                   extra_flags: tuple[str, ...] = ()) -> BuiltRuntime:
     """Compile the native runtime into `out_dir` (replaced if it holds an earlier build). Everything is written to
     a temporary directory beside it and renamed into place at the end: a failed build leaves no half-written
-    output."""
+    output. A build is kept in mobilec's cache (_cache_entry) and copied from there when nothing it was built from
+    changed: packaging again takes a second instead of half a minute per compiler."""
     tvm_libs = tvm_libs or host_tvm_libraries()
     for path in (tvm_libs.runtime_library, tvm_libs.ffi_library, *tvm_libs.include_dirs):
         if not path.exists():
@@ -105,23 +147,23 @@ def build_runtime(out_dir: str | Path, compiler: str = "g++", tvm_libs: TvmLibra
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     staging.chmod(0o755)  # mkdtemp's 0700 would keep other users from running the build
     try:
+        lib_dir = staging / "lib"
         for sub in ("bin", "lib", "include", "obj"):
             (staging / sub).mkdir()
-        objects = []
-        for source in LIBRARY_SOURCES + RUNNER_SOURCES:
-            obj = staging / "obj" / f"{Path(source).stem}.o"
-            _run_compiler([compiler, *flags, "-c", str(SOURCE_DIR / source), "-o", str(obj)], f"on {source}")
-            objects.append(obj)
-        library_objects, runner_objects = objects[: len(LIBRARY_SOURCES)], objects[len(LIBRARY_SOURCES):]
-        lib_dir = staging / "lib"
         for tvm_library in (tvm_libs.runtime_library, tvm_libs.ffi_library):
             shutil.copy2(tvm_library, lib_dir / tvm_library.name)
-        _run_compiler([compiler, "-shared", *map(str, library_objects), "-o", str(lib_dir / LIBRARY_NAME),
-                       f"-Wl,-soname,{LIBRARY_NAME}", "-Wl,-rpath,$ORIGIN", f"-L{lib_dir}", "-ltvm_runtime",
-                       "-ltvm_ffi"], f"linking {LIBRARY_NAME}")
-        _run_compiler([compiler, *map(str, runner_objects), "-o", str(staging / "bin" / RUNNER_NAME),
-                       "-Wl,-rpath,$ORIGIN/../lib", f"-L{lib_dir}", "-lmobilec"], f"linking {RUNNER_NAME}")
-        shutil.copy2(SOURCE_DIR / PUBLIC_HEADER, staging / "include" / PUBLIC_HEADER)
+        entry = _cache_entry(compiler, flags, tvm_libs)
+        if entry is not None and entry.is_dir():
+            shutil.copytree(entry, staging, dirs_exist_ok=True)
+        else:
+            _compile_into(staging, compiler, flags, lib_dir)
+            if entry is not None:
+                kept = Path(tempfile.mkdtemp(prefix=".kept.", dir=staging))
+                for name in (f"bin/{RUNNER_NAME}", f"lib/{LIBRARY_NAME}", f"include/{PUBLIC_HEADER}"):
+                    (kept / name).parent.mkdir(exist_ok=True)
+                    shutil.copy2(staging / name, kept / name)
+                keep_directory(kept, entry)
+                shutil.rmtree(kept)
         shutil.rmtree(staging / "obj")
         if out.exists():
             previous = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))

@@ -2,7 +2,7 @@
 to end on Intel's OpenCL CPU runtime, the implementation here with cl_khr_fp16: `generate` gives the host artifact
 of the same scheme's 16 greedy tokens (android-adreno q4f16_g32 and gguf, android-mali q8f16_g128), `eval` its
 perplexity within 0.3% on a 128-token window, as with int8 and int4 KV caches (within +0.5% and +3% of the float16
-cache's), `bench` and `profile` run (locally and over RPC with the OpenCL device in the RPC server). PoCL, without cl_khr_fp16, refuses the artifact in one line naming the fix (negative control).
+cache's), `bench` runs (locally and over RPC with the OpenCL device in the RPC server), and `profile` over RPC. PoCL, without cl_khr_fp16, refuses the artifact in one line naming the fix (negative control).
 
 Each command runs in a process of its own: the OpenCL platform is chosen once per process
 (MOBILEC_OPENCL_PLATFORM), and the test processes use PoCL."""
@@ -154,16 +154,13 @@ def test_quantized_kv_caches_on_the_float16_gpu_keep_the_perplexity(perplexity, 
 
 
 def test_bench_and_profile_here_and_over_rpc_run_on_fp16_opencl(artifacts, tmp_path):
-    """Here: bench and profile name Intel's fp16 device; through a tracker: the server's fp16 OpenCL runs the
-    kernels (this process has no OpenCL platform), gives the same tokens, and times each launch."""
+    """Here: bench names Intel's fp16 device; through a tracker: the server's fp16 OpenCL runs the kernels (this
+    process has no OpenCL platform), gives the same tokens, and times each launch. (A local profile's device times
+    are checked on PoCL: tests/runtime/test_gpu_artifacts.py.)"""
     path = artifacts["android-adreno", "q4f16_g32"]
     local = _json(_mobilec_process("bench", path, "--prompt-len", 8, "--gen-len", 4, "--repeat", 1, "--json"))
     opencl = local["device"]["opencl"]
     assert local["device"]["kernels_on"] == "opencl" and opencl["fp16"] and "Intel" in opencl["platform"]
-    profile = _json(_mobilec_process("profile", path, "--context-len", 8, "--steps", 2, "--json"))
-    device = profile["device"]
-    assert device["launches_per_step"] >= profile["kernel_calls_per_step"] > 0
-    assert 0.9 <= device["fraction_of_step"] <= 1.1, device  # the device times add up to the step
     tracker, port = start_tracker(tmp_path / "tracker.log")
     server = None
     try:

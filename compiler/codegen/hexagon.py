@@ -71,7 +71,7 @@ def _called_kernels(mod: tvm.IRModule) -> set[str]:
 
     def visit(expr):
         if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.GlobalVar):
-            if isinstance(mod[expr.op], tirx.PrimFunc) and not mod[expr.op].attrs.get("tirx.is_host_func", False):
+            if isinstance(mod[expr.op], tirx.PrimFunc) and not _is_host_function(mod[expr.op]):
                 called.add(expr.op.name_hint)
 
     for func in mod.functions.values():
@@ -107,7 +107,9 @@ def partition(mod: tvm.IRModule) -> tuple[dict[str, tirx.PrimFunc], dict[str, st
         if not isinstance(func, tirx.PrimFunc):
             continue
         name = gv.name_hint
-        if name not in called:
+        if _is_host_function(func):
+            cpu[name] = "the VM's shape arithmetic (a host function: reads no tensor data)"
+        elif name not in called:
             cpu[name] = "not called by the model's functions: run by the KV cache or the VM on the CPU"
         elif math := _math_ops(func := expand_float_math(func)):
             cpu[name] = f"uses {', '.join(sorted(op.split('.')[-1] for op in math))} (no Hexagon lowering)"
@@ -208,19 +210,31 @@ def forward_to_npu(lowered: tvm.IRModule, npu: set[str]) -> tvm.IRModule:
     return tvm.IRModule({gv: func for gv, func in host.functions_items() if gv.name_hint not in npu}, attrs=host.attrs)
 
 
+def _is_host_function(func: tirx.PrimFunc) -> bool:
+    """A PrimFunc the VM runs for shape values (VMShapeLower's shape_func, ComputePrimValue's expressions)."""
+    return bool(func.attrs is not None and func.attrs.get("tirx.is_host_func", False))
+
+
+def _is_shape_builtin(symbol: str) -> bool:
+    """A VM builtin that checks, matches or builds shapes: it reads no tensor data."""
+    return symbol.startswith("vm.builtin.check_") or symbol in ("vm.builtin.match_shape", "vm.builtin.make_shape")
+
+
 def coverage(mod: tvm.IRModule, npu: set[str], cpu: dict[str, str]) -> dict[str, Any]:
     """Which operators run where, and what one decode step (DECODE_STEP's functions) calls on each side, per kernel
-    or VM builtin, and how often it crosses between NPU and CPU (the VM starts and ends the step on the CPU; memory
-    bookkeeping is not counted)."""
+    or VM builtin, and how often it crosses between NPU and CPU (the VM starts and ends the step on the CPU). Memory
+    and shape bookkeeping (shape builtins, host functions computing shapes) reads no tensor data, so it is not
+    counted: only calls that hand data between the DSP and the CPU cross."""
     sequence: list[tuple[str, str]] = []  # (side, kernel or builtin) in the order they run
 
     def visit(expr):
         if not isinstance(expr, relax.Call):
             return
         if isinstance(expr.op, tvm.ir.GlobalVar) and expr.op.name_hint in npu | set(cpu):
-            sequence.append(("npu" if expr.op.name_hint in npu else "cpu", expr.op.name_hint))
-        elif isinstance(expr.op, relax.ExternFunc):  # VM builtins: attention over the paged KV cache, checks
-            sequence.append(("cpu", str(expr.op.global_symbol)))
+            if not _is_host_function(mod[expr.op]):
+                sequence.append(("npu" if expr.op.name_hint in npu else "cpu", expr.op.name_hint))
+        elif isinstance(expr.op, relax.ExternFunc) and not _is_shape_builtin(str(expr.op.global_symbol)):
+            sequence.append(("cpu", str(expr.op.global_symbol)))  # attention over the paged KV cache
 
     for name in DECODE_STEP:
         relax.analysis.post_order_visit(mod[name], visit)

@@ -63,3 +63,10 @@ def test_a_failed_build_keeps_nothing(tmp_path, monkeypatch):
     with pytest.raises(MobilecError, match=r"failed on mobilec_api\.cc: .*missing\.h"):
         build_runtime(tmp_path / "out", compiler=COMPILER, extra_flags=("-include", str(tmp_path / "missing.h")))
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob("cache/**/*.so"))
+
+
+def test_a_missing_compiler_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOBILEC_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(MobilecError, match=r"the C\+\+ compiler no-such-g\+\+ is missing: install it"):
+        build_runtime(tmp_path / "out", compiler="no-such-g++")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()

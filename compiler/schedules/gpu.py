@@ -20,6 +20,7 @@ from tvm.s_tir.dlight.analysis import (SBlockInfo, collect_block_iter_vars_used_
 from tvm.s_tir.dlight.base import get_extent, try_inline_contiguous_spatial
 from tvm.target import Target
 
+from ..passes.ir_walk import stmts_of, tir_statements
 from ..quantization.group import NIBBLE_BLOCK
 from . import code_loads
 
@@ -48,6 +49,66 @@ class Matmul(dlight.gpu.Matmul):
         return self.config
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc):
+            return None
+        norm = _norm_prologue(func)
+        if norm is not None:
+            return self._with_norm(func, target, tunable, *norm)
+        return self._matmul(func, target, tunable)
+
+    def takes(self, func: tirx.PrimFunc, target: Target) -> bool:
+        """Whether this rule schedules `func` (a kernel a pass only proposes: any failure means no)."""
+        try:
+            return self.apply(func, target, False) is not None
+        except Exception:  # pylint: disable=broad-exception-caught
+            return False
+
+    def _with_norm(self, func: tirx.PrimFunc, target: Target, tunable: bool, prologue: list, operand: tirx.Buffer):
+        """A GEMM whose row operand is an RMSNorm's output, computed in the kernel (passes/fuse_gemm_norms.py): the
+        GEMM scheduled as without the norm, then each thread reduces the rows it multiplies (its sums of squares and
+        their rsqrt, in local memory) and normalizes its share of each K step of the operand into local memory before
+        it multiplies it, reusing it across its columns. Every thread along the tile's columns reduces the same rows
+        (one pass over K per row, against the GEMM's pass over K per row and column), so a thread reads only what it
+        wrote: no shared memory, no barrier, no cross-thread reduction (TVM's, inside the loop over a thread's rows,
+        lost its buffer when that loop was unrolled)."""
+        root = func.body.block
+        gemm_stmts = stmts_of(root.body)[len(prologue):]
+        gemm_body = gemm_stmts[0] if len(gemm_stmts) == 1 else tirx.SeqStmt(gemm_stmts)
+        written = _written_buffers(prologue)
+        gemm_only = func.with_body(s_tir.SBlockRealize([], True, s_tir.SBlock(
+            [], [], [], "root", gemm_body, alloc_buffers=[b for b in root.alloc_buffers if not _among(b, written)])))
+        gemm_only = tirx.PrimFunc([*func.params, operand], gemm_only.body).with_attrs(dict(func.attrs))
+        scheduled = self._matmul(gemm_only, target, tunable)
+        if scheduled is None:
+            return None
+        scheduled_root = scheduled.mod["main"].body.block
+        body = tirx.SeqStmt([*stmts_of(root.body)[:len(prologue)], *stmts_of(scheduled_root.body)])
+        allocs = [*[b for b in root.alloc_buffers if _among(b, written)], *scheduled_root.alloc_buffers]
+        # without the stage-pipeline check: the GEMM reads its padded tile's rows past the sequence, which the norm
+        # does not write (those reads are guarded, and compute_at predicates the rows it adds)
+        sch = s_tir.Schedule(func.with_body(s_tir.SBlockRealize([], True, s_tir.SBlock(
+            [], [], [], "root", body, alloc_buffers=allocs))), enable_check=False)
+        blocks = sch.get_child_blocks(sch.get_sblock("root"))[:len(prologue)]
+        writer = blocks[-1]
+        # per row: the sums of squares, and what reads only them (the rsqrt), once per thread; the elementwise rest
+        # inlined into the operand's writer
+        reductions = [sch.get(b) for b in blocks if _is_reduction(sch.get(b))]
+        statistics = [b for b in blocks if sch.get(b) in reductions or (
+            b is not writer and sch.get_producers(b) and all(sch.get(p) in reductions for p in sch.get_producers(b)))]
+        for block in blocks:
+            if block is not writer and block not in statistics:
+                sch.compute_inline(block)
+        (reader,) = sch.get_consumers(writer)
+        loops = sch.get_loops(reader)
+        threads = max((loop for loop in loops if sch.get(loop).thread_binding is not None), key=loops.index)
+        sch.compute_at(writer, loops[loops.index(threads) + 1], preserve_unit_loops=True)
+        sch.set_scope(writer, 0, "local")
+        for block in reversed(statistics):
+            sch.compute_at(block, threads, preserve_unit_loops=True)
+            sch.set_scope(block, 0, "local")
+        return sch
+
+    def _matmul(self, func: tirx.PrimFunc, target: Target, tunable: bool):
         if not any(getattr(p, "dtype", None) == code_loads.CODE_DTYPE for p in func.params):
             return super().apply(func, _device_only(target), tunable)
         # Packed codes. K steps of a whole 32-code block: the 16 bytes one 128-bit load brings are all used
@@ -258,6 +319,51 @@ class GEMV(dlight.gpu.GEMV):
                 sch.bind(sch.fuse(outer, t_s), tag_s)
                 sch.set_scope(block, 0, "local")
         return sch
+
+
+def _is_reduction(block: s_tir.SBlock) -> bool:
+    return any(v.iter_type == tirx.IterVar.CommReduce for v in block.iter_vars)
+
+
+def _blocks_of(stmt) -> list[s_tir.SBlock]:
+    return [node for node in tir_statements(stmt) if isinstance(node, s_tir.SBlock)]
+
+
+def _written_buffers(stmts: list) -> list[tirx.Buffer]:
+    return [w.source for stmt in stmts for block in _blocks_of(stmt) for w in block.writes]
+
+
+def _among(buffer: tirx.Buffer, buffers: list[tirx.Buffer]) -> bool:
+    return any(buffer.same_as(b) for b in buffers)
+
+
+def _norm_prologue(func: tirx.PrimFunc) -> tuple[list, tirx.Buffer] | None:
+    """(the root's statements that compute the GEMM's row operand, that operand) where the function starts with an
+    RMSNorm (a row reduction among the statements) whose result is the row operand of its last reduction, the GEMM,
+    and nothing else before it; None otherwise."""
+    stmts = stmts_of(func.body.block.body)
+    blocks = [_blocks_of(stmt) for stmt in stmts]
+    if any(len(found) != 1 for found in blocks):
+        return None
+    blocks = [found[0] for found in blocks]
+    reductions = [i for i, block in enumerate(blocks) if _is_reduction(block)]
+    if len(reductions) < 2:
+        return None
+    gemm = reductions[-1]
+
+    def writer(buffer) -> int | None:
+        return next((i for i, block in enumerate(blocks) if _among(buffer, [w.source for w in block.writes])), None)
+
+    operand = next((r.source for r in blocks[gemm].reads if (w := writer(r.source)) is not None and w < gemm
+                    and any(i < w for i in reductions[:-1])), None)
+    if operand is None:
+        return None
+    end = writer(operand) + 1
+    # what the statements before the operand's write is read by them alone (the GEMM's own statements follow)
+    written = _written_buffers(stmts[:end])
+    if any(_among(r.source, written) and not r.source.same_as(operand) for block in blocks[end:] for r in block.reads):
+        return None
+    return stmts[:end], operand
 
 
 def _matrix_read(sch: s_tir.Schedule, block) -> int:

@@ -53,7 +53,7 @@ class _Rewriter(PyExprMutator):
                     return calls[var]
                 return None
 
-            for gemm in filter(reads_weight, calls.values()):
+            for gemm in (b for b in calls.values() if reads_weight(b) and isinstance(b.value.ty, relax.TensorType)):
                 norm = next((b for a in gemm.value.args[1].fields if (b := only_read_by_one(a)) is not None
                              and reduces(self.mod[b.value.args[0]])), None)
                 if norm is None:

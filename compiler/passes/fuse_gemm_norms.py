@@ -1,4 +1,4 @@
-"""FuseGEMMNorms: on GPUs, the RMSNorm before a prefill GEMM runs inside it, each work group normalizing its rows."""
+"""FuseGEMMNorms: on GPUs, the RMSNorm before a prefill GEMM, and a q/k norm over heads after it, run inside it."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ class _Rewriter(PyExprMutator):
         super().__init__(mod)
         self.mod = mod
         self.schedulable = schedulable
-        self.fused: dict = {}  # var of a GEMM's binding -> (kernel name, fused PrimFunc, its Relax inputs)
-        self.dropped: set = set()  # vars of the norm (and cast) bindings now inside a GEMM's kernel
+        self.fused: dict = {}  # var of a group's last binding -> (kernel name, fused PrimFunc, its Relax inputs)
+        self.dropped: set = set()  # vars of the group's other bindings, now inside its kernel
         self.kernels = UniqueKernels(self.builder_)
         self.verdicts: list[tuple[tirx.PrimFunc, bool]] = []  # each layer's fused kernels are the same: asked once
 
@@ -61,13 +61,33 @@ class _Rewriter(PyExprMutator):
                 # the cast of the norm's input (Gemma's float32 norm of a float16 row), if only the norm reads it
                 cast = next((b for a in norm.value.args[1].fields if (b := only_read_by_one(a)) is not None
                              and moves_data(self.mod[b.value.args[0]])), None)
+                # after it: kernels that move data (a reshape into heads), then a norm over groups of its columns (the
+                # q/k norm over each head), each the only reader of the one before
+                after, var = [], gemm.var
+                while (reader := self._only_reader(var, calls, uses)) is not None:
+                    after.append(reader)
+                    if not moves_data(self.mod[reader.value.args[0]]):
+                        break
+                    var = reader.var
+                if not after or not reduces(self.mod[after[-1].value.args[0]]):
+                    after = []
                 for before in ([cast, norm], [norm]) if cast is not None else ([norm],):
-                    if self._try(before, gemm):
+                    if any(self._try(before, gemm, tail) for tail in ([after, []] if after else [[]])):
                         break
 
-    def _try(self, before: list[relax.VarBinding], gemm: relax.VarBinding) -> bool:
-        """Fuse the kernels of `before` (each read only by the next) into `gemm`, if the schedule takes the result."""
-        built = chained_func(self.mod, Chain([*before, gemm]), {}, {(gemm.var, 0)})
+    @staticmethod
+    def _only_reader(var, calls: dict, uses: dict) -> relax.VarBinding | None:
+        """The kernel binding that alone reads dataflow var `var`."""
+        if not isinstance(var, relax.DataflowVar) or uses.get(var) != 1:
+            return None
+        return next((b for b in calls.values() if any(a.same_as(var) for a in b.value.args[1].fields)
+                     and isinstance(b.value.ty, relax.TensorType)), None)
+
+    def _try(self, before: list[relax.VarBinding], gemm: relax.VarBinding, after: list[relax.VarBinding]) -> bool:
+        """Fuse the kernels of `before` (each read only by the next) into `gemm`, and those of `after` (each reading
+        only the one before) after it, if the schedule takes the result."""
+        last = (after or [gemm])[-1]
+        built = chained_func(self.mod, Chain([*before, gemm, *after]), {}, {(last.var, 0)})
         if built is None:
             return False
         func, inputs, _ = built
@@ -78,9 +98,11 @@ class _Rewriter(PyExprMutator):
             self.verdicts.append((func, verdict))
         if not verdict:
             return False
-        names = [b.value.args[0].name_hint for b in (gemm, before[-1])]
-        self.fused[gemm.var] = ("_after_".join(names), func, inputs)
-        self.dropped.update(b.var for b in before)
+        name = "_after_".join(b.value.args[0].name_hint for b in (gemm, before[-1]))
+        if after:
+            name = f"{name}_then_{after[-1].value.args[0].name_hint}"
+        self.fused[last.var] = (name, func, inputs)
+        self.dropped.update(b.var for b in [*before, gemm, *after] if b is not last)
         return True
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
@@ -98,8 +120,10 @@ class _Rewriter(PyExprMutator):
 @tvm.transform.module_pass(opt_level=0, name="FuseGEMMNorms")
 class FuseGEMMNorms:  # pylint: disable=too-few-public-methods
     """Fuse into each prefill GEMM the RMSNorm kernel that alone reads into its row operand, with that norm's input
-    cast where only the norm reads it (compiler/passes/fuse_gemm_norms.py); after FuseTIR, before the schedule.
-    `schedulable` says whether the schedule rules take a fused kernel: where they do not, the kernels stay apart."""
+    cast where only the norm reads it, and after it the kernels that move its result (a reshape into heads) and the
+    norm over groups of it that alone read them (compiler/passes/fuse_gemm_norms.py); after FuseTIR, before the
+    schedule. `schedulable` says whether the schedule rules take a fused kernel: where they do not, the epilogue,
+    then the whole, stays apart."""
 
     def __init__(self, schedulable: Callable[[tirx.PrimFunc], bool]):
         self.schedulable = schedulable

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight
@@ -18,6 +19,7 @@ from tvm.s_tir.schedule import _ffi_api as schedule_ffi
 from tvm.s_tir.dlight.analysis import (SBlockInfo, collect_block_iter_vars_used_in_access_region,
                                        is_broadcast_epilogue, is_gemv, normalize, normalize_prim_func)
 from tvm.s_tir.dlight.base import get_extent, try_inline_contiguous_spatial
+from tvm.sym.analyzer import Analyzer
 from tvm.target import Target
 
 from ..passes.ir_walk import stmts_of, tir_statements
@@ -51,6 +53,9 @@ class Matmul(dlight.gpu.Matmul):
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
         if not isinstance(func, tirx.PrimFunc):
             return None
+        epilogue = _group_norm_epilogue(func)
+        if epilogue is not None:
+            return self._with_group_norm(func, target, tunable, *epilogue)
         norm = _norm_prologue(func)
         if norm is not None:
             return self._with_norm(func, target, tunable, *norm)
@@ -106,6 +111,75 @@ class Matmul(dlight.gpu.Matmul):
         for block in reversed(statistics):
             sch.compute_at(block, threads, preserve_unit_loops=True)
             sch.set_scope(block, 0, "local")
+        return sch
+
+    def _with_group_norm(self, func: tirx.PrimFunc, target: Target, tunable: bool, epilogue: list,
+                         result: tirx.Buffer):
+        """A GEMM with a norm prologue (_with_norm) and, after it, a norm over groups of its columns (Qwen3's q/k norm
+        over each head; passes/fuse_gemm_norms.py): the GEMM scheduled as without the epilogue, its tile kept in
+        shared memory; then each thread takes (row, group) pairs of the tile, sums the group's squares and writes it
+        normalized. A tile holds whole groups (its columns a multiple of the group), else the rule declines."""
+        reduction = next(b for stmt in epilogue for b in _blocks_of(stmt) if _is_reduction(b))
+        group = 1
+        for var in reduction.iter_vars:
+            if var.iter_type == tirx.IterVar.CommReduce:
+                group *= _extent(var.dom.extent) or 0
+        columns = self.config.vthread_x * self.config.block_size_x * self.config.micro_size_x if self.config.inner_x \
+            else self.config.vthread_y * self.config.block_size_y * self.config.micro_size_y
+        if not group or columns % group:
+            return None
+        root = func.body.block
+        kept = stmts_of(root.body)[:-len(epilogue)]
+        written = _written_buffers(epilogue)
+        gemm_only = tirx.PrimFunc([*func.params, result], s_tir.SBlockRealize([], True, s_tir.SBlock(
+            [], [], [], "root", kept[0] if len(kept) == 1 else tirx.SeqStmt(kept),
+            alloc_buffers=[b for b in root.alloc_buffers if not _among(b, [*written, result])]))).with_attrs(
+            dict(func.attrs))
+        scheduled = self.apply(gemm_only, target, tunable)
+        if scheduled is None:
+            return None
+        scheduled_root = scheduled.mod["main"].body.block
+        # the result's and the epilogue's buffers with their rows padded to whole tiles: their regions in a work
+        # group are then constants (OpenCL's shared and private arrays are), not clipped at the sequence's end
+        tile = self.config.vthread_y * self.config.block_size_y * self.config.micro_size_y if self.config.inner_x \
+            else self.config.vthread_x * self.config.block_size_x * self.config.micro_size_x
+        own = [result, *[b for b in root.alloc_buffers if _among(b, written)]]
+        padded = [tirx.decl_buffer([d if isinstance(d, tirx.IntImm) else (d + tile - 1) // tile * tile
+                                    for d in b.shape], b.dtype, b.name) for b in own]
+
+        def pad(buffer):
+            return next((new for old, new in zip(own, padded) if buffer.same_as(old)), buffer)
+
+        body = tvm_ffi.structural_map(tirx.SeqStmt([*stmts_of(scheduled_root.body), *map(_in_bounds, epilogue)]),
+                                      [(tirx.Buffer, pad)])
+        allocs = [*scheduled_root.alloc_buffers, *padded]
+        sch = s_tir.Schedule(func.with_body(s_tir.SBlockRealize([], True, s_tir.SBlock(
+            [], [], [], "root", body, alloc_buffers=allocs))), enable_check=False)
+        blocks = sch.get_child_blocks(sch.get_sblock("root"))[-len(epilogue):]
+        (writer,) = sch.get_producers(blocks[0])
+        loops = sch.get_loops(writer)
+        bound = [loop for loop in loops if sch.get(loop).thread_binding is not None]
+        work_group = max((loop for loop in bound if sch.get(loop).thread_binding.thread_tag.startswith("blockIdx")),
+                         key=loops.index)
+        extents = {sch.get(loop).thread_binding.thread_tag: get_extent(sch, loop) for loop in bound}
+        sch.set_scope(writer, 0, "shared")
+        rest = [b for b in blocks if _is_reduction(sch.get(b)) or b is blocks[-1]]
+        for block in blocks:
+            if block not in rest:
+                sch.compute_inline(block)
+        for block in rest:
+            sch.reverse_compute_at(block, work_group, preserve_unit_loops=True)
+            # rows across threadIdx.y as the GEMM's tile has them; each thread sums the squares of every group of its
+            # rows (the threads along threadIdx.x alike, each its own copy) and writes its share of each group's
+            # columns: every region is the tile's (a split of the groups across threads would reach past it)
+            *rows, _, columns = sch.get_loops(block)[loops.index(work_group) + 1:]
+            rows_threads, _ = sch.split(sch.fuse(*rows), factors=[extents["threadIdx.y"], None])
+            sch.bind(rows_threads, "threadIdx.y")
+            if block is rest[-1]:
+                _, columns_threads = sch.split(columns, factors=[None, extents["threadIdx.x"]])
+                sch.bind(columns_threads, "threadIdx.x")
+            if block is not rest[-1]:
+                sch.set_scope(block, 0, "local")
         return sch
 
     def _matmul(self, func: tirx.PrimFunc, target: Target, tunable: bool):
@@ -364,6 +438,60 @@ def _norm_prologue(func: tirx.PrimFunc) -> tuple[list, tirx.Buffer] | None:
     if any(_among(r.source, written) and not r.source.same_as(operand) for block in blocks[end:] for r in block.reads):
         return None
     return stmts[:end], operand
+
+
+def _in_bounds(stmt):
+    """`stmt` with each block's indices simplified within its iterators' domains: a reshape's flat index modulo the
+    sequence length (the generic form of a reshape) becomes the row itself, which TVM's region analysis can place."""
+
+    def simplified(block: s_tir.SBlock) -> s_tir.SBlock:
+        analyzer = Analyzer()
+        for iv in block.iter_vars:
+            analyzer.bind(iv.var, iv.dom)
+
+        def within(node):  # x mod n of an x in [0, n): x (the simplifier leaves it where n is symbolic)
+            inside = analyzer.can_prove(node.a >= 0) and analyzer.can_prove(node.a < node.b)
+            return node.a if inside else node
+
+        def load(node):
+            return tirx.BufferLoad(node.source, [tvm_ffi.structural_map(analyzer.simplify(i), [(tirx.FloorMod, within)])
+                                                 for i in node.indices])
+
+        return tvm_ffi.structural_map(block, [(tvm.ir.expr.TensorLoad, load)])
+
+    return tvm_ffi.structural_map(stmt, [(s_tir.SBlock, simplified)])
+
+
+def _group_norm_epilogue(func: tirx.PrimFunc) -> tuple[list, tirx.Buffer] | None:
+    """(the root's statements after the GEMM, the GEMM's result they read) where the function is a GEMM with a norm
+    prologue (its row operand computed from a row reduction) and, after it, spatial statements and one reduction
+    (a norm over groups of the GEMM's columns) reading the GEMM's result; None otherwise."""
+    stmts = stmts_of(func.body.block.body)
+    blocks = [_blocks_of(stmt) for stmt in stmts]
+    if any(len(found) != 1 for found in blocks):
+        return None
+    blocks = [found[0] for found in blocks]
+
+    def writer(buffer) -> int | None:
+        return next((i for i, block in enumerate(blocks) if _among(buffer, [w.source for w in block.writes])), None)
+
+    def reduced_before(i: int) -> int | None:
+        """The reduction nearest before block `i` along what it reads (through spatial blocks)."""
+        for read in blocks[i].reads:
+            j = writer(read.source)
+            if j is not None and j < i:
+                found = j if _is_reduction(blocks[j]) else reduced_before(j)
+                if found is not None:
+                    return found
+        return None
+
+    reductions = [i for i, block in enumerate(blocks) if _is_reduction(block)]
+    if len(reductions) < 3:
+        return None
+    gemm = reduced_before(reductions[-1])
+    if gemm is None or gemm != reductions[-2] or reduced_before(gemm) is None:
+        return None
+    return stmts[gemm + 1:], blocks[gemm].writes[0].source
 
 
 def _matrix_read(sch: s_tir.Schedule, block) -> int:

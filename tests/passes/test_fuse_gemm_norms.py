@@ -1,6 +1,7 @@
 """FuseGEMMNorms: IR in/IR out (Before/Expected) for the RMSNorm before a prefill GEMM, the kernels it must leave
 alone (negative controls), the GPU Matmul rule on the fused kernel (each thread reduces the rows it multiplies), and
-its numerics on this machine's OpenCL against numpy over more rows than one work group's tile."""
+its numerics on this machine's OpenCL against numpy over more rows than one work group's tile, with and without a
+norm over each head of the GEMM's columns after it (Qwen3's q/k norm)."""
 
 import numpy as np
 import pytest
@@ -296,3 +297,95 @@ def test_norm_gemm_numerics_on_opencl(tmp_path, target_name):
     got = out.numpy()
     np.testing.assert_allclose(got, normed @ w.T, rtol=1e-4, atol=1e-4)
     assert not np.allclose(got, (x * norm_w) @ w.T, rtol=1e-2, atol=1e-2)  # negative control: no norm
+
+
+HEADS, HEAD_DIM = 8, 32  # the tiles' columns (256 on android-adreno, 64 on android-mali) whole heads
+
+
+def _norm_gemm_head_norm() -> tvm.IRModule:
+    """_norm_gemm's kernel with, after the GEMM, its columns as heads (the reshape's generic flat index) and an
+    RMSNorm over each head's columns: Qwen3's QKV projection with its q/k norm as the pass fuses them."""
+    columns = HEADS * HEAD_DIM
+
+    @T.prim_func(s_tir=True)
+    def norm_gemm_head_norm(var_x: T.handle, norm_w: T.Buffer((HIDDEN,), "float32"),
+                            w: T.Buffer((columns, HIDDEN), "float32"), head_w: T.Buffer((HEAD_DIM,), "float32"),
+                            var_out: T.handle):
+        T.func_attr({"global_symbol": "norm_gemm_head_norm", "op_pattern": 4, "tirx.noalias": True})
+        n = T.int64()
+        x = T.match_buffer(var_x, (n, HIDDEN))
+        out = T.match_buffer(var_out, (n, HEADS, HEAD_DIM))
+        sum_sq = T.sblock_alloc_buffer((n,))
+        rstd = T.sblock_alloc_buffer((n,))
+        normed = T.sblock_alloc_buffer((n, HIDDEN))
+        y = T.sblock_alloc_buffer((n, columns))
+        heads = T.sblock_alloc_buffer((n, HEADS, HEAD_DIM))
+        head_sum_sq = T.sblock_alloc_buffer((n, HEADS))
+        for r, k in T.grid(n, T.int64(HIDDEN)):
+            with T.sblock("sum_sq"):
+                vr, vk = T.axis.remap("SR", [r, k])
+                with T.init():
+                    sum_sq[vr] = T.float32(0)
+                sum_sq[vr] = sum_sq[vr] + x[vr, vk] * x[vr, vk]
+        for r in range(n):
+            with T.sblock("rstd"):
+                vr = T.axis.spatial(n, r)
+                rstd[vr] = T.rsqrt(sum_sq[vr] / T.float32(HIDDEN) + T.float32(EPS))
+        for r, k in T.grid(n, T.int64(HIDDEN)):
+            with T.sblock("normed"):
+                vr, vk = T.axis.remap("SS", [r, k])
+                normed[vr, vk] = rstd[vr] * x[vr, vk] * norm_w[vk]
+        for r, c, k in T.grid(n, T.int64(columns), T.int64(HIDDEN)):
+            with T.sblock("gemm"):
+                vr, vc, vk = T.axis.remap("SSR", [r, c, k])
+                with T.init():
+                    y[vr, vc] = T.float32(0)
+                y[vr, vc] = y[vr, vc] + normed[vr, vk] * w[vc, vk]
+        for r, h, d in T.grid(n, T.int64(HEADS), T.int64(HEAD_DIM)):
+            with T.sblock("reshape"):
+                vr, vh, vd = T.axis.remap("SSS", [r, h, d])
+                heads[vr, vh, vd] = y[((vh * T.int64(HEAD_DIM) + vd) // T.int64(columns) + vr) % n,
+                                      (vh * T.int64(HEAD_DIM) + vd) % T.int64(columns)]
+        for r, h, d in T.grid(n, T.int64(HEADS), T.int64(HEAD_DIM)):
+            with T.sblock("head_sum_sq"):
+                vr, vh, vd = T.axis.remap("SSR", [r, h, d])
+                with T.init():
+                    head_sum_sq[vr, vh] = T.float32(0)
+                head_sum_sq[vr, vh] = head_sum_sq[vr, vh] + heads[vr, vh, vd] * heads[vr, vh, vd]
+        for r, h, d in T.grid(n, T.int64(HEADS), T.int64(HEAD_DIM)):
+            with T.sblock("head_norm"):
+                vr, vh, vd = T.axis.remap("SSS", [r, h, d])
+                out[vr, vh, vd] = heads[vr, vh, vd] * head_w[vd] * T.rsqrt(
+                    head_sum_sq[vr, vh] / T.float32(HEAD_DIM) + T.float32(EPS))
+
+    return tvm.IRModule({"norm_gemm_head_norm": norm_gemm_head_norm})
+
+
+@NEEDS_OPENCL
+@pytest.mark.parametrize("target_name", ["android-adreno", "android-mali"])
+def test_norm_gemm_head_norm_numerics_on_opencl(tmp_path, target_name):
+    """The scheduled kernel with the head norm on this machine's OpenCL against numpy, 29 rows: the last tile of rows
+    partly past the sequence on either target."""
+    opencl_device.load()
+    dev = tvm.opencl(0)
+    mod = _norm_gemm_head_norm()
+    with _device_target(target_name) as target:
+        rule = gpu_schedules.Matmul(load_target(target_name).schedule["matmul"])
+        assert rule.takes(mod["norm_gemm_head_norm"], target)
+        scheduled = dlight.ApplyDefaultSchedule(rule)(mod)
+    tvm.compile(scheduled, target=_device_target(target_name)).export_library(str(tmp_path / "kernel.so"))
+    lib = tvm.runtime.load_module(str(tmp_path / "kernel.so"))
+    rng = np.random.default_rng(0)
+    rows = 29
+    x = rng.standard_normal((rows, HIDDEN)).astype("float32")
+    norm_w = rng.uniform(0.5, 1.5, HIDDEN).astype("float32")
+    w = rng.standard_normal((HEADS * HEAD_DIM, HIDDEN)).astype("float32")
+    head_w = rng.uniform(0.5, 1.5, HEAD_DIM).astype("float32")
+    y = (x / np.sqrt((x * x).mean(axis=1, keepdims=True) + EPS) * norm_w) @ w.T
+    heads = y.reshape(rows, HEADS, HEAD_DIM)
+    expected = heads / np.sqrt((heads * heads).mean(axis=2, keepdims=True) + EPS) * head_w
+    out = tvm.runtime.tensor(np.full((rows, HEADS, HEAD_DIM), np.nan, "float32"), dev)
+    lib["norm_gemm_head_norm"](*(tvm.runtime.tensor(a, dev) for a in (x, norm_w, w, head_w)), out)
+    got = out.numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    assert not np.allclose(got, heads * head_w, rtol=1e-2, atol=1e-2)  # negative control: no head norm

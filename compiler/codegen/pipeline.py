@@ -16,6 +16,7 @@ from ..passes.apply_tuning_database import ApplyTuningDatabase
 from ..passes.chain_kernels import ChainKernels
 from ..passes.fuse_add_rmsnorm import FuseAddRMSNorm
 from ..passes.fuse_dequantize_matmul import FuseDequantizeMatmul
+from ..passes.fuse_gemm_norms import FuseGEMMNorms
 from ..passes.fuse_gemv_norms import FuseGEMVNorms
 from ..passes.fuse_swiglu import FuseSwiGLU
 from ..passes.fuse_transpose_matmul import FuseTransposeMatmul
@@ -52,6 +53,7 @@ def steps(plan: BuildPlan, tuning: bool = False) -> list[Step]:
     target = spec.tvm_target()
     schedule_rules = gpu_schedules.rules(spec.schedule) if gpu else cpu_schedules.rules(plan.isa)
     gemv_rule = next((rule for rule in schedule_rules if isinstance(rule, gpu_schedules.GEMV)), None)
+    matmul_rule = next((rule for rule in schedule_rules if isinstance(rule, gpu_schedules.Matmul)), None)
     every_target = True
     candidates = [
         ("fuse-transpose-matmul", FuseTransposeMatmul(), every_target),
@@ -85,6 +87,9 @@ def steps(plan: BuildPlan, tuning: bool = False) -> list[Step]:
         # GPU targets: the RMSNorm before a decode GEMV runs inside it, where our GEMV rule schedules the pair (each
         # work group reduces the row it reads); a q/k norm over each head after it too (a work group per head).
         ("fuse-gemv-norms", FuseGEMVNorms(lambda func: gemv_rule.takes(func, target)), gpu),
+        # GPU targets: the RMSNorm before a prefill GEMM runs inside it, where our Matmul rule schedules the pair (each
+        # work group reduces the rows of its tile).
+        ("fuse-gemm-norms", FuseGEMMNorms(lambda func: matmul_rule.takes(func, target)), gpu),
         # Kernels that tuned faster than our rules; dlight skips them (tirx.is_scheduled).
         (APPLY_TUNING_STEP, ApplyTuningDatabase(spec.name), tuning),
         ("schedule", dlight.ApplyDefaultSchedule(*schedule_rules), every_target),

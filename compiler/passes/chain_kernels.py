@@ -21,7 +21,7 @@ _OPAQUE = 8
 
 
 @dataclasses.dataclass
-class _Chain:
+class Chain:
     """Kernel-call bindings run in this order as one kernel (`anchor`: the one that reads a weight, if any), and the
     pure bindings between them that read none of their results, emitted before it."""
 
@@ -70,7 +70,7 @@ def _readers(func: relax.Function) -> dict:
     return readers
 
 
-def _chain_results(chain: _Chain, readers: dict, items: dict) -> set:
+def _chain_results(chain: Chain, readers: dict, items: dict) -> set:
     """(var of a chain kernel's binding, result index) of the chained kernel's results: those of decode's shapes
     (decode_shapes), and those something outside the chain reads: another binding (directly or through a tuple item),
     a later block or the function's result. A sequence-long result only the chain reads is a buffer of the kernel's
@@ -114,7 +114,7 @@ class _Planner:
         pure = call or isinstance(value, relax.TupleGetItem)
         return pure and not any(v in produced for v in _reads(value))
 
-    def chains(self, block) -> list[_Chain]:
+    def chains(self, block) -> list[Chain]:
         runs, run, between, produced = [], [], [], set()
         for binding in block.bindings:
             call = kernel_call(binding)
@@ -141,13 +141,13 @@ class _Planner:
             chains.extend(c for c in split if len(c.bindings) > 1)
         return chains
 
-    def _split(self, run: list[relax.VarBinding]) -> list[_Chain]:
-        chains, current = [], _Chain([])
+    def _split(self, run: list[relax.VarBinding]) -> list[Chain]:
+        chains, current = [], Chain([])
         for binding in run:
             reads_weight = any(isinstance(a, relax.Var) and a in self.weights for a in binding.value.args[1].fields)
             if reads_weight and current.anchor is not None:
                 chains.append(current)
-                current = _Chain([])
+                current = Chain([])
             current.bindings.append(binding)
             if reads_weight:
                 current.anchor = binding
@@ -165,7 +165,7 @@ def same_buffer(a, b) -> bool:
     return a.dtype == b.dtype and len(a.shape) == len(b.shape)
 
 
-def _chained_func(mod: tvm.IRModule, chain: _Chain, items: dict, read: set
+def chained_func(mod: tvm.IRModule, chain: Chain, items: dict, read: set
                   ) -> tuple[tirx.PrimFunc, list[relax.Expr], list] | None:
     """One PrimFunc running the chain's kernels in order, its Relax inputs and its results ((var of a chain kernel's
     binding, result index) in `read`, in order; the others are buffers of its own); `items` maps a tuple item's var
@@ -247,7 +247,7 @@ class _Rewriter(PyExprMutator):
                      if isinstance(b.value, relax.TupleGetItem)}
             self.item_bindings.update((b.var, b) for b in block.bindings if isinstance(b.value, relax.TupleGetItem))
             for chain in planner.chains(block):
-                built = _chained_func(self.mod, chain, items, _chain_results(chain, readers, items))
+                built = chained_func(self.mod, chain, items, _chain_results(chain, readers, items))
                 if built is None:
                     continue
                 self.first[chain.bindings[0].var] = (chain, *built)

@@ -35,16 +35,16 @@ from tvm import relax, s_tir, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .chain_kernels import decode_shapes, kernel_call, same_buffer
-from .ir_walk import UniqueKernels, equal_entry, packed_weights, tir_statements, use_counts
+from .ir_walk import UniqueKernels, equal_entry, packed_weights, stmts_of, tir_statements, use_counts
 
 
-def _reduces(func: tirx.PrimFunc) -> bool:
+def reduces(func: tirx.PrimFunc) -> bool:
     """Whether some block of `func` has a reduction iterator."""
     return any(isinstance(stmt, s_tir.SBlock) and any(v.iter_type == tirx.IterVar.CommReduce for v in stmt.iter_vars)
                for stmt in tir_statements(func.body))
 
 
-def _moves_data(func: tirx.PrimFunc) -> bool:
+def moves_data(func: tirx.PrimFunc) -> bool:
     """Whether every block of `func` stores a value it loads, at most converted (a reshape, a dtype cast)."""
     blocks = [stmt for stmt in tir_statements(func.body) if isinstance(stmt, s_tir.SBlock) and stmt.name_hint != "root"]
 
@@ -56,10 +56,6 @@ def _moves_data(func: tirx.PrimFunc) -> bool:
 
 def _root(func: tirx.PrimFunc) -> s_tir.SBlock:
     return func.body.block
-
-
-def _stmts(stmt) -> list:
-    return list(stmt.seq) if isinstance(stmt, tirx.SeqStmt) else [stmt]
 
 
 def fuse(producer: tirx.PrimFunc, consumer: tirx.PrimFunc, index: int, producer_args: list, consumer_args: list
@@ -85,7 +81,7 @@ def fuse(producer: tirx.PrimFunc, consumer: tirx.PrimFunc, index: int, producer_
         return next((new for old, new in pairs if var.same_as(old)), var)
 
     consumer_root = tvm_ffi.structural_map(_root(consumer), [(tvm.ir.expr.Var, replace)])
-    root = s_tir.SBlock([], [], [], "root", tirx.SeqStmt(_stmts(_root(producer).body) + _stmts(consumer_root.body)),
+    root = s_tir.SBlock([], [], [], "root", tirx.SeqStmt(stmts_of(_root(producer).body) + stmts_of(consumer_root.body)),
                         alloc_buffers=[*_root(producer).alloc_buffers, result, *consumer_root.alloc_buffers])
     func = tirx.PrimFunc(params, s_tir.SBlockRealize([], True, root)).with_attrs(dict(consumer.attrs))
     return func, inputs
@@ -103,7 +99,7 @@ def with_second_run(func: tirx.PrimFunc, inputs: list, producer: tirx.PrimFunc, 
         return next((new for old, new in pairs if var.same_as(old)), var)
 
     copy_root = tvm_ffi.structural_map(_root(copy), [(tvm.ir.expr.Var, replace)])
-    root = s_tir.SBlock([], [], [], "root", tirx.SeqStmt(_stmts(_root(func).body) + _stmts(copy_root.body)),
+    root = s_tir.SBlock([], [], [], "root", tirx.SeqStmt(stmts_of(_root(func).body) + stmts_of(copy_root.body)),
                         alloc_buffers=[*_root(func).alloc_buffers, *copy_root.alloc_buffers])
     params = [*func.params[:-1], copy.params[-1], func.params[-1]]
     return tirx.PrimFunc(params, s_tir.SBlockRealize([], True, root)).with_attrs(dict(func.attrs))
@@ -150,7 +146,7 @@ class _Rewriter(PyExprMutator):
 
             def is_norm(binding) -> bool:
                 return (isinstance(binding.value.ty, relax.TensorType) and not reads_weight(binding)
-                        and _reduces(self.mod[binding.value.args[0]]))
+                        and reduces(self.mod[binding.value.args[0]]))
 
             for gemv in filter(reads_weight, calls.values()):
                 prologue = next(((calls[a], i) for i, a in enumerate(gemv.value.args[1].fields)
@@ -160,7 +156,7 @@ class _Rewriter(PyExprMutator):
                     cast = next(((calls[a], j) for j, a in enumerate(norm.value.args[1].fields)
                                  if a in calls and only_reader(a) is norm and not reads_weight(calls[a])
                                  and isinstance(calls[a].value.ty, relax.TensorType)
-                                 and _moves_data(self.mod[calls[a].value.args[0]])), None)
+                                 and moves_data(self.mod[calls[a].value.args[0]])), None)
                     # the norm kernel the first of them reads (a post-norm with its residual add), and the
                     # positions of the other readers of its result
                     first = norm if cast is None else cast[0]
@@ -171,11 +167,11 @@ class _Rewriter(PyExprMutator):
                 # kernels that move data, the norm, then kernels that only compute on its result (Gemma's RoPE)
                 epilogue, var, norm = [], gemv.var, None
                 while (reader := only_reader(var)) is not None and not reads_weight(reader):
-                    if _reduces(self.mod[reader.value.args[0]]):
+                    if reduces(self.mod[reader.value.args[0]]):
                         if norm is not None or not is_norm(reader):
                             break
                         norm = len(epilogue)
-                    elif norm is None and not _moves_data(self.mod[reader.value.args[0]]):
+                    elif norm is None and not moves_data(self.mod[reader.value.args[0]]):
                         break
                     epilogue.append(reader)
                     var = reader.var
@@ -222,7 +218,7 @@ class _Rewriter(PyExprMutator):
             func, inputs = fuse(func, self.mod[binding.value.args[0]], args.index(previous.var), inputs, args)
             previous = binding
         if epilogue:
-            norm = next(b.value.args[0] for b in epilogue if _reduces(self.mod[b.value.args[0]]))
+            norm = next(b.value.args[0] for b in epilogue if reduces(self.mod[b.value.args[0]]))
             name = f"{name}_then_{norm.name_hint}"
         second_result = residual[0].var if residual is not None and residual[2] else None
         if second_result is not None:

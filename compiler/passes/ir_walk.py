@@ -26,6 +26,11 @@ def tir_statements(node) -> Iterator:
             yield from tir_statements(getattr(node, field))
 
 
+def stmts_of(stmt) -> list:
+    """The statements of a sequence, or the one statement."""
+    return list(stmt.seq) if isinstance(stmt, tirx.SeqStmt) else [stmt]
+
+
 def use_counts(func: relax.Function) -> dict[relax.Var, int]:
     """How many bindings read each dataflow variable (a fusion may only absorb a value nothing else reads)."""
     counts: dict[relax.Var, int] = {}

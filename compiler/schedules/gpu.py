@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight
@@ -18,8 +19,10 @@ from tvm.s_tir.schedule import _ffi_api as schedule_ffi
 from tvm.s_tir.dlight.analysis import (SBlockInfo, collect_block_iter_vars_used_in_access_region,
                                        is_broadcast_epilogue, is_gemv, normalize, normalize_prim_func)
 from tvm.s_tir.dlight.base import get_extent, try_inline_contiguous_spatial
+from tvm.sym.analyzer import Analyzer
 from tvm.target import Target
 
+from ..passes.ir_walk import stmts_of, tir_statements
 from ..quantization.group import NIBBLE_BLOCK
 from . import code_loads
 
@@ -48,6 +51,138 @@ class Matmul(dlight.gpu.Matmul):
         return self.config
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc):
+            return None
+        epilogue = _group_norm_epilogue(func)
+        if epilogue is not None:
+            return self._with_group_norm(func, target, tunable, *epilogue)
+        norm = _norm_prologue(func)
+        if norm is not None:
+            return self._with_norm(func, target, tunable, *norm)
+        return self._matmul(func, target, tunable)
+
+    def takes(self, func: tirx.PrimFunc, target: Target) -> bool:
+        """Whether this rule schedules `func` (a kernel a pass only proposes: any failure means no)."""
+        try:
+            return self.apply(func, target, False) is not None
+        except Exception:  # pylint: disable=broad-exception-caught
+            return False
+
+    def _with_norm(self, func: tirx.PrimFunc, target: Target, tunable: bool, prologue: list, operand: tirx.Buffer):
+        """A GEMM whose row operand is an RMSNorm's output, computed in the kernel (passes/fuse_gemm_norms.py): the
+        GEMM scheduled as without the norm, then each thread reduces the rows it multiplies (its sums of squares and
+        their rsqrt, in local memory) and normalizes its share of each K step of the operand into local memory before
+        it multiplies it, reusing it across its columns. Every thread along the tile's columns reduces the same rows
+        (one pass over K per row, against the GEMM's pass over K per row and column), so a thread reads only what it
+        wrote: no shared memory, no barrier, no cross-thread reduction (TVM's, inside the loop over a thread's rows,
+        lost its buffer when that loop was unrolled)."""
+        root = func.body.block
+        gemm_stmts = stmts_of(root.body)[len(prologue):]
+        gemm_body = gemm_stmts[0] if len(gemm_stmts) == 1 else tirx.SeqStmt(gemm_stmts)
+        written = _written_buffers(prologue)
+        gemm_only = func.with_body(s_tir.SBlockRealize([], True, s_tir.SBlock(
+            [], [], [], "root", gemm_body, alloc_buffers=[b for b in root.alloc_buffers if not _among(b, written)])))
+        gemm_only = tirx.PrimFunc([*func.params, operand], gemm_only.body).with_attrs(dict(func.attrs))
+        scheduled = self._matmul(gemm_only, target, tunable)
+        if scheduled is None:
+            return None
+        scheduled_root = scheduled.mod["main"].body.block
+        body = tirx.SeqStmt([*stmts_of(root.body)[:len(prologue)], *stmts_of(scheduled_root.body)])
+        allocs = [*[b for b in root.alloc_buffers if _among(b, written)], *scheduled_root.alloc_buffers]
+        # without the stage-pipeline check: the GEMM reads its padded tile's rows past the sequence, which the norm
+        # does not write (those reads are guarded, and compute_at predicates the rows it adds)
+        sch = s_tir.Schedule(func.with_body(s_tir.SBlockRealize([], True, s_tir.SBlock(
+            [], [], [], "root", body, alloc_buffers=allocs))), enable_check=False)
+        blocks = sch.get_child_blocks(sch.get_sblock("root"))[:len(prologue)]
+        writer = blocks[-1]
+        # per row: the sums of squares, and what reads only them (the rsqrt), once per thread; the elementwise rest
+        # inlined into the operand's writer
+        reductions = [sch.get(b) for b in blocks if _is_reduction(sch.get(b))]
+        statistics = [b for b in blocks if sch.get(b) in reductions or (
+            b is not writer and sch.get_producers(b) and all(sch.get(p) in reductions for p in sch.get_producers(b)))]
+        for block in blocks:
+            if block is not writer and block not in statistics:
+                sch.compute_inline(block)
+        (reader,) = sch.get_consumers(writer)
+        loops = sch.get_loops(reader)
+        threads = max((loop for loop in loops if sch.get(loop).thread_binding is not None), key=loops.index)
+        sch.compute_at(writer, loops[loops.index(threads) + 1], preserve_unit_loops=True)
+        sch.set_scope(writer, 0, "local")
+        for block in reversed(statistics):
+            sch.compute_at(block, threads, preserve_unit_loops=True)
+            sch.set_scope(block, 0, "local")
+        return sch
+
+    def _with_group_norm(self, func: tirx.PrimFunc, target: Target, tunable: bool, epilogue: list,
+                         result: tirx.Buffer):
+        """A GEMM with a norm prologue (_with_norm) and, after it, a norm over groups of its columns (Qwen3's q/k norm
+        over each head; passes/fuse_gemm_norms.py): the GEMM scheduled as without the epilogue, its tile kept in
+        shared memory; then each thread takes (row, group) pairs of the tile, sums the group's squares and writes it
+        normalized. A tile holds whole groups (its columns a multiple of the group), else the rule declines."""
+        reduction = next(b for stmt in epilogue for b in _blocks_of(stmt) if _is_reduction(b))
+        group = 1
+        for var in reduction.iter_vars:
+            if var.iter_type == tirx.IterVar.CommReduce:
+                group *= _extent(var.dom.extent) or 0
+        columns = self.config.vthread_x * self.config.block_size_x * self.config.micro_size_x if self.config.inner_x \
+            else self.config.vthread_y * self.config.block_size_y * self.config.micro_size_y
+        if not group or columns % group:
+            return None
+        root = func.body.block
+        kept = stmts_of(root.body)[:-len(epilogue)]
+        written = _written_buffers(epilogue)
+        gemm_only = tirx.PrimFunc([*func.params, result], s_tir.SBlockRealize([], True, s_tir.SBlock(
+            [], [], [], "root", kept[0] if len(kept) == 1 else tirx.SeqStmt(kept),
+            alloc_buffers=[b for b in root.alloc_buffers if not _among(b, [*written, result])]))).with_attrs(
+            dict(func.attrs))
+        scheduled = self.apply(gemm_only, target, tunable)
+        if scheduled is None:
+            return None
+        scheduled_root = scheduled.mod["main"].body.block
+        # the result's and the epilogue's buffers with their rows padded to whole tiles: their regions in a work
+        # group are then constants (OpenCL's shared and private arrays are), not clipped at the sequence's end
+        tile = self.config.vthread_y * self.config.block_size_y * self.config.micro_size_y if self.config.inner_x \
+            else self.config.vthread_x * self.config.block_size_x * self.config.micro_size_x
+        own = [result, *[b for b in root.alloc_buffers if _among(b, written)]]
+        padded = [tirx.decl_buffer([d if isinstance(d, tirx.IntImm) else (d + tile - 1) // tile * tile
+                                    for d in b.shape], b.dtype, b.name) for b in own]
+
+        def pad(buffer):
+            return next((new for old, new in zip(own, padded) if buffer.same_as(old)), buffer)
+
+        body = tvm_ffi.structural_map(tirx.SeqStmt([*stmts_of(scheduled_root.body), *map(_in_bounds, epilogue)]),
+                                      [(tirx.Buffer, pad)])
+        allocs = [*scheduled_root.alloc_buffers, *padded]
+        sch = s_tir.Schedule(func.with_body(s_tir.SBlockRealize([], True, s_tir.SBlock(
+            [], [], [], "root", body, alloc_buffers=allocs))), enable_check=False)
+        blocks = sch.get_child_blocks(sch.get_sblock("root"))[-len(epilogue):]
+        (writer,) = sch.get_producers(blocks[0])
+        loops = sch.get_loops(writer)
+        bound = [loop for loop in loops if sch.get(loop).thread_binding is not None]
+        work_group = max((loop for loop in bound if sch.get(loop).thread_binding.thread_tag.startswith("blockIdx")),
+                         key=loops.index)
+        extents = {sch.get(loop).thread_binding.thread_tag: get_extent(sch, loop) for loop in bound}
+        sch.set_scope(writer, 0, "shared")
+        rest = [b for b in blocks if _is_reduction(sch.get(b)) or b is blocks[-1]]
+        for block in blocks:
+            if block not in rest:
+                sch.compute_inline(block)
+        for block in rest:
+            sch.reverse_compute_at(block, work_group, preserve_unit_loops=True)
+            # rows across threadIdx.y as the GEMM's tile has them; each thread sums the squares of every group of its
+            # rows (the threads along threadIdx.x alike, each its own copy) and writes its share of each group's
+            # columns: every region is the tile's (a split of the groups across threads would reach past it)
+            *rows, _, columns = sch.get_loops(block)[loops.index(work_group) + 1:]
+            rows_threads, _ = sch.split(sch.fuse(*rows), factors=[extents["threadIdx.y"], None])
+            sch.bind(rows_threads, "threadIdx.y")
+            if block is rest[-1]:
+                _, columns_threads = sch.split(columns, factors=[None, extents["threadIdx.x"]])
+                sch.bind(columns_threads, "threadIdx.x")
+            if block is not rest[-1]:
+                sch.set_scope(block, 0, "local")
+        return sch
+
+    def _matmul(self, func: tirx.PrimFunc, target: Target, tunable: bool):
         if not any(getattr(p, "dtype", None) == code_loads.CODE_DTYPE for p in func.params):
             return super().apply(func, _device_only(target), tunable)
         # Packed codes. K steps of a whole 32-code block: the 16 bytes one 128-bit load brings are all used
@@ -258,6 +393,105 @@ class GEMV(dlight.gpu.GEMV):
                 sch.bind(sch.fuse(outer, t_s), tag_s)
                 sch.set_scope(block, 0, "local")
         return sch
+
+
+def _is_reduction(block: s_tir.SBlock) -> bool:
+    return any(v.iter_type == tirx.IterVar.CommReduce for v in block.iter_vars)
+
+
+def _blocks_of(stmt) -> list[s_tir.SBlock]:
+    return [node for node in tir_statements(stmt) if isinstance(node, s_tir.SBlock)]
+
+
+def _written_buffers(stmts: list) -> list[tirx.Buffer]:
+    return [w.source for stmt in stmts for block in _blocks_of(stmt) for w in block.writes]
+
+
+def _among(buffer: tirx.Buffer, buffers: list[tirx.Buffer]) -> bool:
+    return any(buffer.same_as(b) for b in buffers)
+
+
+def _norm_prologue(func: tirx.PrimFunc) -> tuple[list, tirx.Buffer] | None:
+    """(the root's statements that compute the GEMM's row operand, that operand) where the function starts with an
+    RMSNorm (a row reduction among the statements) whose result is the row operand of its last reduction, the GEMM,
+    and nothing else before it; None otherwise."""
+    stmts = stmts_of(func.body.block.body)
+    blocks = [_blocks_of(stmt) for stmt in stmts]
+    if any(len(found) != 1 for found in blocks):
+        return None
+    blocks = [found[0] for found in blocks]
+    reductions = [i for i, block in enumerate(blocks) if _is_reduction(block)]
+    if len(reductions) < 2:
+        return None
+    gemm = reductions[-1]
+
+    def writer(buffer) -> int | None:
+        return next((i for i, block in enumerate(blocks) if _among(buffer, [w.source for w in block.writes])), None)
+
+    operand = next((r.source for r in blocks[gemm].reads if (w := writer(r.source)) is not None and w < gemm
+                    and any(i < w for i in reductions[:-1])), None)
+    if operand is None:
+        return None
+    end = writer(operand) + 1
+    # what the statements before the operand's write is read by them alone (the GEMM's own statements follow)
+    written = _written_buffers(stmts[:end])
+    if any(_among(r.source, written) and not r.source.same_as(operand) for block in blocks[end:] for r in block.reads):
+        return None
+    return stmts[:end], operand
+
+
+def _in_bounds(stmt):
+    """`stmt` with each block's indices simplified within its iterators' domains: a reshape's flat index modulo the
+    sequence length (the generic form of a reshape) becomes the row itself, which TVM's region analysis can place."""
+
+    def simplified(block: s_tir.SBlock) -> s_tir.SBlock:
+        analyzer = Analyzer()
+        for iv in block.iter_vars:
+            analyzer.bind(iv.var, iv.dom)
+
+        def within(node):  # x mod n of an x in [0, n): x (the simplifier leaves it where n is symbolic)
+            inside = analyzer.can_prove(node.a >= 0) and analyzer.can_prove(node.a < node.b)
+            return node.a if inside else node
+
+        def load(node):
+            return tirx.BufferLoad(node.source, [tvm_ffi.structural_map(analyzer.simplify(i), [(tirx.FloorMod, within)])
+                                                 for i in node.indices])
+
+        return tvm_ffi.structural_map(block, [(tvm.ir.expr.TensorLoad, load)])
+
+    return tvm_ffi.structural_map(stmt, [(s_tir.SBlock, simplified)])
+
+
+def _group_norm_epilogue(func: tirx.PrimFunc) -> tuple[list, tirx.Buffer] | None:
+    """(the root's statements after the GEMM, the GEMM's result they read) where the function is a GEMM with a norm
+    prologue (its row operand computed from a row reduction) and, after it, spatial statements and one reduction
+    (a norm over groups of the GEMM's columns) reading the GEMM's result; None otherwise."""
+    stmts = stmts_of(func.body.block.body)
+    blocks = [_blocks_of(stmt) for stmt in stmts]
+    if any(len(found) != 1 for found in blocks):
+        return None
+    blocks = [found[0] for found in blocks]
+
+    def writer(buffer) -> int | None:
+        return next((i for i, block in enumerate(blocks) if _among(buffer, [w.source for w in block.writes])), None)
+
+    def reduced_before(i: int) -> int | None:
+        """The reduction nearest before block `i` along what it reads (through spatial blocks)."""
+        for read in blocks[i].reads:
+            j = writer(read.source)
+            if j is not None and j < i:
+                found = j if _is_reduction(blocks[j]) else reduced_before(j)
+                if found is not None:
+                    return found
+        return None
+
+    reductions = [i for i, block in enumerate(blocks) if _is_reduction(block)]
+    if len(reductions) < 3:
+        return None
+    gemm = reduced_before(reductions[-1])
+    if gemm is None or gemm != reductions[-2] or reduced_before(gemm) is None:
+        return None
+    return stmts[gemm + 1:], blocks[gemm].writes[0].source
 
 
 def _matrix_read(sch: s_tir.Schedule, block) -> int:

@@ -1,7 +1,8 @@
 """Tiny Qwen3 and Gemma 3 for android-adreno on this machine's OpenCL (PoCL, float32): the build whose norms run
 inside the decode GEMVs (passes/fuse_gemv_norms.py: the input norm before, Gemma 3's post-norm with its residual add
 before that, written again as the residual stream; the q/k norm per head after, and Gemma's RoPE after that) gives
-the unfused build's greedy tokens, and its prompt and decode logits within 1e-5 relative."""
+the unfused build's greedy tokens, and its prompt and decode logits within 1e-5 relative. Likewise Llama, Qwen3 and
+Gemma 3 with each input norm inside the prefill GEMM that reads it (passes/fuse_gemm_norms.py)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,32 @@ def test_fused_norms_decode_the_unfused_builds_tokens(tmp_path, monkeypatch, fam
     # Gemma 3: its post-norms with their residual adds inside the next GEMVs (gate/up, the next layer's QKV, lm_head)
     residual = [sum(k.count("_after_") == 2 for k in names) for names in (fused_kernels, kernels)]
     assert residual == ([3, 0] if family == "gemma3" else [0, 0]), fused_kernels
+    assert fused_tokens == tokens
+    np.testing.assert_allclose(fused_logits, logits, rtol=0, atol=1e-5 * np.abs(logits).max())
+    # Negative control: the comparison sees a wrong step (the logits move from step to step).
+    assert np.abs(fused_logits[1:] - logits[:-1]).max() > 1e-3 * np.abs(logits).max()
+
+
+# more rows than one work group's tile of a prefill GEMM on android-adreno (8) and android-mali (32)
+LONG_PROMPT = [(7 * i + 3) % 50 + 1 for i in range(37)]
+
+
+@pytest.mark.parametrize("family", ["llama_gqa", "qwen3", "gemma3"])
+def test_norms_inside_prefill_gemms_give_the_unfused_builds_logits(tmp_path, monkeypatch, family):
+    checkpoint = save_compilable_checkpoint(build_model(family), tmp_path / "hf")
+
+    def build(name: str) -> tuple[np.ndarray, list[int], list[str]]:
+        compile_model(CompileOptions(str(checkpoint), "android-adreno", "q4f32_g32", str(tmp_path / name),
+                                     context_window=64, progress=False, kv_dtype="f32", **ON_POCL))
+        kernels = load_artifact(tmp_path / name).config["call_sites"]["kernels"]
+        return (*artifact_greedy(tmp_path / name, LONG_PROMPT, STEPS)[:2], kernels)
+
+    fused_logits, fused_tokens, fused_kernels = build("fused")
+    monkeypatch.setattr(pipeline, "FuseGEMMNorms", lambda _: tvm.transform.Sequential([]))
+    logits, tokens, kernels = build("unfused")
+    # the QKV and gate/up GEMMs of prefill with their norms, in one build only
+    only_fused = set(fused_kernels) - set(kernels)
+    assert len(only_fused) >= 2 and all("NT_matmul" in k and "_after_" in k for k in only_fused), only_fused
     assert fused_tokens == tokens
     np.testing.assert_allclose(fused_logits, logits, rtol=0, atol=1e-5 * np.abs(logits).max())
     # Negative control: the comparison sees a wrong step (the logits move from step to step).

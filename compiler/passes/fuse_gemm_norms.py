@@ -10,7 +10,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .chain_kernels import Chain, chained_func, decode_shapes, kernel_call
 from .fuse_gemv_norms import moves_data, reduces
-from .ir_walk import UniqueKernels, equal_entry, packed_weights, stmts_of, use_counts
+from .ir_walk import UniqueKernels, equal_entry, packed_weights, rewrite_relax_functions, stmts_of, use_counts
 
 
 def _flattened(func: tirx.PrimFunc) -> tirx.PrimFunc:
@@ -129,9 +129,5 @@ class FuseGEMMNorms:  # pylint: disable=too-few-public-methods
         self.schedulable = schedulable
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        rewriter = _Rewriter(mod, self.schedulable)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                rewriter.plan(func)
-                rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
-        return relax.transform.DeadCodeElimination()(rewriter.builder_.get())
+        rewritten = rewrite_relax_functions(mod, _Rewriter(mod, self.schedulable), plan=True)
+        return relax.transform.DeadCodeElimination()(rewritten)  # the kernels now inside others

@@ -35,7 +35,8 @@ from tvm import relax, s_tir, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .chain_kernels import decode_shapes, kernel_call, same_buffer
-from .ir_walk import UniqueKernels, equal_entry, packed_weights, stmts_of, tir_statements, use_counts
+from .ir_walk import (UniqueKernels, equal_entry, packed_weights, rewrite_relax_functions, stmts_of, tir_statements,
+                      use_counts)
 
 
 def reduces(func: tirx.PrimFunc) -> bool:
@@ -268,9 +269,5 @@ class FuseGEMVNorms:  # pylint: disable=too-few-public-methods
         self.schedulable = schedulable
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        rewriter = _Rewriter(mod, self.schedulable)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                rewriter.plan(func)
-                rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
-        return relax.transform.DeadCodeElimination()(rewriter.builder_.get())
+        rewritten = rewrite_relax_functions(mod, _Rewriter(mod, self.schedulable), plan=True)
+        return relax.transform.DeadCodeElimination()(rewritten)  # the kernels now inside others

@@ -50,13 +50,17 @@ def packed_weights(func: relax.Function) -> set:
             and isinstance(b.var.ty, relax.TensorType) and b.var.ty.ndim >= 2}
 
 
-def rewrite_relax_functions(mod: tvm.IRModule, rewriter, track_uses: bool = False) -> tvm.IRModule:
+def rewrite_relax_functions(mod: tvm.IRModule, rewriter, track_uses: bool = False, plan: bool = False
+                            ) -> tvm.IRModule:
     """Run `rewriter` (a PyExprMutator built over `mod`) on every Relax function and drop the bindings the
-    rewrite left unread. With `track_uses`, `rewriter.uses` holds each function's use counts while it runs."""
+    rewrite left unread. With `track_uses`, `rewriter.uses` holds each function's use counts while it runs; with
+    `plan`, `rewriter.plan(func)` decides each function's rewrite before it runs."""
     for gv, func in mod.functions_items():
         if isinstance(func, relax.Function):
             if track_uses:
                 rewriter.uses = use_counts(func)
+            if plan:
+                rewriter.plan(func)
             rewriter.builder_.update_func(gv, relax.analysis.remove_all_unused(rewriter.visit_expr(func)))
     return rewriter.builder_.get()
 

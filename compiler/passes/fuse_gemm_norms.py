@@ -10,7 +10,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .chain_kernels import Chain, chained_func, decode_shapes, kernel_call
 from .fuse_gemv_norms import moves_data, reduces
-from .ir_walk import UniqueKernels, equal_entry, packed_weights, rewrite_relax_functions, stmts_of, use_counts
+from .ir_walk import AskedOnce, UniqueKernels, packed_weights, rewrite_relax_functions, stmts_of, use_counts
 
 
 def _flattened(func: tirx.PrimFunc) -> tirx.PrimFunc:
@@ -30,11 +30,10 @@ class _Rewriter(PyExprMutator):
     def __init__(self, mod: tvm.IRModule, schedulable: Callable[[tirx.PrimFunc], bool]):
         super().__init__(mod)
         self.mod = mod
-        self.schedulable = schedulable
+        self.schedulable = AskedOnce(schedulable)  # each layer's fused kernels are the same: asked once
         self.fused: dict = {}  # var of a group's last binding -> (kernel name, fused PrimFunc, its Relax inputs)
         self.dropped: set = set()  # vars of the group's other bindings, now inside its kernel
         self.kernels = UniqueKernels(self.builder_)
-        self.verdicts: list[tuple[tirx.PrimFunc, bool]] = []  # each layer's fused kernels are the same: asked once
 
     def plan(self, func: relax.Function) -> None:
         self.fused, self.dropped = {}, set()
@@ -92,11 +91,7 @@ class _Rewriter(PyExprMutator):
             return False
         func, inputs, _ = built
         func = _flattened(func).with_attrs(dict(self.mod[gemm.value.args[0]].attrs))
-        verdict = equal_entry(self.verdicts, func)
-        if verdict is None:
-            verdict = self.schedulable(func)
-            self.verdicts.append((func, verdict))
-        if not verdict:
+        if not self.schedulable(func):
             return False
         name = "_after_".join(b.value.args[0].name_hint for b in (gemm, before[-1]))
         if after:

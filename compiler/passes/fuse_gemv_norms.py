@@ -35,7 +35,7 @@ from tvm import relax, s_tir, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .chain_kernels import decode_shapes, kernel_call, same_buffer
-from .ir_walk import (UniqueKernels, equal_entry, packed_weights, rewrite_relax_functions, stmts_of, tir_statements,
+from .ir_walk import (AskedOnce, UniqueKernels, packed_weights, rewrite_relax_functions, stmts_of, tir_statements,
                       use_counts)
 
 
@@ -111,14 +111,13 @@ class _Rewriter(PyExprMutator):
     def __init__(self, mod: tvm.IRModule, schedulable: Callable[[tirx.PrimFunc], bool]):
         super().__init__(mod)
         self.mod = mod
-        self.schedulable = schedulable
+        self.schedulable = AskedOnce(schedulable)  # each layer's fused kernels are the same: asked once
         # var of a group's last binding -> (kernel name, fused PrimFunc, its Relax inputs, the var of the residual
         # prologue's result where the kernel writes it too, else None)
         self.fused: dict = {}
         self.dropped: set = set()  # vars of the other bindings of a group, now inside its kernel
         self.order: dict = {}  # var -> the position of its binding in its block
         self.kernels = UniqueKernels(self.builder_)
-        self.verdicts: list[tuple[tirx.PrimFunc, bool]] = []  # each layer's fused kernels are the same: asked once
 
     def plan(self, func: relax.Function) -> None:
         self.fused, self.dropped = {}, set()
@@ -226,18 +225,11 @@ class _Rewriter(PyExprMutator):
             func = with_second_run(func, inputs, self.mod[residual[0].value.args[0]],
                                    list(residual[0].value.args[1].fields))
         func = tirx.PrimFunc(func.params, func.body).with_attrs(dict(self.mod[gemv.value.args[0]].attrs))
-        if not self._schedulable(func):
+        if not self.schedulable(func):
             return False
         self.fused[previous.var] = (name, func, inputs, second_result)
         self.dropped.update(b.var for b in [gemv, *epilogue[:-1], *before] if b is not previous)
         return True
-
-    def _schedulable(self, func: tirx.PrimFunc) -> bool:
-        verdict = equal_entry(self.verdicts, func)
-        if verdict is None:
-            verdict = self.schedulable(func)
-            self.verdicts.append((func, verdict))
-        return verdict
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         if binding.var in self.dropped:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import tvm
@@ -69,6 +69,22 @@ def equal_entry(entries: list[tuple[tirx.PrimFunc, Any]], func: tirx.PrimFunc) -
     """The value beside the first PrimFunc of `entries` structurally equal to `func` (free variables mapped); None
     when there is none."""
     return next((value for known, value in entries if tvm_ffi.structural_equal(known, func, map_free_vars=True)), None)
+
+
+class AskedOnce:  # pylint: disable=too-few-public-methods
+    """`ask(func)` once per kernel: a PrimFunc structurally equal to one asked about before (another layer's) gets that
+    one's answer."""
+
+    def __init__(self, ask: Callable[[tirx.PrimFunc], Any]):
+        self.ask = ask
+        self.answers: list[tuple[tirx.PrimFunc, Any]] = []
+
+    def __call__(self, func: tirx.PrimFunc) -> Any:
+        answer = equal_entry(self.answers, func)
+        if answer is None:
+            answer = self.ask(func)
+            self.answers.append((func, answer))
+        return answer
 
 
 class UniqueKernels:  # pylint: disable=too-few-public-methods

@@ -24,20 +24,25 @@ PROMPT = [3, 7, 1, 4, 4, 9, 2, 5]
 STEPS = 8
 
 
+def _build(checkpoint, out, prompt: list[int], function: str | None = None) -> tuple[np.ndarray, list[int], list[str]]:
+    """`checkpoint`'s android-adreno artifact in `out`, on PoCL: its logits and greedy tokens after `prompt`, and its
+    kernels (each that `function` calls, if given)."""
+    compile_model(CompileOptions(str(checkpoint), "android-adreno", "q4f32_g32", str(out), context_window=64,
+                                 progress=False, kv_dtype="f32", **ON_POCL))
+    sites = load_artifact(out).config["call_sites"]
+    kernels = sites["kernels"]
+    if function is not None:
+        kernels = list(dict.fromkeys(name for name, _ in sites["functions"][function]))
+    return (*artifact_greedy(out, prompt, STEPS)[:2], kernels)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_fused_norms_decode_the_unfused_builds_tokens(tmp_path, monkeypatch, family):
     checkpoint = save_compilable_checkpoint(build_model(family), tmp_path / "hf")
-
-    def build(name: str) -> tuple[np.ndarray, list[int], list[str]]:
-        compile_model(CompileOptions(str(checkpoint), "android-adreno", "q4f32_g32", str(tmp_path / name),
-                                     context_window=64, progress=False, kv_dtype="f32", **ON_POCL))
-        kernels = load_artifact(tmp_path / name).config["call_sites"]["kernels"]
-        return (*artifact_greedy(tmp_path / name, PROMPT, STEPS)[:2], kernels)
-
-    fused_logits, fused_tokens, fused_kernels = build("fused")
+    fused_logits, fused_tokens, fused_kernels = _build(checkpoint, tmp_path / "fused", PROMPT, "decode")
     monkeypatch.setattr(pipeline, "FuseGEMVNorms", lambda _: tvm.transform.Sequential([]))
-    logits, tokens, kernels = build("unfused")
-    # the q/k norm inside the QKV GEMV in one build only
+    logits, tokens, kernels = _build(checkpoint, tmp_path / "unfused", PROMPT, "decode")
+    # decode's q/k norm inside the QKV GEMV in one build only (prefill's is inside the QKV GEMM in both)
     assert [any("_then_qk_norm" in k for k in names) for names in (fused_kernels, kernels)] == [True, False]
     # Gemma 3: its post-norms with their residual adds inside the next GEMVs (gate/up, the next layer's QKV, lm_head)
     residual = [sum(k.count("_after_") == 2 for k in names) for names in (fused_kernels, kernels)]
@@ -55,16 +60,9 @@ LONG_PROMPT = [(7 * i + 3) % 50 + 1 for i in range(37)]
 @pytest.mark.parametrize("family", ["llama_gqa", "qwen3", "gemma3"])
 def test_norms_inside_prefill_gemms_give_the_unfused_builds_logits(tmp_path, monkeypatch, family):
     checkpoint = save_compilable_checkpoint(build_model(family), tmp_path / "hf")
-
-    def build(name: str) -> tuple[np.ndarray, list[int], list[str]]:
-        compile_model(CompileOptions(str(checkpoint), "android-adreno", "q4f32_g32", str(tmp_path / name),
-                                     context_window=64, progress=False, kv_dtype="f32", **ON_POCL))
-        kernels = load_artifact(tmp_path / name).config["call_sites"]["kernels"]
-        return (*artifact_greedy(tmp_path / name, LONG_PROMPT, STEPS)[:2], kernels)
-
-    fused_logits, fused_tokens, fused_kernels = build("fused")
+    fused_logits, fused_tokens, fused_kernels = _build(checkpoint, tmp_path / "fused", LONG_PROMPT)
     monkeypatch.setattr(pipeline, "FuseGEMMNorms", lambda _: tvm.transform.Sequential([]))
-    logits, tokens, kernels = build("unfused")
+    logits, tokens, kernels = _build(checkpoint, tmp_path / "unfused", LONG_PROMPT)
     # the QKV and gate/up GEMMs of prefill with their norms, in one build only
     only_fused = set(fused_kernels) - set(kernels)
     assert len(only_fused) >= 2 and all("NT_matmul" in k and "_after_" in k for k in only_fused), only_fused

@@ -35,14 +35,13 @@ from tvm import relax, s_tir, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .chain_kernels import decode_shapes, kernel_call, same_buffer
-from .ir_walk import (AskedOnce, UniqueKernels, packed_weights, rewrite_relax_functions, stmts_of, tir_statements,
-                      use_counts)
+from .ir_walk import (AskedOnce, UniqueKernels, is_reduction, packed_weights, rewrite_relax_functions, stmts_of,
+                      tir_statements, use_counts)
 
 
 def reduces(func: tirx.PrimFunc) -> bool:
     """Whether some block of `func` has a reduction iterator."""
-    return any(isinstance(stmt, s_tir.SBlock) and any(v.iter_type == tirx.IterVar.CommReduce for v in stmt.iter_vars)
-               for stmt in tir_statements(func.body))
+    return any(isinstance(stmt, s_tir.SBlock) and is_reduction(stmt) for stmt in tir_statements(func.body))
 
 
 def moves_data(func: tirx.PrimFunc) -> bool:

@@ -7,7 +7,7 @@ from typing import Any
 
 import tvm
 import tvm_ffi
-from tvm import relax, tirx
+from tvm import relax, s_tir, tirx
 
 _CHILDREN = ("body", "seq", "block", "then_case", "else_case", "init")
 
@@ -24,6 +24,11 @@ def tir_statements(node) -> Iterator:
     for field in _CHILDREN:
         if hasattr(node, field):
             yield from tir_statements(getattr(node, field))
+
+
+def is_reduction(block: s_tir.SBlock) -> bool:
+    """Whether `block` has a reduction iterator."""
+    return any(v.iter_type == tirx.IterVar.CommReduce for v in block.iter_vars)
 
 
 def stmts_of(stmt) -> list:

@@ -22,7 +22,7 @@ from tvm.s_tir.dlight.base import get_extent, try_inline_contiguous_spatial
 from tvm.sym.analyzer import Analyzer
 from tvm.target import Target
 
-from ..passes.ir_walk import stmts_of, tir_statements
+from ..passes.ir_walk import is_reduction, stmts_of, tir_statements
 from ..quantization.group import NIBBLE_BLOCK
 from . import code_loads
 
@@ -97,7 +97,7 @@ class Matmul(dlight.gpu.Matmul):
         writer = blocks[-1]
         # per row: the sums of squares, and what reads only them (the rsqrt), once per thread; the elementwise rest
         # inlined into the operand's writer
-        reductions = [sch.get(b) for b in blocks if _is_reduction(sch.get(b))]
+        reductions = [sch.get(b) for b in blocks if is_reduction(sch.get(b))]
         statistics = [b for b in blocks if sch.get(b) in reductions or (
             b is not writer and sch.get_producers(b) and all(sch.get(p) in reductions for p in sch.get_producers(b)))]
         for block in blocks:
@@ -119,7 +119,7 @@ class Matmul(dlight.gpu.Matmul):
         over each head; passes/fuse_gemm_norms.py): the GEMM scheduled as without the epilogue, its tile kept in
         shared memory; then each thread takes (row, group) pairs of the tile, sums the group's squares and writes it
         normalized. A tile holds whole groups (its columns a multiple of the group), else the rule declines."""
-        reduction = next(b for stmt in epilogue for b in _blocks_of(stmt) if _is_reduction(b))
+        reduction = next(b for stmt in epilogue for b in _blocks_of(stmt) if is_reduction(b))
         group = 1
         for var in reduction.iter_vars:
             if var.iter_type == tirx.IterVar.CommReduce:
@@ -163,7 +163,7 @@ class Matmul(dlight.gpu.Matmul):
                          key=loops.index)
         extents = {sch.get(loop).thread_binding.thread_tag: get_extent(sch, loop) for loop in bound}
         sch.set_scope(writer, 0, "shared")
-        rest = [b for b in blocks if _is_reduction(sch.get(b)) or b is blocks[-1]]
+        rest = [b for b in blocks if is_reduction(sch.get(b)) or b is blocks[-1]]
         for block in blocks:
             if block not in rest:
                 sch.compute_inline(block)
@@ -395,10 +395,6 @@ class GEMV(dlight.gpu.GEMV):
         return sch
 
 
-def _is_reduction(block: s_tir.SBlock) -> bool:
-    return any(v.iter_type == tirx.IterVar.CommReduce for v in block.iter_vars)
-
-
 def _blocks_of(stmt) -> list[s_tir.SBlock]:
     return [node for node in tir_statements(stmt) if isinstance(node, s_tir.SBlock)]
 
@@ -411,28 +407,37 @@ def _among(buffer: tirx.Buffer, buffers: list[tirx.Buffer]) -> bool:
     return any(buffer.same_as(b) for b in buffers)
 
 
-def _norm_prologue(func: tirx.PrimFunc) -> tuple[list, tirx.Buffer] | None:
-    """(the root's statements that compute the GEMM's row operand, that operand) where the function starts with an
-    RMSNorm (a row reduction among the statements) whose result is the row operand of its last reduction, the GEMM,
-    and nothing else before it; None otherwise."""
+def _one_block_each(func: tirx.PrimFunc) -> tuple[list, list[s_tir.SBlock]] | None:
+    """The root's statements and the one block of each; None where a statement holds more or none."""
     stmts = stmts_of(func.body.block.body)
     blocks = [_blocks_of(stmt) for stmt in stmts]
     if any(len(found) != 1 for found in blocks):
         return None
-    blocks = [found[0] for found in blocks]
-    reductions = [i for i, block in enumerate(blocks) if _is_reduction(block)]
+    return stmts, [found[0] for found in blocks]
+
+
+def _writer(blocks: list[s_tir.SBlock], buffer: tirx.Buffer) -> int | None:
+    """The index of the first of `blocks` that writes `buffer`."""
+    return next((i for i, block in enumerate(blocks) if _among(buffer, [w.source for w in block.writes])), None)
+
+
+def _norm_prologue(func: tirx.PrimFunc) -> tuple[list, tirx.Buffer] | None:
+    """(the root's statements that compute the GEMM's row operand, that operand) where the function starts with an
+    RMSNorm (a row reduction among the statements) whose result is the row operand of its last reduction, the GEMM,
+    and nothing else before it; None otherwise."""
+    found = _one_block_each(func)
+    if found is None:
+        return None
+    stmts, blocks = found
+    reductions = [i for i, block in enumerate(blocks) if is_reduction(block)]
     if len(reductions) < 2:
         return None
     gemm = reductions[-1]
-
-    def writer(buffer) -> int | None:
-        return next((i for i, block in enumerate(blocks) if _among(buffer, [w.source for w in block.writes])), None)
-
-    operand = next((r.source for r in blocks[gemm].reads if (w := writer(r.source)) is not None and w < gemm
+    operand = next((r.source for r in blocks[gemm].reads if (w := _writer(blocks, r.source)) is not None and w < gemm
                     and any(i < w for i in reductions[:-1])), None)
     if operand is None:
         return None
-    end = writer(operand) + 1
+    end = _writer(blocks, operand) + 1
     # what the statements before the operand's write is read by them alone (the GEMM's own statements follow)
     written = _written_buffers(stmts[:end])
     if any(_among(r.source, written) and not r.source.same_as(operand) for block in blocks[end:] for r in block.reads):
@@ -466,26 +471,22 @@ def _group_norm_epilogue(func: tirx.PrimFunc) -> tuple[list, tirx.Buffer] | None
     """(the root's statements after the GEMM, the GEMM's result they read) where the function is a GEMM with a norm
     prologue (its row operand computed from a row reduction) and, after it, spatial statements and one reduction
     (a norm over groups of the GEMM's columns) reading the GEMM's result; None otherwise."""
-    stmts = stmts_of(func.body.block.body)
-    blocks = [_blocks_of(stmt) for stmt in stmts]
-    if any(len(found) != 1 for found in blocks):
+    found = _one_block_each(func)
+    if found is None:
         return None
-    blocks = [found[0] for found in blocks]
-
-    def writer(buffer) -> int | None:
-        return next((i for i, block in enumerate(blocks) if _among(buffer, [w.source for w in block.writes])), None)
+    stmts, blocks = found
 
     def reduced_before(i: int) -> int | None:
         """The reduction nearest before block `i` along what it reads (through spatial blocks)."""
         for read in blocks[i].reads:
-            j = writer(read.source)
+            j = _writer(blocks, read.source)
             if j is not None and j < i:
-                found = j if _is_reduction(blocks[j]) else reduced_before(j)
+                found = j if is_reduction(blocks[j]) else reduced_before(j)
                 if found is not None:
                     return found
         return None
 
-    reductions = [i for i, block in enumerate(blocks) if _is_reduction(block)]
+    reductions = [i for i, block in enumerate(blocks) if is_reduction(block)]
     if len(reductions) < 3:
         return None
     gemm = reduced_before(reductions[-1])

@@ -13,6 +13,7 @@ from tvm.s_tir import dlight
 from .. import stop_signals
 from ..errors import MobilecError
 from ..passes.apply_tuning_database import ApplyTuningDatabase
+from ..passes.drop_tree_attention import DropTreeAttention
 from ..passes.chain_kernels import ChainKernels
 from ..passes.fuse_add_rmsnorm import FuseAddRMSNorm
 from ..passes.fuse_dequantize_matmul import FuseDequantizeMatmul
@@ -21,7 +22,6 @@ from ..passes.fuse_gemv_norms import FuseGEMVNorms
 from ..passes.fuse_swiglu import FuseSwiGLU
 from ..passes.fuse_transpose_matmul import FuseTransposeMatmul
 from ..passes.guard_kv_append import GuardKVAppend
-from ..passes.inline_let_expressions import InlineLetExpressions
 from ..passes.integer_dot_gemm import IntegerDotGEMM
 from ..passes.integer_dot_gemv import IntegerDotGEMV
 from ..passes.mark_noalias import MarkNoalias
@@ -56,6 +56,7 @@ def steps(plan: BuildPlan, tuning: bool = False) -> list[Step]:
     matmul_rule = next((rule for rule in schedule_rules if isinstance(rule, gpu_schedules.Matmul)), None)
     every_target = True
     candidates = [
+        ("drop-tree-attention", DropTreeAttention(), every_target),
         ("fuse-transpose-matmul", FuseTransposeMatmul(), every_target),
         # CPUs with an integer dot product (x86 AVX2 / AVX-512, ARM dotprod / i8mm): decode GEMVs of quantized
         # weights multiply int16 (or int8) activations by the codes in integers.
@@ -93,8 +94,6 @@ def steps(plan: BuildPlan, tuning: bool = False) -> list[Step]:
         # Kernels that tuned faster than our rules; dlight skips them (tirx.is_scheduled).
         (APPLY_TUNING_STEP, ApplyTuningDatabase(spec.name), tuning),
         ("schedule", dlight.ApplyDefaultSchedule(*schedule_rules), every_target),
-        # TVM's CSE binds a value after its use inside Let expressions (Llama 3 RoPE in its tree attention).
-        ("inline-let-expressions", InlineLetExpressions(), every_target),
         # CPU targets, once every kernel is scheduled: a projection's kernel and the small kernels around it (norms,
         # activation quantization, SwiGLU, casts) become one VM call.
         ("chain-kernels", ChainKernels(), spec.tvm_target_json["kind"] == "llvm"),

@@ -15,6 +15,7 @@ from tvm.target import Target
 from ..errors import MobilecError
 from ..kernels.integer_dot_gemv import BATCH
 from ..model_import.kv_cache_dtype import Carrier, carrier_for
+from . import kv_cache_kernels
 from .rotary import RotaryEmbedding
 
 
@@ -482,30 +483,31 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
             (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.kv_dtype or self.dtype)
             if carrier is None else
             (carrier.declared_heads, carrier.declared_kv_heads, carrier.cell, "float32"))
-        return TIRPagedKVCache(
-            **self.kv_cache_attention(),
-            max_batch_size=max_batch_size,
-            max_total_seq_len=max_total_seq_len,
-            prefill_chunk_size=prefill_chunk_size,
-            page_size=page_size,
-            support_sliding_window=support_sliding_window,
-            layer_partition=relax.ShapeExpr([0, cfg.num_hidden_layers]),
-            num_hidden_layers=cfg.num_hidden_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            qk_head_dim=head_dim,
-            v_head_dim=head_dim,
-            mla_original_qk_head_dim=0,
-            mla_original_v_head_dim=0,
-            rope_scale=cfg.rope_scale,
-            rope_theta=cfg.rope_theta,
-            rope_scaling=cfg.tvm_rope_scaling,
-            rope_ext_factors=relax.prim_value(0),
-            rotary_dim=head_dim,
-            enable_disaggregation=False,
-            dtype=dtype,
-            target=Target.current(),
-        )
+        with kv_cache_kernels.parsed_once():
+            return TIRPagedKVCache(
+                **self.kv_cache_attention(),
+                max_batch_size=max_batch_size,
+                max_total_seq_len=max_total_seq_len,
+                prefill_chunk_size=prefill_chunk_size,
+                page_size=page_size,
+                support_sliding_window=support_sliding_window,
+                layer_partition=relax.ShapeExpr([0, cfg.num_hidden_layers]),
+                num_hidden_layers=cfg.num_hidden_layers,
+                num_attention_heads=heads,
+                num_key_value_heads=kv_heads,
+                qk_head_dim=head_dim,
+                v_head_dim=head_dim,
+                mla_original_qk_head_dim=0,
+                mla_original_v_head_dim=0,
+                rope_scale=cfg.rope_scale,
+                rope_theta=cfg.rope_theta,
+                rope_scaling=cfg.tvm_rope_scaling,
+                rope_ext_factors=relax.prim_value(0),
+                rotary_dim=head_dim,
+                enable_disaggregation=False,
+                dtype=dtype,
+                target=Target.current(),
+            )
 
     def get_default_spec(self, batch_decode: bool = False) -> nn.spec.ModuleSpec:
         """`batch_decode`: export it too (its symbolic row count is what IntegerDotGEMV batches: BATCH)."""

@@ -20,8 +20,8 @@ KV_DIMS = {"num_pages": 8, "page_size": 16, "layer_id": 3}
 # the attention kernels and the merge against numpy).
 NOT_RUN = {
     "batch_prefill_ragged_kv", "batch_prefill_paged_kv", "batch_decode_paged_kv",
-    "batch_prefill_paged_kv_sliding_window", "batch_decode_paged_kv_sliding_window", "tree_attn_paged_kv",
-    "batch_tree_attn", "tir_attention_merge_state", "copy_single_page", "compact_kv_copy",
+    "batch_prefill_paged_kv_sliding_window", "batch_decode_paged_kv_sliding_window",
+    "tir_attention_merge_state", "copy_single_page", "compact_kv_copy",
 }
 
 

@@ -41,7 +41,7 @@ def test_every_kernel_of_a_compiled_model_is_noalias(tmp_path):
     pipeline.run_steps(mod, plan, lambda _i, name, m: seen.__setitem__(name, m))
     before = [gv.name_hint for gv, f in seen["plan-memory-and-lower"].functions_items()
               if isinstance(f, tirx.PrimFunc) and not _noalias(f)]
-    assert "tree_attn_paged_kv_cpu" in before and any(n.startswith("shape_func") for n in before)
+    assert "compact_kv_copy_cpu" in before and any(n.startswith("shape_func") for n in before)
     assert all(_noalias(f) for f in seen["mark-noalias"].functions.values() if isinstance(f, tirx.PrimFunc))
 
 

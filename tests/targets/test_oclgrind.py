@@ -4,7 +4,7 @@ out-of-bounds checks, which are always on: a finding fails the test. Schemes, qu
 a sliding window and capped scores (mobilec's GPU attention kernels) each get an artifact. TVM's own K/V append
 reads positions past the token count (kernels/kv_append.py): with it, the check fails (negative control).
 
-Kernels an artifact holds but generation never launches (tree attention, the cache's debug and page-copy kernels,
+Kernels an artifact holds but generation never launches (the cache's debug and page-copy kernels,
 functions generate does not call) are not run: each case prints them with the reason and fails on one it cannot
 explain (_not_launched). On Oclgrind the OpenCL device writes host data from offset 0 (native/opencl: Oclgrind
 21.10 marks a whole buffer uninitialized on a host write at an offset)."""
@@ -63,8 +63,6 @@ _FINDING = re.compile(r"^\s*Kernel: (\S+)", re.MULTILINE)
 _LAUNCH = re.compile(r"^\[mobilec opencl\] (\S+) global", re.MULTILINE)
 # Why generate launches none of a PrimFunc's kernels although the paged KV cache holds it (the runtime decides)
 CACHE_KERNELS_NOT_RUN = {
-    "batch_tree_attn": "token-tree attention (speculative decoding); generate appends token chains",
-    "tree_attn_paged_kv": "token-tree attention (speculative decoding); generate appends token chains",
     "copy_single_page": "the cache's fork of a sequence, which generate never forks",
     "compact_kv_copy": "the cache's commit of accepted token-tree tokens",
     "tir_kv_cache_debug_get_kv": "the cache's debug readout of K/V",

@@ -69,13 +69,15 @@ import json, sys, compiler
 from compiler import tuning_log
 from compiler.target import targets
 from compiler.data_files import data_dir
-print(json.dumps({"compiler": compiler.__file__, "prefix": sys.prefix, "targets_dir": str(data_dir("targets")),
+from compiler.torch_hidden import WORKER_SITE
+print(json.dumps({"compiler": compiler.__file__, "worker_site": (WORKER_SITE / "sitecustomize.py").is_file(), "prefix": sys.prefix, "targets_dir": str(data_dir("targets")),
                   "targets": sorted(targets.available_targets()), "logs_dir": str(tuning_log.TUNING_LOGS_DIR),
                   "host_selection": len(tuning_log.read_selection(tuning_log.log_dir("host"), "reinstall"))}))
 """
     found = json.loads(_run([str(venv / "bin" / "python"), "-c", probe], work, env).stdout)
     share = venv / "share" / "mobilec"
     assert Path(found["compiler"]).is_relative_to(venv), found  # the wheel's copy, not the checkout's
+    assert found["worker_site"]  # TVM's worker processes load without torch (compiler/torch_hidden.py)
     assert found["targets_dir"] == str(share / "targets") and found["logs_dir"] == str(share / "tuning_logs")
     shipped = sorted(p.stem for p in (CHECKOUT / "targets").glob("*.toml"))
     assert found["targets"] == shipped

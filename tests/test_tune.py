@@ -37,6 +37,7 @@ from compiler.runtime.session import Session
 from compiler.target.build_plan import resolve_plan
 from compiler.testing.local_rpc import start_server, start_tracker, wait_until_free
 from compiler.testing.processes import spawn
+from compiler.torch_hidden import worker_environ
 from tests.helpers.assertions import without_progress
 from tests.helpers.reference import fake_quantized, reference_greedy
 from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
@@ -195,7 +196,7 @@ def _count_lines(path: Path) -> int:
 def _spawn(command: list[str], log: Path, **env: str) -> subprocess.Popen:
     """`python -m command` in its own process group, its output in `log`; it ends with this test run, however
     that ends (compiler/testing/processes.py)."""
-    return spawn([sys.executable, "-m", *command], log, env={**os.environ, **env})
+    return spawn([sys.executable, "-m", *command], log, env=worker_environ({**os.environ, **env}))
 
 
 def _kill_group(process: subprocess.Popen) -> None:

@@ -562,8 +562,10 @@ def device_server_command(server_args):
     # pylint: disable=import-outside-toplevel
     from .. import device_server
     from ..runtime import opencl_device
+    from ..torch_hidden import worker_environ
 
     opencl_device.use_installed_platforms()
+    os.environ.update(worker_environ(os.environ))  # the server's process per session loads TVM without torch
     try:
         device_server.run(list(server_args), opencl_device.library_path(), "mobilec device-server")
     except device_server.ServerError as err:

@@ -34,7 +34,7 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 from tvm.support import cc
 
-from .. import tuning_log, validate
+from .. import torch_hidden, tuning_log, validate
 from ..choices import TUNE_FUNCTIONS
 from ..codegen import link, pipeline
 from ..errors import MobilecError
@@ -336,6 +336,11 @@ class TuneOptions:
 
 def tune(options: TuneOptions) -> dict[str, Any]:
     """Tune, write tuning_logs/<target>/, and return the per-kernel comparison (see format_table)."""
+    with torch_hidden.workers_without_torch():  # MetaSchedule's builder and runner processes
+        return _tune(options)
+
+
+def _tune(options: TuneOptions) -> dict[str, Any]:
     options.check()
     model, target, quant, trials, tracker, key = (options.model, options.target, options.quant, options.trials,
                                                   options.tracker, options.key)

@@ -46,6 +46,7 @@ from pathlib import Path
 from .. import device_server
 from ..board_folder import write_board_folder
 from ..errors import MobilecError
+from ..torch_hidden import worker_environ
 from ..user_cache import cache_path
 from . import processes
 from .local_rpc import free_port
@@ -468,7 +469,7 @@ def start_device(key: str = DEFAULT_KEY, tracker_port: int | None = None, image:
         # The tracker needs only TVM's runtime library, which loads seconds faster than the compiler.
         tracker = _spawn([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", host,
                           "--port", str(device.tracker_port), "--port-end", str(device.tracker_port + 1)],
-                         tracker_log, env={**os.environ, "TVM_USE_RUNTIME_LIB": "1"})
+                         tracker_log, env=worker_environ({**os.environ, "TVM_USE_RUNTIME_LIB": "1"}))
         device.processes.append(tracker)
         deadline = time.monotonic() + timeout_s
         # Started together, not one after the other: each takes ~6 s to come up (the tracker imports tvm in two

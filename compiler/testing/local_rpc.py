@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..torch_hidden import worker_environ
 from .processes import kill_group, spawn
 
 # A busy 2-core machine (CI compiling in the other worker) takes tens of seconds to import TVM in a new process.
@@ -28,7 +29,7 @@ class LocalProcess:
 
     def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None):
         self.log = log
-        self.proc = spawn([sys.executable, "-m", *args], log, env={**os.environ, **(env or {})})
+        self.proc = spawn([sys.executable, "-m", *args], log, env=worker_environ({**os.environ, **(env or {})}))
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")

@@ -1,0 +1,1 @@
+"""The sitecustomize of the TVM worker processes mobilec starts (compiler/torch_hidden.py)."""

@@ -153,12 +153,12 @@ def _rounded(value):
 
 
 def tir_quantize_activations(k: int, x_shape: tuple[int, ...] | None = None) -> tirx.PrimFunc:
-    """quantize_activations as a TIR kernel that runs on the DSP (no float division, no float64, no libm): x
-    [..., k] (x_shape, one row; None: [1, k]) float32 -> records uint8 [pairs * 80] and factors float32 [2] = [dot_factor, min_factor]. Its results differ from
-    numpy's by roundings only: q = x * 127 (1 / amax) by a reciprocal within an ulp, ties away from zero (a code
-    off by one at a near tie), xs = amax * (1 / 127); the fixed-point exponent floor(log2(largest)) - 14 (largest
-    / 2^E in [2^14, 2^15), 32768 clamped), which keeps 15 bits as numpy's ceil(log2(largest / 32767)) does. Blocks
-    whose largest |x| is below 2^-126 (denormal) quantize to zero."""
+    """quantize_activations as a TIR kernel that runs on the DSP (no float division, no float64, no libm): x [...,
+    k] (x_shape, one row; None: [1, k]) float32 -> records uint8 [pairs * 80] and factors float32 [2] = [dot_factor,
+    min_factor]. Its results differ from numpy's by roundings only: q = x * 127 (1 / amax) by a reciprocal within an
+    ulp, ties away from zero (a code off by one at a near tie), xs = amax * (1 / 127); the fixed-point exponent
+    floor(log2(largest)) - 14 (largest / 2^E in [2^14, 2^15), 32768 clamped), which keeps 15 bits as numpy's
+    ceil(log2(largest / 32767)) does. Blocks whose largest |x| is below 2^-126 (denormal) quantize to zero."""
     pairs = -(-k // (2 * BLOCK))
     blocks = 2 * pairs
     words = ACT_RECORD // 2  # int16 per record

@@ -41,9 +41,10 @@ class _Rewriter(PyExprMutator):
             return call  # prefill, batch_decode: the dequantize that reads the hvx order stays
         n, k, bits, mins = y_shape[-1], x_shape[-1], int(layout["bits"]), not bool(layout["symmetric"])
         zero = 0 if mins else int(layout["offset"])
-        quantize = self._kernel(f"{QUANTIZE_PREFIX}k{k}", x_shape, lambda: hvx_gemv.tir_quantize_activations(k, x_shape))
-        product = self._kernel(f"{GEMV_PREFIX}{bits}bit{'_mins' if mins else ''}_z{zero}_n{n}_k{k}", y_shape,
-                               lambda: hvx_gemv.tir_kernel(n, k, bits, mins, zero, y_shape))
+        quantize = self._kernel(f"{QUANTIZE_PREFIX}k{k}", x_shape,
+                                lambda: hvx_gemv.tir_quantize_activations(k, x_shape))
+        name = f"{GEMV_PREFIX}{bits}bit{'_mins' if mins else ''}_z{zero}_n{n}_k{k}"
+        product = self._kernel(name, y_shape, lambda: hvx_gemv.tir_kernel(n, k, bits, mins, zero, y_shape))
         pairs = -(-k // (2 * BLOCK))
         act = self.builder_.emit(relax.call_tir(quantize, [x], [
             relax.TensorType([pairs * hvx_gemv.ACT_RECORD], "uint8"), relax.TensorType([2], "float32")]))

@@ -114,7 +114,7 @@ class GroupLayout:
     def shapes(self, n: int, k: int) -> dict[str, tuple[tuple[int, int], str]]:
         """Parameter suffix -> (shape, dtype) of the stored arrays for an [n, k] weight."""
         groups = self.padded_k(k) // self.group
-        if self.code_order == "hvx":  # hvx_blocks.relayout: records of 2 blocks, 4 bytes a row per 128-byte vector
+        if self.code_order == "hvx":  # hvx_blocks.relayout: 2-block records, 4 bytes a row per 128-byte vector
             record_row_bytes = 4 * (1 + (not self.symmetric) + 2 * self.bits)
             return {"q_weight": ((n, -(-k // (2 * HVX_ROWS)) * record_row_bytes), "uint8"),
                     "q_scale": ((n, 2), "float32")}

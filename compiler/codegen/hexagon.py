@@ -181,8 +181,17 @@ def build_kernels(lowered: tvm.IRModule, spec: TargetSpec, lib_dir: Path) -> tup
 
 
 def written_params(func: tirx.PrimFunc) -> list[int]:
-    """The indices of the buffer parameters `func` stores into."""
-    stored = [node.buffer for node in tir_statements(func.body) if isinstance(node, tirx.BufferStore)]
+    """The indices of the buffer parameters `func` stores into, directly or through a view of their memory (a
+    decl_buffer on their data); a kernel that stores nothing itself (a call_extern into C, kernels/hvx_gemv.py)
+    writes its last one, the output as call_tir passes it."""
+    statements = list(tir_statements(func.body))
+    views = [(node.buffer, node.data.args[0]) for node in statements  # (view, the buffer whose memory it is)
+             if isinstance(node, tirx.DeclBuffer) and isinstance(node.data, tvm.ir.expr.Call)
+             and node.data.op.name == "tirx.buffer_data"]
+    stored = [node.buffer for node in statements if isinstance(node, tirx.BufferStore)]
+    if not stored:
+        return [len(func.params) - 1]
+    stored += [source for view, source in views if any(view.same_as(buffer) for buffer in stored)]
     return [i for i, param in enumerate(func.params) if any(param.same_as(buffer) for buffer in stored)]
 
 

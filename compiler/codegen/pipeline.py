@@ -22,6 +22,7 @@ from ..passes.fuse_gemv_norms import FuseGEMVNorms
 from ..passes.fuse_swiglu import FuseSwiGLU
 from ..passes.fuse_transpose_matmul import FuseTransposeMatmul
 from ..passes.guard_kv_append import GuardKVAppend
+from ..passes.hvx_gemv import HvxGEMV
 from ..passes.integer_dot_gemm import IntegerDotGEMM
 from ..passes.integer_dot_gemv import IntegerDotGEMV
 from ..passes.mark_noalias import MarkNoalias
@@ -62,6 +63,8 @@ def steps(plan: BuildPlan, tuning: bool = False) -> list[Step]:
         # weights multiply int16 (or int8) activations by the codes in integers.
         ("integer-dot-gemv", IntegerDotGEMV(int(plan.decode_activations.removeprefix("int")), plan.gemv_family),
          plan.gemv_family is not None),
+        # hexagon-npu with int8 decode activations: decode GEMVs of weights stored for the HVX GEMV run on it.
+        ("hvx-gemv", HvxGEMV(), plan.hvx_gemv),
         # aarch64 with i8mm (smmla) or dotprod (sdot), int8 decode activations: prefill matmuls of quantized weights
         # quantize X rows to int8 per 32 values and multiply them by the codes in integers.
         ("integer-dot-gemm", IntegerDotGEMM(plan.gemm_family), plan.gemm_family is not None),

@@ -5,7 +5,8 @@ laid out by quantization/hvx_blocks.py), and the kernel as a TIR function for a 
 `tir_kernel` calls the C kernel with call_extern, which TVM's Hexagon codegen leaves to the linker: an artifact's
 kernels.o then links with hvx_gemv.c's object (the kernel server links it; with the SDK, hexagon-link would). So
 the kernel has one source, the C file the tests check bit for bit and the packet bench counts; a TIR copy with
-LLVM's HVX intrinsics would be a second one. The compile pipeline does not call it yet (issue 43 M1).
+LLVM's HVX intrinsics would be a second one. The hexagon-npu pipeline calls it for decode GEMVs of weights in the
+"hvx" code order (passes/hvx_gemv.py), after `tir_quantize_activations`, which runs on the DSP too.
 
 Activations are quantized per 32 values to int8 as llama.cpp's Q8_0 (scale = largest |x| / 127); per pair of
 blocks a record of 80 bytes: the 64 int8 values, the two scales X as int16 fixed point with one power of two for
@@ -21,6 +22,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..errors import MobilecError
+from ..passes.expand_npu_math import reciprocal_1_to_2
 from ..quantization.hvx_blocks import BLOCK, FIXED_MAX, ROWS, VECTOR_BYTES, HvxWeights, fixed_point
 from ..testing import emulated_hexagon
 
@@ -111,34 +113,52 @@ def run(device: emulated_hexagon.Device, weights: HvxWeights, x: np.ndarray
     return y[:weights.n].copy(), acc.copy(), acc_mins.copy()
 
 
-def tir_kernel(n: int, k: int, bits: int, mins: bool, zero: int) -> tirx.PrimFunc:
-    """y [1, n] = W x for a hexagon target: the C kernel called on W's HVX layout (`weights`, `row_factors`:
-    hvx_blocks.relayout of an [n, k] weight), x's records (`activations`) and `factors` = [dot_factor, min_factor]
-    (quantize_activations)."""
+def tir_kernel(n: int, k: int, bits: int, mins: bool, zero: int,
+               y_shape: tuple[int, ...] | None = None) -> tirx.PrimFunc:
+    """y [..., n] = W x for a hexagon target: the C kernel called on W as the "hvx" code order stores it
+    (hvx_blocks.stored_arrays: `weights` [n, bytes], `row_factors` [n, 2]), x's records (`activations`) and
+    `factors` = [dot_factor, min_factor] (quantize_activations, tir_quantize_activations); y_shape None: [1, n]."""
     if n % ROWS:
         raise MobilecError(f"the HVX GEMV's TIR kernel writes whole tiles of {ROWS} rows; N = {n} is not a multiple: "
                            "leave this weight to TVM's GEMV")
     tiles, pairs = n // ROWS, -(-k // (2 * BLOCK))
-    record_bytes = (1 + mins + 2 * bits) * VECTOR_BYTES  # scales, mins, the codes of two blocks
+    row_bytes = pairs * (1 + mins + 2 * bits) * VECTOR_BYTES // ROWS  # scales, mins, the codes of two blocks
     name = KERNELS[bits, mins]
     null = T.reinterpret("handle", T.uint64(0))  # no integer sums wanted
 
     @T.prim_func(private=True)
-    def gemv(weights: T.Buffer((tiles * pairs * record_bytes,), "uint8"), row_factors: T.Buffer((tiles * 2 * ROWS,),
-             "float32"), activations: T.Buffer((pairs * ACT_RECORD,), "uint8"), factors: T.Buffer((2,), "float32"),
-             y: T.Buffer((1, n), "float32")):
-        T.func_attr({"tirx.noalias": True})
+    def gemv(weights: T.Buffer((n, row_bytes), "uint8"), row_factors: T.Buffer((n, 2), "float32"),
+             activations: T.Buffer((pairs * ACT_RECORD,), "uint8"), factors: T.Buffer((2,), "float32"),
+             y: T.Buffer(y_shape or (1, n), "float32")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         T.evaluate(T.call_extern("void", name, weights.data, row_factors.data, activations.data, tiles, pairs, zero,
                                  factors[0], factors[1], y.data, null, null))
 
     return gemv
 
 
-def tir_quantize_activations(k: int) -> tirx.PrimFunc:
-    """quantize_activations as a TIR kernel, bit for bit: x [1, k] float32 -> records uint8 [pairs * 80] and
-    factors float32 [2] = [dot_factor, min_factor]. It is for the ARM host, after the RMSNorm that runs there
-    already: it divides, and float division on Hexagon is a compiler-rt call (__hexagon_divsf3) that the kernel
-    server does not provide."""
+def _reciprocal(x):
+    """1 / x for a normal positive float32 x, without a division (a compiler-rt call on Hexagon): the mantissa's
+    reciprocal on [1, 2] (expand_npu_math, 3 Newton steps) times 2^-exponent."""
+    bits = T.reinterpret("int32", x)
+    mantissa = T.reinterpret("float32", T.bitwise_or(T.bitwise_and(bits, T.int32((1 << 23) - 1)), T.int32(127 << 23)))
+    exponent = T.shift_right(bits, T.int32(23))
+    return reciprocal_1_to_2(mantissa) * T.reinterpret("float32", T.shift_left(T.int32(254) - exponent, T.int32(23)))
+
+
+def _rounded(value):
+    """value rounded to the nearest integer, ties away from zero, as int32 (a truncating conversion: nearbyint
+    would be a libm call on Hexagon)."""
+    return T.Cast("int32", value + T.if_then_else(value < T.float32(0), T.float32(-0.5), T.float32(0.5)))
+
+
+def tir_quantize_activations(k: int, x_shape: tuple[int, ...] | None = None) -> tirx.PrimFunc:
+    """quantize_activations as a TIR kernel that runs on the DSP (no float division, no float64, no libm): x [...,
+    k] (x_shape, one row; None: [1, k]) float32 -> records uint8 [pairs * 80] and factors float32 [2] = [dot_factor,
+    min_factor]. Its results differ from numpy's by roundings only: q = x * 127 (1 / amax) by a reciprocal within an
+    ulp, ties away from zero (a code off by one at a near tie), xs = amax * (1 / 127); the fixed-point exponent
+    floor(log2(largest)) - 14 (largest / 2^E in [2^14, 2^15), 32768 clamped), which keeps 15 bits as numpy's
+    ceil(log2(largest / 32767)) does. Blocks whose largest |x| is below 2^-126 (denormal) quantize to zero."""
     pairs = -(-k // (2 * BLOCK))
     blocks = 2 * pairs
     words = ACT_RECORD // 2  # int16 per record
@@ -146,50 +166,52 @@ def tir_quantize_activations(k: int) -> tirx.PrimFunc:
 
     @T.macro
     def fixed(values, count, out, first, power):
-        """fixed_point(values[:count], None): int16 into out[first(b)], 2^exponent into power[0]."""
-        largest = T.alloc_buffer((1,), "float64", scope="local")
-        largest[0] = T.float64(0)
+        """values[:count] ~ int16 out[first(b)] * 2^E, one E for all; power[0] = 2^E."""
+        largest = T.alloc_buffer((1,), "float32", scope="local")
+        largest[0] = T.float32(0)
         for b in range(count):
             largest[0] = T.max(largest[0], T.fabs(values[b]))
-        bits = T.reinterpret("int64", largest[0] / T.float64(FIXED_MAX))
-        # ceil(log2(r)) of r = 1.m 2^(E - 1023): E - 1023, plus one unless m is 0
-        exponent = T.if_then_else(largest[0] > T.float64(0), T.shift_right(bits, T.int64(52)) - T.int64(1023)
-                                  + T.Cast("int64", T.bitwise_and(bits, T.int64((1 << 52) - 1)) != T.int64(0)),
-                                  T.int64(0))
-        power[0] = T.reinterpret("float64", T.shift_left(exponent + T.int64(1023), T.int64(52)))
+        # E = floor(log2(largest)) - 14 from the float's exponent bits, at least -126 (2^-E a float32); 0 for zero
+        biased = T.shift_right(T.reinterpret("int32", largest[0]), T.int32(23))
+        exponent = T.if_then_else(biased > T.int32(0), T.max(biased - T.int32(127 + 14), T.int32(-126)), T.int32(0))
+        power[0] = T.reinterpret("float32", T.shift_left(exponent + T.int32(127), T.int32(23)))
+        inverse = T.reinterpret("float32", T.shift_left(T.int32(127) - exponent, T.int32(23)))
         for b in range(count):
-            out[first(b)] = T.Cast("int16", T.nearbyint(values[b] / power[0]))
+            out[first(b)] = T.Cast("int16", T.min(T.max(_rounded(values[b] * inverse), T.int32(-FIXED_MAX)),
+                                                  T.int32(FIXED_MAX)))
 
     @T.prim_func(private=True, s_tir=True)
-    def quantize(x: T.Buffer((1, k), "float32"), records: T.Buffer((pairs * ACT_RECORD,), "uint8"),
+    def quantize(x: T.Buffer(x_shape or (1, k), "float32"), records: T.Buffer((pairs * ACT_RECORD,), "uint8"),
                  factors: T.Buffer((2,), "float32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         with T.sblock("root"):  # Relax's analyses expect a root block
+            xf = T.decl_buffer((k,), "float32", data=x.data)
             q = T.decl_buffer((pairs * ACT_RECORD,), "int8", data=records.data)
             halves = T.decl_buffer((pairs * words,), "int16", data=records.data)
             sums = T.decl_buffer((pairs * dwords,), "int32", data=records.data)
             amax = T.alloc_buffer((1,), "float32", scope="local")
-            scale = T.alloc_buffer((blocks,), "float64")
-            terms = T.alloc_buffer((blocks,), "float64")
-            power = T.alloc_buffer((1,), "float64", scope="local")
+            scale = T.alloc_buffer((blocks,), "float32")
+            terms = T.alloc_buffer((blocks,), "float32")
+            power = T.alloc_buffer((1,), "float32", scope="local")
             for b in range(blocks):
                 amax[0] = T.float32(0)
                 for j in range(BLOCK):
                     if b * BLOCK + j < k:
-                        amax[0] = T.max(amax[0], T.fabs(x[0, b * BLOCK + j]))
-                xs = amax[0] / T.float32(127)
+                        amax[0] = T.max(amax[0], T.fabs(xf[b * BLOCK + j]))
+                normal = amax[0] >= T.float32(2.0**-126)
+                inverse = T.if_then_else(normal, T.float32(127) * _reciprocal(T.max(amax[0], T.float32(2.0**-126))),
+                                         T.float32(0))
                 sums[b // 2 * dwords + 18 + b % 2] = 0
                 for j in range(BLOCK):
-                    value = T.if_then_else(b * BLOCK + j < k, x[0, T.min(b * BLOCK + j, k - 1)], T.float32(0))
-                    code = T.if_then_else(xs > T.float32(0), T.max(T.min(T.nearbyint(value / xs), T.float32(127)),
-                                                                   T.float32(-127)), T.float32(0))
+                    value = T.if_then_else(b * BLOCK + j < k, xf[T.min(b * BLOCK + j, k - 1)], T.float32(0))
+                    code = T.min(T.max(_rounded(value * inverse), T.int32(-127)), T.int32(127))
                     q[b // 2 * ACT_RECORD + b % 2 * BLOCK + j] = T.Cast("int8", code)
-                    sums[b // 2 * dwords + 18 + b % 2] = sums[b // 2 * dwords + 18 + b % 2] + T.Cast("int32", code)
-                scale[b] = T.Cast("float64", xs)
-                terms[b] = scale[b] * T.Cast("float64", sums[b // 2 * dwords + 18 + b % 2])
+                    sums[b // 2 * dwords + 18 + b % 2] = sums[b // 2 * dwords + 18 + b % 2] + code
+                scale[b] = T.if_then_else(normal, amax[0] * T.float32(1 / 127), T.float32(0))
+                terms[b] = scale[b] * T.Cast("float32", sums[b // 2 * dwords + 18 + b % 2])
             fixed(scale, blocks, halves, lambda b: b // 2 * words + 32 + b % 2, power)
-            factors[0] = T.Cast("float32", power[0] * T.float64(2.0**30))
+            factors[0] = power[0] * T.float32(2.0**30)
             fixed(terms, blocks, halves, lambda b: b // 2 * words + 34 + b % 2, power)
-            factors[1] = T.Cast("float32", power[0] * T.float64(2.0**8))
+            factors[1] = power[0] * T.float32(2.0**8)
 
     return quantize

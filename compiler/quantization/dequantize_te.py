@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
-from .group import INTERLEAVE, NIBBLE_BLOCK, GroupLayout, interleaved_bytes, paired_position
+from .group import HVX_ROWS, INTERLEAVE, NIBBLE_BLOCK, GroupLayout, interleaved_bytes, paired_position
+
+_VECTOR_BYTES = 128  # hvx_blocks.VECTOR_BYTES
 
 
 def _byte_index(col, layout: GroupLayout, row_bytes: int):
@@ -49,11 +51,45 @@ def _value(code, scale, minv, layout: GroupLayout, dtype: str):
     return scale.astype(dtype) * code.astype(dtype) + minv.astype(dtype)
 
 
+def _hvx_value(q: te.Tensor, factors: te.Tensor, row, col, layout: GroupLayout, dtype: str):
+    """Weight (row, col) of the "hvx" order (quantization/hvx_blocks.py): tile t's record of the pair of blocks col
+    falls in, at byte (t * pairs + pair) * record_bytes + offset of the flat records, q [n, row_bytes]."""
+    row_bytes = int(q.shape[1])
+    record_bytes = _VECTOR_BYTES * (1 + (not layout.symmetric) + 2 * layout.bits)  # scales, mins, 2 blocks' codes
+    tile, lane = row // HVX_ROWS, row % HVX_ROWS
+    pair, block, in_block = col // (2 * NIBBLE_BLOCK), col // NIBBLE_BLOCK % 2, col % NIBBLE_BLOCK
+
+    def byte(offset):
+        at = pair * record_bytes + offset
+        return q[tile * HVX_ROWS + at // row_bytes, at % row_bytes].astype("int32")
+
+    def fixed(vector: int):  # the int16 of this row and block in scale (0) or min (1) vector
+        low, high = byte(vector * _VECTOR_BYTES + 4 * lane + 2 * block), byte(vector * _VECTOR_BYTES + 4 * lane
+                                                                                 + 2 * block + 1)
+        return (low | (high << 8)) - ((high >> 7) << 16)
+
+    def factor(which: int):  # row_factors [tiles, 2, 32] seen as [n, 2]
+        at = which * HVX_ROWS + lane
+        return factors[tile * HVX_ROWS + at // 2, at % 2]
+
+    codes = (2 - layout.symmetric) * _VECTOR_BYTES + block * layout.bits * _VECTOR_BYTES
+    if layout.bits == 4:  # vector in_block // 8, code 8 v + j low and 8 v + 4 + j high
+        code = (byte(codes + in_block // 8 * _VECTOR_BYTES + 4 * lane + in_block % 4) >> (in_block % 8 // 4 * 4)) & 0xF
+    else:  # vector in_block // 4
+        code = byte(codes + in_block // 4 * _VECTOR_BYTES + 4 * lane + in_block % 4)
+    scale = fixed(0).astype(dtype) * factor(0).astype(dtype)
+    if layout.symmetric:
+        return scale * (code - layout.offset).astype(dtype)
+    return scale * code.astype(dtype) + fixed(1).astype(dtype) * factor(1).astype(dtype)
+
+
 def dequantize_te(layout: GroupLayout, k: int, dtype: str):
     """A TE function (q_weight, q_scale[, q_min]) -> [n, k] weights in `dtype`; inlined into the consuming matmul."""
 
     def compute(q: te.Tensor, scale: te.Tensor, minv: te.Tensor | None = None) -> te.Tensor:
         n = q.shape[0]
+        if layout.code_order == "hvx":
+            return te.compute((n, k), lambda i, j: _hvx_value(q, scale, i, j, layout, dtype), name="dequantize")
         return te.compute(
             (n, k),
             lambda i, j: _value(_code(q, i, j, layout), scale[i, j // layout.group],
@@ -70,6 +106,8 @@ def take_dequantize_te(layout: GroupLayout, k: int, dtype: str):
     def compute(ids: te.Tensor, q: te.Tensor, scale: te.Tensor, minv: te.Tensor | None = None) -> te.Tensor:
         def value(i, j):
             row = ids[i]
+            if layout.code_order == "hvx":
+                return _hvx_value(q, scale, row, j, layout, dtype)
             return _value(_code(q, row, j, layout), scale[row, j // layout.group],
                           None if minv is None else minv[row, j // layout.group], layout, dtype)
 

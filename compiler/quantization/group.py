@@ -28,6 +28,10 @@ NIBBLE_BLOCK = 32
 # Codes about 128 are stored signed, c ^ 0x80 (GGUF Q8_0's own bytes), which `sdot` and `smmla` take as they are.
 # The prefill GEMM re-lays a task's rows into its own order first (kernels/integer_dot_gemm): its `smmla` operands
 # are 8-byte runs of one block, which a set interleaved by 4 bytes splits.
+# "hvx": the HVX decode GEMV's tiles of 32 rows (quantization/hvx_blocks.py), 4/8-bit codes in groups of 32, a
+# multiple of 32 rows: scales and mins are re-laid with the codes, so the whole weight is re-laid once it is made
+# (quantize_model.py); `order_codes` hands its codes out plain for that. Stored as q_weight [n, bytes] (the tiles'
+# records, hvx_blocks.HvxWeights.data) and q_scale [n, 2] float32 (row_factors), no q_min.
 # "neon_pairs": 4-bit codes of an even number of rows, the neon order of rows 2p and 2p + 1 merged a nibble each:
 # per 16-byte chunk of the neon order (16 bytes of row 2p's codes, 16 of row 2p + 1's, at the same K positions),
 # 32 bytes, the chunk's low nibbles of both rows, then its high nibbles, row 2p's code in the low nibble of each
@@ -35,20 +39,23 @@ NIBBLE_BLOCK = 32
 # codes c, c', so one `sdot` of the raw bytes and one of b & 0x0F (c alone) give both rows' sums (the decode GEMV,
 # kernels/integer_dot_gemv/arm.py): per 16 bytes an AND and 2 `sdot`s, where one row's 16 bytes take an AND, a
 # shift and 2 `sdot`s. The pair's bytes are rows 2p and 2p + 1 of the stored array, one after the other.
-CODE_ORDERS = ("plain", "neon", "neon_pairs")
+CODE_ORDERS = ("plain", "neon", "neon_pairs", "hvx")
 INTERLEAVE = {8: (4, 4), 4: (4, 4)}  # bits -> (blocks per set, bytes per chunk) of the "neon" order
 # an order -> the order used where codes cannot take it (with_code_order)
-FALLBACK = {"neon_pairs": "neon", "neon": "plain"}
+FALLBACK = {"neon_pairs": "neon", "neon": "plain", "hvx": "plain"}
+HVX_ROWS = 32  # the hvx order's rows per tile, and its group (hvx_blocks.ROWS, BLOCK)
 PAIRED_BYTES = 16  # bytes per chunk of a row in neon_pairs: the pair's chunk is twice that
 # an order -> its mark in the names of the kernels that read it
-ORDER_MARKS = {"plain": "", "neon": "_neon", "neon_pairs": "_neonpairs"}
+ORDER_MARKS = {"plain": "", "neon": "_neon", "neon_pairs": "_neonpairs", "hvx": "_hvx"}
 
 
 def takes_code_order(order: str, bits: int, group: int, rows: int | None = None) -> bool:
     """Whether codes of `bits` in groups of `group` (of `rows` rows, where known) are stored in `order` (neon: whole
     blocks a group; neon_pairs: also 4-bit and an even number of rows); the kernels that read an order ask this
-    too."""
+    too; hvx: 4/8-bit codes in groups of 32, rows a multiple of 32."""
     whole_blocks = bits in INTERLEAVE and group % NIBBLE_BLOCK == 0
+    if order == "hvx":
+        return bits in (4, 8) and group == HVX_ROWS and rows is not None and rows % HVX_ROWS == 0
     if order == "neon_pairs":
         return whole_blocks and bits == 4 and (rows is None or rows % 2 == 0)
     return order == "plain" or (order == "neon" and whole_blocks)
@@ -90,8 +97,8 @@ class GroupLayout:
         else in the first order of its FALLBACK chain that it takes."""
         if order not in CODE_ORDERS:
             raise ValueError(f"code order must be one of {CODE_ORDERS}, got {order!r}")
-        if order == "neon_pairs" and rows is None:
-            raise ValueError("the neon_pairs order pairs rows: give the weight's rows")
+        if order in ("neon_pairs", "hvx") and rows is None:
+            raise ValueError(f"the {order} order groups rows: give the weight's rows")
         while not takes_code_order(order, self.bits, self.group, rows):
             order = FALLBACK[order]
         return dataclasses.replace(self, code_order=order)
@@ -107,6 +114,10 @@ class GroupLayout:
     def shapes(self, n: int, k: int) -> dict[str, tuple[tuple[int, int], str]]:
         """Parameter suffix -> (shape, dtype) of the stored arrays for an [n, k] weight."""
         groups = self.padded_k(k) // self.group
+        if self.code_order == "hvx":  # hvx_blocks.relayout: 2-block records, 4 bytes a row per 128-byte vector
+            record_row_bytes = 4 * (1 + (not self.symmetric) + 2 * self.bits)
+            return {"q_weight": ((n, -(-k // (2 * HVX_ROWS)) * record_row_bytes), "uint8"),
+                    "q_scale": ((n, 2), "float32")}
         out = {"q_weight": ((n, self.stored_k(k) * self.bits // 8), "uint8"), "q_scale": ((n, groups), self.scale_dtype)}
         if not self.symmetric:
             out["q_min"] = ((n, groups), self.scale_dtype)
@@ -117,7 +128,8 @@ class GroupLayout:
         if self.symmetric:
             kind = "symmetric" if self.zero_code is None else f"symmetric about code {self.zero_code}"
         order = {"plain": "", "neon": ", codes in ARM dot-product order",
-                 "neon_pairs": ", codes in ARM dot-product order, rows in pairs"}[self.code_order]
+                 "neon_pairs": ", codes in ARM dot-product order, rows in pairs",
+                 "hvx": ", re-laid for the HVX GEMV"}[self.code_order]
         return f"int{self.bits} {kind}, group {self.group}, {self.scale_dtype} scales{order}"
 
 
@@ -161,8 +173,8 @@ def _sets(codes: np.ndarray, layout: GroupLayout, interleaved: bool) -> np.ndarr
 
 
 def order_codes(packed: np.ndarray, layout: GroupLayout) -> np.ndarray:
-    """Plain code bytes [n, bytes] -> the layout's code order (CODE_ORDERS)."""
-    if layout.code_order == "plain":
+    """Plain code bytes [n, bytes] -> the layout's code order (CODE_ORDERS; hvx: plain, see CODE_ORDERS)."""
+    if layout.code_order in ("plain", "hvx"):
         return packed
     out = packed.copy()
     prefix = interleaved_bytes(packed.shape[1], layout.bits)
@@ -174,7 +186,7 @@ def order_codes(packed: np.ndarray, layout: GroupLayout) -> np.ndarray:
 
 def plain_codes(stored: np.ndarray, layout: GroupLayout) -> np.ndarray:
     """The inverse of order_codes."""
-    if layout.code_order == "plain":
+    if layout.code_order in ("plain", "hvx"):
         return stored
     if layout.code_order == "neon_pairs":
         out = unpair_rows(stored)

@@ -24,9 +24,9 @@ import dataclasses
 import numpy as np
 
 from ..errors import MobilecError
-from .group import GroupLayout, plain_codes, unpack_codes
+from .group import HVX_ROWS, GroupLayout, plain_codes, unpack_codes
 
-ROWS = 32  # vector lanes: rows per tile
+ROWS = HVX_ROWS  # vector lanes: rows per tile
 BLOCK = 32  # values per scale and per activation block
 VECTOR_BYTES = 128
 FIXED_MAX = (1 << 15) - 1
@@ -114,3 +114,10 @@ def relayout(arrays: dict[str, np.ndarray], layout: GroupLayout, k: int) -> HvxW
     data = np.concatenate([*parts, code_vectors], axis=2)
     return HvxWeights(data=data.reshape(-1), row_factors=np.stack([scale_power, min_power], axis=1), n=n, k=k,
                       bits=layout.bits, mins=not layout.symmetric, zero=layout.offset if layout.symmetric else 0)
+
+
+def stored_arrays(arrays: dict[str, np.ndarray], layout: GroupLayout, k: int) -> dict[str, np.ndarray]:
+    """The stored arrays of an [n, k] weight, n a multiple of ROWS -> as the "hvx" code order stores them
+    (group.CODE_ORDERS): q_weight [n, bytes] the tiles' records, q_scale [n, 2] the row_factors [tiles, 2, 32]."""
+    weights = relayout(arrays, layout, k)
+    return {"q_weight": weights.data.reshape(weights.n, -1), "q_scale": weights.row_factors.reshape(weights.n, 2)}

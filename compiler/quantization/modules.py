@@ -22,7 +22,7 @@ class _QuantizedWeight(nn.Module):
             setattr(self, suffix, nn.Parameter(shape, param_dtype))
 
     def _stored(self) -> list[Tensor]:
-        return [self.q_weight, self.q_scale] + ([] if self.layout.symmetric else [self.q_min])
+        return [getattr(self, suffix) for suffix in self.layout.shapes(self.out_features, self.in_features)]
 
     def to(self, dtype: str | None = None) -> None:  # stored dtypes are fixed by the layout
         del dtype

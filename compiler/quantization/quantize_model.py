@@ -14,6 +14,7 @@ from ..loaders.checkpoint import Rows
 from .awq import Calibration
 from .gguf_blocks import convert_joined, layout_for
 from .group import GroupLayout, output_layer_layout, quantize
+from .hvx_blocks import stored_arrays
 from .modules import QuantizedEmbedding, QuantizedLinear
 from .schemes import Scheme
 
@@ -83,6 +84,8 @@ def quantize_model(
             quantizer = calibration.quantize if calibration else lambda _path, weight, lay: quantize(weight(), lay)
             plan[path] = lambda p=path, s=weight_sources, lay=layout, q=quantizer: q(
                 p, lambda: _float_weight(ckpt, s), lay)
+        if layout.code_order == "hvx":  # scales and mins re-laid with the codes: the whole weight, once made
+            plan[path] = lambda made=plan[path], lay=layout, k=_columns(layer): stored_arrays(made(), lay, k)
         setattr(parent, attr, _replacement(layer, layout, dtype))
     return plan
 
@@ -96,6 +99,11 @@ def _float_weight(ckpt: Checkpoint, sources: list[str]) -> np.ndarray | Rows:
 def _rows(layer: nn.Module) -> int:
     """The rows (N) of the layer's weight: an embedding's entries, a linear layer's outputs."""
     return int(layer.num) if isinstance(layer, nn.Embedding) else int(layer.out_features)
+
+
+def _columns(layer: nn.Module) -> int:
+    """The columns (K) of the layer's weight: an embedding's dimension, a linear layer's inputs."""
+    return int(layer.dim) if isinstance(layer, nn.Embedding) else int(layer.in_features)
 
 
 def _replacement(layer: nn.Module, layout: GroupLayout, dtype: str) -> nn.Module:

@@ -24,6 +24,7 @@ class BuildPlan:  # pylint: disable=too-many-instance-attributes
     cpu: CpuIsa | None  # the CPU that runs the library's CPU code: the target's own, else its host's (GPU, Hexagon)
     gpu: bool  # GPU schedule rules (OpenCL)
     gemv_family: str | None  # integer-dot decode GEMVs' family (kernels/integer_dot_gemv/); None: float GEMVs
+    hvx_gemv: bool  # hexagon-npu, int8 decode activations: decode GEMVs on the HVX GEMV (passes/hvx_gemv.py)
     gemm_family: str | None  # integer-dot prefill GEMMs' family (kernels/integer_dot_gemm/); None: float GEMMs
     code_order: str  # how the weight shards order the codes (quantization/group.CODE_ORDERS)
     decode_activations: str  # integer width of the decode GEMVs' activations (choices.DECODE_ACTIVATIONS)
@@ -39,7 +40,7 @@ class BuildPlan:  # pylint: disable=too-many-instance-attributes
     @property
     def integer_decode(self) -> bool:
         """Whether decode GEMVs multiply integer activations (and decode_activations applies)."""
-        return self.gemv_family is not None
+        return self.gemv_family is not None or self.hvx_gemv
 
 
 def resolve_plan(target: str | TargetSpec, quant: str | None = None, *, kv_dtype: str = "auto",
@@ -55,8 +56,11 @@ def resolve_plan(target: str | TargetSpec, quant: str | None = None, *, kv_dtype
     cpu = code_cpu_isa(spec.tvm_target())
     isa = cpu if spec.tvm_target_json["kind"] == "llvm" else None
     gemv_family = integer_dot_gemv.family(isa)
-    scheme = asked or get_scheme(default_scheme(spec, gguf_keepable, gemv_family is not None))
-    activations = _decode_activations(decode_activations, spec, gemv_family is not None)
+    hexagon = spec.tvm_target_json["kind"] == "hexagon"
+    activations = _decode_activations(decode_activations, spec, gemv_family is not None or hexagon)
+    # Hexagon: the HVX GEMV takes int8 activations only; with int16 (its default) the GEMVs stay TVM's float ones
+    hvx_gemv = hexagon and activations == "int8"
+    scheme = asked or get_scheme(default_scheme(spec, gguf_keepable, gemv_family is not None or hvx_gemv))
     # Prefill in integers only where decode already rounds activations to int8 as llama.cpp does (the ARM targets'
     # default): with int16 decode activations, which keep the float model's results, prefill stays float.
     gemm_family = integer_dot_gemm.family(isa) if activations == "int8" else None
@@ -64,7 +68,8 @@ def resolve_plan(target: str | TargetSpec, quant: str | None = None, *, kv_dtype
     cpu_attention = cpu is not None and spec.model_target().kind.name == "llvm"
     return BuildPlan(
         spec=spec, scheme=scheme, cpu=cpu, gpu=spec.schedule["rules"] == "gpu", gemv_family=gemv_family,
-        gemm_family=gemm_family, code_order=integer_dot_gemv.stored_code_order(gemv_family),
+        hvx_gemv=hvx_gemv, gemm_family=gemm_family,
+        code_order="hvx" if hvx_gemv else integer_dot_gemv.stored_code_order(gemv_family),
         decode_activations=activations, kv_dtype=kv_cache_dtype.resolve(kv_dtype, spec, scheme),
         compute_dtype=scheme.float_dtype or spec.device["compute_dtype"],
         attention_lanes=cpu.float_lanes if cpu_attention else None,
@@ -83,8 +88,8 @@ def _decode_activations(asked: str | None, spec: TargetSpec, integer_gemvs: bool
     if value not in DECODE_ACTIVATIONS:
         raise MobilecError(f"--decode-activations {value!r} is not one of {', '.join(DECODE_ACTIVATIONS)}")
     if value != "int16" and not integer_gemvs:
-        needs = (f"needs a CPU target with integer decode GEMVs (x86 with AVX2 or AVX-512, aarch64 with the dot "
-                 f"product: +dotprod or +i8mm); {spec.name} decodes with float activations")
+        needs = (f"needs a target with integer decode GEMVs (x86 with AVX2 or AVX-512, aarch64 with the dot "
+                 f"product: +dotprod or +i8mm, hexagon-npu); {spec.name} decodes with float activations")
         if asked:
             raise MobilecError(f"--decode-activations {value} {needs}: drop the option")
         raise MobilecError(f"target file {spec.path}: field 'device.decode_activations' = {value!r} {needs}: "

@@ -119,41 +119,66 @@ def _quantize_on_host(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return records.numpy(), factors.numpy()
 
 
+def _record_values(records: np.ndarray, factors: np.ndarray) -> dict[str, np.ndarray]:
+    """What records hold, as numbers: int8 codes, the blocks' scales and xs * sum(q) terms, the sums of the codes."""
+    r = records.reshape(-1, hvx_gemv.ACT_RECORD)
+    return {"codes": r[:, :64].copy().view(np.int8).astype(np.int32),
+            "scales": r[:, 64:68].copy().view(np.int16) * np.float64(factors[0]) / 2**30,
+            "terms": r[:, 68:72].copy().view(np.int16) * np.float64(factors[1]) / 2**8,
+            "sums": r[:, 72:80].copy().view(np.int32)}
+
+
 @pytest.mark.parametrize("k", [96, 160, 576])
 def test_tir_quantize_activations(k):
-    """The TIR activation kernel writes quantize_activations' records and factors bit for bit (zero blocks too)."""
+    """The TIR activation kernel (no division: it runs on the DSP) writes what numpy's quantize_activations does up
+    to its roundings: codes within 1 (equal for these inputs), scales and terms within 2^-14 of the largest, the
+    sums of its own codes; zero blocks stay zero. Negative control: x scaled by 1.01 is told apart."""
     x = (np.random.default_rng(k).standard_normal(k) * 3).astype(np.float32)
     x[32:64] = 0
     for values in (x, np.zeros(k, np.float32)):
-        records, factors = _quantize_on_host(values)
+        got = _record_values(*_quantize_on_host(values))
         expected, dot_factor, min_factor = hvx_gemv.quantize_activations(values)
-        np.testing.assert_array_equal(records, expected)
-        np.testing.assert_array_equal(factors, np.array([dot_factor, min_factor], np.float32))
+        want = _record_values(expected, np.array([dot_factor, min_factor], np.float32))
+        np.testing.assert_array_equal(got["codes"], want["codes"])
+        np.testing.assert_array_equal(got["sums"], got["codes"].reshape(-1, 2, 32).sum(axis=2))
+        for name in ("scales", "terms"):
+            assert np.abs(got[name] - want[name]).max() <= 2**-14 * max(np.abs(want[name]).max(), 1e-30), name
+    expected, dot_factor, min_factor = hvx_gemv.quantize_activations(x)
+    want = _record_values(expected, np.array([dot_factor, min_factor], np.float32))
+    scaled = _record_values(*_quantize_on_host(x * np.float32(1.01)))
+    assert np.abs(scaled["scales"] - want["scales"]).max() > 2**-10 * np.abs(want["scales"]).max()
 
 
 def test_tir_kernel_calls_the_c_kernel(tmp_path):
-    """hvx_gemv.tir_kernel built by TVM for hexagon-npu (v73, as for emulation) and linked with hvx_gemv.c into the
-    kernel server, on activations from tir_quantize_activations built for this CPU (the ARM host's part): y equals
-    the C kernel called directly on numpy's activations, bit for bit, for each GGUF format."""
+    """hvx_gemv.tir_kernel and tir_quantize_activations built by TVM for hexagon-npu (v73, as for emulation) and
+    linked with hvx_gemv.c into the kernel server, both run there on weights as the "hvx" code order stores them
+    (hvx_blocks.stored_arrays): y equals the C kernel called directly on numpy's activations, bit for bit, for each
+    GGUF format."""
     n, k = 64, 160
     rng = np.random.default_rng(11)
     weights = {t: _gguf_weight(t, n, k, rng) for t in GGUF_TYPES}
     relaid = {t: hvx_blocks.relayout(arrays, layout, k) for t, (arrays, layout, _) in weights.items()}
     kernels = {f"gemv_{t}": hvx_gemv.tir_kernel(n, k, w.bits, w.mins, w.zero).with_attr("global_symbol", f"gemv_{t}")
                for t, w in relaid.items()}
+    kernels["quantize"] = hvx_gemv.tir_quantize_activations(k).with_attr("global_symbol", "quantize")
     hexagon.build_object(kernels, emulated_hexagon.emulation_spec(load_target("hexagon-npu")), tmp_path, link=False)
     program = emulated_hexagon.build_device(tmp_path, (tmp_path / hexagon.OBJECT,))
     x = rng.standard_normal(k).astype(np.float32)
-    records, factors = _quantize_on_host(x)
     with emulated_hexagon.Device(program, 1 << 20) as device:
         for ggml_type, w in relaid.items():
             direct, _, _ = hvx_gemv.run(device, w, x)
-            inputs = [w.data, w.row_factors.reshape(-1), records, factors]
-            placed = [device.array(a.shape, a.dtype) for a in inputs]
-            for dst, src in zip(placed, inputs):
-                dst[...] = src
+            device.reset()
+            x_dsp = device.array((1, k), np.float32)
+            x_dsp[...] = x
+            records = device.array((-(-k // 64) * hvx_gemv.ACT_RECORD,), np.uint8)
+            factors = device.array((2,), np.float32)
+            device.call("quantize", x_dsp, records, factors)
+            stored = hvx_blocks.stored_arrays(*weights[ggml_type][:2], k)
+            placed = [device.array(a.shape, a.dtype) for a in (stored["q_weight"], stored["q_scale"])]
+            for dst, name in zip(placed, ("q_weight", "q_scale")):
+                dst[...] = stored[name]
             y = device.array((1, n), np.float32)
-            device.call(f"gemv_{ggml_type}", *placed, y)
+            device.call(f"gemv_{ggml_type}", *placed, records, factors, y)
             np.testing.assert_array_equal(y[0], direct, err_msg=ggml_type)
             expected, scale = _reference(weights[ggml_type][2], x)
             assert np.max(np.abs(y[0] - expected) / scale) < TOLERANCE, ggml_type

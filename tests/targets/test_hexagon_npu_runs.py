@@ -66,6 +66,44 @@ def test_the_default_scheme_gives_the_host_builds_tokens(tmp_path):
     assert np.abs(npu_logits - host_logits).max() < 1e-3 * float(np.abs(host_logits).max())
 
 
+@pytest.mark.extended
+def test_the_hvx_gemv_gives_the_host_int8_builds_tokens(tmp_path, monkeypatch):
+    """q4f16_g32 with int8 decode activations: every decode GEMV is the integer HVX GEMV (passes/hvx_gemv.py) after
+    its activations are quantized on the DSP, against the host build's integer-dot GEMVs with int8 activations. The
+    two round activations to int8 each their own way (and the HVX GEMV's scales are 16-bit fixed point), so their
+    logits differ by int8's own error: 0.19 of a largest logit of 7.2 seen, where the host's int8 and int16 builds
+    differ by 0.23; the tolerance is 5% of the largest. The same tokens; the step leaves the DSP only for attention,
+    and every weight byte of it is read there. Negative control: one record of the down_proj's re-laid weight,
+    its scales made 100x on their way to the DSP, moves the logits past the tolerance. ~50 s of compiling."""
+    checkpoint = save_compilable_checkpoint(build_model("llama_gqa"), tmp_path / "hf")
+    for target, host_target in (("hexagon-npu", "host"), ("host", None)):
+        compile_model(CompileOptions(str(checkpoint), target, "q4f16_g32", str(tmp_path / target),
+                                     context_window=CONTEXT, progress=False, host_target=host_target, kv_dtype="f32",
+                                     decode_activations="int8"))
+    npu_logits, npu_tokens, _ = artifact_greedy(tmp_path / "hexagon-npu", PROMPT, TOKENS)
+    host_logits, host_tokens, _ = artifact_greedy(tmp_path / "host", PROMPT, TOKENS)
+    tolerance = 0.05 * float(np.abs(host_logits).max())
+    assert npu_tokens == host_tokens
+    assert np.abs(npu_logits - host_logits).max() < tolerance
+    report = json.loads((tmp_path / "hexagon-npu" / CONFIG_FILE).read_text())["npu_coverage"]
+    gemvs = {name: calls for name, calls in report["decode_calls"]["npu"].items() if name.startswith("hvx_decode_gemv")}
+    assert sum(gemvs.values()) == 4 * 2 + 1  # qkv, o, gate_up, down of 2 layers; the lm_head
+    assert not [name for name in report["decode_calls"]["npu"] if "NT_matmul" in name]
+    assert report["decode_crossings"] == 2 * 2 + 2 and report["decode_weight_bytes"]["cpu"] == 0
+    call = emulated_hexagon.Device.call
+
+    def corrupted(device, kernel, *args):
+        if kernel == "hvx_decode_gemv_4bit_z8_n64_k96":  # down_proj: K = the MLP's 96
+            records = args[0].reshape(-1)
+            scales = records[:128].view(np.int16)  # the first record's scale vector (hvx_blocks.py)
+            scales[...] = np.clip(scales.astype(np.int32) * 100, -32767, 32767).astype(np.int16)
+        return call(device, kernel, *args)
+
+    monkeypatch.setattr(emulated_hexagon.Device, "call", corrupted)
+    wrong_logits, _, _ = artifact_greedy(tmp_path / "hexagon-npu", PROMPT, TOKENS)
+    assert np.abs(wrong_logits - host_logits).max() > tolerance
+
+
 def test_a_wrong_input_to_one_npu_kernel_shows(artifacts, monkeypatch):
     """Negative control: the o_proj GEMV's activations, shifted by 1e-2 on their way to the DSP, move the logits
     past the tolerance above (the DSP's results are what the model uses)."""

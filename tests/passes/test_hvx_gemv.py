@@ -1,0 +1,155 @@
+"""HvxGEMV: the IR it leaves for decode (structural equality with the kernels it adds), which matmuls it leaves
+alone, the build plans that have it, the tiny Llama's decode projections all on the HVX GEMV, and the "hvx" code
+order's dequantize (prefill, the embedding) against numpy, with a negative control."""
+
+import re
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax, te, tirx
+
+from compiler.codegen import pipeline
+from compiler.kernels import hvx_gemv
+from compiler.loaders import open_checkpoint
+from compiler.model_import.importer import import_model
+from compiler.passes.fuse_transpose_matmul import FuseTransposeMatmul
+from compiler.passes.hvx_gemv import GEMV_PREFIX, QUANTIZE_PREFIX, HvxGEMV
+from compiler.quantization import hvx_blocks
+from compiler.quantization.dequantize_te import dequantize_te, take_dequantize_te
+from compiler.quantization.group import GroupLayout, dequantize, quantize
+from compiler.quantization.modules import LAYOUT_ATTR
+from compiler.target.build_plan import resolve_plan
+from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
+
+K, N = 96, 64
+LAYOUT = GroupLayout(4, 32, True, "float16").with_code_order("hvx", N)
+
+
+def _dequantize(bb, layout, stored):
+    attrs = {LAYOUT_ATTR: {"bits": layout.bits, "group": layout.group, "symmetric": layout.symmetric,
+                           "offset": layout.offset, "code_order": layout.code_order}}
+    return bb.emit(bb.call_te(dequantize_te(layout, K, "float32"), *stored, primfunc_name_hint="dequantize",
+                              primfunc_attrs=attrs))
+
+
+def _params(name, rows):
+    x = relax.Var("x", relax.TensorType([1, rows, K], "float32"))
+    stored = [relax.Var(s, relax.TensorType(shape, dtype)) for s, (shape, dtype) in LAYOUT.shapes(N, K).items()]
+    return x, stored
+
+
+def _module(layout=LAYOUT):
+    """decode(x[1, 1, K]) and prefill(x[1, seq, K]): x @ dequantize(q).T, as QuantizedLinear emits it."""
+    bb = relax.BlockBuilder()
+    for name, rows in (("decode", 1), ("prefill", tirx.Var("seq_len", "int64"))):
+        x, stored = _params(name, rows)
+        with bb.function(name, [x, *stored]):
+            with bb.dataflow():
+                w = _dequantize(bb, layout, stored)
+                out = bb.emit_output(relax.op.matmul(x, relax.op.permute_dims(w)))
+            bb.emit_func_output(out)
+    return FuseTransposeMatmul()(bb.get())
+
+
+def _expected():
+    """_module() with decode written by hand: the activations quantized, then the HVX GEMV on the stored arrays."""
+    before = _module()
+    bb = relax.BlockBuilder(before)
+    opaque = {"op_pattern": 8}
+    quantize_kernel = bb.add_func(hvx_gemv.tir_quantize_activations(K, (1, 1, K)).with_attrs(opaque),
+                                  f"{QUANTIZE_PREFIX}k{K}")
+    gemv = bb.add_func(hvx_gemv.tir_kernel(N, K, 4, False, 8, (1, 1, N)).with_attrs(opaque),
+                       f"{GEMV_PREFIX}4bit_z8_n{N}_k{K}")
+    x, stored = _params("decode", 1)
+    with bb.function("decode", [x, *stored]):
+        with bb.dataflow():
+            act = bb.emit(relax.call_tir(quantize_kernel, [x], [
+                relax.TensorType([2 * hvx_gemv.ACT_RECORD], "uint8"), relax.TensorType([2], "float32")]))
+            records, factors = bb.emit(relax.TupleGetItem(act, 0)), bb.emit(relax.TupleGetItem(act, 1))
+            out = bb.emit_output(relax.call_tir(gemv, [*stored, records, factors],
+                                                relax.TensorType([1, 1, N], "float32")))
+        bb.emit_func_output(out)
+    built = bb.get()  # the builder named the new function decode1: it replaces decode
+    functions = {gv: func for gv, func in built.functions_items() if gv.name_hint not in ("decode", "decode1")}
+    functions[tvm.ir.GlobalVar("decode")] = built["decode1"]
+    return relax.transform.DeadCodeElimination()(tvm.IRModule(functions))
+
+
+def test_decode_becomes_quantize_plus_hvx_gemv():
+    """Before/Expected: decode's matmul becomes the DSP's activation quantize and the HVX GEMV reading the stored
+    arrays as they are (no dequantize left); prefill keeps the dequantize of the hvx order."""
+    after = relax.transform.DeadCodeElimination()(HvxGEMV()(_module()))
+    tvm.ir.assert_structural_equal(after, _expected())
+
+
+def test_other_code_orders_are_left_alone():
+    plain = GroupLayout(4, 32, True, "float16")
+    before = _module(plain)
+    tvm.ir.assert_structural_equal(HvxGEMV()(before), before)
+
+
+def test_plans():
+    """hexagon-npu with int8 decode activations stores the hvx order and has the step; int16 (its default) keeps
+    TVM's float GEMVs, as the other targets do."""
+    int8, int16 = (resolve_plan("hexagon-npu", decode_activations=a) for a in ("int8", "int16"))
+    assert int8.hvx_gemv and int8.code_order == "hvx" and int8.integer_decode
+    assert not int16.hvx_gemv and int16.code_order == "plain" and not int16.integer_decode
+    assert resolve_plan("hexagon-npu").decode_activations == "int16"
+    for plan, has_step in ((int8, True), (int16, False), (resolve_plan("linux-arm64"), False)):
+        assert ("hvx-gemv" in [step for step, _ in pipeline.steps(plan)]) == has_step
+
+
+def test_tiny_llama_decode_projections_run_on_the_hvx_gemv(tmp_path):
+    """The tiny Llama for hexagon-npu with int8 decode activations, through the pipeline up to hvx-gemv: every
+    projection of decode (qkv, o, gate_up, down per layer; the tied lm_head) is an HVX GEMV after a quantize of its
+    activations, and no NT_matmul is left in decode; prefill keeps its matmuls."""
+    checkpoint = save_compilable_checkpoint(build_model("llama_gqa"), tmp_path / "hf")
+    plan = resolve_plan("hexagon-npu", "q4f16_g32", decode_activations="int8", host_target="host")
+    with open_checkpoint(checkpoint) as ckpt:
+        mod = import_model(ckpt, plan, 32).mod
+    with plan.spec.tvm_target():
+        for name, step in pipeline.steps(plan):
+            mod = step(mod)
+            if name == "hvx-gemv":
+                break
+    called = re.findall(r"R\.call_tir\((?:cls\.)?(\w+)", mod["decode"].script())
+    gemvs = [c for c in called if c.startswith(GEMV_PREFIX)]
+    layers = 2
+    assert len(gemvs) == 4 * layers + 1 and gemvs[-1].startswith(f"{GEMV_PREFIX}8bit")  # the 8-bit lm_head
+    assert sum(c.startswith(QUANTIZE_PREFIX) for c in called) == len(gemvs)
+    assert not [c for c in called if c.startswith("NT_matmul")]
+    assert any(c.startswith("NT_matmul") for c in re.findall(r"R\.call_tir\((?:cls\.)?(\w+)",
+                                                               mod["prefill"].script()))
+
+
+def _built(func_of_tensors, arrays: list[np.ndarray], out_shape) -> np.ndarray:
+    inputs = [te.placeholder(a.shape, str(a.dtype)) for a in arrays]
+    out = func_of_tensors(*inputs)
+    built = tvm.compile(te.create_prim_func([*inputs, out]), target="llvm")
+    result = tvm.runtime.tensor(np.zeros(out_shape, np.float32))
+    built(*(tvm.runtime.tensor(a) for a in arrays), result)
+    return result.numpy()
+
+
+@pytest.mark.parametrize("layout", [GroupLayout(4, 32, True, "float16"), GroupLayout(4, 32, False, "float16"),
+                                    GroupLayout(8, 32, True, "float16")], ids=lambda layout: layout.describe())
+def test_hvx_order_dequantize_matches_numpy(layout):
+    """dequantize_te and take_dequantize_te of the hvx order (prefill's matmuls, the tied embedding's lookup) give
+    numpy's dequantize of the same codes (scales within 2^4 of their row's largest keep every bit: exact here). A
+    flipped code byte of the stored records changes the weights (negative control)."""
+    rng = np.random.default_rng(5)
+    n, k = 64, 160
+    hvx = layout.with_code_order("hvx", n)
+    arrays = quantize(rng.standard_normal((n, k)).astype(np.float32), hvx)
+    expected = dequantize(arrays, layout, k)
+    stored = hvx_blocks.stored_arrays(arrays, hvx, k)
+    assert {key: (a.shape, str(a.dtype)) for key, a in stored.items()} == hvx.shapes(n, k)
+    weights = [stored["q_weight"], stored["q_scale"]]
+    np.testing.assert_array_equal(_built(dequantize_te(hvx, k, "float32"), weights, (n, k)), expected)
+    ids = np.array([5, 40, 63], np.int32)
+    np.testing.assert_array_equal(_built(take_dequantize_te(hvx, k, "float32"), [ids, *weights], (3, k)),
+                                  expected[ids])
+    wrong = stored["q_weight"].copy()
+    wrong[33, -1] ^= 0xFF  # a code byte of the second tile's last record
+    assert np.any(_built(dequantize_te(hvx, k, "float32"), [wrong, stored["q_scale"]], (n, k)) != expected)

@@ -1,4 +1,4 @@
-"""FuseGEMMNorms: on GPUs, the RMSNorm before a prefill GEMM, and a q/k norm over heads after it, run inside it."""
+"""FuseGEMMNorms: on GPUs, the norms around a prefill GEMM (RMSNorm, post-norm; q/k norm, RoPE) run inside it."""
 
 from __future__ import annotations
 
@@ -157,10 +157,12 @@ class _Rewriter(PyExprMutator):
 @tvm.transform.module_pass(opt_level=0, name="FuseGEMMNorms")
 class FuseGEMMNorms:  # pylint: disable=too-few-public-methods
     """Fuse into each prefill GEMM the RMSNorm kernel that alone reads into its row operand, with that norm's input
-    cast where only the norm reads it, and after it the kernels that move its result (a reshape into heads) and the
-    norm over groups of it that alone read them (compiler/passes/fuse_gemm_norms.py); after FuseTIR, before the
-    schedule. `schedulable` says whether the schedule rules take a fused kernel: where they do not, the epilogue,
-    then the whole, stays apart."""
+    cast where only the norm reads it, and the norm kernel the first of them reads (Gemma 3's post-norm with its
+    residual add; run a second time, last, into a second result where others read its result after the kernel); and
+    after it the kernels that move its result (a reshape into heads), the norm over groups of it and the kernels that
+    compute on that (RoPE), each alone reading the one before (compiler/passes/fuse_gemm_norms.py); after FuseTIR,
+    before the schedule. `schedulable` says whether the schedule rules take a fused kernel: where they do not, a
+    shorter epilogue, then none, then the prologue without the post-norm kernel, is tried."""
 
     def __init__(self, schedulable: Callable[[tirx.PrimFunc], bool]):
         self.schedulable = schedulable

@@ -495,14 +495,20 @@ def _writer(blocks: list[s_tir.SBlock], buffer: tirx.Buffer) -> int | None:
 
 
 def _second_run_stmts(func: tirx.PrimFunc) -> list:
-    """The root's statements after the last that writes the function's last result (FuseGEMMNorms' second run of a
-    residual prologue, into a result of its own); [] where there are none or a statement holds more than one block."""
+    """The root's statements after the last that writes the function's last result, where they are FuseGEMMNorms'
+    second run of a residual prologue (a norm kernel: a row reduction, then what writes the result before the last);
+    [] otherwise."""
     found = _one_block_each(func)
-    if found is None:
+    if found is None or len(func.params) < 2:
         return []
     stmts, blocks = found
-    last = _writer(blocks[::-1], func.params[-1])
-    return [] if last is None or last == 0 else stmts[len(stmts) - last:]
+    after = _writer(blocks[::-1], func.params[-1])
+    if not after:
+        return []
+    second = blocks[-after:]
+    if not any(is_reduction(b) for b in second) or not _among(second[-1].writes[0].source, [func.params[-2]]):
+        return []
+    return stmts[-after:]
 
 
 def _norm_prologue(func: tirx.PrimFunc) -> tuple[list, tirx.Buffer] | None:

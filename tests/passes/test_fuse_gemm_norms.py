@@ -198,7 +198,8 @@ class _Apart:
 @I.ir_module
 class _BeforeRoPE:
     """norm -> projection -> reshape into heads -> an RMSNorm over each head -> a rotate-half over each head that also
-    reads the rows' positions (Gemma 3's QKV projection, q/k norm and RoPE), each kernel with its own length variable."""
+    reads the rows' positions (Gemma 3's QKV projection, q/k norm and RoPE), each kernel with its own length
+    variable."""
 
     @T.prim_func(private=True, s_tir=True)
     def norm(var_x: T.handle, w: T.Buffer((8,), "float32"), var_y: T.handle):

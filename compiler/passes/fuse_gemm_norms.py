@@ -110,6 +110,8 @@ class _Rewriter(PyExprMutator):
         read after the kernel: a second result) into `gemm`, and those of `after` (each reading only the one
         before) after it, if the schedule takes the result."""
         last = (after or [gemm])[-1]
+        if any(b.var in self.fused or b.var in self.dropped for b in [*before, gemm, *after]):
+            return False  # inside another GEMM's kernel already (a residual stream two norms read)
         first = before[0]
         second_result = first.var if len(self.read_at.get(first.var, [])) > 1 else None
         if second_result is not None and any(i <= self.order[last.var] and i != self.order[before[1].var]

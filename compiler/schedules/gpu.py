@@ -53,6 +53,9 @@ class Matmul(dlight.gpu.Matmul):
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
         if not isinstance(func, tirx.PrimFunc):
             return None
+        second_run = _second_run_stmts(func)
+        if second_run:
+            return self._with_second_run(func, target, tunable, second_run)
         epilogue = _group_norm_epilogue(func)
         if epilogue is not None:
             return self._with_group_norm(func, target, tunable, *epilogue)
@@ -118,7 +121,8 @@ class Matmul(dlight.gpu.Matmul):
         """A GEMM with a norm prologue (_with_norm) and, after it, a norm over groups of its columns (Qwen3's q/k norm
         over each head; passes/fuse_gemm_norms.py): the GEMM scheduled as without the epilogue, its tile kept in
         shared memory; then each thread takes (row, group) pairs of the tile, sums the group's squares and writes it
-        normalized. A tile holds whole groups (its columns a multiple of the group), else the rule declines."""
+        normalized. A tile holds whole groups (its columns a multiple of the group; where a group is a multiple of the
+        tile's columns, the micro tile is widened to it), else the rule declines."""
         reduction = next(b for stmt in epilogue for b in _blocks_of(stmt) if is_reduction(b))
         group = 1
         for var in reduction.iter_vars:
@@ -126,6 +130,17 @@ class Matmul(dlight.gpu.Matmul):
                 group *= _extent(var.dom.extent) or 0
         columns = self.config.vthread_x * self.config.block_size_x * self.config.micro_size_x if self.config.inner_x \
             else self.config.vthread_y * self.config.block_size_y * self.config.micro_size_y
+        if group and columns < group and group % columns == 0:
+            # a group wider than the tile (a 128/256-wide head, Mali's 64 columns): each thread's micro tile that
+            # many times as wide, so that a work group holds whole groups, and as many times fewer rows where it has
+            # them (the same accumulators per thread; the tile in shared memory within the device's)
+            factor = group // columns
+            columns_micro, rows_micro = ("micro_size_x", "micro_size_y") if self.config.inner_x \
+                else ("micro_size_y", "micro_size_x")
+            wide = dataclasses.replace(self.config, **{
+                columns_micro: getattr(self.config, columns_micro) * factor,
+                rows_micro: max(1, getattr(self.config, rows_micro) // factor)})
+            return Matmul(wide)._with_group_norm(func, target, tunable, epilogue, result)
         if not group or columns % group:
             return None
         root = func.body.block
@@ -163,11 +178,18 @@ class Matmul(dlight.gpu.Matmul):
                          key=loops.index)
         extents = {sch.get(loop).thread_binding.thread_tag: get_extent(sch, loop) for loop in bound}
         sch.set_scope(writer, 0, "shared")
-        rest = [b for b in blocks if is_reduction(sch.get(b)) or b is blocks[-1]]
+        # the normalized groups stay a block of their own where others follow them (Gemma's RoPE): inlined into a
+        # reader of other columns of the group (rotate-half), its reads would index the GEMM's flat columns, whose
+        # region TVM cannot solve per group
+        reduced = next(i for i, b in enumerate(blocks) if is_reduction(sch.get(b)))
+        normalized = blocks[reduced + 1] if reduced + 2 < len(blocks) else None
+        rest = [b for b in blocks if is_reduction(sch.get(b)) or b is normalized or b is blocks[-1]]
         for block in blocks:
             if block not in rest:
                 sch.compute_inline(block)
         for block in rest:
+            if normalized is not None and block is not normalized and not is_reduction(sch.get(block)):
+                _reads_within_groups(sch, block, [sch.get(normalized).writes[0].source])
             sch.reverse_compute_at(block, work_group, preserve_unit_loops=True)
             # rows across threadIdx.y as the GEMM's tile has them; each thread sums the squares of every group of its
             # rows (the threads along threadIdx.x alike, each its own copy) and writes its share of each group's
@@ -175,12 +197,63 @@ class Matmul(dlight.gpu.Matmul):
             *rows, _, columns = sch.get_loops(block)[loops.index(work_group) + 1:]
             rows_threads, _ = sch.split(sch.fuse(*rows), factors=[extents["threadIdx.y"], None])
             sch.bind(rows_threads, "threadIdx.y")
-            if block is rest[-1]:
+            if not is_reduction(sch.get(block)):
                 _, columns_threads = sch.split(columns, factors=[None, extents["threadIdx.x"]])
                 sch.bind(columns_threads, "threadIdx.x")
             if block is not rest[-1]:
-                sch.set_scope(block, 0, "local")
+                # the normalized groups in shared memory: what follows reads columns other threads wrote
+                sch.set_scope(block, 0, "shared" if block is normalized else "local")
         return sch
+
+    def _with_second_run(self, func: tirx.PrimFunc, target: Target, tunable: bool, second_run: list):
+        """A GEMM with a residual prologue whose result others read too (passes/fuse_gemm_norms.py: Gemma 3's
+        post-norm with its residual add, run a second time last into a result of its own): the GEMM scheduled as
+        without the second run; the second run in the first work group only, its rows across the work group's
+        threads, each thread reducing its row whole (its sum of squares a scalar) and writing it. One work group's
+        extra pass over the rows (two reads and a write of each value) against the GEMM's over the weights, and no
+        launch; each value written once, by one work-item."""
+        root = func.body.block
+        written = _written_buffers(second_run)
+        kept = stmts_of(root.body)[:-len(second_run)]
+        scheduled = self.apply(func.with_body(s_tir.SBlockRealize([], True, s_tir.SBlock(
+            [], [], [], "root", kept[0] if len(kept) == 1 else tirx.SeqStmt(kept),
+            alloc_buffers=[b for b in root.alloc_buffers if not _among(b, written)]))), target, tunable)
+        if scheduled is None:
+            return None
+        scheduled_root = scheduled.mod["main"].body.block
+        sch = s_tir.Schedule(func.with_body(s_tir.SBlockRealize([], True, s_tir.SBlock(
+            [], [], [], "root", tirx.SeqStmt([*stmts_of(scheduled_root.body), *second_run]),
+            alloc_buffers=[*scheduled_root.alloc_buffers, *[b for b in root.alloc_buffers if _among(b, written)]]))),
+            enable_check=False)
+        blocks = sch.get_child_blocks(sch.get_sblock("root"))
+        count = sum(len(_blocks_of(stmt)) for stmt in second_run)
+        gemm, second = blocks[:-count], blocks[-count:]
+        last = second[-1]
+        # the elementwise blocks inlined into the result's; the sums of squares (and their rsqrt) per row of it
+        statistics = [b for b in second if is_reduction(sch.get(b)) or (
+            b is not last and sch.get_producers(b) and all(is_reduction(sch.get(p)) for p in sch.get_producers(b)))]
+        for block in second:
+            if block is not last and block not in statistics:
+                sch.compute_inline(block)
+        writer = next(b for b in gemm if _among(sch.get(b).writes[0].source, [func.params[-1]]))
+        loops = sch.get_loops(writer)
+        bound = [loop for loop in loops if sch.get(loop).thread_binding is not None]
+        work_groups = [loop for loop in bound if sch.get(loop).thread_binding.thread_tag.startswith("blockIdx")]
+        work_group = max(work_groups, key=loops.index)
+        extents = {sch.get(loop).thread_binding.thread_tag: get_extent(sch, loop) for loop in bound}
+        # into the work group loop, each after its producers (over every row: what they read is the function's
+        # arguments), then the statistics into the result's loop over rows (a scalar each)
+        for block in [*statistics, last]:
+            sch.reverse_compute_at(block, work_group, preserve_unit_loops=True)
+        *rows, _ = sch.get_loops(last)[loops.index(work_group) + 1:]
+        row = sch.fuse(*rows)
+        for block in reversed(statistics):
+            sch.compute_at(block, row, preserve_unit_loops=True)
+            sch.set_scope(block, 0, "local")
+        _, thread_y, thread_x = sch.split(row, factors=[None, extents["threadIdx.y"], extents["threadIdx.x"]])
+        sch.bind(thread_y, "threadIdx.y")
+        sch.bind(thread_x, "threadIdx.x")
+        return _in_first_work_group(sch, work_groups, [*statistics, last])
 
     def _matmul(self, func: tirx.PrimFunc, target: Target, tunable: bool):
         if not any(getattr(p, "dtype", None) == code_loads.CODE_DTYPE for p in func.params):
@@ -311,7 +384,7 @@ class GEMV(dlight.gpu.GEMV):
                                                   factors=[None, extents["threadIdx.y"], extents["threadIdx.x"]])
                 sch.bind(thread_y, "threadIdx.y")
                 sch.bind(thread_x, "threadIdx.x")
-        return _in_first_work_group(sch, work_group, second_run)
+        return _in_first_work_group(sch, [work_group], [info.block_rv for info in second_run])
 
     def sch_inner_reduction(  # pylint: disable=too-many-arguments,too-many-locals,unused-argument
         self, sch: s_tir.Schedule, target: Target, block, vector_input_buffers, epilogue_info: SBlockInfo | None,
@@ -421,6 +494,23 @@ def _writer(blocks: list[s_tir.SBlock], buffer: tirx.Buffer) -> int | None:
     return next((i for i, block in enumerate(blocks) if _among(buffer, [w.source for w in block.writes])), None)
 
 
+def _second_run_stmts(func: tirx.PrimFunc) -> list:
+    """The root's statements after the last that writes the function's last result, where they are FuseGEMMNorms'
+    second run of a residual prologue (a norm kernel: a row reduction, then what writes the result before the last);
+    [] otherwise."""
+    found = _one_block_each(func)
+    if found is None or len(func.params) < 2:
+        return []
+    stmts, blocks = found
+    after = _writer(blocks[::-1], func.params[-1])
+    if not after:
+        return []
+    second = blocks[-after:]
+    if not any(is_reduction(b) for b in second) or not _among(second[-1].writes[0].source, [func.params[-2]]):
+        return []
+    return stmts[-after:]
+
+
 def _norm_prologue(func: tirx.PrimFunc) -> tuple[list, tirx.Buffer] | None:
     """(the root's statements that compute the GEMM's row operand, that operand) where the function starts with an
     RMSNorm (a row reduction among the statements) whose result is the row operand of its last reduction, the GEMM,
@@ -490,9 +580,18 @@ def _group_norm_epilogue(func: tirx.PrimFunc) -> tuple[list, tirx.Buffer] | None
     if len(reductions) < 3:
         return None
     gemm = reduced_before(reductions[-1])
-    if gemm is None or gemm != reductions[-2] or reduced_before(gemm) is None:
+    if gemm is None or gemm != reductions[-2] or not _multiplies_a_matrix(blocks[gemm]) \
+            or reduced_before(gemm) is None:
         return None
     return stmts[gemm + 1:], blocks[gemm].writes[0].source
+
+
+def _multiplies_a_matrix(block: s_tir.SBlock) -> bool:
+    """Whether `block` reads a buffer at fewer of its spatial iterators than it has (the weight of a GEMM, the same
+    for every row), not a norm's sum of squares, which reads its rows only (a residual prologue's before the GEMM)."""
+    spatial = {v.var for v in block.iter_vars if v.iter_type == tirx.IterVar.DataPar and _extent(v.dom.extent) != 1}
+    return any(not spatial <= set(collect_block_iter_vars_used_in_access_region(block, read.region))
+               for read in block.reads)
 
 
 def _matrix_read(sch: s_tir.Schedule, block) -> int:
@@ -529,13 +628,17 @@ def _second_run(sch: s_tir.Schedule, func: tirx.PrimFunc, infos: list[SBlockInfo
     return infos[last + 1:]
 
 
-def _in_first_work_group(sch: s_tir.Schedule, work_group, infos: list[SBlockInfo]) -> s_tir.Schedule:
-    """`sch`'s function with the blocks of `infos` run by the first work group only: their result is written once, by
-    work-items of one work group, which read nothing another work group writes. Schedule primitives cannot predicate a
-    block on a loop outside it, so this edits the blocks' predicates and starts a schedule of the result."""
-    func, loop = sch.mod["main"], sch.get(work_group)
-    first = tirx.EQ(loop.loop_var, tirx.const(0, loop.loop_var.ty))
-    blocks = [sch.get(info.block_rv) for info in infos]
+def _in_first_work_group(sch: s_tir.Schedule, work_groups: list, block_rvs: list) -> s_tir.Schedule:
+    """`sch`'s function with the blocks of `block_rvs` run by the first work group (0 along each loop of
+    `work_groups`) only: their result is written once, by work-items of one work group, which read nothing another
+    work group writes. Schedule primitives cannot predicate a block on a loop outside it, so this edits the blocks'
+    predicates and starts a schedule of the result."""
+    func = sch.mod["main"]
+    first = None
+    for loop in (sch.get(rv) for rv in work_groups):
+        at_zero = tirx.EQ(loop.loop_var, tirx.const(0, loop.loop_var.ty))
+        first = at_zero if first is None else tirx.And(first, at_zero)
+    blocks = [sch.get(rv) for rv in block_rvs]
 
     def first_only(realize: s_tir.SBlockRealize) -> s_tir.SBlockRealize:
         if not any(realize.block.same_as(block) for block in blocks):

@@ -24,10 +24,11 @@ PROMPT = [3, 7, 1, 4, 4, 9, 2, 5]
 STEPS = 8
 
 
-def _build(checkpoint, out, prompt: list[int], function: str | None = None) -> tuple[np.ndarray, list[int], list[str]]:
-    """`checkpoint`'s android-adreno artifact in `out`, on PoCL: its logits and greedy tokens after `prompt`, and its
+def _build(checkpoint, out, prompt: list[int], function: str | None = None, target: str = "android-adreno"
+           ) -> tuple[np.ndarray, list[int], list[str]]:
+    """`checkpoint`'s `target` artifact in `out`, on PoCL: its logits and greedy tokens after `prompt`, and its
     kernels (each that `function` calls, if given)."""
-    compile_model(CompileOptions(str(checkpoint), "android-adreno", "q4f32_g32", str(out), context_window=64,
+    compile_model(CompileOptions(str(checkpoint), target, "q4f32_g32", str(out), context_window=64,
                                  progress=False, kv_dtype="f32", **ON_POCL))
     sites = load_artifact(out).config["call_sites"]
     kernels = sites["kernels"]
@@ -57,15 +58,23 @@ def test_fused_norms_decode_the_unfused_builds_tokens(tmp_path, monkeypatch, fam
 LONG_PROMPT = [(7 * i + 3) % 50 + 1 for i in range(37)]
 
 
-@pytest.mark.parametrize("family", ["llama_gqa", "qwen3", "gemma3"])
-def test_norms_inside_prefill_gemms_give_the_unfused_builds_logits(tmp_path, monkeypatch, family):
-    checkpoint = save_compilable_checkpoint(build_model(family), tmp_path / "hf")
-    fused_logits, fused_tokens, fused_kernels = _build(checkpoint, tmp_path / "fused", LONG_PROMPT)
+@pytest.mark.parametrize("family,target,changes", [
+    ("llama_gqa", "android-adreno", {}), ("qwen3", "android-adreno", {}), ("gemma3", "android-adreno", {}),
+    ("gemma3", "android-mali", {}),
+    # heads of 128, wider than android-mali's GEMM tile (64 columns), which the rule widens for the q/k norm
+    ("qwen3", "android-mali", {"head_dim": 128}), ("gemma3", "android-mali", {"head_dim": 128})])
+def test_norms_inside_prefill_gemms_give_the_unfused_builds_logits(tmp_path, monkeypatch, family, target, changes):
+    checkpoint = save_compilable_checkpoint(build_model(family, **changes), tmp_path / "hf")
+    fused_logits, fused_tokens, fused_kernels = _build(checkpoint, tmp_path / "fused", LONG_PROMPT, target=target)
     monkeypatch.setattr(pipeline, "FuseGEMMNorms", lambda _: tvm.transform.Sequential([]))
-    logits, tokens, kernels = _build(checkpoint, tmp_path / "unfused", LONG_PROMPT)
+    logits, tokens, kernels = _build(checkpoint, tmp_path / "unfused", LONG_PROMPT, target=target)
     # the QKV and gate/up GEMMs of prefill with their norms, in one build only
     only_fused = set(fused_kernels) - set(kernels)
     assert len(only_fused) >= 2 and all("NT_matmul" in k and "_after_" in k for k in only_fused), only_fused
+    # the q/k norm inside the QKV GEMM, and Gemma 3's RoPE after it, in one build only
+    assert any("_then_qk_norm" in k for k in only_fused) == (family != "llama_gqa"), only_fused
+    assert [any("rotary_embedding" in k for k in names) for names in (fused_kernels, kernels)] == \
+        [False, family == "gemma3"]
     assert fused_tokens == tokens
     np.testing.assert_allclose(fused_logits, logits, rtol=0, atol=1e-5 * np.abs(logits).max())
     # Negative control: the comparison sees a wrong step (the logits move from step to step).

@@ -234,7 +234,9 @@ def test_hexagon_npu_takes_them_with_our_kernels_on_its_arm_host(tmp_path, name,
             imported = import_model(ckpt, plan, context).mod
         seen = {}
         pipeline.run_steps(imported, plan, lambda _i, step, mod: seen.__setitem__(step, mod))
-        before = {global_symbol(f): f for f in imported.functions.values() if _is_attention(f)}
+        steps = list(seen)  # in the order they ran
+        into = seen[steps[steps.index("cpu-attention") - 1]]
+        before = {global_symbol(f): f for f in into.functions.values() if _is_attention(f)}
         kernels[target] = {global_symbol(f): f for f in seen["cpu-attention"].functions.values() if _is_attention(f)}
         assert before.keys() == kernels[target].keys() and len(before) >= 3
         replaced = [k for k in before if not _same(before[k], kernels[target][k])]

@@ -13,9 +13,10 @@ calls them by position) and compute the same thing:
   sum of p) are merged at the end;
 - prefill (ragged: the new tokens among themselves; paged: the new tokens against the cached pages): one parallel
   task per (tile of QUERY_TILE query rows of one sequence, KV head), keys in blocks of 16 rows (a page for the
-  paged kernel), causal mask as TVM's; each key row is loaded once for the tile's query heads, each block's V rows
-  once into a float32 block, and a query head's output is updated per block as one head_dim-lane vector (one
-  broadcast weight per key row for head_dim / lanes independent FMA chains);
+  paged kernel), causal mask as TVM's; each key row is loaded once for the tile's query heads, a score's lanes
+  summed by shuffles of its dot product (not through a buffer),
+  each block's V rows widened once into a float32 block, and a query head's output updated per block as one
+  head_dim-lane vector (one broadcast weight per key row for head_dim / lanes independent FMA chains);
 - the `group` query heads that share a KV head are handled together, so each K and V row is loaded once for them;
   a block's scores are computed first (one vector dot product over head_dim per row and query head), then the
   online softmax is rescaled once per block with a vectorized exp2 (a polynomial, no libm call), then the V rows
@@ -261,6 +262,16 @@ def _tree(buf, base, lanes: int, combine):
 
 def _hsum(buf, base, lanes: int):
     return _tree(buf, base, lanes, lambda a, b: a + b)
+
+
+def _hsum_value(value, lanes: int):
+    """The sum of the `lanes` lanes of a vector expression: halves added by shuffles of the expression itself (it is
+    repeated, and LLVM computes it once). In the prefill kernels this took 25 ms a layer where storing the vector and
+    summing its halves from the buffer (_hsum) took 35 (SmolLM2, 1328 cached tokens, one thread, shared Zen 3)."""
+    while lanes > 1:
+        lanes //= 2
+        value = T.Shuffle([value], list(range(lanes))) + T.Shuffle([value], list(range(lanes, 2 * lanes)))
+    return value
 
 
 def _hmax(buf, base, lanes: int):
@@ -532,11 +543,12 @@ def _prefill_tile_macro(shape: AttentionShape, lanes: int, paged: bool, block: i
     sequence and one KV head, its `group` query heads each, walking the keys that any of the rows sees (causal: up
     to a row's own position, aligned at the end of the keys) in blocks of `block` rows, as the decode kernel walks
     pages. Keys are the ragged k/v rows of the new tokens, or (`paged`) the sequence's pages, a block being a page.
-    Each key row is loaded (and widened) once for the tile's QUERY_TILE * group query heads, and each block's V rows
-    once into a float32 block that every query head's output accumulates from, 16 rows per sum: one task per query
-    row loaded every key row per row and spent most of its time on the loads and on its output's loads and stores
-    (a 301-token turn over 1328 cached tokens, SmolLM2's 9 heads, Zen 3: 41 ms a layer on one thread). A row's keys
-    outside its own range [lo, hi) get score MASKED and weight 0. With a `sliding_window` (paged only: the
+    Each key row is loaded (and widened) once for the tile's QUERY_TILE * group query heads, each score's lanes are
+    summed by shuffles of the dot product itself (_hsum_value), and each block's V rows are widened once into a
+    float32 block that a query head's output accumulates from as one head_dim-lane vector. A row's keys outside its
+    own range [lo, hi) get score MASKED and weight 0. One task per query row, every key row loaded per row and each
+    score summed through a buffer, took 32-48 ms a layer for a 301-token turn over 1328 cached tokens (SmolLM2's
+    9 heads, float16 pages, one thread of a shared Zen 3); this takes 23-32 ms. With a `sliding_window` (paged only: the
     "mha_sliding" layers' kernel) the pages are the window's, its keys start at length_info[1, b] in the first page,
     and with `causal` the query row i of a sequence sees only the last max(window - i - 1, 0) of them, as TVM's
     _causal_or_sliding_cross_mask (the cached keys before the new tokens, which the ragged kernel covers). `window`
@@ -656,7 +668,7 @@ def _prefill_tile_macro(shape: AttentionShape, lanes: int, paged: bool, block: i
                     run_max[i * G + g] = T.float32(NO_SCORE)
                     run_sum[i * G + g] = T.float32(0)
                     for c in T.unroll(DC):
-                        # rows past the tile's last repeat it (their range is empty, their output not written)
+                        # rows past the tile's last repeat it (never computed: their range is empty)
                         qs[vec((i * G + g) * D + c * VL)] = _f32(q[t0 + T.min(i, n_rows - 1), h * G + g,
                                                                    vec(c * VL)], fdtype, VL) * _bcast(q_scale[0], VL)
                         acc[vec((i * G + g) * D + c * VL)] = _bcast(0.0, VL)
@@ -674,11 +686,11 @@ def _prefill_tile_macro(shape: AttentionShape, lanes: int, paged: bool, block: i
                 for r in range(first, last):
                     for c in T.unroll(DC):
                         key_row[vec(c * VL)] = key_chunk(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, 0)(c)
-                    for i in range(QT):
+                    for i in range(n_rows):
                         for g in T.unroll(G):
-                            part[vec(0)] = _chains_sum([qs[vec((i * G + g) * D + c * VL)] * key_row[vec(c * VL)]
-                                                        for c in range(DC)], 2)
-                            scores[(i * G + g) * P + r] = _score(shape, _hsum(part, 0, VL), key_param(
+                            scores[(i * G + g) * P + r] = _score(shape, _hsum_value(_chains_sum(
+                                [qs[vec((i * G + g) * D + c * VL)] * key_row[vec(c * VL)] for c in range(DC)], 2), VL),
+                                key_param(
                                 k_f, v_f, page_values, kv_begin, blk, h, r, 0))
                             cap_score(scores, (i * G + g) * P + r, cap_arg)
                             scores[(i * G + g) * P + r] = T.if_then_else(
@@ -692,7 +704,7 @@ def _prefill_tile_macro(shape: AttentionShape, lanes: int, paged: bool, block: i
                     else:
                         for c in T.unroll(DC):
                             values[vec(r * D + c * VL)] = _bcast(0.0, VL)
-                for i in range(QT):
+                for i in range(n_rows):
                     for g in T.unroll(G):
                         part[vec(0)] = scores[vec((i * G + g) * P)]
                         for c in T.unroll(PC - 1):

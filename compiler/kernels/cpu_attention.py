@@ -12,7 +12,11 @@ calls them by position) and compute the same thing:
   software prefetches, was 1.5-2x slower from DRAM). The chunks' unnormalized states (sum of p V, running max,
   sum of p) are merged at the end;
 - prefill (ragged: the new tokens among themselves; paged: the new tokens against the cached pages): one parallel
-  task per query row, keys in blocks of 16 rows (a page for the paged kernel), causal mask as TVM's;
+  task per (tile of QUERY_TILE query rows of one sequence, KV head), keys in blocks of 16 rows (a page for the
+  paged kernel), causal mask as TVM's; each key row is loaded once for the tile's query heads, a score's lanes
+  summed by shuffles of its dot product (not through a buffer),
+  each block's V rows widened once into a float32 block, and a query head's output updated per block as one
+  head_dim-lane vector (one broadcast weight per key row for head_dim / lanes independent FMA chains);
 - the `group` query heads that share a KV head are handled together, so each K and V row is loaded once for them;
   a block's scores are computed first (one vector dot product over head_dim per row and query head), then the
   online softmax is rescaled once per block with a vectorized exp2 (a polynomial, no libm call), then the V rows
@@ -86,6 +90,9 @@ CHUNK_PAGES = 8  # pages per parallel task of the decode kernel (128 tokens at p
 # 128-256 token context ran on one or two threads (SmolLM2 gguf decode, 2 threads, Zen 1: 12.0 -> 11.0 ms a step);
 # 8 keeps 2, 4 and 8 cores busy, and the extra chunks' merge costs a few hundred vector adds.
 MIN_DECODE_TASKS = 8
+# Query rows of one sequence per task of the prefill kernels (times the group of query heads of one KV head): each
+# key and V row is loaded once for them all
+QUERY_TILE = 8
 NO_SCORE = -5e4  # TVM's initial running max (and the lse of a sequence with no KV rows)
 MASKED = -3.0e38  # score of the rows past the end of the last page: below any real score
 # 2^f on [-0.5, 0.5] = 1 + f P(f) (Cephes exp2f), relative error 1.7e-7
@@ -257,6 +264,16 @@ def _hsum(buf, base, lanes: int):
     return _tree(buf, base, lanes, lambda a, b: a + b)
 
 
+def _hsum_value(value, lanes: int):
+    """The sum of the `lanes` lanes of a vector expression: halves added by shuffles of the expression itself (it is
+    repeated, and LLVM computes it once). In the prefill kernels this took 25 ms a layer where storing the vector and
+    summing its halves from the buffer (_hsum) took 35 (SmolLM2, 1328 cached tokens, one thread, shared Zen 3)."""
+    while lanes > 1:
+        lanes //= 2
+        value = T.Shuffle([value], list(range(lanes))) + T.Shuffle([value], list(range(lanes, 2 * lanes)))
+    return value
+
+
 def _hmax(buf, base, lanes: int):
     return _tree(buf, base, lanes, T.max)
 
@@ -279,6 +296,15 @@ def _exp2(x, lanes: int):
 
 def _sum(terms):
     return functools.reduce(lambda a, b: a + b, terms)
+
+
+def _chains_sum(terms, chains: int):
+    """The sum of `terms` as `chains` interleaved running sums added pairwise at the end: independent FMA chains
+    (one chain of n FMAs takes n times an FMA's latency, ~4 cycles, and LLVM keeps the order written)."""
+    parts = [_sum(terms[j::chains]) for j in range(min(chains, len(terms)))]
+    while len(parts) > 1:
+        parts = [parts[j] + parts[j + 1] if j + 1 < len(parts) else parts[j] for j in range(0, len(parts), 2)]
+    return parts[0]
 
 
 def _score(shape: AttentionShape, dot, param):
@@ -511,20 +537,26 @@ def attention_decode(shape: AttentionShape, lanes: int, *, chunk_pages: int = CH
     return func.with_attr("global_symbol", DECODE_SYMBOL + (SLIDING_SUFFIX if sliding else ""))
 
 
-def _prefill_row_macro(shape: AttentionShape, lanes: int, paged: bool, block: int, sliding_window: int = 0,
-                       window: int = 0, logit_cap: float = 0.0):
-    """The work of one query row of a prefill kernel, as a T.macro: for each KV head, its `group` query heads walk
-    the visible keys (causal: up to the row's own position, aligned at the end of the keys) in blocks of `block`
-    rows, as the decode kernel walks pages. Keys are the ragged k/v rows of the new tokens, or (`paged`) the
-    sequence's pages, a block being a page. With a `sliding_window` (paged only: the "mha_sliding" layers' kernel)
-    the pages are the window's, its keys start at length_info[1, b] in the first page, and with `causal` the query
-    row i of a sequence sees only the last max(window - i - 1, 0) of them, as TVM's _causal_or_sliding_cross_mask
-    (the cached keys before the new tokens, which the ragged kernel covers). `window` (SLIDING_WINDOW_ATTR; not with
-    `sliding_window`): the keys are all the sequence's, and query row i, at position p (causal: the keys end with
-    the new tokens, p = kv_len - qo_len + i; else they are all before them, p = kv_len + i), sees the keys at
-    positions > p - window. `logit_cap`: _score_cap."""
+def _prefill_tile_macro(shape: AttentionShape, lanes: int, paged: bool, block: int, sliding_window: int = 0,
+                        window: int = 0, logit_cap: float = 0.0):
+    """The work of one task of a prefill kernel, as a T.macro: up to QUERY_TILE consecutive query rows of one
+    sequence and one KV head, its `group` query heads each, walking the keys that any of the rows sees (causal: up
+    to a row's own position, aligned at the end of the keys) in blocks of `block` rows, as the decode kernel walks
+    pages. Keys are the ragged k/v rows of the new tokens, or (`paged`) the sequence's pages, a block being a page.
+    Each key row is loaded (and widened) once for the tile's QUERY_TILE * group query heads, each score's lanes are
+    summed by shuffles of the dot product itself (_hsum_value), and each block's V rows are widened once into a
+    float32 block that a query head's output accumulates from as one head_dim-lane vector. A row's keys outside its
+    own range [lo, hi) get score MASKED and weight 0. One task per query row, every key row loaded per row and each
+    score summed through a buffer, took 32-48 ms a layer for a 301-token turn over 1328 cached tokens (SmolLM2's
+    9 heads, float16 pages, one thread of a shared Zen 3); this takes 23-32 ms. With a `sliding_window` (paged only: the
+    "mha_sliding" layers' kernel) the pages are the window's, its keys start at length_info[1, b] in the first page,
+    and with `causal` the query row i of a sequence sees only the last max(window - i - 1, 0) of them, as TVM's
+    _causal_or_sliding_cross_mask (the cached keys before the new tokens, which the ragged kernel covers). `window`
+    (SLIDING_WINDOW_ATTR; not with `sliding_window`): the keys are all the sequence's, and query row i, at position
+    p (causal: the keys end with the new tokens, p = kv_len - qo_len + i; else they are all before them,
+    p = kv_len + i), sees the keys at positions > p - window. `logit_cap`: _score_cap."""
     assert not (sliding_window and window), "a sliding layer's pages are its window's already"
-    H_qo, H_kv, D, G = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.group
+    H_kv, D, G, QT = shape.num_kv_heads, shape.head_dim, shape.group, QUERY_TILE
     fdtype, VL, P = shape.float_dtype, lanes, block
     DC, PC = D // VL, P // VL
     factored = shape.factored
@@ -532,13 +564,6 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, paged: bool, block: in
 
     def vec(base):
         return T.ramp(base, 1, VL)
-
-    def dot_terms(q_chunk, k_chunk):
-        return _sum([q_chunk(c) * k_chunk(c) for c in range(DC)])
-
-    def q_chunk(q, t, hq, q_scale):
-        """c -> chunk c of query head hq of row t, times sm_scale * log2 e."""
-        return lambda c: _f32(q[t, hq, vec(c * VL)], fdtype, VL) * _bcast(q_scale[0], VL)
 
     def key(k, v, page_values, kv_begin, blk, h, r, kv, index):
         """Element(s) `index` of key row r of block blk (kv 0: K, 1: V)."""
@@ -575,112 +600,159 @@ def _prefill_row_macro(shape: AttentionShape, lanes: int, paged: bool, block: in
         return lambda c: shape.values(lambda index: key(k, v, page_values, kv_begin, blk, h, r, kv, index),
                                       key_param(k_f, v_f, page_values, kv_begin, blk, h, r, kv), c, VL, kv)
 
+    def v_row(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, c):
+        """Chunk c of V row r of block blk as float32, times its scale where that is factored out (int8)."""
+        values = key_chunk(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, 1)(c)
+        if factored:
+            return values * _bcast(key_param(k_f, v_f, page_values, kv_begin, blk, h, r, 1)(0, 0), VL)
+        return values
+
     @T.macro
-    def query_row(t, q, q_indptr, k, v, k_f, v_f, kv_indptr, page_values, length_info, output, lse, batch_size,
-                  causal, sm_scale):
-        # k, v: the ragged keys and values (paged: both the pages); kv_indptr: ragged rows or (paged) pages.
-        # q, k, v, output: the views of the KV layout (AttentionShape); k_f, v_f: k and v as declared
-        acc = T.alloc_buffer((G * D,), "float32")
-        scores = T.alloc_buffer((G * P,), "float32")
+    def query_tile(tile, h, q, q_indptr, k, v, k_f, v_f, kv_indptr, page_values, length_info, output, lse,
+                   batch_size, causal, sm_scale):
+        # tile: the task's tile of query rows, counted over the sequences' tiles (a sequence's last one may be
+        # short; `tile` past the last one does nothing). k, v: the ragged keys and values (paged: both the pages);
+        # kv_indptr: ragged rows or (paged) pages. q, k, v, output: the views of the KV layout (AttentionShape);
+        # k_f, v_f: k and v as declared
+        qs = T.alloc_buffer((QT * G * D,), "float32")  # the tile's query heads, times sm_scale * log2 e
+        acc = T.alloc_buffer((QT * G * D,), "float32")  # sum of p * V at the running max
+        scores = T.alloc_buffer((QT * G * P,), "float32")  # a block's scores, then their exp2
+        key_row = T.alloc_buffer((D,), "float32")
+        values = T.alloc_buffer((P * D,), "float32")  # a block's V rows (0 outside the rows any query row sees)
         part = T.alloc_buffer((VL,), "float32")
-        run_max = T.alloc_buffer((G,), "float32")
-        run_sum = T.alloc_buffer((G,), "float32")
+        run_max = T.alloc_buffer((QT * G,), "float32")
+        run_sum = T.alloc_buffer((QT * G,), "float32")
         new_max = T.alloc_buffer((1,), "float32")
         rescale = T.alloc_buffer((1,), "float32")
         q_scale = T.alloc_buffer((1,), "float32")  # a float Let (CSE of a repeated product) breaks the codegen
         cap_arg = T.alloc_buffer((1,), "float32")
-        seq = T.alloc_buffer((1,), "int32")
-        # the sequence of query row t: the number of sequences that end at or before t
-        seq[0] = 0
+        # the tile's sequence, first row and rows; each row's visible keys [lo, hi) as rows of the blocks (paged:
+        # of the pages, from the window's offset; an empty range past the tile's rows); the block's rows any row sees
+        where = T.alloc_buffer((4,), "int32")
+        lo = T.alloc_buffer((QT,), "int32")
+        hi = T.alloc_buffer((QT,), "int32")
+        span = T.alloc_buffer((2,), "int32")
+        where[0] = -1
+        where[3] = 0  # tiles of the sequences before
         for s in range(batch_size):
-            if q_indptr[s + 1] <= t:
-                seq[0] = seq[0] + 1
-        b: T.let[T.int32] = seq[0]
-        kv_begin: T.let[T.int32] = kv_indptr[b]
-        kv_len: T.let[T.int32] = (
-            T.if_then_else(kv_indptr[b + 1] > kv_begin, (kv_indptr[b + 1] - kv_begin - 1) * P
-                           + last_rows(length_info, b) - window_offset(length_info, b), 0)
-            if paged else kv_indptr[b + 1] - kv_begin)
-        # causal: key j is visible to query row i of a sequence of qo_len rows if j < kv_len - qo_len + i + 1
-        # (sliding window: the keys are cached ones, all before the row, and the window cuts the oldest)
-        visible: T.let[T.int32] = T.if_then_else(
-            causal > 0, T.max(T.min(kv_len - (q_indptr[b + 1] - q_indptr[b]) + (t - q_indptr[b]) + 1, kv_len), 0),
-            kv_len) if not sliding_window else kv_len
-        # the visible keys [lo, hi) as rows of the blocks (paged: of the pages, from the window's offset)
-        lo: T.let[T.int32] = (first_visible(causal, kv_len, q_indptr[b + 1] - q_indptr[b], t - q_indptr[b])
-                              + window_offset(length_info, b))
-        hi: T.let[T.int32] = visible + window_offset(length_info, b)
-        q_scale[0] = sm_scale * T.float32(LOG2E)
-        for h in range(H_kv):
-            for g in T.unroll(G):
-                run_max[g] = T.float32(NO_SCORE)
-                run_sum[g] = T.float32(0)
-                for c in T.unroll(DC):
-                    acc[vec(g * D + c * VL)] = _bcast(0.0, VL)
-            for blk in range(lo // P, (hi + P - 1) // P):
-                rows: T.let[T.int32] = T.min(hi - blk * P, P)
-                start: T.let[T.int32] = T.max(lo - blk * P, 0)
-                for r in range(start, rows):
-                    for g in T.unroll(G):
-                        part[vec(0)] = dot_terms(q_chunk(q, t, h * G + g, q_scale),
-                                                 key_chunk(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, 0))
-                        scores[g * P + r] = _score(shape, _hsum(part, 0, VL),
-                                                   key_param(k_f, v_f, page_values, kv_begin, blk, h, r, 0))
-                        cap_score(scores, g * P + r, cap_arg)
-                for r in range(P - rows):
-                    for g in T.unroll(G):
-                        scores[g * P + rows + r] = T.float32(MASKED)
-                for r in range(start):
-                    for g in T.unroll(G):
-                        scores[g * P + r] = T.float32(MASKED)
+            if where[3] <= tile and tile < where[3] + (q_indptr[s + 1] - q_indptr[s] + QT - 1) // QT:
+                where[0] = s
+                where[1] = q_indptr[s] + (tile - where[3]) * QT
+                where[2] = T.min(q_indptr[s + 1] - where[1], QT)
+            where[3] = where[3] + (q_indptr[s + 1] - q_indptr[s] + QT - 1) // QT
+        if where[0] >= 0:
+            b: T.let[T.int32] = where[0]
+            t0: T.let[T.int32] = where[1]
+            n_rows: T.let[T.int32] = where[2]
+            kv_begin: T.let[T.int32] = kv_indptr[b]
+            kv_len: T.let[T.int32] = (
+                T.if_then_else(kv_indptr[b + 1] > kv_begin, (kv_indptr[b + 1] - kv_begin - 1) * P
+                               + last_rows(length_info, b) - window_offset(length_info, b), 0)
+                if paged else kv_indptr[b + 1] - kv_begin)
+            qo_len: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+            q_scale[0] = sm_scale * T.float32(LOG2E)
+            for i in range(QT):
+                if i < n_rows:
+                    # causal: key j is visible to query row i of a sequence of qo_len rows if
+                    # j < kv_len - qo_len + i + 1 (sliding window: the keys are cached ones, all before the row,
+                    # and the window cuts the oldest)
+                    lo[i] = first_visible(causal, kv_len, qo_len, t0 + i - q_indptr[b]) + window_offset(
+                        length_info, b)
+                    hi[i] = (T.if_then_else(causal > 0, T.max(T.min(kv_len - qo_len + (t0 + i - q_indptr[b]) + 1,
+                                                                     kv_len), 0), kv_len)
+                             if not sliding_window else kv_len) + window_offset(length_info, b)
+                else:
+                    lo[i] = T.int32(1 << 30)
+                    hi[i] = 0
                 for g in T.unroll(G):
-                    part[vec(0)] = scores[vec(g * P)]
-                    for c in T.unroll(PC - 1):
-                        part[vec(0)] = T.max(part[vec(0)], scores[vec(g * P + (c + 1) * VL)])
-                    new_max[0] = T.max(run_max[g], _hmax(part, 0, VL))
-                    rescale[0] = _exp2(run_max[g] - new_max[0], 1)
-                    for c in T.unroll(PC):
-                        scores[vec(g * P + c * VL)] = T.Select(
-                            T.ramp(c * VL, 1, VL) < T.broadcast(start, VL), _bcast(0.0, VL), T.Select(
-                                T.ramp(c * VL, 1, VL) < T.broadcast(rows, VL),
-                                _exp2(scores[vec(g * P + c * VL)] - _bcast(new_max[0], VL), VL), _bcast(0.0, VL)))
-                    part[vec(0)] = scores[vec(g * P)]
-                    for c in T.unroll(PC - 1):
-                        part[vec(0)] = part[vec(0)] + scores[vec(g * P + (c + 1) * VL)]
-                    run_sum[g] = run_sum[g] * rescale[0] + _hsum(part, 0, VL)
-                    run_max[g] = new_max[0]
+                    run_max[i * G + g] = T.float32(NO_SCORE)
+                    run_sum[i * G + g] = T.float32(0)
                     for c in T.unroll(DC):
-                        acc[vec(g * D + c * VL)] = acc[vec(g * D + c * VL)] * _bcast(rescale[0], VL)
-                for r in range(start, rows):
-                    if factored:  # the V row's scale folded into its weights
+                        # rows past the tile's last repeat it (never computed: their range is empty)
+                        qs[vec((i * G + g) * D + c * VL)] = _f32(q[t0 + T.min(i, n_rows - 1), h * G + g,
+                                                                   vec(c * VL)], fdtype, VL) * _bcast(q_scale[0], VL)
+                        acc[vec((i * G + g) * D + c * VL)] = _bcast(0.0, VL)
+            span[0] = lo[0]
+            span[1] = hi[0]
+            for i in range(QT - 1):
+                span[0] = T.min(span[0], lo[i + 1])
+                span[1] = T.max(span[1], hi[i + 1])
+            for blk in range(span[0] // P, (span[1] + P - 1) // P):
+                # the block's rows any query row sees: [first, last)
+                first: T.let[T.int32] = T.max(span[0] - blk * P, 0)
+                last: T.let[T.int32] = T.min(span[1] - blk * P, P)
+                for j in T.unroll(QT * G * PC):
+                    scores[vec(j * VL)] = _bcast(MASKED, VL)
+                for r in range(first, last):
+                    for c in T.unroll(DC):
+                        key_row[vec(c * VL)] = key_chunk(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, 0)(c)
+                    for i in range(n_rows):
                         for g in T.unroll(G):
-                            scores[g * P + r] = scores[g * P + r] * key_param(k_f, v_f, page_values, kv_begin, blk,
-                                                                              h, r, 1)(0, 0)
-                    for g in T.unroll(G):
+                            scores[(i * G + g) * P + r] = _score(shape, _hsum_value(_chains_sum(
+                                [qs[vec((i * G + g) * D + c * VL)] * key_row[vec(c * VL)] for c in range(DC)], 2), VL),
+                                key_param(
+                                k_f, v_f, page_values, kv_begin, blk, h, r, 0))
+                            cap_score(scores, (i * G + g) * P + r, cap_arg)
+                            scores[(i * G + g) * P + r] = T.if_then_else(
+                                lo[i] <= blk * P + r and blk * P + r < hi[i], scores[(i * G + g) * P + r],
+                                T.float32(MASKED))
+                for r in range(P):
+                    if first <= r and r < last:
                         for c in T.unroll(DC):
-                            acc[vec(g * D + c * VL)] = acc[vec(g * D + c * VL)] + _bcast(scores[g * P + r], VL) * (
-                                key_chunk(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, 1)(c))
-            for g in T.unroll(G):
-                for c in T.unroll(DC):
-                    output[t, h * G + g, vec(c * VL)] = T.Cast(_vec(fdtype, VL), acc[vec(g * D + c * VL)] * _bcast(
-                        T.if_then_else(run_sum[g] > T.float32(0), T.float32(1) / run_sum[g], T.float32(0)), VL))
-                lse[t, h * G + g] = T.if_then_else(run_sum[g] > T.float32(0), run_max[g] + T.log2(run_sum[g]),
-                                                   T.float32(NO_SCORE))
+                            # the V row's scale (int8) folded into its values
+                            values[vec(r * D + c * VL)] = v_row(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, c)
+                    else:
+                        for c in T.unroll(DC):
+                            values[vec(r * D + c * VL)] = _bcast(0.0, VL)
+                for i in range(n_rows):
+                    for g in T.unroll(G):
+                        part[vec(0)] = scores[vec((i * G + g) * P)]
+                        for c in T.unroll(PC - 1):
+                            part[vec(0)] = T.max(part[vec(0)], scores[vec((i * G + g) * P + (c + 1) * VL)])
+                        new_max[0] = T.max(run_max[i * G + g], _hmax(part, 0, VL))
+                        rescale[0] = _exp2(run_max[i * G + g] - new_max[0], 1)
+                        for c in T.unroll(PC):
+                            scores[vec((i * G + g) * P + c * VL)] = T.Select(
+                                T.ramp(blk * P + c * VL, 1, VL) < T.broadcast(lo[i], VL), _bcast(0.0, VL), T.Select(
+                                    T.ramp(blk * P + c * VL, 1, VL) < T.broadcast(hi[i], VL),
+                                    _exp2(scores[vec((i * G + g) * P + c * VL)] - _bcast(new_max[0], VL), VL),
+                                    _bcast(0.0, VL)))
+                        part[vec(0)] = scores[vec((i * G + g) * P)]
+                        for c in T.unroll(PC - 1):
+                            part[vec(0)] = part[vec(0)] + scores[vec((i * G + g) * P + (c + 1) * VL)]
+                        run_sum[i * G + g] = run_sum[i * G + g] * rescale[0] + _hsum(part, 0, VL)
+                        run_max[i * G + g] = new_max[0]
+                        # one D-lane vector (D / VL registers): every weight broadcast once for the row's D / VL
+                        # independent FMA chains
+                        acc[T.ramp((i * G + g) * D, 1, D)] = _chains_sum(
+                            [acc[T.ramp((i * G + g) * D, 1, D)] * _bcast(rescale[0], D)]
+                            + [_bcast(scores[(i * G + g) * P + r], D) * values[T.ramp(r * D, 1, D)]
+                               for r in range(P)], 1)
+            for i in range(n_rows):
+                for g in T.unroll(G):
+                    for c in T.unroll(DC):
+                        output[t0 + i, h * G + g, vec(c * VL)] = T.Cast(
+                            _vec(fdtype, VL), acc[vec((i * G + g) * D + c * VL)] * _bcast(T.if_then_else(
+                                run_sum[i * G + g] > T.float32(0), T.float32(1) / run_sum[i * G + g],
+                                T.float32(0)), VL))
+                    lse[t0 + i, h * G + g] = T.if_then_else(run_sum[i * G + g] > T.float32(0),
+                                                            run_max[i * G + g] + T.log2(run_sum[i * G + g]),
+                                                            T.float32(NO_SCORE))
 
-    return query_row
+    return query_tile
 
 
 @functools.cache
 def attention_prefill_ragged(shape: AttentionShape, lanes: int, *, block: int = 16, window: int = 0,
                              logit_cap: float = 0.0) -> tirx.PrimFunc:
     """Self-attention among the new tokens of a prefill: TVM's `batch_prefill_ragged_kv` signature (its CPU
-    variant, `_attention_prefill_ragged_cpu`), head_dim the same for q/k and v. One parallel task per query row
-    (_prefill_row_macro), keys in blocks of `block` rows; shape.page_size is not used. `window`: every layer's
-    (_prefill_row_macro). rotary_mode 1 fails an assert (ROTARY_REFUSAL)."""
-    fdtype = shape.float_dtype
+    variant, `_attention_prefill_ragged_cpu`), head_dim the same for q/k and v. One parallel task per tile of query
+    rows and KV head (_prefill_tile_macro), keys in blocks of `block` rows; shape.page_size is not used. `window`:
+    every layer's (_prefill_tile_macro). rotary_mode 1 fails an assert (ROTARY_REFUSAL)."""
+    fdtype, H_kv = shape.float_dtype, shape.num_kv_heads
     H_qo_decl, H_kv_decl, D_decl = shape.declared
     assert shape.supported(lanes) and block % lanes == 0, shape
-    query_row = _prefill_row_macro(shape, lanes, paged=False, block=block, window=window, logit_cap=logit_cap)
+    query_tile = _prefill_tile_macro(shape, lanes, paged=False, block=block, window=window, logit_cap=logit_cap)
 
     @T.macro
     def body(q, q_indptr, k, v, kv_indptr, output, lse, causal, rotary_mode, sm_scale, batch_size, qo_len, kv_len):
@@ -691,9 +763,9 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, *, block: int = 
             output_rows = shape.rows_view(output, qo_len)
             k_codes = shape.codes_view(k)
             v_codes = shape.codes_view(v)
-            for t in T.parallel(qo_len):
-                query_row(t, q_rows, q_indptr, k_codes, v_codes, k, v, kv_indptr, None, None, output_rows, lse,
-                          batch_size, causal, sm_scale)
+            for task in T.parallel(((qo_len + QUERY_TILE - 1) // QUERY_TILE + batch_size) * H_kv):
+                query_tile(task // H_kv, task % H_kv, q_rows, q_indptr, k_codes, v_codes, k, v, kv_indptr, None,
+                           None, output_rows, lse, batch_size, causal, sm_scale)
 
     func = signatures.ragged_prefill(body, heads=H_qo_decl, kv_heads=H_kv_decl, head_dim=D_decl, dtype=fdtype)
     return func.with_attr("global_symbol", RAGGED_SYMBOL)
@@ -704,16 +776,16 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, *, sliding_window
                             logit_cap: float = 0.0) -> tirx.PrimFunc:
     """New tokens against the KV cache's pages (a prefill after earlier tokens, or a chunked one): TVM's
     `batch_prefill_paged_kv_cpu` signature, or (a `sliding_window`) its `_sliding_window` variant for the
-    "mha_sliding" layers (_prefill_row_macro; no sinks: _window_checks); `window`: every layer's, every page passed
-    (_prefill_row_macro). One parallel task per query row, one block per page. rotary_mode 1 fails an assert
+    "mha_sliding" layers (_prefill_tile_macro; no sinks: _window_checks); `window`: every layer's, every page passed
+    (_prefill_tile_macro). One parallel task per tile of query rows and KV head, one block per page. rotary_mode 1 fails an assert
     (ROTARY_REFUSAL)."""
-    P, fdtype = shape.page_size, shape.float_dtype
+    P, fdtype, H_kv = shape.page_size, shape.float_dtype, shape.num_kv_heads
     H_qo_decl, H_kv_decl, D_decl = shape.declared
     sliding = sliding_window > 0
     window_checks = _window_checks(sliding)
     assert shape.supported(lanes), shape
-    query_row = _prefill_row_macro(shape, lanes, paged=True, block=P, sliding_window=sliding_window,
-                                   window=window, logit_cap=logit_cap)
+    query_tile = _prefill_tile_macro(shape, lanes, paged=True, block=P, sliding_window=sliding_window,
+                                     window=window, logit_cap=logit_cap)
 
     @T.macro
     def body(q, q_indptr, pages, page_indptr, page_values, length_info, output, lse, causal, rotary_mode, sm_scale,
@@ -725,9 +797,9 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, *, sliding_window
             q_rows = shape.rows_view(q, total_len)
             output_rows = shape.rows_view(output, total_len)
             codes = shape.codes_view(pages)
-            for t in T.parallel(total_len):
-                query_row(t, q_rows, q_indptr, codes, codes, pages, pages, page_indptr, page_values, length_info,
-                          output_rows, lse, batch_size, causal, sm_scale)
+            for task in T.parallel(((total_len + QUERY_TILE - 1) // QUERY_TILE + batch_size) * H_kv):
+                query_tile(task // H_kv, task % H_kv, q_rows, q_indptr, codes, codes, pages, pages, page_indptr,
+                           page_values, length_info, output_rows, lse, batch_size, causal, sm_scale)
 
     func = signatures.paged_prefill(body, heads=H_qo_decl, kv_heads=H_kv_decl, head_dim=D_decl, page_size=P,
                                     dtype=fdtype, sliding=sliding)

@@ -296,6 +296,7 @@ def _run_paged_prefill(fn, cache: dict, q: np.ndarray, q_indptr: np.ndarray, cau
     ([7, 2], [7, 40], 1),
     ([3, 4], [20, 0], 0),  # a sequence with no cached pages: output 0, lse -5e4
     ([6, 9], [50, 21], 0),
+    ([11, 19], [40, 50], 1),  # tiles of QUERY_TILE rows: a short last one, rows of a tile seeing different keys
 ])
 def test_paged_prefill_matches_tvm_kernel(q_lens, ctx, causal):
     ours, theirs = _paged_prefill_kernels(3, 9)

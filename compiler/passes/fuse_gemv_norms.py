@@ -35,8 +35,8 @@ from tvm import relax, s_tir, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .chain_kernels import decode_shapes, kernel_call, same_buffer
-from .ir_walk import (AskedOnce, UniqueKernels, is_reduction, packed_weights, rewrite_relax_functions, stmts_of,
-                      tir_statements, use_counts)
+from .ir_walk import (AskedOnce, UniqueKernels, emit_fused_binding, is_reduction, packed_weights,
+                      rewrite_relax_functions, stmts_of, tir_statements, use_counts)
 
 
 def reduces(func: tirx.PrimFunc) -> bool:
@@ -231,21 +231,8 @@ class _Rewriter(PyExprMutator):
         return True
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        if binding.var in self.dropped:
-            return
-        if binding.var not in self.fused:
+        if not emit_fused_binding(self, binding):
             super().visit_var_binding_(binding)
-            return
-        name, func, inputs, second_result = self.fused[binding.var]
-        gv = self.kernels.add(func, name)
-        args = [self.visit_expr(i) for i in inputs]
-        emit = self.builder_.emit if isinstance(binding.var, relax.DataflowVar) else self.builder_.emit_output
-        if second_result is None:
-            self.set_var_remap(binding.var, emit(relax.call_tir(gv, args, binding.value.ty), binding.var.name))
-            return
-        results = self.builder_.emit(relax.call_tir(gv, args, [second_result.ty, binding.value.ty]), binding.var.name)
-        self.set_var_remap(second_result, self.builder_.emit(relax.TupleGetItem(results, 0), second_result.name))
-        self.set_var_remap(binding.var, emit(relax.TupleGetItem(results, 1), binding.var.name))
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseGEMVNorms")

@@ -107,3 +107,25 @@ class UniqueKernels:  # pylint: disable=too-few-public-methods
         gv = self.builder.add_func(func, name)
         self.added.append((func, gv))
         return gv
+
+
+def emit_fused_binding(rewriter, binding: relax.VarBinding) -> bool:
+    """For a fusing rewriter (FuseGEMVNorms, FuseGEMMNorms: `fused` var -> (kernel name, PrimFunc, inputs, the var of
+    its second result or None), `dropped` vars, `kernels` UniqueKernels): emit nothing for a dropped binding, the
+    fused kernel's call (and its second result) for a fused one, and say whether the binding was either."""
+    if binding.var in rewriter.dropped:
+        return True
+    if binding.var not in rewriter.fused:
+        return False
+    name, func, inputs, second_result = rewriter.fused[binding.var]
+    gv = rewriter.kernels.add(func, name)
+    args = [rewriter.visit_expr(i) for i in inputs]
+    builder = rewriter.builder_
+    emit = builder.emit if isinstance(binding.var, relax.DataflowVar) else builder.emit_output
+    if second_result is None:
+        rewriter.set_var_remap(binding.var, emit(relax.call_tir(gv, args, binding.value.ty), binding.var.name))
+        return True
+    results = builder.emit(relax.call_tir(gv, args, [second_result.ty, binding.value.ty]), binding.var.name)
+    rewriter.set_var_remap(second_result, builder.emit(relax.TupleGetItem(results, 0), second_result.name))
+    rewriter.set_var_remap(binding.var, emit(relax.TupleGetItem(results, 1), binding.var.name))
+    return True

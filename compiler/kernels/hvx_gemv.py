@@ -23,7 +23,7 @@ from tvm.script import tirx as T
 
 from ..errors import MobilecError
 from ..passes.expand_npu_math import reciprocal_1_to_2
-from ..quantization.hvx_blocks import BLOCK, FIXED_MAX, ROWS, VECTOR_BYTES, HvxWeights, fixed_point
+from ..quantization.hvx_blocks import BLOCK, FIXED_MAX, ROWS, HvxWeights, fixed_point, record_bytes
 from ..testing import emulated_hexagon
 
 ACT_RECORD = 80
@@ -122,7 +122,7 @@ def tir_kernel(n: int, k: int, bits: int, mins: bool, zero: int,
         raise MobilecError(f"the HVX GEMV's TIR kernel writes whole tiles of {ROWS} rows; N = {n} is not a multiple: "
                            "leave this weight to TVM's GEMV")
     tiles, pairs = n // ROWS, -(-k // (2 * BLOCK))
-    row_bytes = pairs * (1 + mins + 2 * bits) * VECTOR_BYTES // ROWS  # scales, mins, the codes of two blocks
+    row_bytes = pairs * record_bytes(bits, mins) // ROWS
     name = KERNELS[bits, mins]
     null = T.reinterpret("handle", T.uint64(0))  # no integer sums wanted
 

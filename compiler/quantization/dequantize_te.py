@@ -6,8 +6,7 @@ from __future__ import annotations
 from tvm import te, tirx
 
 from .group import HVX_ROWS, INTERLEAVE, NIBBLE_BLOCK, GroupLayout, interleaved_bytes, paired_position
-
-_VECTOR_BYTES = 128  # hvx_blocks.VECTOR_BYTES
+from .hvx_blocks import VECTOR_BYTES, record_bytes
 
 
 def _byte_index(col, layout: GroupLayout, row_bytes: int):
@@ -55,28 +54,28 @@ def _hvx_value(q: te.Tensor, factors: te.Tensor, row, col, layout: GroupLayout, 
     """Weight (row, col) of the "hvx" order (quantization/hvx_blocks.py): tile t's record of the pair of blocks col
     falls in, at byte (t * pairs + pair) * record_bytes + offset of the flat records, q [n, row_bytes]."""
     row_bytes = int(q.shape[1])
-    record_bytes = _VECTOR_BYTES * (1 + (not layout.symmetric) + 2 * layout.bits)  # scales, mins, 2 blocks' codes
+    record = record_bytes(layout.bits, not layout.symmetric)
     tile, lane = row // HVX_ROWS, row % HVX_ROWS
     pair, block, in_block = col // (2 * NIBBLE_BLOCK), col // NIBBLE_BLOCK % 2, col % NIBBLE_BLOCK
 
     def byte(offset):
-        at = pair * record_bytes + offset
+        at = pair * record + offset
         return q[tile * HVX_ROWS + at // row_bytes, at % row_bytes].astype("int32")
 
     def fixed(vector: int):  # the int16 of this row and block in scale (0) or min (1) vector
-        low, high = byte(vector * _VECTOR_BYTES + 4 * lane + 2 * block), byte(vector * _VECTOR_BYTES + 4 * lane
-                                                                                 + 2 * block + 1)
+        at = vector * VECTOR_BYTES + 4 * lane + 2 * block
+        low, high = byte(at), byte(at + 1)
         return (low | (high << 8)) - ((high >> 7) << 16)
 
     def factor(which: int):  # row_factors [tiles, 2, 32] seen as [n, 2]
         at = which * HVX_ROWS + lane
         return factors[tile * HVX_ROWS + at // 2, at % 2]
 
-    codes = (2 - layout.symmetric) * _VECTOR_BYTES + block * layout.bits * _VECTOR_BYTES
+    codes = (2 - layout.symmetric) * VECTOR_BYTES + block * layout.bits * VECTOR_BYTES
     if layout.bits == 4:  # vector in_block // 8, code 8 v + j low and 8 v + 4 + j high
-        code = (byte(codes + in_block // 8 * _VECTOR_BYTES + 4 * lane + in_block % 4) >> (in_block % 8 // 4 * 4)) & 0xF
+        code = (byte(codes + in_block // 8 * VECTOR_BYTES + 4 * lane + in_block % 4) >> (in_block % 8 // 4 * 4)) & 0xF
     else:  # vector in_block // 4
-        code = byte(codes + in_block // 4 * _VECTOR_BYTES + 4 * lane + in_block % 4)
+        code = byte(codes + in_block // 4 * VECTOR_BYTES + 4 * lane + in_block % 4)
     scale = fixed(0).astype(dtype) * factor(0).astype(dtype)
     if layout.symmetric:
         return scale * (code - layout.offset).astype(dtype)

@@ -34,6 +34,12 @@ FIXED_MAX = (1 << 15) - 1
 MAX_K = 32768
 
 
+def record_bytes(bits: int, mins: bool) -> int:
+    """Bytes of one tile's record of a pair of blocks: the scale vector, the mins' (asymmetric codes), the codes of
+    two blocks."""
+    return (1 + mins + 2 * bits) * VECTOR_BYTES
+
+
 @dataclasses.dataclass(frozen=True)
 class HvxWeights:
     """One weight in the HVX GEMV's layout."""

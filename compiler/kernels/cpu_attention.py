@@ -64,6 +64,7 @@ from tvm.target import Target
 from ..model_import.kv_cache_dtype import Carrier, carrier_for
 from ..target.isa import cpu_isa
 from . import paged_kv_signatures as signatures
+from .lane_sums import lane_sum, pairwise_sum
 
 DECODE_SYMBOL = "batch_decode_paged_kv_cpu"  # TVM's global symbols of the CPU kernels replaced here
 RAGGED_SYMBOL = "batch_prefill_ragged_kv"
@@ -264,16 +265,6 @@ def _hsum(buf, base, lanes: int):
     return _tree(buf, base, lanes, lambda a, b: a + b)
 
 
-def _hsum_value(value, lanes: int):
-    """The sum of the `lanes` lanes of a vector expression: halves added by shuffles of the expression itself (it is
-    repeated, and LLVM computes it once). In the prefill kernels this took 25 ms a layer where storing the vector and
-    summing its halves from the buffer (_hsum) took 35 (SmolLM2, 1328 cached tokens, one thread, shared Zen 3)."""
-    while lanes > 1:
-        lanes //= 2
-        value = T.Shuffle([value], list(range(lanes))) + T.Shuffle([value], list(range(lanes, 2 * lanes)))
-    return value
-
-
 def _hmax(buf, base, lanes: int):
     return _tree(buf, base, lanes, T.max)
 
@@ -301,10 +292,7 @@ def _sum(terms):
 def _chains_sum(terms, chains: int):
     """The sum of `terms` as `chains` interleaved running sums added pairwise at the end: independent FMA chains
     (one chain of n FMAs takes n times an FMA's latency, ~4 cycles, and LLVM keeps the order written)."""
-    parts = [_sum(terms[j::chains]) for j in range(min(chains, len(terms)))]
-    while len(parts) > 1:
-        parts = [parts[j] + parts[j + 1] if j + 1 < len(parts) else parts[j] for j in range(0, len(parts), 2)]
-    return parts[0]
+    return pairwise_sum([_sum(terms[j::chains]) for j in range(min(chains, len(terms)))])
 
 
 def _score(shape: AttentionShape, dot, param):
@@ -544,7 +532,8 @@ def _prefill_tile_macro(shape: AttentionShape, lanes: int, paged: bool, block: i
     to a row's own position, aligned at the end of the keys) in blocks of `block` rows, as the decode kernel walks
     pages. Keys are the ragged k/v rows of the new tokens, or (`paged`) the sequence's pages, a block being a page.
     Each key row is loaded (and widened) once for the tile's QUERY_TILE * group query heads, each score's lanes are
-    summed by shuffles of the dot product itself (_hsum_value), and each block's V rows are widened once into a
+    summed by shuffles of the dot product itself (lane_sum: 25 ms a layer where summing through a buffer, _hsum, took
+    35; SmolLM2, 1328 cached tokens, one thread, Zen 3), and each block's V rows are widened once into a
     float32 block that a query head's output accumulates from as one head_dim-lane vector. A row's keys outside its
     own range [lo, hi) get score MASKED and weight 0. One task per query row, every key row loaded per row and each
     score summed through a buffer, took 32-48 ms a layer for a 301-token turn over 1328 cached tokens (SmolLM2's
@@ -688,7 +677,7 @@ def _prefill_tile_macro(shape: AttentionShape, lanes: int, paged: bool, block: i
                         key_row[vec(c * VL)] = key_chunk(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, 0)(c)
                     for i in range(n_rows):
                         for g in T.unroll(G):
-                            scores[(i * G + g) * P + r] = _score(shape, _hsum_value(_chains_sum(
+                            scores[(i * G + g) * P + r] = _score(shape, lane_sum(_chains_sum(
                                 [qs[vec((i * G + g) * D + c * VL)] * key_row[vec(c * VL)] for c in range(DC)], 2), VL),
                                 key_param(
                                 k_f, v_f, page_values, kv_begin, blk, h, r, 0))

@@ -43,6 +43,7 @@ from tvm.script import tirx as T
 from ...choices import DECODE_ACTIVATIONS
 from ...quantization.group import FALLBACK, ORDER_MARKS, signed_codes, takes_code_order
 from ...target.isa import CpuIsa
+from ..lane_sums import lane_sum, pairwise_sum
 from . import arm, x86
 
 BLOCK = 32  # activation values per scale, and codes per int32 block sum
@@ -463,15 +464,6 @@ def _rows_sums(shape: GemvShape, accs: list, row0, xq, xs, xo, w, d, m):
     return _variant(shape.family).reduce_rows(shape, accs, tails)
 
 
-def _hsum(total, lanes: int):
-    """The sum of a vector's `lanes` lanes, by halves."""
-    width = lanes
-    while width > 1:
-        width //= 2
-        total = T.Shuffle([total], list(range(width))) + T.Shuffle([total], list(range(width, 2 * width)))
-    return total
-
-
 def _with_mins(row_lanes, m, xo, n, groups: int, lanes: int):
     """A row's float32 x lanes plus its mins' term sum_b m[n, b] * xo[b] spread over the same lanes, so that one sum
     across them ends the row: `lanes` groups per vector, the leftover groups zero-padded, added as a balanced tree
@@ -481,9 +473,7 @@ def _with_mins(row_lanes, m, xo, n, groups: int, lanes: int):
     if groups % lanes > 0:
         terms.append(_mins_tail(m, xo, n, groups // lanes * lanes, groups, lanes))
     terms.append(row_lanes)
-    while len(terms) > 1:
-        terms = [terms[i] + terms[i + 1] if i + 1 < len(terms) else terms[i] for i in range(0, len(terms), 2)]
-    return terms[0]
+    return pairwise_sum(terms)
 
 
 @functools.cache
@@ -561,14 +551,14 @@ def gemv(shape: GemvShape, y_shape: tuple[int | str, ...]) -> tirx.PrimFunc:
         else:
             for i in T.unroll(together):
                 if shape.symmetric or shape.mins_per_step:
-                    y_t[row0 + i] = _hsum(acc[slot(t, 0, i)], lanes)
+                    y_t[row0 + i] = lane_sum(acc[slot(t, 0, i)], lanes)
                 else:
                     # sum_b m_b * xs_b * sum q_b once per row, added into the row's lanes before their one
                     # sum (lane-widening the mins at every step cost 4 instructions per 64 codes: GGUF Q4_1
                     # decode step 8.2 ms). With a sum of its own, 16 groups a vector and scalar leftovers,
                     # ns per block of 1536 rows in cache on a Zen 4 core, int16: K = 576 1.07 -> 0.98
                     # (zmm), K = 960 1.16 -> 0.96 (zmm), 1.24 -> 0.96 (ymm)
-                    y_t[row0 + i] = _hsum(_with_mins(acc[slot(t, 0, i)], m, xo_t, row0 + i, groups, lanes),
+                    y_t[row0 + i] = lane_sum(_with_mins(acc[slot(t, 0, i)], m, xo_t, row0 + i, groups, lanes),
                                           lanes)
 
     @T.macro

@@ -16,8 +16,10 @@ llama.cpp of llama-cpp-python's source package (the version the `bench` extra pi
     cmake --build /tmp/lcpp/build --target llama-server -j"$(nproc)"
 
 Both servers get every stream count's slots at once (ours --max-sessions, llama-server -np with continuous batching)
-and the same threads; each slot of llama-server has the artifact's context window. Prints one JSON object per
-(server, stream count), then the ratios."""
+and the same threads; each slot of llama-server has the artifact's context window. First, `mobilec bench` of the
+artifact (no server, the same prompt length, tokens and threads) gives the decode rate one stream through the server
+is held to. Prints one JSON object per (server, stream count), then the ratios: aggregate decode is the streams'
+summed per-stream decode rates (prefill excluded), aggregate the tokens over the wall time (prompts included)."""
 
 from __future__ import annotations
 
@@ -119,6 +121,18 @@ def measure(name: str, port: int, streams: int, prompts: list[list[int]], new_to
             "health_max_ms": round(1e3 * max(health), 1)} if health else {})}
 
 
+def generate_decode_tok_s(args) -> float:
+    """`mobilec bench`'s decode tok/s of the artifact in one process, no server: what `mobilec generate` decodes at."""
+    run = subprocess.run([sys.executable, "-m", "compiler", "bench", args.artifact, "--prompt-len",
+                          str(args.prompt_tokens), "--gen-len", str(args.new_tokens), "--repeat", "3", "--threads",
+                          str(args.threads), "--json"], capture_output=True, text=True, check=False)
+    if run.returncode != 0:
+        sys.exit(f"mobilec bench failed: {run.stderr.strip().splitlines()[-1:]}")
+    report = json.loads(run.stdout)
+    print(json.dumps({"server": None, "mobilec_bench_decode_tok_s": round(report["decode_tok_s"], 2)}), flush=True)
+    return report["decode_tok_s"]
+
+
 def run_server(name: str, command: list[str], port: int, args, vocab: int) -> list[dict]:
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = []
@@ -154,9 +168,16 @@ def main() -> None:
     config = json.loads((Path(args.artifact) / "mobilec-config.json").read_text())
     vocab, context = config["model"]["config"]["vocab_size"], int(config["context_window"])
     slots = max(args.streams)
+    generate = generate_decode_tok_s(args)
     port = free_port()
     ours = run_server("mobilec", [sys.executable, "-m", "compiler", "serve", args.artifact, "--port", str(port),
                                   "--max-sessions", str(slots), "--threads", str(args.threads)], port, args, vocab)
+    one = ours[0]["per_stream_decode_tok_s"] if ours[0]["streams"] == 1 else None
+    for a in ours:
+        print(json.dumps({"streams": a["streams"],
+                          **({"one_stream_over_mobilec_bench": round(one / generate, 2)} if a["streams"] == 1 else {}),
+                          **({"aggregate_decode_over_our_one_stream":
+                              round(a["streams"] * a["per_stream_decode_tok_s"] / one, 2)} if one else {})}))
     if not args.llama_server:
         return
     port = free_port()

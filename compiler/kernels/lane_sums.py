@@ -3,6 +3,8 @@ numerics: the integer-dot GEMV's rows and the attention kernels' scores are summ
 
 from __future__ import annotations
 
+import operator
+
 from tvm.script import tirx as T
 
 
@@ -15,8 +17,9 @@ def lane_sum(value, lanes: int):
     return value
 
 
-def pairwise_sum(terms: list):
-    """terms[0] + terms[1] + ... as a balanced tree: neighbours added pairwise, level by level."""
+def pairwise_sum(terms: list, combine=operator.add):
+    """terms[0] + terms[1] + ... (or another associative `combine`, such as T.max) as a balanced tree: neighbours
+    combined pairwise, level by level."""
     while len(terms) > 1:
-        terms = [terms[i] + terms[i + 1] if i + 1 < len(terms) else terms[i] for i in range(0, len(terms), 2)]
+        terms = [combine(terms[i], terms[i + 1]) if i + 1 < len(terms) else terms[i] for i in range(0, len(terms), 2)]
     return terms[0]

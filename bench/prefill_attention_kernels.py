@@ -1,13 +1,15 @@
 """Time the CPU prefill attention kernels (kernels/cpu_attention.py) on a chat turn's shape: --new tokens against
 --cached ones (the paged kernel) and among themselves (the ragged one, causal), SmolLM2's 9 query heads, 3 KV heads,
 head_dim 64, float16 pages of 16. Two steps, so that two versions of the kernels run side by side in one process:
-`--export LIB.so` builds the kernels of the `compiler` package on PYTHONPATH for --target; then the libraries given
-run interleaved, --repeat rounds of TVM's time_evaluator each, and the median ms a call (one layer) is printed with
-its range.
+`--export LIB.so` builds the kernels of the `compiler` package on PYTHONPATH for --target (register tiles for the
+kernels' default of 16 vector registers, AVX2's); then the libraries given run interleaved, --repeat rounds of 5
+calls each, and the median ms a call (one layer) is printed with its range: wall time, and the CPU time of this
+thread, which with TVM_NUM_THREADS=1 (the kernels then run on it) is the kernel's work whatever else the machine
+runs.
 
     PYTHONPATH=/path/to/before python bench/prefill_attention_kernels.py --export before.so
     PYTHONPATH=$PWD python bench/prefill_attention_kernels.py --export after.so
-    TVM_NUM_THREADS=2 PYTHONPATH=$PWD python bench/prefill_attention_kernels.py before.so after.so --repeat 7
+    TVM_NUM_THREADS=1 PYTHONPATH=$PWD python bench/prefill_attention_kernels.py before.so after.so --repeat 7
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import numpy as np
 import tvm
@@ -67,15 +70,21 @@ def main() -> None:
         return
     libs = [tvm.runtime.load_module(path) for path in args.libraries]
     calls = arguments(args.new, args.cached, args.dtype)
-    times: dict = {(path, kernel): [] for path in args.libraries for kernel in calls}
+    wall: dict = {(path, kernel): [] for path in args.libraries for kernel in calls}
+    cpu: dict = {key: [] for key in wall}
     for _ in range(args.repeat):
         for path, lib in zip(args.libraries, libs):
             for kernel, call in calls.items():
-                timer = lib.time_evaluator(kernel, tvm.cpu(), number=5, repeat=1)
-                times[path, kernel].append(timer(*call).mean * 1e3)
-    for (path, kernel), ms in times.items():
-        print(f"{path} {kernel}: median {statistics.median(ms):.2f} ms a layer (min {min(ms):.2f}, "
-              f"max {max(ms):.2f}, {len(ms)} rounds)")
+                lib[kernel](*call)  # warm
+                start, cpu_start = time.perf_counter(), time.thread_time()
+                for _ in range(5):
+                    lib[kernel](*call)
+                wall[path, kernel].append((time.perf_counter() - start) / 5 * 1e3)
+                cpu[path, kernel].append((time.thread_time() - cpu_start) / 5 * 1e3)
+    for key in wall:
+        print(f"{key[0]} {key[1]}, ms a layer, medians of {args.repeat} rounds (min-max): wall "
+              f"{statistics.median(wall[key]):.2f} ({min(wall[key]):.2f}-{max(wall[key]):.2f}), CPU of this thread "
+              f"{statistics.median(cpu[key]):.2f} ({min(cpu[key]):.2f}-{max(cpu[key]):.2f})")
 
 
 if __name__ == "__main__":

@@ -13,13 +13,13 @@ calls them by position) and compute the same thing:
   sum of p) are merged at the end;
 - prefill (ragged: the new tokens among themselves; paged: the new tokens against the cached pages): one parallel
   task per (tile of QUERY_TILE query rows of one sequence, KV head), keys in blocks of 16 rows (a page for the
-  paged kernel), causal mask as TVM's; each key row is loaded once for the tile's query heads, a score's lanes
-  summed by shuffles of its dot product (not through a buffer),
-  each block's V rows widened once into a float32 block, and a query head's output updated per block as one
-  head_dim-lane vector (one broadcast weight per key row for head_dim / lanes independent FMA chains);
-- the `group` query heads that share a KV head are handled together, so each K and V row is loaded once for them;
-  a block's scores are computed first (one vector dot product over head_dim per row and query head), then the
-  online softmax is rescaled once per block with a vectorized exp2 (a polynomial, no libm call), then the V rows
+  paged kernel), causal mask as TVM's. The tile's query rows x the `group` query heads of the KV head lie along the
+  vector lanes, so both products are GEMM micro-kernels with no horizontal sum: register tiles of FMAs of a
+  broadcast K (or V) element and a vector of rows, sized to the target's vector registers; the online softmax per
+  row is vertical (_prefill_tile_macro);
+- decode: the `group` query heads that share a KV head are handled together, so each K and V row is loaded once for
+  them; a page's scores are computed first (one vector dot product over head_dim per row and query head), then the
+  online softmax is rescaled once per page with a vectorized exp2 (a polynomial, no libm call), then the V rows
   are accumulated;
 - vectors are `lanes` float32 wide (16 on AVX-512, 8 on AVX2, 4 on NEON), built as explicit expressions (ramp
   loads) and stored only into small buffers: a vector value bound to a name would become a Let that the Relax

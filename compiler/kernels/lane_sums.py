@@ -1,5 +1,5 @@
 """Sums written as balanced trees of TIR expressions, shared by the CPU kernel families (the order is part of the
-numerics: the integer-dot GEMV's rows and the attention kernels' scores are summed exactly so)."""
+numerics: the integer-dot GEMV's rows and the prefill attention kernels' block sums are summed exactly so)."""
 
 from __future__ import annotations
 

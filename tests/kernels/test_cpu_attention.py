@@ -344,6 +344,24 @@ def test_paged_prefill_matches_tvm_kernel(q_lens, ctx, causal):
         np.testing.assert_allclose(out, np.concatenate([_numpy_reference(r)[0] for r in rows]), rtol=1e-5, atol=3e-6)
 
 
+@pytest.mark.parametrize("lanes,registers", [
+    (16, 32),  # AVX-512's tile: 8 keys x 2 vectors of 16 rows, the 24 rows padded to 32
+    (4, 32),  # NEON's: 4 keys x 6 vectors of 4 rows
+])
+def test_paged_prefill_tiles_of_other_targets_match_tvm_kernel(lanes, registers):
+    """The register tiles of AVX-512 and NEON (their lanes and 32 registers), built for RUN (LLVM splits or joins
+    the vectors), give TVM's results: padded rows, a short last tile, rows of a tile seeing different keys."""
+    ours = tvm.tirx.build(tvm.IRModule({"main": attention_prefill_paged(
+        AttentionShape(3, 9, D, "float32", PAGE), lanes, registers=registers)}), target=RUN)["main"]
+    cache = _cache([40, 50], 3, 9, seed=6)
+    q = (2 * np.random.default_rng(7).standard_normal((30, 9, D))).astype("float32")
+    q_indptr = np.array([0, 11, 30], "int32")
+    out, lse = _run_paged_prefill(ours, cache, q, q_indptr, causal=1)
+    ref_out, ref_lse = _run_paged_prefill(_paged_prefill_kernels(3, 9)[1], cache, q, q_indptr, causal=1)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=3e-6)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=3e-5)
+
+
 def test_kernels_refuse_inline_rope():
     """rotary_mode 1 (RoPE inside attention, RopeMode.INLINE): each of our kernels fails with the reason instead of
     attending without RoPE (TVM's kernels apply it)."""

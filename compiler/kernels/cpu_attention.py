@@ -548,9 +548,9 @@ def _prefill_tile_macro(shape: AttentionShape, lanes: int, paged: bool, block: i
     vectors on AVX2, 8 x 2 on AVX-512, 4 x 6 on NEON). A row's keys outside its own range [lo, hi) get score MASKED
     and weight 0. SmolLM2's shape (9 query heads, 3 KV heads, float16 pages), a 301-token turn over 1328 cached
     tokens, one thread of a Zen 3 (CPU time, bench/prefill_attention_kernels.py): the paged kernel takes 13.4 ms a
-    layer (~88% of the core's float32 FMA peak at 2.45 GHz; the products themselves run at the peak, the rest is the
-    softmax, the widening of K and V and the output tile's loads and stores), where each score as a dot product
-    summed by shuffles took 21.1 ms.
+    layer (~88% of the core's float32 FMA peak at 2.45 GHz; the product loops are bound by the FMA units, the rest
+    is the softmax, the widening of K and V and the output tile's loads and stores), where each score as a dot
+    product summed by shuffles took 21.1 ms.
 
     With a `sliding_window` (paged only: the "mha_sliding" layers' kernel) the pages are the window's, its keys start
     at length_info[1, b] in the first page, and with `causal` the query row i of a sequence sees only the last
@@ -677,7 +677,8 @@ def _prefill_tile_macro(shape: AttentionShape, lanes: int, paged: bool, block: i
                         hi[i * G + g] = 0
                     for d in range(D):
                         # rows past the tile's last repeat it (never seen: their range is empty)
-                        qs[d * R + i * G + g] = T.Cast("float32", q[t0 + T.min(i, n_rows - 1), h * G + g, d]) * q_scale[0]
+                        qs[d * R + i * G + g] = T.Cast("float32", q[t0 + T.min(i, n_rows - 1), h * G + g, d]) * (
+                            q_scale[0])
             for j in range(R - QT * G):  # the padding rows: no key, q 0
                 lo[QT * G + j] = T.int32(1 << 30)
                 hi[QT * G + j] = 0

@@ -70,7 +70,8 @@ def steps(plan: BuildPlan, tuning: bool = False) -> list[Step]:
         ("integer-dot-gemm", IntegerDotGEMM(plan.gemm_family), plan.gemm_family is not None),
         # LLVM CPU targets and Hexagon's host: the paged KV cache's attention kernels (decode, prefill) become
         # vectorized ones.
-        ("cpu-attention", ReplaceCPUAttention(plan.attention_lanes), plan.attention_lanes is not None),
+        ("cpu-attention", ReplaceCPUAttention(plan.attention_lanes, plan.attention_registers),
+         plan.attention_lanes is not None),
         # GPU targets, models with a sliding window or capped scores (else TVM's GPU kernels stay): ours.
         ("gpu-attention", ReplaceGPUAttention(), gpu),
         # GPU targets: TVM's K/V append reads positions past the token count in its last thread group.

@@ -13,13 +13,13 @@ calls them by position) and compute the same thing:
   sum of p) are merged at the end;
 - prefill (ragged: the new tokens among themselves; paged: the new tokens against the cached pages): one parallel
   task per (tile of QUERY_TILE query rows of one sequence, KV head), keys in blocks of 16 rows (a page for the
-  paged kernel), causal mask as TVM's; each key row is loaded once for the tile's query heads, a score's lanes
-  summed by shuffles of its dot product (not through a buffer),
-  each block's V rows widened once into a float32 block, and a query head's output updated per block as one
-  head_dim-lane vector (one broadcast weight per key row for head_dim / lanes independent FMA chains);
-- the `group` query heads that share a KV head are handled together, so each K and V row is loaded once for them;
-  a block's scores are computed first (one vector dot product over head_dim per row and query head), then the
-  online softmax is rescaled once per block with a vectorized exp2 (a polynomial, no libm call), then the V rows
+  paged kernel), causal mask as TVM's. The tile's query rows x the `group` query heads of the KV head lie along the
+  vector lanes, so both products are GEMM micro-kernels with no horizontal sum: register tiles of FMAs of a
+  broadcast K (or V) element and a vector of rows, sized to the target's vector registers; the online softmax per
+  row is vertical (_prefill_tile_macro);
+- decode: the `group` query heads that share a KV head are handled together, so each K and V row is loaded once for
+  them; a page's scores are computed first (one vector dot product over head_dim per row and query head), then the
+  online softmax is rescaled once per page with a vectorized exp2 (a polynomial, no libm call), then the V rows
   are accumulated;
 - vectors are `lanes` float32 wide (16 on AVX-512, 8 on AVX2, 4 on NEON), built as explicit expressions (ramp
   loads) and stored only into small buffers: a vector value bound to a name would become a Let that the Relax
@@ -64,7 +64,7 @@ from tvm.target import Target
 from ..model_import.kv_cache_dtype import Carrier, carrier_for
 from ..target.isa import cpu_isa
 from . import paged_kv_signatures as signatures
-from .lane_sums import lane_sum, pairwise_sum
+from .lane_sums import pairwise_sum
 
 DECODE_SYMBOL = "batch_decode_paged_kv_cpu"  # TVM's global symbols of the CPU kernels replaced here
 RAGGED_SYMBOL = "batch_prefill_ragged_kv"
@@ -94,6 +94,9 @@ MIN_DECODE_TASKS = 8
 # Query rows of one sequence per task of the prefill kernels (times the group of query heads of one KV head): each
 # key and V row is loaded once for them all
 QUERY_TILE = 8
+# Vector registers the prefill kernels' register tiles fit in (_register_tile) unless told the target's: the fewest
+# of mobilec's CPUs (x86 AVX2; AVX-512 and NEON have 32)
+MIN_VECTOR_REGISTERS = 16
 NO_SCORE = -5e4  # TVM's initial running max (and the lse of a sequence with no KV rows)
 MASKED = -3.0e38  # score of the rows past the end of the last page: below any real score
 # 2^f on [-0.5, 0.5] = 1 + f P(f) (Cephes exp2f), relative error 1.7e-7
@@ -289,32 +292,28 @@ def _sum(terms):
     return functools.reduce(lambda a, b: a + b, terms)
 
 
-def _chains_sum(terms, chains: int):
-    """The sum of `terms` as `chains` interleaved running sums added pairwise at the end: independent FMA chains
-    (one chain of n FMAs takes n times an FMA's latency, ~4 cycles, and LLVM keeps the order written)."""
-    return pairwise_sum([_sum(terms[j::chains]) for j in range(min(chains, len(terms)))])
-
-
 def _score(shape: AttentionShape, dot, param):
     """q . k from `dot` = q . (K row as loaded, AttentionShape.values): times the row's scale where it is factored
     out (int8); `param(group, i)`: the row's parameters."""
     return dot * param(0, 0) if shape.factored else dot
 
 
-def _score_cap(cap: float):
-    """A T.macro capping one score in place as Gemma 2's attn_logit_softcapping does: cap * tanh(q.k * sm_scale /
-    cap), in the kernels' log2 units (the score is q.k * sm_scale * log2 e), with tanh(x) = 1 - 2 / (1 + e^2x) and
-    e^2x = 2^(2 score / cap) by _exp2 (clamped at 2^126, where tanh is 1 in float32); the exponent goes through the
-    1-element buffer `arg` (no float Let in a parallel loop). Nothing without a cap (0)."""
+def _score_cap(cap: float, lanes: int = 1):
+    """A T.macro capping `lanes` scores (scores[index], a ramp for a vector) in place as Gemma 2's
+    attn_logit_softcapping does: cap * tanh(q.k * sm_scale / cap), in the kernels' log2 units (the score is
+    q.k * sm_scale * log2 e), with tanh(x) = 1 - 2 / (1 + e^2x) and e^2x = 2^(2 score / cap) by _exp2 (clamped at
+    2^126, where tanh is 1 in float32); the exponent goes through the `lanes`-element buffer `arg` (no float Let in a
+    parallel loop). Nothing without a cap (0)."""
 
     capped = cap > 0
+    at = T.ramp(0, 1, lanes) if lanes > 1 else 0
 
     @T.macro
     def cap_score(scores, index, arg):
         if capped:
-            arg[0] = T.min(scores[index] * T.float32(2 / cap), T.float32(126))
-            scores[index] = T.float32(cap * LOG2E) * (
-                T.float32(1) - T.float32(2) / (T.float32(1) + _exp2(arg[0], 1)))
+            arg[at] = T.min(scores[index] * _bcast(2 / cap, lanes), _bcast(126.0, lanes))
+            scores[index] = _bcast(cap * LOG2E, lanes) * (
+                _bcast(1.0, lanes) - _bcast(2.0, lanes) / (_bcast(1.0, lanes) + _exp2(arg[at], lanes)))
 
     return cap_score
 
@@ -525,31 +524,50 @@ def attention_decode(shape: AttentionShape, lanes: int, *, chunk_pages: int = CH
     return func.with_attr("global_symbol", DECODE_SYMBOL + (SLIDING_SUFFIX if sliding else ""))
 
 
+def _register_tile(vectors: int, extent: int, registers: int) -> int:
+    """The largest divisor n of `extent` such that a register tile of n x `vectors` accumulators, the `vectors`
+    operands it loads per step and one broadcast fit in `registers` vector registers (1 if none does)."""
+    return max([n for n in range(1, extent + 1) if extent % n == 0 and (n + 1) * vectors + 1 <= registers] or [1])
+
+
 def _prefill_tile_macro(shape: AttentionShape, lanes: int, paged: bool, block: int, sliding_window: int = 0,
-                        window: int = 0, logit_cap: float = 0.0):
+                        window: int = 0, logit_cap: float = 0.0, registers: int = MIN_VECTOR_REGISTERS):
     """The work of one task of a prefill kernel, as a T.macro: up to QUERY_TILE consecutive query rows of one
     sequence and one KV head, its `group` query heads each, walking the keys that any of the rows sees (causal: up
     to a row's own position, aligned at the end of the keys) in blocks of `block` rows, as the decode kernel walks
     pages. Keys are the ragged k/v rows of the new tokens, or (`paged`) the sequence's pages, a block being a page.
-    Each key row is loaded (and widened) once for the tile's QUERY_TILE * group query heads, each score's lanes are
-    summed by shuffles of the dot product itself (lane_sum: 25 ms a layer where summing through a buffer, _hsum, took
-    35; SmolLM2, 1328 cached tokens, one thread, Zen 3), and each block's V rows are widened once into a
-    float32 block that a query head's output accumulates from as one head_dim-lane vector. A row's keys outside its
-    own range [lo, hi) get score MASKED and weight 0. One task per query row, every key row loaded per row and each
-    score summed through a buffer, took 32-48 ms a layer for a 301-token turn over 1328 cached tokens (SmolLM2's
-    9 heads, float16 pages, one thread of a shared Zen 3); this takes 23-32 ms. With a `sliding_window` (paged only: the
-    "mha_sliding" layers' kernel) the pages are the window's, its keys start at length_info[1, b] in the first page,
-    and with `causal` the query row i of a sequence sees only the last max(window - i - 1, 0) of them, as TVM's
-    _causal_or_sliding_cross_mask (the cached keys before the new tokens, which the ragged kernel covers). `window`
-    (SLIDING_WINDOW_ATTR; not with `sliding_window`): the keys are all the sequence's, and query row i, at position
-    p (causal: the keys end with the new tokens, p = kv_len - qo_len + i; else they are all before them,
-    p = kv_len + i), sees the keys at positions > p - window. `logit_cap`: _score_cap."""
+
+    The tile's QUERY_TILE * group query heads are its rows (row i * group + g: query row i, head g), padded to whole
+    vectors of `lanes`, and lie along the vector lanes: the queries are transposed once per tile (q^T: head_dim x
+    rows), and each block's K and V rows widened once into float32 blocks. Then both products are GEMM micro-kernels
+    with no horizontal sum: scores (keys x rows) = K q^T by register tiles of KT keys x the rows, one FMA of a
+    broadcast K element and a vector of rows per key and vector; the online softmax per row is vertical (a block's
+    max and sum over its keys, exp2 for a vector of rows); and the output, also transposed (head_dim x rows),
+    accumulates P^T V by register tiles of DT head_dim columns x the rows, one FMA of a broadcast V element and a
+    vector of the rows' weights. KT and DT fill the target's `registers` vector registers (_register_tile: 4 x 3
+    vectors on AVX2, 8 x 2 on AVX-512, 4 x 6 on NEON). A row's keys outside its own range [lo, hi) get score MASKED
+    and weight 0. SmolLM2's shape (9 query heads, 3 KV heads, float16 pages), a 301-token turn over 1328 cached
+    tokens, one thread of a Zen 3 (CPU time, bench/prefill_attention_kernels.py): the paged kernel takes 13.4 ms a
+    layer (~88% of the core's float32 FMA peak at 2.45 GHz; the product loops are bound by the FMA units, the rest
+    is the softmax, the widening of K and V and the output tile's loads and stores), where each score as a dot
+    product summed by shuffles took 21.1 ms.
+
+    With a `sliding_window` (paged only: the "mha_sliding" layers' kernel) the pages are the window's, its keys start
+    at length_info[1, b] in the first page, and with `causal` the query row i of a sequence sees only the last
+    max(window - i - 1, 0) of them, as TVM's _causal_or_sliding_cross_mask (the cached keys before the new tokens,
+    which the ragged kernel covers). `window` (SLIDING_WINDOW_ATTR; not with `sliding_window`): the keys are all the
+    sequence's, and query row i, at position p (causal: the keys end with the new tokens, p = kv_len - qo_len + i;
+    else they are all before them, p = kv_len + i), sees the keys at positions > p - window. `logit_cap`:
+    _score_cap."""
     assert not (sliding_window and window), "a sliding layer's pages are its window's already"
     H_kv, D, G, QT = shape.num_kv_heads, shape.head_dim, shape.group, QUERY_TILE
     fdtype, VL, P = shape.float_dtype, lanes, block
-    DC, PC = D // VL, P // VL
+    DC = D // VL
+    R = -(-QT * G // VL) * VL  # the tile's rows, padded to whole vectors
+    RV = R // VL
+    KT, DT = _register_tile(RV, P, registers), _register_tile(RV, D, registers)
     factored = shape.factored
-    cap_score = _score_cap(logit_cap)
+    cap_score = _score_cap(logit_cap, VL)
 
     def vec(base):
         return T.ramp(base, 1, VL)
@@ -584,17 +602,19 @@ def _prefill_tile_macro(shape: AttentionShape, lanes: int, paged: bool, block: i
         return lambda group, i: shape.param(
             lambda row, cell: (k_f if kv == 0 else v_f)[kv_begin + blk * P + r, row, cell], h, group, i, kv)
 
-    def key_chunk(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, kv):
-        """c -> chunk c of key row r of block blk as float32 (AttentionShape.values)."""
-        return lambda c: shape.values(lambda index: key(k, v, page_values, kv_begin, blk, h, r, kv, index),
-                                      key_param(k_f, v_f, page_values, kv_begin, blk, h, r, kv), c, VL, kv)
-
-    def v_row(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, c):
-        """Chunk c of V row r of block blk as float32, times its scale where that is factored out (int8)."""
-        values = key_chunk(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, 1)(c)
+    def row_chunk(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, c, kv):
+        """Chunk c of K (kv 0) or V (kv 1) row r of block blk as float32 (AttentionShape.values), times the row's
+        scale where that is factored out (int8)."""
+        values = shape.values(lambda index: key(k, v, page_values, kv_begin, blk, h, r, kv, index),
+                              key_param(k_f, v_f, page_values, kv_begin, blk, h, r, kv), c, VL, kv)
         if factored:
-            return values * _bcast(key_param(k_f, v_f, page_values, kv_begin, blk, h, r, 1)(0, 0), VL)
+            return values * _bcast(key_param(k_f, v_f, page_values, kv_begin, blk, h, r, kv)(0, 0), VL)
         return values
+
+    def seen(lo, hi, position, j, value, otherwise):
+        """`value` in the lanes of vector j of rows that see the key at `position`, else `otherwise`."""
+        at = T.broadcast(position, VL)
+        return T.Select(at < lo[vec(j * VL)], otherwise, T.Select(at < hi[vec(j * VL)], value, otherwise))
 
     @T.macro
     def query_tile(tile, h, q, q_indptr, k, v, k_f, v_f, kv_indptr, page_values, length_info, output, lse,
@@ -603,23 +623,24 @@ def _prefill_tile_macro(shape: AttentionShape, lanes: int, paged: bool, block: i
         # short; `tile` past the last one does nothing). k, v: the ragged keys and values (paged: both the pages);
         # kv_indptr: ragged rows or (paged) pages. q, k, v, output: the views of the KV layout (AttentionShape);
         # k_f, v_f: k and v as declared
-        qs = T.alloc_buffer((QT * G * D,), "float32")  # the tile's query heads, times sm_scale * log2 e
-        acc = T.alloc_buffer((QT * G * D,), "float32")  # sum of p * V at the running max
-        scores = T.alloc_buffer((QT * G * P,), "float32")  # a block's scores, then their exp2
-        key_row = T.alloc_buffer((D,), "float32")
-        values = T.alloc_buffer((P * D,), "float32")  # a block's V rows (0 outside the rows any query row sees)
-        part = T.alloc_buffer((VL,), "float32")
-        run_max = T.alloc_buffer((QT * G,), "float32")
-        run_sum = T.alloc_buffer((QT * G,), "float32")
-        new_max = T.alloc_buffer((1,), "float32")
-        rescale = T.alloc_buffer((1,), "float32")
+        qs = T.alloc_buffer((D * R,), "float32")  # q^T [d * R + row], times sm_scale * log2 e
+        acc = T.alloc_buffer((D * R,), "float32")  # (sum of p * V at the running max)^T
+        scores = T.alloc_buffer((P * R,), "float32")  # a block's scores [key * R + row], then their exp2
+        keys = T.alloc_buffer((P * D,), "float32")  # the block's K rows [key * D + d], as float32
+        values = T.alloc_buffer((P * D,), "float32")  # and its V rows
+        tile_acc = T.alloc_buffer((max(KT, DT) * RV * VL,), "float32")  # a register tile's accumulators
+        run_max = T.alloc_buffer((R,), "float32")
+        run_sum = T.alloc_buffer((R,), "float32")
+        new_max = T.alloc_buffer((R,), "float32")
+        rescale = T.alloc_buffer((R,), "float32")
         q_scale = T.alloc_buffer((1,), "float32")  # a float Let (CSE of a repeated product) breaks the codegen
-        cap_arg = T.alloc_buffer((1,), "float32")
+        norm = T.alloc_buffer((1,), "float32")
+        cap_arg = T.alloc_buffer((VL,), "float32")
         # the tile's sequence, first row and rows; each row's visible keys [lo, hi) as rows of the blocks (paged:
         # of the pages, from the window's offset; an empty range past the tile's rows); the block's rows any row sees
         where = T.alloc_buffer((4,), "int32")
-        lo = T.alloc_buffer((QT,), "int32")
-        hi = T.alloc_buffer((QT,), "int32")
+        lo = T.alloc_buffer((R,), "int32")
+        hi = T.alloc_buffer((R,), "int32")
         span = T.alloc_buffer((2,), "int32")
         where[0] = -1
         where[3] = 0  # tiles of the sequences before
@@ -641,89 +662,97 @@ def _prefill_tile_macro(shape: AttentionShape, lanes: int, paged: bool, block: i
             qo_len: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
             q_scale[0] = sm_scale * T.float32(LOG2E)
             for i in range(QT):
-                if i < n_rows:
-                    # causal: key j is visible to query row i of a sequence of qo_len rows if
-                    # j < kv_len - qo_len + i + 1 (sliding window: the keys are cached ones, all before the row,
-                    # and the window cuts the oldest)
-                    lo[i] = first_visible(causal, kv_len, qo_len, t0 + i - q_indptr[b]) + window_offset(
-                        length_info, b)
-                    hi[i] = (T.if_then_else(causal > 0, T.max(T.min(kv_len - qo_len + (t0 + i - q_indptr[b]) + 1,
-                                                                     kv_len), 0), kv_len)
-                             if not sliding_window else kv_len) + window_offset(length_info, b)
-                else:
-                    lo[i] = T.int32(1 << 30)
-                    hi[i] = 0
                 for g in T.unroll(G):
-                    run_max[i * G + g] = T.float32(NO_SCORE)
-                    run_sum[i * G + g] = T.float32(0)
-                    for c in T.unroll(DC):
-                        # rows past the tile's last repeat it (never computed: their range is empty)
-                        qs[vec((i * G + g) * D + c * VL)] = _f32(q[t0 + T.min(i, n_rows - 1), h * G + g,
-                                                                   vec(c * VL)], fdtype, VL) * _bcast(q_scale[0], VL)
-                        acc[vec((i * G + g) * D + c * VL)] = _bcast(0.0, VL)
+                    if i < n_rows:
+                        # causal: key j is visible to query row i of a sequence of qo_len rows if
+                        # j < kv_len - qo_len + i + 1 (sliding window: the keys are cached ones, all before the row,
+                        # and the window cuts the oldest)
+                        lo[i * G + g] = first_visible(causal, kv_len, qo_len, t0 + i - q_indptr[b]) + window_offset(
+                            length_info, b)
+                        hi[i * G + g] = (T.if_then_else(
+                            causal > 0, T.max(T.min(kv_len - qo_len + (t0 + i - q_indptr[b]) + 1, kv_len), 0), kv_len)
+                            if not sliding_window else kv_len) + window_offset(length_info, b)
+                    else:
+                        lo[i * G + g] = T.int32(1 << 30)
+                        hi[i * G + g] = 0
+                    for d in range(D):
+                        # rows past the tile's last repeat it (never seen: their range is empty)
+                        qs[d * R + i * G + g] = T.Cast("float32", q[t0 + T.min(i, n_rows - 1), h * G + g, d]) * (
+                            q_scale[0])
+            for j in range(R - QT * G):  # the padding rows: no key, q 0
+                lo[QT * G + j] = T.int32(1 << 30)
+                hi[QT * G + j] = 0
+                for d in range(D):
+                    qs[d * R + QT * G + j] = T.float32(0)
+            for j in T.unroll(RV):
+                run_max[vec(j * VL)] = _bcast(NO_SCORE, VL)
+                run_sum[vec(j * VL)] = _bcast(0.0, VL)
+            for d in range(D):
+                for j in T.unroll(RV):
+                    acc[vec(d * R + j * VL)] = _bcast(0.0, VL)
             span[0] = lo[0]
             span[1] = hi[0]
-            for i in range(QT - 1):
-                span[0] = T.min(span[0], lo[i + 1])
-                span[1] = T.max(span[1], hi[i + 1])
+            for j in range(R - 1):
+                span[0] = T.min(span[0], lo[j + 1])
+                span[1] = T.max(span[1], hi[j + 1])
             for blk in range(span[0] // P, (span[1] + P - 1) // P):
-                # the block's rows any query row sees: [first, last)
+                # the block's rows any query row sees: [first, last); the others are never read (their scores
+                # are masked, their weights 0 and their V rows not accumulated)
                 first: T.let[T.int32] = T.max(span[0] - blk * P, 0)
                 last: T.let[T.int32] = T.min(span[1] - blk * P, P)
-                for j in T.unroll(QT * G * PC):
-                    scores[vec(j * VL)] = _bcast(MASKED, VL)
                 for r in range(first, last):
                     for c in T.unroll(DC):
-                        key_row[vec(c * VL)] = key_chunk(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, 0)(c)
-                    for i in range(n_rows):
-                        for g in T.unroll(G):
-                            scores[(i * G + g) * P + r] = _score(shape, lane_sum(_chains_sum(
-                                [qs[vec((i * G + g) * D + c * VL)] * key_row[vec(c * VL)] for c in range(DC)], 2), VL),
-                                key_param(
-                                k_f, v_f, page_values, kv_begin, blk, h, r, 0))
-                            cap_score(scores, (i * G + g) * P + r, cap_arg)
-                            scores[(i * G + g) * P + r] = T.if_then_else(
-                                lo[i] <= blk * P + r and blk * P + r < hi[i], scores[(i * G + g) * P + r],
-                                T.float32(MASKED))
-                for r in range(P):
-                    if first <= r and r < last:
-                        for c in T.unroll(DC):
-                            # the V row's scale (int8) folded into its values
-                            values[vec(r * D + c * VL)] = v_row(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, c)
-                    else:
-                        for c in T.unroll(DC):
-                            values[vec(r * D + c * VL)] = _bcast(0.0, VL)
-                for i in range(n_rows):
-                    for g in T.unroll(G):
-                        part[vec(0)] = scores[vec((i * G + g) * P)]
-                        for c in T.unroll(PC - 1):
-                            part[vec(0)] = T.max(part[vec(0)], scores[vec((i * G + g) * P + (c + 1) * VL)])
-                        new_max[0] = T.max(run_max[i * G + g], _hmax(part, 0, VL))
-                        rescale[0] = _exp2(run_max[i * G + g] - new_max[0], 1)
-                        for c in T.unroll(PC):
-                            scores[vec((i * G + g) * P + c * VL)] = T.Select(
-                                T.ramp(blk * P + c * VL, 1, VL) < T.broadcast(lo[i], VL), _bcast(0.0, VL), T.Select(
-                                    T.ramp(blk * P + c * VL, 1, VL) < T.broadcast(hi[i], VL),
-                                    _exp2(scores[vec((i * G + g) * P + c * VL)] - _bcast(new_max[0], VL), VL),
-                                    _bcast(0.0, VL)))
-                        part[vec(0)] = scores[vec((i * G + g) * P)]
-                        for c in T.unroll(PC - 1):
-                            part[vec(0)] = part[vec(0)] + scores[vec((i * G + g) * P + (c + 1) * VL)]
-                        run_sum[i * G + g] = run_sum[i * G + g] * rescale[0] + _hsum(part, 0, VL)
-                        run_max[i * G + g] = new_max[0]
-                        # one D-lane vector (D / VL registers): every weight broadcast once for the row's D / VL
-                        # independent FMA chains
-                        acc[T.ramp((i * G + g) * D, 1, D)] = _chains_sum(
-                            [acc[T.ramp((i * G + g) * D, 1, D)] * _bcast(rescale[0], D)]
-                            + [_bcast(scores[(i * G + g) * P + r], D) * values[T.ramp(r * D, 1, D)]
-                               for r in range(P)], 1)
+                        keys[vec(r * D + c * VL)] = row_chunk(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, c, 0)
+                        values[vec(r * D + c * VL)] = row_chunk(k, v, k_f, v_f, page_values, kv_begin, blk, h, r, c,
+                                                                1)
+                # scores = K q^T by register tiles of KT keys x R rows
+                for kt in range(P // KT):
+                    for j in T.unroll(KT * RV):
+                        tile_acc[vec(j * VL)] = _bcast(0.0, VL)
+                    for d in range(D):
+                        for kk in T.unroll(KT):
+                            for j in T.unroll(RV):
+                                tile_acc[vec((kk * RV + j) * VL)] = tile_acc[vec((kk * RV + j) * VL)] + _bcast(
+                                    keys[(kt * KT + kk) * D + d], VL) * qs[vec(d * R + j * VL)]
+                    for kk in T.unroll(KT):
+                        for j in T.unroll(RV):
+                            scores[vec((kt * KT + kk) * R + j * VL)] = tile_acc[vec((kk * RV + j) * VL)]
+                            cap_score(scores, vec((kt * KT + kk) * R + j * VL), cap_arg)
+                            scores[vec((kt * KT + kk) * R + j * VL)] = seen(
+                                lo, hi, blk * P + kt * KT + kk, j, scores[vec((kt * KT + kk) * R + j * VL)],
+                                _bcast(MASKED, VL))
+                # online softmax per row, rescaled once per block
+                for j in T.unroll(RV):
+                    new_max[vec(j * VL)] = T.max(run_max[vec(j * VL)], pairwise_sum(
+                        [scores[vec(r * R + j * VL)] for r in range(P)], T.max))
+                    rescale[vec(j * VL)] = _exp2(run_max[vec(j * VL)] - new_max[vec(j * VL)], VL)
+                    for r in T.unroll(P):
+                        scores[vec(r * R + j * VL)] = seen(
+                            lo, hi, blk * P + r, j, _exp2(scores[vec(r * R + j * VL)] - new_max[vec(j * VL)], VL),
+                            _bcast(0.0, VL))
+                    run_sum[vec(j * VL)] = run_sum[vec(j * VL)] * rescale[vec(j * VL)] + pairwise_sum(
+                        [scores[vec(r * R + j * VL)] for r in range(P)])
+                    run_max[vec(j * VL)] = new_max[vec(j * VL)]
+                # acc^T = acc^T * rescale + V^T p by register tiles of DT head_dim columns x R rows
+                for dt in range(D // DT):
+                    for dd in T.unroll(DT):
+                        for j in T.unroll(RV):
+                            tile_acc[vec((dd * RV + j) * VL)] = acc[vec((dt * DT + dd) * R + j * VL)] * rescale[
+                                vec(j * VL)]
+                    for r in range(first, last):
+                        for dd in T.unroll(DT):
+                            for j in T.unroll(RV):
+                                tile_acc[vec((dd * RV + j) * VL)] = tile_acc[vec((dd * RV + j) * VL)] + _bcast(
+                                    values[r * D + dt * DT + dd], VL) * scores[vec(r * R + j * VL)]
+                    for dd in T.unroll(DT):
+                        for j in T.unroll(RV):
+                            acc[vec((dt * DT + dd) * R + j * VL)] = tile_acc[vec((dd * RV + j) * VL)]
             for i in range(n_rows):
                 for g in T.unroll(G):
-                    for c in T.unroll(DC):
-                        output[t0 + i, h * G + g, vec(c * VL)] = T.Cast(
-                            _vec(fdtype, VL), acc[vec((i * G + g) * D + c * VL)] * _bcast(T.if_then_else(
-                                run_sum[i * G + g] > T.float32(0), T.float32(1) / run_sum[i * G + g],
-                                T.float32(0)), VL))
+                    norm[0] = T.if_then_else(run_sum[i * G + g] > T.float32(0), T.float32(1) / run_sum[i * G + g],
+                                             T.float32(0))
+                    for d in range(D):
+                        output[t0 + i, h * G + g, d] = T.Cast(fdtype, acc[d * R + i * G + g] * norm[0])
                     lse[t0 + i, h * G + g] = T.if_then_else(run_sum[i * G + g] > T.float32(0),
                                                             run_max[i * G + g] + T.log2(run_sum[i * G + g]),
                                                             T.float32(NO_SCORE))
@@ -732,8 +761,8 @@ def _prefill_tile_macro(shape: AttentionShape, lanes: int, paged: bool, block: i
 
 
 @functools.cache
-def attention_prefill_ragged(shape: AttentionShape, lanes: int, *, block: int = 16, window: int = 0,
-                             logit_cap: float = 0.0) -> tirx.PrimFunc:
+def attention_prefill_ragged(shape: AttentionShape, lanes: int, *, registers: int = MIN_VECTOR_REGISTERS,
+                             block: int = 16, window: int = 0, logit_cap: float = 0.0) -> tirx.PrimFunc:
     """Self-attention among the new tokens of a prefill: TVM's `batch_prefill_ragged_kv` signature (its CPU
     variant, `_attention_prefill_ragged_cpu`), head_dim the same for q/k and v. One parallel task per tile of query
     rows and KV head (_prefill_tile_macro), keys in blocks of `block` rows; shape.page_size is not used. `window`:
@@ -741,7 +770,8 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, *, block: int = 
     fdtype, H_kv = shape.float_dtype, shape.num_kv_heads
     H_qo_decl, H_kv_decl, D_decl = shape.declared
     assert shape.supported(lanes) and block % lanes == 0, shape
-    query_tile = _prefill_tile_macro(shape, lanes, paged=False, block=block, window=window, logit_cap=logit_cap)
+    query_tile = _prefill_tile_macro(shape, lanes, paged=False, block=block, window=window, logit_cap=logit_cap,
+                                     registers=registers)
 
     @T.macro
     def body(q, q_indptr, k, v, kv_indptr, output, lse, causal, rotary_mode, sm_scale, batch_size, qo_len, kv_len):
@@ -761,8 +791,8 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, *, block: int = 
 
 
 @functools.cache
-def attention_prefill_paged(shape: AttentionShape, lanes: int, *, sliding_window: int = 0, window: int = 0,
-                            logit_cap: float = 0.0) -> tirx.PrimFunc:
+def attention_prefill_paged(shape: AttentionShape, lanes: int, *, registers: int = MIN_VECTOR_REGISTERS,
+                            sliding_window: int = 0, window: int = 0, logit_cap: float = 0.0) -> tirx.PrimFunc:
     """New tokens against the KV cache's pages (a prefill after earlier tokens, or a chunked one): TVM's
     `batch_prefill_paged_kv_cpu` signature, or (a `sliding_window`) its `_sliding_window` variant for the
     "mha_sliding" layers (_prefill_tile_macro; no sinks: _window_checks); `window`: every layer's, every page passed
@@ -774,7 +804,7 @@ def attention_prefill_paged(shape: AttentionShape, lanes: int, *, sliding_window
     window_checks = _window_checks(sliding)
     assert shape.supported(lanes), shape
     query_tile = _prefill_tile_macro(shape, lanes, paged=True, block=P, sliding_window=sliding_window,
-                                     window=window, logit_cap=logit_cap)
+                                     window=window, logit_cap=logit_cap, registers=registers)
 
     @T.macro
     def body(q, q_indptr, pages, page_indptr, page_values, length_info, output, lse, causal, rotary_mode, sm_scale,

@@ -1,7 +1,9 @@
 """Sums written as balanced trees of TIR expressions, shared by the CPU kernel families (the order is part of the
-numerics: the integer-dot GEMV's rows and the attention kernels' scores are summed exactly so)."""
+numerics: the integer-dot GEMV's rows and the prefill attention kernels' block sums are summed exactly so)."""
 
 from __future__ import annotations
+
+import operator
 
 from tvm.script import tirx as T
 
@@ -15,8 +17,9 @@ def lane_sum(value, lanes: int):
     return value
 
 
-def pairwise_sum(terms: list):
-    """terms[0] + terms[1] + ... as a balanced tree: neighbours added pairwise, level by level."""
+def pairwise_sum(terms: list, combine=operator.add):
+    """terms[0] + terms[1] + ... (or another associative `combine`, such as T.max) as a balanced tree: neighbours
+    combined pairwise, level by level."""
     while len(terms) > 1:
-        terms = [terms[i] + terms[i + 1] if i + 1 < len(terms) else terms[i] for i in range(0, len(terms), 2)]
+        terms = [combine(terms[i], terms[i + 1]) if i + 1 < len(terms) else terms[i] for i in range(0, len(terms), 2)]
     return terms[0]

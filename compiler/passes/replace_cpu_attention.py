@@ -51,6 +51,7 @@ from ..kernels.cpu_attention import (
     DECODE_SYMBOL,
     LAYER_SLIDING_WINDOW_ATTR,
     MERGE_SYMBOL,
+    MIN_VECTOR_REGISTERS,
     PAGED_PREFILL_SYMBOL,
     RAGGED_SYMBOL,
     SLIDING_SUFFIX,
@@ -178,24 +179,25 @@ def attention_settings(mod: tvm.IRModule) -> tuple[int, int, float]:
             float(attrs.get(ATTN_LOGIT_CAP_ATTR, 0.0)))
 
 
-# global symbol -> (its shape from TVM's PrimFunc, our kernel for that shape, lanes, the "mha_sliding" layers'
-# window, every layer's window and the logit cap)
+# global symbol -> (its shape from TVM's PrimFunc, our kernel for that shape, lanes, vector registers, the
+# "mha_sliding" layers' window, every layer's window and the logit cap)
 KERNELS = {
-    DECODE_SYMBOL: (decode_shape, lambda shape, lanes, _, window, cap: attention_decode(
+    DECODE_SYMBOL: (decode_shape, lambda shape, lanes, _, __, window, cap: attention_decode(
         shape, lanes, window=window, logit_cap=cap)),
-    RAGGED_SYMBOL: (ragged_shape, lambda shape, lanes, _, window, cap: attention_prefill_ragged(
-        shape, lanes, window=window, logit_cap=cap)),
+    RAGGED_SYMBOL: (ragged_shape, lambda shape, lanes, registers, _, window, cap: attention_prefill_ragged(
+        shape, lanes, registers=registers, window=window, logit_cap=cap)),
     PAGED_PREFILL_SYMBOL: (lambda func: decode_shape(func, pages_param=2),
-                           lambda shape, lanes, _, window, cap: attention_prefill_paged(
-                               shape, lanes, window=window, logit_cap=cap)),
+                           lambda shape, lanes, registers, _, window, cap: attention_prefill_paged(
+                               shape, lanes, registers=registers, window=window, logit_cap=cap)),
 }
 # the same for the "mha_sliding" layers
 SLIDING_KERNELS = {
-    DECODE_SYMBOL + SLIDING_SUFFIX: (decode_shape, lambda shape, lanes, _, __, cap: attention_decode(
+    DECODE_SYMBOL + SLIDING_SUFFIX: (decode_shape, lambda shape, lanes, _, __, ___, cap: attention_decode(
         shape, lanes, sliding=True, logit_cap=cap)),
-    PAGED_PREFILL_SYMBOL + SLIDING_SUFFIX: (lambda func: decode_shape(func, pages_param=2),
-                                            lambda shape, lanes, layer_window, _, cap: attention_prefill_paged(
-                                                shape, lanes, sliding_window=layer_window, logit_cap=cap)),
+    PAGED_PREFILL_SYMBOL + SLIDING_SUFFIX: (
+        lambda func: decode_shape(func, pages_param=2),
+        lambda shape, lanes, registers, layer_window, _, cap: attention_prefill_paged(
+            shape, lanes, registers=registers, sliding_window=layer_window, logit_cap=cap)),
 }
 
 
@@ -203,11 +205,13 @@ SLIDING_KERNELS = {
 class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
     """The paged KV cache's attention kernels (TVM's scalar `batch_decode_paged_kv_cpu`, `batch_prefill_ragged_kv`
     and `batch_prefill_paged_kv_cpu`) -> the vectorized ones of compiler/kernels/cpu_attention.py, at `lanes` float32
-    lanes (the pipeline adds this step for LLVM CPU targets). Anywhere before the build (TVM's kernels are marked
-    scheduled, so dlight leaves them, as it leaves these)."""
+    lanes, the prefill kernels' register tiles sized for `registers` vector registers (the pipeline adds this step
+    for LLVM CPU targets, with the plan's). Anywhere before the build (TVM's kernels are marked scheduled, so dlight
+    leaves them, as it leaves these)."""
 
-    def __init__(self, lanes: int):
+    def __init__(self, lanes: int, registers: int = MIN_VECTOR_REGISTERS):
         self.lanes = lanes
+        self.registers = registers
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         if RopeMode.INLINE in cache_rope_modes(mod):
@@ -248,7 +252,8 @@ class ReplaceCPUAttention:  # pylint: disable=too-few-public-methods
         module's windows and cap): KERNELS, and SLIDING_KERNELS with "mha_sliding" layers."""
         layer_window, window, cap = attention_settings(mod)
         kernels = {**KERNELS, **(SLIDING_KERNELS if layer_window else {})}
-        return {symbol: (read_shape, lambda shape, build=build: build(shape, self.lanes, layer_window, window, cap))
+        return {symbol: (read_shape, lambda shape, build=build: build(shape, self.lanes, self.registers, layer_window,
+                                                                     window, cap))
                 for symbol, (read_shape, build) in kernels.items()}
 
     def _quantized(self, mod: tvm.IRModule, kv_format) -> dict:

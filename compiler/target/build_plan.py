@@ -31,6 +31,7 @@ class BuildPlan:  # pylint: disable=too-many-instance-attributes
     kv_dtype: str  # the KV cache's TVM dtype (kv_cache_dtype.resolve)
     compute_dtype: str  # activations: the float scheme's dtype, or the target's compute dtype
     attention_lanes: int | None  # float32 lanes of the CPU attention kernels; None: the target's (GPU) attention
+    attention_registers: int | None  # vector registers the CPU attention kernels' register tiles fit in
 
     @property
     def isa(self) -> CpuIsa | None:
@@ -73,6 +74,7 @@ def resolve_plan(target: str | TargetSpec, quant: str | None = None, *, kv_dtype
         decode_activations=activations, kv_dtype=kv_cache_dtype.resolve(kv_dtype, spec, scheme),
         compute_dtype=scheme.float_dtype or spec.device["compute_dtype"],
         attention_lanes=cpu.float_lanes if cpu_attention else None,
+        attention_registers=cpu.vector_registers if cpu_attention else None,
     )
 
 

@@ -3,6 +3,8 @@ variant only where the CPU has every feature its target enables (never SIGILL), 
 
 from __future__ import annotations
 
+import re
+
 import tvm
 
 from compiler.target.host import host_features, host_target_json
@@ -27,3 +29,18 @@ def runs_here(target: tvm.target.Target) -> bool:
 def assembly(lib) -> str:
     """The assembly of a module built by tvm.tirx.build (its LLVM module)."""
     return lib.inspect_source("asm")
+
+
+def innermost_loops(asm: str) -> list[list[str]]:
+    """The instructions of each innermost loop of an assembly listing: a label to a branch back to it (x86 j*,
+    AArch64 b / b.cond / cbz / cbnz / tbz / tbnz) with no such loop inside."""
+    lines = asm.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.?L\w+):", line))}
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.match(r"\s+(?:j\w+|b(?:\.\w+)?|cbn?z|tbn?z)\s+(?:.*,\s*)?(\.?L\w+)\s*$", line)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:
+            loops.append((labels[m.group(1)], i))
+    return [[line.strip() for line in lines[start + 1:end + 1] if line.startswith("\t")
+             and not line.strip().startswith(".")]
+            for start, end in loops if not any(start <= s and e <= end and (s, e) != (start, end) for s, e in loops)]

@@ -35,7 +35,8 @@ from compiler.kernels.cpu_attention import (
 )
 from compiler.passes.replace_cpu_attention import ReplaceCPUAttention, decode_shape, ragged_shape
 from compiler.target.build_plan import resolve_plan
-from tests.helpers.cpu import X86_FAMILY_TARGETS, assembly, runs_here
+from compiler.target.isa import cpu_isa
+from tests.helpers.cpu import X86_FAMILY_TARGETS, assembly, innermost_loops, runs_here
 
 AVX512 = X86_FAMILY_TARGETS["avx512bw"]
 AVX2 = X86_FAMILY_TARGETS["avx2"]
@@ -181,10 +182,40 @@ def test_avx2_and_neon_widths_build_and_match():
 def test_each_width_emits_its_vectors(target, register):
     """Each x86 width compiled (not run), whatever this CPU has: 16 lanes in zmm FMAs, 8 in ymm ones (no zmm)."""
     shape = AttentionShape(3, 9, D, "float32", PAGE)
-    for func in (attention_decode(shape, vector_lanes(target)), attention_prefill_ragged(shape, vector_lanes(target))):
-        asm = assembly(tvm.tirx.build(tvm.IRModule({"main": func}), target=target))
+    decode = assembly(tvm.tirx.build(tvm.IRModule({"main": attention_decode(shape, vector_lanes(target))}),
+                                     target=target))
+    for asm in (decode, _prefill_assembly(target)):
         assert "vfmadd" in asm and f"%{register}" in asm
         assert (register == "zmm") == ("%zmm" in asm)
+
+
+@functools.cache
+def _prefill_assembly(target) -> str:
+    """The ragged prefill kernel (the paged one's tiles too) at the target's lanes and vector registers, compiled."""
+    isa = cpu_isa(target)
+    func = attention_prefill_ragged(AttentionShape(3, 9, D, "float32", PAGE), isa.float_lanes,
+                                    registers=isa.vector_registers)
+    return assembly(tvm.tirx.build(tvm.IRModule({"main": func}), target=target))
+
+
+# x86: vfmadd231ps of a broadcast and a vector; NEON: fmla by element or of a ld1r broadcast
+FMA = re.compile(r"^(vfmadd\w+ps|fmla)\s")
+HORIZONTAL = re.compile(r"^(vhadd|vperm|vshuf|vextract|vinsert|vunpck|faddp|fmaxp|addv|ext|zip|uzp|dup)")
+
+
+@pytest.mark.parametrize("target,fmas", [
+    (AVX2, 12),  # 4 keys x 3 vectors of 8 rows (the 24 rows of a tile of 8 query rows x 3 heads) in 16 ymm
+    (AVX512, 16),  # 8 keys x 2 vectors of 16 (the rows padded to 32) in 32 zmm
+    (ARM, 24),  # 4 keys x 6 vectors of 4 in 32 NEON registers
+])
+def test_prefill_micro_kernels_are_register_tiles_of_fmas(target, fmas):
+    """The prefill kernels' products (scores = K q^T, output^T += V^T p) are loops of `fmas` independent FMAs (a
+    register tile: keys or head_dim columns x vectors of rows) of broadcast elements, with no horizontal sum, shuffle
+    or spill in them; compiled, not run."""
+    tiles = [body for body in innermost_loops(_prefill_assembly(target)) if sum(bool(FMA.match(i)) for i in body) == fmas]
+    assert len(tiles) >= 2, f"no loop of {fmas} FMAs"  # the scores' and the output's
+    for body in tiles:
+        assert not [i for i in body if HORIZONTAL.match(i) or re.search(r"\(%rsp\)|\[sp", i)], body
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -311,6 +342,24 @@ def test_paged_prefill_matches_tvm_kernel(q_lens, ctx, causal):
         rows = [dict(cache, q=q[q_indptr[s]:q_indptr[s + 1]][i:i + 1], indptr=cache["indptr"][s:s + 2],
                      last=cache["last"][s:s + 1]) for s in range(len(q_lens)) for i in range(q_lens[s])]
         np.testing.assert_allclose(out, np.concatenate([_numpy_reference(r)[0] for r in rows]), rtol=1e-5, atol=3e-6)
+
+
+@pytest.mark.parametrize("lanes,registers", [
+    (16, 32),  # AVX-512's tile: 8 keys x 2 vectors of 16 rows, the 24 rows padded to 32
+    (4, 32),  # NEON's: 4 keys x 6 vectors of 4 rows
+])
+def test_paged_prefill_tiles_of_other_targets_match_tvm_kernel(lanes, registers):
+    """The register tiles of AVX-512 and NEON (their lanes and 32 registers), built for RUN (LLVM splits or joins
+    the vectors), give TVM's results: padded rows, a short last tile, rows of a tile seeing different keys."""
+    ours = tvm.tirx.build(tvm.IRModule({"main": attention_prefill_paged(
+        AttentionShape(3, 9, D, "float32", PAGE), lanes, registers=registers)}), target=RUN)["main"]
+    cache = _cache([40, 50], 3, 9, seed=6)
+    q = (2 * np.random.default_rng(7).standard_normal((30, 9, D))).astype("float32")
+    q_indptr = np.array([0, 11, 30], "int32")
+    out, lse = _run_paged_prefill(ours, cache, q, q_indptr, causal=1)
+    ref_out, ref_lse = _run_paged_prefill(_paged_prefill_kernels(3, 9)[1], cache, q, q_indptr, causal=1)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=3e-6)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=3e-5)
 
 
 def test_kernels_refuse_inline_rope():

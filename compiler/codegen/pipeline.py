@@ -19,6 +19,7 @@ from ..passes.fuse_add_rmsnorm import FuseAddRMSNorm
 from ..passes.fuse_dequantize_matmul import FuseDequantizeMatmul
 from ..passes.fuse_gemm_norms import FuseGEMMNorms
 from ..passes.fuse_gemv_norms import FuseGEMVNorms
+from ..passes.fuse_norm_pairs import FuseNormPairs
 from ..passes.fuse_swiglu import FuseSwiGLU
 from ..passes.fuse_transpose_matmul import FuseTransposeMatmul
 from ..passes.guard_kv_append import GuardKVAppend
@@ -55,6 +56,7 @@ def steps(plan: BuildPlan, tuning: bool = False) -> list[Step]:
     schedule_rules = gpu_schedules.rules(spec.schedule) if gpu else cpu_schedules.rules(plan.isa)
     gemv_rule = next((rule for rule in schedule_rules if isinstance(rule, gpu_schedules.GEMV)), None)
     matmul_rule = next((rule for rule in schedule_rules if isinstance(rule, gpu_schedules.Matmul)), None)
+    reduction_rule = next((rule for rule in schedule_rules if isinstance(rule, dlight.gpu.GeneralReduction)), None)
     every_target = True
     candidates = [
         ("drop-tree-attention", DropTreeAttention(), every_target),
@@ -95,6 +97,10 @@ def steps(plan: BuildPlan, tuning: bool = False) -> list[Step]:
         # GPU targets: the RMSNorm before a prefill GEMM runs inside it, where our Matmul rule schedules the pair (each
         # work group reduces the rows of its tile).
         ("fuse-gemm-norms", FuseGEMMNorms(lambda func: matmul_rule.takes(func, target)), gpu),
+        # GPU targets: a norm kernel left after them that alone reads another's result (Gemma 3's last post-norm
+        # before the final norm) runs it first, where dlight's GeneralReduction schedules the pair (a work group per
+        # row, both reductions in it).
+        ("fuse-norm-pairs", FuseNormPairs(lambda func: reduction_rule.apply(func, target, False) is not None), gpu),
         # Kernels that tuned faster than our rules; dlight skips them (tirx.is_scheduled).
         (APPLY_TUNING_STEP, ApplyTuningDatabase(spec.name), tuning),
         ("schedule", dlight.ApplyDefaultSchedule(*schedule_rules), every_target),

@@ -9,7 +9,8 @@ calls them by position) and compute the same thing:
   MIN_DECODE_TASKS chunks, so that its few pages still spread over the cores); a task walks its pages in order, and per
   page first the K rows of every KV head (scores), then the V rows of every head, so K and V are each read in
   memory order: the hardware prefetchers then stream them (reading one head's 4 KiB blocks at a time, or adding
-  software prefetches, was 1.5-2x slower from DRAM). The chunks' unnormalized states (sum of p V, running max,
+  software prefetches, was 1.5-2x slower from DRAM); a score's lanes are summed by shuffles of its dot product (not
+  through a buffer; the same tree, so the same bits). The chunks' unnormalized states (sum of p V, running max,
   sum of p) are merged at the end;
 - prefill (ragged: the new tokens among themselves; paged: the new tokens against the cached pages): one parallel
   task per (tile of QUERY_TILE query rows of one sequence, KV head), keys in blocks of 16 rows (a page for the
@@ -420,10 +421,10 @@ def attention_decode(shape: AttentionShape, lanes: int, *, chunk_pages: int = CH
                 # scores of the page's rows [start, rows) for the G query heads of KV head h
                 for r in range(start, rows):
                     for g in T.unroll(G):
-                        part[vec(0)] = dot_terms(q_chunk(Q, b, h * G + g, q_scale),
-                                                 page_k(pages, pages_f, page, h, r))
-                        scores[(h * G + g) * P + r] = _score(shape, _hsum(part, 0, VL),
-                                                             page_param(pages_f, page, 0, h, r))
+                        # the lanes summed by shuffles of the dot product itself, not through a buffer
+                        scores[(h * G + g) * P + r] = _score(shape, lane_sum(dot_terms(
+                            q_chunk(Q, b, h * G + g, q_scale), page_k(pages, pages_f, page, h, r)), VL),
+                            page_param(pages_f, page, 0, h, r))
                         cap_score(scores, (h * G + g) * P + r, cap_arg)
                 for r in range(P - rows):
                     for g in T.unroll(G):

@@ -14,7 +14,7 @@ from .ir_walk import (AskedOnce, UniqueKernels, emit_fused_binding, packed_weigh
                       use_counts)
 
 
-def _flattened(func: tirx.PrimFunc) -> tirx.PrimFunc:
+def flattened(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """`func` (a chain of kernels, each its root block) with one root block: the kernels' statements and buffers in
     it, as the schedule rules expect a fused kernel."""
     root = func.body.block
@@ -122,7 +122,7 @@ class _Rewriter(PyExprMutator):
         if built is None:
             return False
         func, inputs, _ = built
-        func = _flattened(func)
+        func = flattened(func)
         if second_result is not None:
             func = with_second_run(func, inputs, self.mod[first.value.args[0]], list(first.value.args[1].fields))
         func = func.with_attrs(dict(self.mod[gemm.value.args[0]].attrs))

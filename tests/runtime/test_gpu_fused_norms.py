@@ -2,7 +2,8 @@
 inside the decode GEMVs (passes/fuse_gemv_norms.py: the input norm before, Gemma 3's post-norm with its residual add
 before that, written again as the residual stream; the q/k norm per head after, and Gemma's RoPE after that) gives
 the unfused build's greedy tokens, and its prompt and decode logits within 1e-5 relative. Likewise Llama, Qwen3 and
-Gemma 3 with each input norm inside the prefill GEMM that reads it (passes/fuse_gemm_norms.py)."""
+Gemma 3 with each input norm inside the prefill GEMM that reads it (passes/fuse_gemm_norms.py), and Gemma 3's last
+post-feedforward norm inside the final norm's kernel (passes/fuse_norm_pairs.py)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,21 @@ def test_norms_inside_prefill_gemms_give_the_unfused_builds_logits(tmp_path, mon
     np.testing.assert_allclose(fused_logits, logits, rtol=0, atol=1e-5 * np.abs(logits).max())
     # Negative control: the comparison sees a wrong step (the logits move from step to step).
     assert np.abs(fused_logits[1:] - logits[:-1]).max() > 1e-3 * np.abs(logits).max()
+
+
+def test_the_last_post_norm_inside_the_final_norm_gives_the_unpaired_builds_logits(tmp_path, monkeypatch):
+    """Gemma 3's last post-feedforward norm with its residual add inside the final norm's kernel
+    (passes/fuse_norm_pairs.py): prefill's logits (and the decode steps after it) within 1e-5 relative of the build
+    that keeps them apart, the same greedy tokens."""
+    checkpoint = save_compilable_checkpoint(build_model("gemma3"), tmp_path / "hf")
+    paired_logits, paired_tokens, paired_kernels = _build(checkpoint, tmp_path / "paired", LONG_PROMPT, "prefill")
+    monkeypatch.setattr(pipeline, "FuseNormPairs", lambda _: tvm.transform.Sequential([]))
+    logits, tokens, kernels = _build(checkpoint, tmp_path / "apart", LONG_PROMPT, "prefill")
+    # one norm kernel fewer in prefill: the pair's in place of the final norm's and the post-norm's
+    only_paired, only_apart = set(paired_kernels) - set(kernels), set(kernels) - set(paired_kernels)
+    assert len(only_paired) == 1 and next(iter(only_paired)).count("rms_norm") == 2, only_paired
+    assert len(only_apart) == 2 and all("rms_norm" in k and "NT_matmul" not in k for k in only_apart), only_apart
+    assert paired_tokens == tokens
+    np.testing.assert_allclose(paired_logits, logits, rtol=0, atol=1e-5 * np.abs(logits).max())
+    # Negative control: the comparison sees a wrong step (the logits move from step to step).
+    assert np.abs(paired_logits[1:] - logits[:-1]).max() > 1e-3 * np.abs(logits).max()

@@ -65,7 +65,7 @@ from tvm.target import Target
 from ..model_import.kv_cache_dtype import Carrier, carrier_for
 from ..target.isa import cpu_isa
 from . import paged_kv_signatures as signatures
-from .lane_sums import pairwise_sum
+from .lane_sums import lane_sum, pairwise_sum
 
 DECODE_SYMBOL = "batch_decode_paged_kv_cpu"  # TVM's global symbols of the CPU kernels replaced here
 RAGGED_SYMBOL = "batch_prefill_ragged_kv"

@@ -68,11 +68,12 @@ def test_the_default_scheme_gives_the_host_builds_tokens(tmp_path):
 
 @pytest.mark.extended
 def test_the_hvx_gemv_gives_the_host_int8_builds_tokens(tmp_path, monkeypatch):
-    """q4f16_g32 with int8 decode activations: every decode GEMV is the integer HVX GEMV (passes/hvx_gemv.py) after
-    its activations are quantized on the DSP, against the host build's integer-dot GEMVs with int8 activations. The
-    two round activations to int8 each their own way (and the HVX GEMV's scales are 16-bit fixed point), so their
-    logits differ by int8's own error: 0.19 of a largest logit of 7.2 seen, where the host's int8 and int16 builds
-    differ by 0.23; the tolerance is 5% of the largest. The same tokens; the step leaves the DSP only for attention,
+    """q4f16_g32 with int8 decode activations (hexagon-npu's default): every decode GEMV is the integer HVX GEMV and
+    every prefill matmul the HVX GEMM (passes/hvx_gemv.py) after its activations are quantized on the DSP, against
+    the host build's integer-dot GEMVs with int8 activations and float prefill. The two round activations to int8
+    each their own way (and the HVX kernels' scales are 16-bit fixed point), and the NPU's prefill rounds them too,
+    so their logits differ by int8's own error: 0.44 of a largest logit of 7.2 seen (0.19 with a float prefill),
+    where the host's int8 and int16 builds differ by 0.23; the tolerance is 8% of the largest. The same tokens; the step leaves the DSP only for attention,
     and every weight byte of it is read there. Negative control: one record of the down_proj's re-laid weight,
     its scales made 100x on their way to the DSP, moves the logits past the tolerance. ~50 s of compiling."""
     checkpoint = save_compilable_checkpoint(build_model("llama_gqa"), tmp_path / "hf")
@@ -82,18 +83,19 @@ def test_the_hvx_gemv_gives_the_host_int8_builds_tokens(tmp_path, monkeypatch):
                                      decode_activations="int8"))
     npu_logits, npu_tokens, _ = artifact_greedy(tmp_path / "hexagon-npu", PROMPT, TOKENS)
     host_logits, host_tokens, _ = artifact_greedy(tmp_path / "host", PROMPT, TOKENS)
-    tolerance = 0.05 * float(np.abs(host_logits).max())
+    tolerance = 0.08 * float(np.abs(host_logits).max())
     assert npu_tokens == host_tokens
     assert np.abs(npu_logits - host_logits).max() < tolerance
     report = json.loads((tmp_path / "hexagon-npu" / CONFIG_FILE).read_text())["npu_coverage"]
     gemvs = {name: calls for name, calls in report["decode_calls"]["npu"].items() if name.startswith("hvx_decode_gemv")}
     assert sum(gemvs.values()) == 4 * 2 + 1  # qkv, o, gate_up, down of 2 layers; the lm_head
+    assert sum(name.startswith("hvx_prefill_gemm") for name in report["npu_writes"]) == 5  # the same 5 shapes
     assert not [name for name in report["decode_calls"]["npu"] if "NT_matmul" in name]
     assert report["decode_crossings"] == 2 * 2 + 2 and report["decode_weight_bytes"]["cpu"] == 0
     call = emulated_hexagon.Device.call
 
     def corrupted(device, kernel, *args):
-        if kernel == "hvx_decode_gemv_4bit_z8_n64_k96":  # down_proj: K = the MLP's 96
+        if kernel.startswith("hvx_") and kernel.endswith("4bit_z8_n64_k96"):  # down_proj (K = the MLP's 96)
             records = args[0].reshape(-1)
             scales = records[:128].view(np.int16)  # the first record's scale vector (hvx_blocks.py)
             scales[...] = np.clip(scales.astype(np.int32) * 100, -32767, 32767).astype(np.int16)

@@ -1,4 +1,5 @@
-"""Decode GEMV on Hexagon HVX, counted packet by packet: mobilec's integer GEMV against llama.cpp's HVX kernels.
+"""Decode GEMV and prefill GEMM on Hexagon HVX, counted packet by packet: mobilec's integer kernels against
+llama.cpp's HVX kernels.
 
     .venv/bin/pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /tmp/lcpp  # its source, once
     tar -xzf /tmp/lcpp/llama_cpp_python-0.3.36.tar.gz -C /tmp/lcpp
@@ -26,6 +27,11 @@ For each kernel the innermost hardware loop (loop0 .. endloop0) with the most vr
 vrmpy multiplies 4 bytes in each of its 32 lanes, i.e. 4 values of 32 rows (4 blocks of 32 weights), so packets per
 32 weights = loop packets / (4 x vrmpy in the loop). Activation quantization (both sides quantize once per GEMV)
 and the per-row epilogue are left out; so are memory stalls, which are what decode is bound by on a real DSP.
+
+The prefill table counts the GEMMs' loops the same way per 32x32 tile (32 weight rows x 32 activation rows) and
+32-value block, i.e. loop packets x 256 / vrmpy: ours (`hvx_gemm_*`, hvx_gemv.h's HVX_GEMM_ROWS activation rows a
+loop) against llama.cpp's `tiled_vec_dot_{q4_0,q4_1,q8_0}_32x2` (two activation rows a loop), which its tiled
+matmul (`hvx_mm_2d_repacked_*` in matmul-ops.c) runs over pairs of rows.
 """
 
 from __future__ import annotations
@@ -260,8 +266,9 @@ def main() -> int:
           f"{'per tile':>9} {'ratio':>6}  (per 32x32 tile and block) goal <= {GEMM_GOAL}")
     for row in gemm_rows:
         ours, theirs = row["ours"], row["llama_cpp"]
-        print(f"{row['format']:13} {ours['loop_packets']:>18} {ours['vrmpy']:>7} {ours['packets_per_tile_block']:>9.1f} "
-              f"{theirs['loop_packets']:>23} {theirs['vrmpy']:>7} {theirs['packets_per_tile_block']:>9.1f} "
+        print(f"{row['format']:13} {ours['loop_packets']:>18} {ours['vrmpy']:>7} "
+              f"{ours['packets_per_tile_block']:>9.1f} {theirs['loop_packets']:>23} {theirs['vrmpy']:>7} "
+              f"{theirs['packets_per_tile_block']:>9.1f} "
               f"{row['ratio']:>6.2f}")
     print(f"\none decode token of {token['gguf']} on hexagon-npu: GEMVs {token['gemv_packets']:,} packets, "
           f"{token['cycles_per_thread']:,} cycles on each of {token['hvx_threads']} HVX threads; floor "

@@ -6,7 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-enum { HVX_GEMV_ROWS = 32, HVX_GEMV_ACT_RECORD = 80, HVX_GEMM_ROWS = 4 };
+enum { HVX_GEMV_ROWS = 32, HVX_GEMV_ACT_RECORD = 80, HVX_GEMM_ROWS = 2 };
 
 /* weights: the tiles of 32 rows, each n_pairs records of two 32-value blocks; row_factors: per row the dot
  * term's and the mins' power of two; activations: n_pairs records; y: n_tiles * 32 floats (padding rows

@@ -1,6 +1,7 @@
-"""HvxGEMV: the IR it leaves for decode and prefill (structural equality with the kernels it adds), which matmuls it leaves
-alone, the build plans that have it, the tiny Llama's decode projections all on the HVX GEMV, and the "hvx" code
-order's dequantize (prefill, the embedding) against numpy, with a negative control."""
+"""HvxGEMV: the IR it leaves for decode and prefill (structural equality with the kernels it adds), which matmuls it
+leaves alone, the build plans that have it, the tiny Llama's decode projections all on the HVX GEMV and its prefill
+ones on the HVX GEMM, and the "hvx" code order's dequantize (the embedding) against numpy, with a negative
+control."""
 
 import re
 
@@ -118,7 +119,8 @@ def test_plans():
 def test_tiny_llama_decode_projections_run_on_the_hvx_gemv(tmp_path):
     """The tiny Llama for hexagon-npu with int8 decode activations, through the pipeline up to hvx-gemv: every
     projection of decode (qkv, o, gate_up, down per layer; the tied lm_head) is an HVX GEMV after a quantize of its
-    activations, and no NT_matmul is left in decode; prefill's are HVX GEMMs (the lm_head of its last row a GEMV)."""
+    activations, and no NT_matmul is left in decode; prefill's and batch_decode's are HVX GEMMs (prefill's lm_head,
+    on its last row, a GEMV)."""
     checkpoint = save_compilable_checkpoint(build_model("llama_gqa"), tmp_path / "hf")
     plan = resolve_plan("hexagon-npu", "q4f16_g32", decode_activations="int8", host_target="host")
     with open_checkpoint(checkpoint) as ckpt:
@@ -134,9 +136,10 @@ def test_tiny_llama_decode_projections_run_on_the_hvx_gemv(tmp_path):
     assert len(gemvs) == 4 * layers + 1 and gemvs[-1].startswith(f"{GEMV_PREFIX}8bit")  # the 8-bit lm_head
     assert sum(c.startswith(QUANTIZE_PREFIX) for c in called) == len(gemvs)
     assert not [c for c in called if c.startswith("NT_matmul")]
-    prefill = re.findall(r"R\.call_tir\((?:cls\.)?(\w+)", mod["prefill"].script())
-    assert sum(c.startswith(GEMM_PREFIX) for c in prefill) == 4 * layers
-    assert not [c for c in prefill if c.startswith("NT_matmul")]
+    for name, gemms in (("prefill", 4 * layers), ("batch_decode", 4 * layers + 1)):  # batch_decode: lm_head too
+        called = re.findall(r"R\.call_tir\((?:cls\.)?(\w+)", mod[name].script())
+        assert sum(c.startswith(GEMM_PREFIX) for c in called) == gemms, name
+        assert not [c for c in called if c.startswith("NT_matmul")], name
 
 
 def _built(func_of_tensors, arrays: list[np.ndarray], out_shape) -> np.ndarray:
@@ -151,9 +154,9 @@ def _built(func_of_tensors, arrays: list[np.ndarray], out_shape) -> np.ndarray:
 @pytest.mark.parametrize("layout", [GroupLayout(4, 32, True, "float16"), GroupLayout(4, 32, False, "float16"),
                                     GroupLayout(8, 32, True, "float16")], ids=lambda layout: layout.describe())
 def test_hvx_order_dequantize_matches_numpy(layout):
-    """dequantize_te and take_dequantize_te of the hvx order (prefill's matmuls, the tied embedding's lookup) give
-    numpy's dequantize of the same codes (scales within 2^4 of their row's largest keep every bit: exact here). A
-    flipped code byte of the stored records changes the weights (negative control)."""
+    """dequantize_te and take_dequantize_te of the hvx order (a matmul the HVX kernels leave, the tied embedding's
+    lookup) give numpy's dequantize of the same codes (scales within 2^4 of their row's largest keep every bit:
+    exact here). A flipped code byte of the stored records changes the weights (negative control)."""
     rng = np.random.default_rng(5)
     n, k = 64, 160
     hvx = layout.with_code_order("hvx", n)

@@ -11,6 +11,7 @@ import json
 
 import numpy as np
 import pytest
+import tvm
 
 from compiler.artifacts.artifact import CONFIG_FILE, load_artifact
 from compiler.codegen.hexagon import NPU_FUNCTION
@@ -18,7 +19,7 @@ from compiler.commands.compile_model import CompileOptions, compile_model
 from compiler.errors import MobilecError
 from compiler.roofline import artifact_read_bytes
 from compiler.runtime import remote
-from compiler.runtime.session import Session
+from compiler.runtime.session import LoadedArtifact, Session
 from compiler.target.cpu_check import check_cpu, this_cpu
 from compiler.testing import emulated_hexagon
 from tests.helpers.reference import artifact_greedy
@@ -75,9 +76,11 @@ def test_the_hvx_gemv_gives_the_host_int8_builds_tokens(tmp_path, monkeypatch):
     the host build's integer-dot GEMVs with int8 activations and float prefill. The two round activations to int8
     each their own way (and the HVX kernels' scales are 16-bit fixed point), and the NPU's prefill rounds them too,
     so their logits differ by int8's own error: 0.44 of a largest logit of 7.2 seen (0.19 with a float prefill),
-    where the host's int8 and int16 builds differ by 0.23; the tolerance is 8% of the largest. The same tokens; the step leaves the DSP only for attention,
-    and every weight byte of it is read there. Negative control: one record of the down_proj's re-laid weight,
-    its scales made 100x on their way to the DSP, moves the logits past the tolerance. ~50 s of compiling."""
+    where the host's int8 and int16 builds differ by 0.23; the tolerance is 8% of the largest. The same tokens; a
+    decode step and a prefill chunk leave the DSP only for attention, and every weight byte of them is read there.
+    batch_decode's rows are each sequence's decode (_batch_decode_rows_are_each_sequences_decode). Negative control:
+    one record of the down_proj's re-laid weight, its scales made 100x on their way to the DSP (GEMV and GEMM),
+    moves the logits past the tolerance. ~50 s of compiling."""
     checkpoint = save_compilable_checkpoint(build_model("llama_gqa"), tmp_path / "hf")
     for target, host_target in (("hexagon-npu", "host"), ("host", None)):
         compile_model(CompileOptions(str(checkpoint), target, "q4f16_g32", str(tmp_path / target),
@@ -91,9 +94,12 @@ def test_the_hvx_gemv_gives_the_host_int8_builds_tokens(tmp_path, monkeypatch):
     report = json.loads((tmp_path / "hexagon-npu" / CONFIG_FILE).read_text())["npu_coverage"]
     gemvs = {name: calls for name, calls in report["decode_calls"]["npu"].items() if name.startswith("hvx_decode_gemv")}
     assert sum(gemvs.values()) == 4 * 2 + 1  # qkv, o, gate_up, down of 2 layers; the lm_head
-    assert sum(name.startswith("hvx_prefill_gemm") for name in report["npu_writes"]) == 5  # the same 5 shapes
+    gemms = [calls for name, calls in report["prefill_calls"]["npu"].items() if name.startswith("hvx_prefill_gemm")]
+    assert sum(gemms) == 4 * 2  # the lm_head of prefill's last row is a GEMV
+    assert report["prefill_crossings"] == 2 * 2 + 2 and report["prefill_weight_bytes"]["cpu"] == 0
     assert not [name for name in report["decode_calls"]["npu"] if "NT_matmul" in name]
     assert report["decode_crossings"] == 2 * 2 + 2 and report["decode_weight_bytes"]["cpu"] == 0
+    _batch_decode_rows_are_each_sequences_decode(tmp_path / "hexagon-npu")
     call = emulated_hexagon.Device.call
 
     def corrupted(device, kernel, *args):
@@ -106,6 +112,32 @@ def test_the_hvx_gemv_gives_the_host_int8_builds_tokens(tmp_path, monkeypatch):
     monkeypatch.setattr(emulated_hexagon.Device, "call", corrupted)
     wrong_logits, _, _ = artifact_greedy(tmp_path / "hexagon-npu", PROMPT, TOKENS)
     assert np.abs(wrong_logits - host_logits).max() > tolerance
+
+
+def _batch_decode_rows_are_each_sequences_decode(artifact):
+    """batch_decode of 3 sequences (its matmuls the HVX GEMM, a row per sequence): row i is what decode gives
+    sequence i alone (the GEMM's integer sums are the GEMV's of each row; the float kernels around them within
+    1e-5), and not another sequence's (negative control)."""
+    model = LoadedArtifact(load_artifact(artifact))
+    add = model.device.function("vm.builtin.kv_state_add_sequence")
+    histories, last = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 1]], [2, 7, 4]
+
+    def filled_cache():
+        cache = model.create_kv_cache(3, 3 * CONTEXT)
+        for seq, history in enumerate(histories):
+            add(cache, seq)
+            model.forward(model.prefill_function, tvm.runtime.tensor(np.array(history, "int32")), cache,
+                          model.device.shape(seq), model.device.shape(len(history)))
+        return cache
+
+    batched = model.first_output(model.forward(model.batch_decode_function, tvm.runtime.tensor(np.array(
+        last, "int32")), filled_cache(), model.device.shape(0, 1, 2), model.device.shape(1, 1, 1))).reshape(3, -1)
+    cache = filled_cache()
+    alone = np.stack([model.first_output(model.forward(model.decode_function, tvm.runtime.tensor(np.array(
+        [token], "int32")), cache, model.device.shape(seq), model.device.shape(1))).reshape(-1)
+        for seq, token in enumerate(last)])
+    np.testing.assert_allclose(batched, alone, rtol=1e-5, atol=1e-5 * np.abs(alone).max())
+    assert np.abs(batched[0] - alone[1]).max() > 100 * 1e-5 * np.abs(alone).max()
 
 
 def test_a_wrong_input_to_one_npu_kernel_shows(artifacts, monkeypatch):
@@ -160,6 +192,8 @@ def test_only_attention_leaves_the_dsp(artifacts):
     assert layers == 2
     assert report["decode_crossings"] == 2 * layers + 2
     assert report["decode_calls"]["cpu"] == {"vm.builtin.attention_kv_cache_attention_with_fused_qkv": layers}
+    # a prefill chunk likewise: only its attention leaves the DSP, and its matmuls read every weight there
+    assert report["prefill_crossings"] == 2 * layers + 2 and report["prefill_weight_bytes"]["cpu"] == 0
     assert all(why.startswith("the VM's shape arithmetic") for name, why in report["cpu_kernels"].items()
                if name.startswith(("shape_func", "compute_symbolic_expr")))
     assert {"rms_norm", "add_rms_norm", "swiglu"} <= set(report["decode_calls"]["npu"])

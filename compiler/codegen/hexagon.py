@@ -227,8 +227,10 @@ def _is_host_function(func: tirx.PrimFunc) -> bool:
 
 
 def _is_shape_builtin(symbol: str) -> bool:
-    """A VM builtin that checks, matches or builds shapes: it reads no tensor data."""
-    return symbol.startswith("vm.builtin.check_") or symbol in ("vm.builtin.match_shape", "vm.builtin.make_shape")
+    """A VM builtin that checks, matches or builds shapes, or gives a tensor another shape (vm.builtin.reshape: a view
+    of the same memory, prefill's reshapes of its symbolic-length tensors): it reads no tensor data."""
+    return symbol.startswith("vm.builtin.check_") or symbol in ("vm.builtin.match_shape", "vm.builtin.make_shape",
+                                                                "vm.builtin.reshape")
 
 
 def coverage(mod: tvm.IRModule, npu: set[str], cpu: dict[str, str]) -> dict[str, Any]:

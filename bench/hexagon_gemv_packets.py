@@ -1,4 +1,5 @@
-"""Decode GEMV on Hexagon HVX, counted packet by packet: mobilec's integer GEMV against llama.cpp's HVX kernels.
+"""Decode GEMV and prefill GEMM on Hexagon HVX, counted packet by packet: mobilec's integer kernels against
+llama.cpp's HVX kernels.
 
     .venv/bin/pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /tmp/lcpp  # its source, once
     tar -xzf /tmp/lcpp/llama_cpp_python-0.3.36.tar.gz -C /tmp/lcpp
@@ -26,6 +27,11 @@ For each kernel the innermost hardware loop (loop0 .. endloop0) with the most vr
 vrmpy multiplies 4 bytes in each of its 32 lanes, i.e. 4 values of 32 rows (4 blocks of 32 weights), so packets per
 32 weights = loop packets / (4 x vrmpy in the loop). Activation quantization (both sides quantize once per GEMV)
 and the per-row epilogue are left out; so are memory stalls, which are what decode is bound by on a real DSP.
+
+The prefill table counts the GEMMs' loops the same way per 32x32 tile (32 weight rows x 32 activation rows) and
+32-value block, i.e. loop packets x 256 / vrmpy: ours (`hvx_gemm_*`, hvx_gemv.h's HVX_GEMM_ROWS activation rows a
+loop) against llama.cpp's `tiled_vec_dot_{q4_0,q4_1,q8_0}_32x2` (two activation rows a loop), which its tiled
+matmul (`hvx_mm_2d_repacked_*` in matmul-ops.c) runs over pairs of rows.
 """
 
 from __future__ import annotations
@@ -53,7 +59,14 @@ BLOCKS_PER_VRMPY = 4  # 4 bytes of each of 32 lanes: 4 values of 32 rows
 # format -> (our function, llama.cpp's wrapper function)
 KERNELS = {"Q4_0": ("hvx_gemv_4bit", "llama_q4_0"), "Q4_1": ("hvx_gemv_4bit_mins", "llama_q4_1"),
            "Q8_0": ("hvx_gemv_8bit", "llama_q8_0")}
+# the prefill GEMMs: ours (HVX_GEMM_ROWS activation rows per read of the weights) and llama.cpp's tiled matmul's
+# dot product of a 32-row weight tile with two activation rows (`tiled_vec_dot_*_32x2`, which its
+# `hvx_mm_2d_repacked_*` runs over the activation rows in pairs)
+GEMM_KERNELS = {"Q4_0": ("hvx_gemm_4bit", "llama_q4_0_32x2"), "Q4_1": ("hvx_gemm_4bit_mins", "llama_q4_1_32x2"),
+                "Q8_0": ("hvx_gemm_8bit", "llama_q8_0_32x2")}
+VRMPY_PER_TILE_BLOCK = 32 * 32 * 32 // (4 * 32)  # a 32x32 tile (weight rows x activation rows) times a 32-value block
 GOAL = 0.8
+GEMM_GOAL = 1.0
 LLAMA_WRAPPER = r"""
 #include <hexagon_types.h>
 #include <hvx_hexagon_protos.h>
@@ -69,11 +82,20 @@ static const uint8_t __attribute__((aligned(128))) kvalues_iq4nl_lut[128], kvalu
 void llama_q4_0(uint32_t n, float *s, const void *w, const void *a) { tiled_vec_dot_q4_0_32x1(n, s, w, a, 32, 0); }
 void llama_q4_1(uint32_t n, float *s, const void *w, const void *a) { tiled_vec_dot_q4_1_32x1(n, s, w, a, 32, 0); }
 void llama_q8_0(uint32_t n, float *s, const void *w, const void *a) { tiled_vec_dot_q8_0_32x1(n, s, w, a, 32, 0); }
+#define TILED_32X2(f, t)                                                                                           \
+    void f(uint32_t n, float *s0, float *s1, const void *w, const void *a0, const void *a1) {                    \
+        t(n, s0, s1, w, a0, a1, 32, 0, 0);                                                                         \
+    }
+TILED_32X2(llama_q4_0_32x2, tiled_vec_dot_q4_0_32x2)
+TILED_32X2(llama_q4_1_32x2, tiled_vec_dot_q4_1_32x2)
+TILED_32X2(llama_q8_0_32x2, tiled_vec_dot_q8_0_32x2)
 """
 STUB_HEADERS = {
     "qurt.h": "",
     "qurt_memory.h": "",
-    "HAP_farf.h": "#define FARF(level, ...) ((void)0)\n#define HIGH 1\n#define LOW 0\n#define ERROR 2\n",
+    # the SDK's HAP_farf.h includes stdio.h, whose snprintf hex-dump.h calls (an error, not a warning, for clang-16+)
+    "HAP_farf.h": "#define FARF(level, ...) ((void)0)\n#define HIGH 1\n#define LOW 0\n#define ERROR 2\n"
+                  "#include <stddef.h>\nint snprintf(char *, size_t, const char *, ...);\n",
     "assert.h": "#define assert(x) ((void)0)\n",
     "string.h": "#include <stddef.h>\nvoid *memcpy(void *, const void *, size_t);\nvoid *memset(void *, int, size_t);\n",
     "math.h": "#define INFINITY __builtin_inff()\n#define NAN __builtin_nanf(\"\")\n"
@@ -140,6 +162,13 @@ def packets_per_32_weights(body: list[str]) -> tuple[int, int, float]:
     return len(body), vrmpy, len(body) / (BLOCKS_PER_VRMPY * vrmpy)
 
 
+def packets_per_tile_block(body: list[str]) -> tuple[int, int, float]:
+    """(packets, vrmpy instructions, packets per 32x32 tile and 32-value block) of a GEMM loop body: every vrmpy is
+    4 values of 32 weight rows for one activation row."""
+    packets, vrmpy, _ = packets_per_32_weights(body)
+    return packets, vrmpy, packets * VRMPY_PER_TILE_BLOCK / vrmpy
+
+
 def build_llama(ggml: Path, work: Path) -> Path:
     htp = ggml / "src" / "ggml-hexagon" / "htp"
     if not (htp / "hvx-mm-kernels-tiled.h").is_file():
@@ -154,21 +183,26 @@ def build_llama(ggml: Path, work: Path) -> Path:
     return compile_object(wrapper, work / "llama_hvx_gemv.o", [stubs, htp, htp.parent])
 
 
-def measure(ggml: Path, work: Path = WORK) -> list[dict]:
+def measure(ggml: Path, work: Path = WORK) -> tuple[list[dict], list[dict]]:
+    """The GEMV rows (packets per 32 weights) and the GEMM rows (packets per 32x32 tile and block)."""
     work.mkdir(parents=True, exist_ok=True)
     ours = functions(disassemble(compile_object(emulated_hexagon.NATIVE_DIR / "hvx_gemv.c", work / "hvx_gemv.o",
                                                 [emulated_hexagon.NATIVE_DIR])))
     llama = functions(disassemble(build_llama(ggml, work)))
-    rows = []
-    for fmt, (our_name, llama_name) in KERNELS.items():
-        our = packets_per_32_weights(inner_loop(ours[our_name]))
-        their = packets_per_32_weights(inner_loop(llama[llama_name]))
-        rows.append({"format": fmt, "ours": {"function": our_name, "loop_packets": our[0], "vrmpy": our[1],
-                                             "packets_per_32_weights": round(our[2], 4)},
-                     "llama_cpp": {"function": llama_name, "loop_packets": their[0], "vrmpy": their[1],
-                                   "packets_per_32_weights": round(their[2], 4)},
-                     "ratio": round(our[2] / their[2], 3)})
-    return rows
+
+    def table(kernels: dict[str, tuple[str, str]], count, unit: str) -> list[dict]:
+        rows = []
+        for fmt, (our_name, llama_name) in kernels.items():
+            our, their = count(inner_loop(ours[our_name])), count(inner_loop(llama[llama_name]))
+            rows.append({"format": fmt, "ours": {"function": our_name, "loop_packets": our[0], "vrmpy": our[1],
+                                                 unit: round(our[2], 4)},
+                         "llama_cpp": {"function": llama_name, "loop_packets": their[0], "vrmpy": their[1],
+                                       unit: round(their[2], 4)},
+                         "ratio": round(our[2] / their[2], 3)})
+        return rows
+
+    return (table(KERNELS, packets_per_32_weights, "packets_per_32_weights"),
+            table(GEMM_KERNELS, packets_per_tile_block, "packets_per_tile_block"))
 
 
 def default_gguf() -> Path:
@@ -213,13 +247,13 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
     try:
-        rows = measure(args.llama_cpp)
+        rows, gemm_rows = measure(args.llama_cpp)
         token = decode_token(rows, args.gguf or default_gguf(), args.context)
     except MobilecError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"gemv": rows, "decode_token": token}, indent=2))
+        print(json.dumps({"gemv": rows, "gemm": gemm_rows, "decode_token": token}, indent=2))
         return 0
     print(f"{'format':7} {'ours: packets/loop, vrmpy':>26} {'per 32 w':>9} {'llama.cpp: packets, vrmpy':>26} "
           f"{'per 32 w':>9} {'ratio':>6}  goal <= {GOAL}")
@@ -227,6 +261,14 @@ def main() -> int:
         ours, theirs = row["ours"], row["llama_cpp"]
         print(f"{row['format']:7} {ours['loop_packets']:>18} {ours['vrmpy']:>7} {ours['packets_per_32_weights']:>9.3f} "
               f"{theirs['loop_packets']:>18} {theirs['vrmpy']:>7} {theirs['packets_per_32_weights']:>9.3f} "
+              f"{row['ratio']:>6.2f}")
+    print(f"\nprefill GEMM  {'ours: packets/loop, vrmpy':>26} {'per tile':>9} {'llama.cpp 32x2: packets, vrmpy':>31} "
+          f"{'per tile':>9} {'ratio':>6}  (per 32x32 tile and block) goal <= {GEMM_GOAL}")
+    for row in gemm_rows:
+        ours, theirs = row["ours"], row["llama_cpp"]
+        print(f"{row['format']:13} {ours['loop_packets']:>18} {ours['vrmpy']:>7} "
+              f"{ours['packets_per_tile_block']:>9.1f} {theirs['loop_packets']:>23} {theirs['vrmpy']:>7} "
+              f"{theirs['packets_per_tile_block']:>9.1f} "
               f"{row['ratio']:>6.2f}")
     print(f"\none decode token of {token['gguf']} on hexagon-npu: GEMVs {token['gemv_packets']:,} packets, "
           f"{token['cycles_per_thread']:,} cycles on each of {token['hvx_threads']} HVX threads; floor "

@@ -69,11 +69,12 @@ def test_options_resolve_with_the_target():
 
 @pytest.mark.parametrize("name", list(available_targets()))
 def test_a_gguf_file_keeps_its_own_blocks_where_integer_dot_kernels_take_them(name):
-    """Without --quant a GGUF input is `gguf` on CPU targets with integer-dot GEMVs (the fast path, and no second
-    rounding of weights already quantized); elsewhere, and for an HF directory, the target file's; --quant wins."""
+    """Without --quant a GGUF input is `gguf` on targets with integer decode GEMVs (CPU integer-dot ones, hexagon-npu's
+    HVX GEMV: the fast path, and no second rounding of weights already quantized); elsewhere, and for an HF
+    directory, the target file's; --quant wins."""
     spec_default = load_target(name).device["default_quant"]
     gguf = resolve_plan(name, gguf_keepable=True)
-    assert gguf.scheme.name == ("gguf" if gguf.gemv_family is not None else spec_default)
+    assert gguf.scheme.name == ("gguf" if gguf.integer_decode else spec_default)
     assert resolve_plan(name).scheme.name == spec_default
     assert resolve_plan(name, "q4f32_g32", gguf_keepable=True).scheme.name == "q4f32_g32"
 
@@ -81,7 +82,7 @@ def test_a_gguf_file_keeps_its_own_blocks_where_integer_dot_kernels_take_them(na
 def test_which_targets_default_to_a_ggufs_blocks():
     assert {name: resolve_plan(name, gguf_keepable=True).scheme.name for name in (
         "x86-64-v3", "android-arm64", "android-adreno", "hexagon-npu")} == {
-        "x86-64-v3": "gguf", "android-arm64": "gguf", "android-adreno": "q4f16_g32", "hexagon-npu": "q4f16_g32"}
+        "x86-64-v3": "gguf", "android-arm64": "gguf", "android-adreno": "q4f16_g32", "hexagon-npu": "gguf"}
 
 
 def test_a_gguf_with_a_type_gguf_cannot_keep_defaults_to_the_targets_scheme(tmp_path):

@@ -128,7 +128,9 @@ def test_hexagon_objects_and_coverage(mobile_artifacts):
     assert config["library"] == "lib/hexagon/kernels.o"
     assert _e_machine((out / config["library"]).read_bytes()[:64]) == EM_HEXAGON
     coverage = config["npu_coverage"]
-    assert any("NT_matmul" in k for k in coverage["npu_kernels"])
+    # int8 activations, the target's default: the matmuls are the HVX GEMV (decode) and GEMM (prefill)
+    assert any(k.startswith("hvx_decode_gemv") for k in coverage["npu_kernels"])
+    assert any(k.startswith("hvx_prefill_gemm") for k in coverage["npu_kernels"])
     assert any("paged_kv" in k for k in coverage["cpu_kernels"])
     # at least into and out of attention in each layer
     assert coverage["decode_crossings"] >= 2 * mobile_artifacts["num_layers"]

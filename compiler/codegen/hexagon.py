@@ -36,8 +36,10 @@ from .pipeline import naming_failures
 
 OBJECT = "hexagon/kernels.o"
 SHARED = "hexagon/kernels.so"
-# One decode step: the token's embedding, then the step (runtime/session.py, Session.decode).
+# One decode step: the token's embedding, then the step (runtime/session.py, Session.decode); one prefill chunk
+# likewise (Session.prefill).
 DECODE_STEP = ("embed", "decode")
+PREFILL_STEP = ("embed", "prefill")
 # The packed function the host build calls for NPU kernel `name` (NPU_FUNCTION + name).
 NPU_FUNCTION = "mobilec.npu."
 GATHER_KERNEL = "take"  # the embedding's row gather (take, take_dequantize): reads one row of its table a token
@@ -225,15 +227,27 @@ def _is_host_function(func: tirx.PrimFunc) -> bool:
 
 
 def _is_shape_builtin(symbol: str) -> bool:
-    """A VM builtin that checks, matches or builds shapes: it reads no tensor data."""
-    return symbol.startswith("vm.builtin.check_") or symbol in ("vm.builtin.match_shape", "vm.builtin.make_shape")
+    """A VM builtin that checks, matches or builds shapes, or gives a tensor another shape (vm.builtin.reshape: a view
+    of the same memory, prefill's reshapes of its symbolic-length tensors): it reads no tensor data."""
+    return symbol.startswith("vm.builtin.check_") or symbol in ("vm.builtin.match_shape", "vm.builtin.make_shape",
+                                                                "vm.builtin.reshape")
 
 
 def coverage(mod: tvm.IRModule, npu: set[str], cpu: dict[str, str]) -> dict[str, Any]:
-    """Which operators run where, and what one decode step (DECODE_STEP's functions) calls on each side, per kernel
-    or VM builtin, and how often it crosses between NPU and CPU (the VM starts and ends the step on the CPU). Memory
-    and shape bookkeeping (shape builtins, host functions computing shapes) reads no tensor data, so it is not
-    counted: only calls that hand data between the DSP and the CPU cross."""
+    """Which operators run where, and what one decode step (DECODE_STEP's functions) and one prefill chunk
+    (PREFILL_STEP's) call on each side, per kernel or VM builtin, how often each crosses between NPU and CPU (the
+    VM starts and ends it on the CPU) and which side reads each weight. Memory and shape bookkeeping (shape builtins,
+    host functions computing shapes) reads no tensor data, so it is not counted: only calls that hand data between
+    the DSP and the CPU cross."""
+    report: dict[str, Any] = {"npu_kernels": sorted(npu), "cpu_kernels": dict(sorted(cpu.items()))}
+    for step, functions in (("decode", DECODE_STEP), ("prefill", PREFILL_STEP)):
+        report.update({f"{step}_{key}": value for key, value in _step_coverage(mod, functions, npu, cpu).items()})
+    return report
+
+
+def _step_coverage(mod: tvm.IRModule, functions: tuple[str, ...], npu: set[str], cpu: dict[str, str]
+                   ) -> dict[str, Any]:
+    """coverage's figures for one call of each of `functions`, in order."""
     sequence: list[tuple[str, str]] = []  # (side, kernel or builtin) in the order they run
 
     def visit(expr):
@@ -245,33 +259,32 @@ def coverage(mod: tvm.IRModule, npu: set[str], cpu: dict[str, str]) -> dict[str,
         elif isinstance(expr.op, relax.ExternFunc) and not _is_shape_builtin(str(expr.op.global_symbol)):
             sequence.append(("cpu", str(expr.op.global_symbol)))  # attention over the paged KV cache
 
-    for name in DECODE_STEP:
+    for name in functions:
         relax.analysis.post_order_visit(mod[name], visit)
     sides = ["cpu", *(side for side, _ in sequence), "cpu"]
     weight_bytes = {"npu": 0, "cpu": 0}
-    for nbytes, rows, readers in _weight_readers(mod, npu, set(cpu)).values():
-        # each weight once per step, on the side of the kernel that multiplies it; read only by the embedding's
-        # gather (an untied table), one row of it (as roofline.decode_read counts it)
+    for nbytes, rows, readers in _weight_readers(mod, functions, npu, set(cpu)).values():
+        # each weight once, on the side of the kernel that multiplies it; read only by the embedding's gather (an
+        # untied table), one row of it (as roofline.decode_read counts a decode step's)
         matmul = {side for side, kernel in readers if not kernel.startswith(GATHER_KERNEL)}
         side = "npu" if "npu" in matmul else "cpu" if matmul else readers[0][0]
         weight_bytes[side] += nbytes if matmul else nbytes // rows
     return {
-        "npu_kernels": sorted(npu),
-        "cpu_kernels": dict(sorted(cpu.items())),
-        "decode_npu_calls": sides.count("npu"),
-        "decode_cpu_calls": sides.count("cpu") - 2,
-        "decode_crossings": sum(a != b for a, b in zip(sides, sides[1:])),
-        "decode_calls": {side: dict(sorted(collections.Counter(n for s, n in sequence if s == side).items()))
-                         for side in ("npu", "cpu")},
-        "decode_weight_bytes": weight_bytes,
+        "npu_calls": sides.count("npu"),
+        "cpu_calls": sides.count("cpu") - 2,
+        "crossings": sum(a != b for a, b in zip(sides, sides[1:])),
+        "calls": {side: dict(sorted(collections.Counter(n for s, n in sequence if s == side).items()))
+                  for side in ("npu", "cpu")},
+        "weight_bytes": weight_bytes,
     }
 
 
-def _weight_readers(mod: tvm.IRModule, npu: set[str], cpu: set[str]) -> dict[int, tuple[int, int, list]]:
-    """Each weight one decode step reads (by its index in the parameter tuple): (its bytes, its rows, the (side,
-    kernel) of each kernel call of DECODE_STEP's functions that reads it)."""
+def _weight_readers(mod: tvm.IRModule, functions: tuple[str, ...], npu: set[str], cpu: set[str]
+                    ) -> dict[int, tuple[int, int, list]]:
+    """Each weight `functions` read (by its index in the parameter tuple): (its bytes, its rows, the (side, kernel)
+    of each kernel call of theirs that reads it)."""
     found: dict[int, tuple[int, int, list]] = {}
-    for name in DECODE_STEP:
+    for name in functions:
         func = mod[name]
         packed = [p for p in func.params if isinstance(p.ty, relax.TupleType)]
         weights = {}  # var -> parameter index
@@ -302,6 +315,10 @@ def format_coverage(report: dict[str, Any]) -> str:
     lines.append(f"weights read per decode step: {weights['npu'] / 1e6:.2f} MB by NPU kernels, "
                  f"{weights['cpu'] / 1e6:.2f} MB by CPU ones "
                  f"({100 * weights['npu'] / max(1, weights['npu'] + weights['cpu']):.1f}% on the NPU)")
+    prefill = report["prefill_weight_bytes"]
+    lines.append(f"one prefill chunk: {report['prefill_npu_calls']} NPU kernel calls, {report['prefill_cpu_calls']} "
+                 f"CPU calls, {report['prefill_crossings']} NPU<->CPU crossings; its matmuls' weights "
+                 f"{100 * prefill['npu'] / max(1, prefill['npu'] + prefill['cpu']):.1f}% on the NPU")
     if report.get("dsp") == "emulated":
         lines.append("the NPU kernels are built for the emulated Hexagon DSP (no HVX float) and the host side for "
                      "this CPU: generate, eval, bench, profile and serve run them here under qemu-hexagon")

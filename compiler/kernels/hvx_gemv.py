@@ -1,12 +1,15 @@
-"""The HVX decode GEMV's host half: activations quantized into the kernel's records, an integer-exact numpy model
-of the kernel, a call of the kernel on the emulated DSP's kernel server (native/hexagon/hvx_gemv.c; weights
-laid out by quantization/hvx_blocks.py), and the kernel as a TIR function for a hexagon target (`tir_kernel`).
+"""The HVX decode GEMV's and prefill GEMM's host half: activations quantized into the kernels' records, an
+integer-exact numpy model of the kernels, calls of them on the emulated DSP's kernel server
+(native/hexagon/hvx_gemv.c; weights laid out by quantization/hvx_blocks.py), and the kernels as TIR functions for
+a hexagon target (`tir_kernel`, `tir_gemm_kernel`). The GEMM is the GEMV's step on several activation rows at once
+(hvx_gemv.h's HVX_GEMM_ROWS), each with its own records and factors: its row sums are the GEMV's of each row.
 
 `tir_kernel` calls the C kernel with call_extern, which TVM's Hexagon codegen leaves to the linker: an artifact's
 kernels.o then links with hvx_gemv.c's object (the kernel server links it; with the SDK, hexagon-link would). So
 the kernel has one source, the C file the tests check bit for bit and the packet bench counts; a TIR copy with
-LLVM's HVX intrinsics would be a second one. The hexagon-npu pipeline calls it for decode GEMVs of weights in the
-"hvx" code order (passes/hvx_gemv.py), after `tir_quantize_activations`, which runs on the DSP too.
+LLVM's HVX intrinsics would be a second one. The hexagon-npu pipeline calls them for the matmuls of weights in the
+"hvx" code order (passes/hvx_gemv.py: the GEMV for one activation row, the GEMM for prefill's and batch_decode's),
+after `tir_quantize_activations`, which runs on the DSP too.
 
 Activations are quantized per 32 values to int8 as llama.cpp's Q8_0 (scale = largest |x| / 127); per pair of
 blocks a record of 80 bytes: the 64 int8 values, the two scales X as int16 fixed point with one power of two for
@@ -15,6 +18,9 @@ the whole vector, the two terms xs * sum(q) the same way (for the mins of asymme
 """
 
 from __future__ import annotations
+
+import functools
+import operator
 
 import numpy as np
 
@@ -55,6 +61,12 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, float, float]:
     return records.reshape(-1), float(x_power.item()) * 2.0**30, float(t_power.item()) * 2.0**8
 
 
+def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float [m, k] -> (records uint8 [m, pairs * 80], factors float32 [m, 2]): each row's quantize_activations."""
+    rows = [quantize_activations(row) for row in x]
+    return np.stack([records for records, _, _ in rows]), np.array([f[1:] for f in rows], np.float32)
+
+
 def dot_shift(bits: int, mins: bool) -> int:
     """hvx_gemv.h's hvx_gemv_dot_shift."""
     return 4 if bits == 4 else 1 if mins else 2
@@ -93,6 +105,7 @@ def model(weights: HvxWeights, records: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 KERNELS = {(4, False): "hvx_gemv_4bit", (4, True): "hvx_gemv_4bit_mins", (8, False): "hvx_gemv_8bit",
            (8, True): "hvx_gemv_8bit_mins"}
+GEMM_KERNELS = {key: name.replace("gemv", "gemm") for key, name in KERNELS.items()}
 
 
 def run(device: emulated_hexagon.Device, weights: HvxWeights, x: np.ndarray
@@ -113,28 +126,79 @@ def run(device: emulated_hexagon.Device, weights: HvxWeights, x: np.ndarray
     return y[:weights.n].copy(), acc.copy(), acc_mins.copy()
 
 
+def run_gemm(device: emulated_hexagon.Device, weights: HvxWeights, x: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Y [m, n] = x [m, k] W^T and the kernel's integer row sums (dot, mins) [m, n_tiles * 32] on the emulated DSP's
+    GEMM (its shared region is reset)."""
+    records, factors = quantize_rows(x)
+    device.reset()
+    buffers = {}
+    for name, host in (("weights", weights.data), ("factors", weights.row_factors.astype(np.float32).reshape(-1)),
+                       ("activations", records), ("act_factors", factors)):
+        buffers[name] = device.array(host.shape, host.dtype)
+        buffers[name][...] = host
+    shape = (x.shape[0], weights.n_tiles * ROWS)
+    y, acc, acc_mins = device.array(shape, np.float32), device.array(shape, np.int32), device.array(shape, np.int32)
+    device.call(GEMM_KERNELS[weights.bits, weights.mins], buffers["weights"], buffers["factors"],
+                buffers["activations"], buffers["act_factors"], weights.n_tiles, weights.n_pairs, x.shape[0],
+                weights.zero, y, acc, acc_mins)
+    return y[:, :weights.n].copy(), acc.copy(), acc_mins.copy()
+
+
+def _whole_tiles(n: int) -> None:
+    if n % ROWS:
+        raise MobilecError(f"the HVX GEMV's TIR kernel writes whole tiles of {ROWS} rows; N = {n} is not a multiple: "
+                           "leave this weight to TVM's GEMV")
+
+
 def tir_kernel(n: int, k: int, bits: int, mins: bool, zero: int,
                y_shape: tuple[int, ...] | None = None) -> tirx.PrimFunc:
     """y [..., n] = W x for a hexagon target: the C kernel called on W as the "hvx" code order stores it
     (hvx_blocks.stored_arrays: `weights` [n, bytes], `row_factors` [n, 2]), x's records (`activations`) and
-    `factors` = [dot_factor, min_factor] (quantize_activations, tir_quantize_activations); y_shape None: [1, n]."""
-    if n % ROWS:
-        raise MobilecError(f"the HVX GEMV's TIR kernel writes whole tiles of {ROWS} rows; N = {n} is not a multiple: "
-                           "leave this weight to TVM's GEMV")
+    `factors` = [dot_factor, min_factor] (quantize_activations, tir_quantize_activations, whose shapes have y's
+    leading dimensions, all 1); y_shape None: [1, n]."""
+    _whole_tiles(n)
+    y_shape = y_shape or (1, n)
     tiles, pairs = n // ROWS, -(-k // (2 * BLOCK))
     row_bytes = pairs * record_bytes(bits, mins) // ROWS
     name = KERNELS[bits, mins]
     null = T.reinterpret("handle", T.uint64(0))  # no integer sums wanted
+    leading = tuple(y_shape[:-1])
+    dot_factor, min_factor = (0,) * len(leading) + (0,), (0,) * len(leading) + (1,)  # the one row's factors
 
     @T.prim_func(private=True)
     def gemv(weights: T.Buffer((n, row_bytes), "uint8"), row_factors: T.Buffer((n, 2), "float32"),
-             activations: T.Buffer((pairs * ACT_RECORD,), "uint8"), factors: T.Buffer((2,), "float32"),
-             y: T.Buffer(y_shape or (1, n), "float32")):
+             activations: T.Buffer((*leading, pairs * ACT_RECORD), "uint8"),
+             factors: T.Buffer((*leading, 2), "float32"), y: T.Buffer(y_shape, "float32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         T.evaluate(T.call_extern("void", name, weights.data, row_factors.data, activations.data, tiles, pairs, zero,
-                                 factors[0], factors[1], y.data, null, null))
+                                 factors[dot_factor], factors[min_factor], y.data, null, null))
 
     return gemv
+
+
+def tir_gemm_kernel(n: int, k: int, bits: int, mins: bool, zero: int, y_shape: tuple) -> tirx.PrimFunc:
+    """Y [..., n] = X W^T for a hexagon target: the C GEMM called on W as the "hvx" code order stores it, the rows'
+    records (`activations` [..., pairs * 80]) and `factors` [..., 2] (tir_quantize_activations of X [..., k]);
+    y_shape's leading dimensions (ints, or tirx.Var for prefill's sequence length and batch_decode's rows) are the
+    activation rows."""
+    _whole_tiles(n)
+    tiles, pairs = n // ROWS, -(-k // (2 * BLOCK))
+    row_bytes = pairs * record_bytes(bits, mins) // ROWS
+    name = GEMM_KERNELS[bits, mins]
+    null = T.reinterpret("handle", T.uint64(0))
+    leading = tuple(y_shape[:-1])
+    rows = functools.reduce(operator.mul, leading, 1)
+
+    @T.prim_func(private=True)
+    def gemm(weights: T.Buffer((n, row_bytes), "uint8"), row_factors: T.Buffer((n, 2), "float32"),
+             activations: T.Buffer((*leading, pairs * ACT_RECORD), "uint8"),
+             factors: T.Buffer((*leading, 2), "float32"), y: T.Buffer(y_shape, "float32")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        T.evaluate(T.call_extern("void", name, weights.data, row_factors.data, activations.data, factors.data, tiles,
+                                 pairs, T.Cast("int32", rows), zero, y.data, null, null))
+
+    return gemm
 
 
 def _reciprocal(x):
@@ -152,13 +216,17 @@ def _rounded(value):
     return T.Cast("int32", value + T.if_then_else(value < T.float32(0), T.float32(-0.5), T.float32(0.5)))
 
 
-def tir_quantize_activations(k: int, x_shape: tuple[int, ...] | None = None) -> tirx.PrimFunc:
-    """quantize_activations as a TIR kernel that runs on the DSP (no float division, no float64, no libm): x [...,
-    k] (x_shape, one row; None: [1, k]) float32 -> records uint8 [pairs * 80] and factors float32 [2] = [dot_factor,
-    min_factor]. Its results differ from numpy's by roundings only: q = x * 127 (1 / amax) by a reciprocal within an
-    ulp, ties away from zero (a code off by one at a near tie), xs = amax * (1 / 127); the fixed-point exponent
-    floor(log2(largest)) - 14 (largest / 2^E in [2^14, 2^15), 32768 clamped), which keeps 15 bits as numpy's
-    ceil(log2(largest / 32767)) does. Blocks whose largest |x| is below 2^-126 (denormal) quantize to zero."""
+def tir_quantize_activations(k: int, x_shape: tuple | None = None) -> tirx.PrimFunc:
+    """quantize_activations of each row as a TIR kernel that runs on the DSP (no float division, no float64, no
+    libm): x [..., k] (x_shape; its leading dimensions, ints or tirx.Var, are the rows; None: [1, k]) float32 ->
+    records uint8 [..., pairs * 80] and factors float32 [..., 2] = [dot_factor, min_factor] per row. Its results
+    differ from numpy's by roundings only: q = x * 127 (1 / amax) by a reciprocal within an ulp, ties away from zero
+    (a code off by one at a near tie), xs = amax * (1 / 127); the fixed-point exponent floor(log2(largest)) - 14
+    (largest / 2^E in [2^14, 2^15), 32768 clamped), which keeps 15 bits as numpy's ceil(log2(largest / 32767))
+    does. Blocks whose largest |x| is below 2^-126 (denormal) quantize to zero."""
+    x_shape = x_shape or (1, k)
+    leading = tuple(x_shape[:-1])
+    rows = functools.reduce(operator.mul, leading, 1)
     pairs = -(-k // (2 * BLOCK))
     blocks = 2 * pairs
     words = ACT_RECORD // 2  # int16 per record
@@ -180,38 +248,47 @@ def tir_quantize_activations(k: int, x_shape: tuple[int, ...] | None = None) -> 
             out[first(b)] = T.Cast("int16", T.min(T.max(_rounded(values[b] * inverse), T.int32(-FIXED_MAX)),
                                                   T.int32(FIXED_MAX)))
 
+    @T.macro
+    def quantize_row(x, records, factors, amax, scale, terms, power, row):
+        xf = T.decl_buffer((k,), "float32", data=x.data, elem_offset=row * k)
+        q = T.decl_buffer((pairs * ACT_RECORD,), "int8", data=records.data, elem_offset=row * (pairs * ACT_RECORD))
+        halves = T.decl_buffer((pairs * words,), "int16", data=records.data, elem_offset=row * (pairs * words))
+        sums = T.decl_buffer((pairs * dwords,), "int32", data=records.data, elem_offset=row * (pairs * dwords))
+        out = T.decl_buffer((2,), "float32", data=factors.data, elem_offset=row * 2)
+        for b in range(blocks):
+            amax[0] = T.float32(0)
+            for j in range(BLOCK):
+                if b * BLOCK + j < k:
+                    amax[0] = T.max(amax[0], T.fabs(xf[b * BLOCK + j]))
+            normal = amax[0] >= T.float32(2.0**-126)
+            inverse = T.if_then_else(normal, T.float32(127) * _reciprocal(T.max(amax[0], T.float32(2.0**-126))),
+                                     T.float32(0))
+            sums[b // 2 * dwords + 18 + b % 2] = 0
+            for j in range(BLOCK):
+                value = T.if_then_else(b * BLOCK + j < k, xf[T.min(b * BLOCK + j, k - 1)], T.float32(0))
+                code = T.min(T.max(_rounded(value * inverse), T.int32(-127)), T.int32(127))
+                q[b // 2 * ACT_RECORD + b % 2 * BLOCK + j] = T.Cast("int8", code)
+                sums[b // 2 * dwords + 18 + b % 2] = sums[b // 2 * dwords + 18 + b % 2] + code
+            scale[b] = T.if_then_else(normal, amax[0] * T.float32(1 / 127), T.float32(0))
+            terms[b] = scale[b] * T.Cast("float32", sums[b // 2 * dwords + 18 + b % 2])
+        fixed(scale, blocks, halves, lambda b: b // 2 * words + 32 + b % 2, power)
+        out[0] = power[0] * T.float32(2.0**30)
+        fixed(terms, blocks, halves, lambda b: b // 2 * words + 34 + b % 2, power)
+        out[1] = power[0] * T.float32(2.0**8)
+
     @T.prim_func(private=True, s_tir=True)
-    def quantize(x: T.Buffer(x_shape or (1, k), "float32"), records: T.Buffer((pairs * ACT_RECORD,), "uint8"),
-                 factors: T.Buffer((2,), "float32")):
+    def quantize(x: T.Buffer(x_shape, "float32"), records: T.Buffer((*leading, pairs * ACT_RECORD), "uint8"),
+                 factors: T.Buffer((*leading, 2), "float32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         with T.sblock("root"):  # Relax's analyses expect a root block
-            xf = T.decl_buffer((k,), "float32", data=x.data)
-            q = T.decl_buffer((pairs * ACT_RECORD,), "int8", data=records.data)
-            halves = T.decl_buffer((pairs * words,), "int16", data=records.data)
-            sums = T.decl_buffer((pairs * dwords,), "int32", data=records.data)
             amax = T.alloc_buffer((1,), "float32", scope="local")
             scale = T.alloc_buffer((blocks,), "float32")
             terms = T.alloc_buffer((blocks,), "float32")
             power = T.alloc_buffer((1,), "float32", scope="local")
-            for b in range(blocks):
-                amax[0] = T.float32(0)
-                for j in range(BLOCK):
-                    if b * BLOCK + j < k:
-                        amax[0] = T.max(amax[0], T.fabs(xf[b * BLOCK + j]))
-                normal = amax[0] >= T.float32(2.0**-126)
-                inverse = T.if_then_else(normal, T.float32(127) * _reciprocal(T.max(amax[0], T.float32(2.0**-126))),
-                                         T.float32(0))
-                sums[b // 2 * dwords + 18 + b % 2] = 0
-                for j in range(BLOCK):
-                    value = T.if_then_else(b * BLOCK + j < k, xf[T.min(b * BLOCK + j, k - 1)], T.float32(0))
-                    code = T.min(T.max(_rounded(value * inverse), T.int32(-127)), T.int32(127))
-                    q[b // 2 * ACT_RECORD + b % 2 * BLOCK + j] = T.Cast("int8", code)
-                    sums[b // 2 * dwords + 18 + b % 2] = sums[b // 2 * dwords + 18 + b % 2] + code
-                scale[b] = T.if_then_else(normal, amax[0] * T.float32(1 / 127), T.float32(0))
-                terms[b] = scale[b] * T.Cast("float32", sums[b // 2 * dwords + 18 + b % 2])
-            fixed(scale, blocks, halves, lambda b: b // 2 * words + 32 + b % 2, power)
-            factors[0] = power[0] * T.float32(2.0**30)
-            fixed(terms, blocks, halves, lambda b: b // 2 * words + 34 + b % 2, power)
-            factors[1] = power[0] * T.float32(2.0**8)
+            if isinstance(rows, int) and rows == 1:
+                quantize_row(x, records, factors, amax, scale, terms, power, 0)
+            else:
+                for row in range(rows):
+                    quantize_row(x, records, factors, amax, scale, terms, power, row)
 
     return quantize

@@ -1,20 +1,38 @@
-"""HvxGEMV: rewrite a one-row NT_matmul of weights in the "hvx" code order into int8 activation quantization plus
-the integer HVX GEMV (compiler/kernels/hvx_gemv.py), both run on the Hexagon DSP."""
+"""HvxGEMV: rewrite an NT_matmul of weights in the "hvx" code order into int8 activation quantization plus the
+integer HVX GEMV (one activation row: decode) or GEMM (prefill, batch_decode; compiler/kernels/hvx_gemv.py), all
+run on the Hexagon DSP."""
 
 from __future__ import annotations
 
 import tvm
-from tvm import relax
+from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..kernels import hvx_gemv
 from ..quantization.hvx_blocks import BLOCK
-from .integer_dot_gemv import _OPAQUE, _gemv_shape, quantized_nt_matmul
+from .integer_dot_gemv import _OPAQUE, quantized_nt_matmul
 from .ir_walk import rewrite_relax_functions
 
 # The kernels' names start with these (the C kernels' own symbols are hvx_gemv_<bits>bit...: other names).
 GEMV_PREFIX = "hvx_decode_gemv_"
+GEMM_PREFIX = "hvx_prefill_gemm_"
 QUANTIZE_PREFIX = "hvx_quantize_activations_"
+
+
+def _dims(ty) -> tuple | None:
+    """A tensor type's dimensions: ints, and tirx.Var for symbolic ones (prefill's sequence length, batch_decode's
+    rows); None for other shapes."""
+    if not isinstance(ty, relax.TensorType) or ty.shape is None:
+        return None
+    dims = tuple(ty.shape.values if hasattr(ty.shape, "values") else ty.shape)
+    if not all(isinstance(d, (tirx.IntImm, tirx.Var)) for d in dims):
+        return None
+    return tuple(int(d) if isinstance(d, tirx.IntImm) else d for d in dims)
+
+
+def _kernel_dims(dims: tuple) -> tuple:
+    """`dims` with a new TIR variable, of the same name, for each symbolic dimension (a kernel's own)."""
+    return tuple(d if isinstance(d, int) else tirx.Var(d.name, "int64") for d in dims)
 
 
 @mutator
@@ -25,10 +43,12 @@ class _Rewriter(PyExprMutator):
         self.kernels: dict[tuple, relax.GlobalVar] = {}
 
     def _kernel(self, name: str, shape: tuple, build) -> relax.GlobalVar:
-        """The kernel `build` makes, added once per name and tensor shape (the builder numbers a name's others)."""
-        if (name, shape) not in self.kernels:
-            self.kernels[name, shape] = self.builder_.add_func(build().with_attr("op_pattern", _OPAQUE), name)
-        return self.kernels[name, shape]
+        """The kernel `build` makes, added once per name and tensor shape (symbolic dimensions by name; the builder
+        numbers a name's others)."""
+        key = (name, tuple(d if isinstance(d, int) else d.name for d in shape))
+        if key not in self.kernels:
+            self.kernels[key] = self.builder_.add_func(build().with_attr("op_pattern", _OPAQUE), name)
+        return self.kernels[key]
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = self.visit_expr_post_order(call)
@@ -36,28 +56,37 @@ class _Rewriter(PyExprMutator):
         if matched is None or matched[2]["code_order"] != "hvx":
             return call
         x, stored, layout = matched
-        x_shape, y_shape = _gemv_shape(x.ty), _gemv_shape(call.ty)
-        if x_shape is None or y_shape is None or any(d != 1 for d in x_shape[:-1]):
-            return call  # prefill, batch_decode: the dequantize that reads the hvx order stays
+        x_shape, y_shape = _dims(x.ty), _dims(call.ty)
+        if x_shape is None or y_shape is None:
+            return call
         n, k, bits, mins = y_shape[-1], x_shape[-1], int(layout["bits"]), not bool(layout["symmetric"])
         zero = 0 if mins else int(layout["offset"])
-        quantize = self._kernel(f"{QUANTIZE_PREFIX}k{k}", x_shape,
-                                lambda: hvx_gemv.tir_quantize_activations(k, x_shape))
-        name = f"{GEMV_PREFIX}{bits}bit{'_mins' if mins else ''}_z{zero}_n{n}_k{k}"
-        product = self._kernel(name, y_shape, lambda: hvx_gemv.tir_kernel(n, k, bits, mins, zero, y_shape))
+        one_row = all(d == 1 for d in x_shape[:-1])
+        rows = "" if one_row else "_rows"
+        quantize = self._kernel(f"{QUANTIZE_PREFIX}k{k}{rows}", x_shape,
+                                lambda: hvx_gemv.tir_quantize_activations(k, _kernel_dims(x_shape)))
+        suffix = f"{bits}bit{'_mins' if mins else ''}_z{zero}_n{n}_k{k}"
+        if one_row:
+            product = self._kernel(f"{GEMV_PREFIX}{suffix}", y_shape,
+                                   lambda: hvx_gemv.tir_kernel(n, k, bits, mins, zero, y_shape))
+        else:
+            product = self._kernel(f"{GEMM_PREFIX}{suffix}", y_shape,
+                                   lambda: hvx_gemv.tir_gemm_kernel(n, k, bits, mins, zero, _kernel_dims(y_shape)))
+        leading = list(x.ty.shape.values)[:-1]
         pairs = -(-k // (2 * BLOCK))
         act = self.builder_.emit(relax.call_tir(quantize, [x], [
-            relax.TensorType([pairs * hvx_gemv.ACT_RECORD], "uint8"), relax.TensorType([2], "float32")]))
+            relax.TensorType([*leading, pairs * hvx_gemv.ACT_RECORD], "uint8"),
+            relax.TensorType([*leading, 2], "float32")]))
         records, factors = (self.builder_.emit(relax.TupleGetItem(act, i)) for i in range(2))
         return relax.call_tir(product, [*stored, records, factors], call.ty)
 
 
 @tvm.transform.module_pass(opt_level=0, name="HvxGEMV")
 class HvxGEMV:  # pylint: disable=too-few-public-methods
-    """Decode GEMVs of weights stored in the "hvx" code order (4/8-bit codes in groups of 32: GGUF Q4_0, Q4_1,
-    Q8_0, our g32 schemes; the hexagon-npu target with int8 decode activations) -> activation quantize + the HVX
-    GEMV. After FuseTransposeMatmul and before FuseDequantizeMatmul (which fuses the dequantizes still left:
-    prefill)."""
+    """NT_matmuls of weights stored in the "hvx" code order (4/8-bit codes in groups of 32: GGUF Q4_0, Q4_1, Q8_0,
+    our g32 schemes; the hexagon-npu target with int8 decode activations) -> activation quantize + the HVX GEMV
+    (one row) or GEMM (several: prefill, batch_decode). After FuseTransposeMatmul and before FuseDequantizeMatmul
+    (which fuses the dequantizes still left: the embedding's)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         return rewrite_relax_functions(mod, _Rewriter(mod))

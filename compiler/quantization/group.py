@@ -28,7 +28,7 @@ NIBBLE_BLOCK = 32
 # Codes about 128 are stored signed, c ^ 0x80 (GGUF Q8_0's own bytes), which `sdot` and `smmla` take as they are.
 # The prefill GEMM re-lays a task's rows into its own order first (kernels/integer_dot_gemm): its `smmla` operands
 # are 8-byte runs of one block, which a set interleaved by 4 bytes splits.
-# "hvx": the HVX decode GEMV's tiles of 32 rows (quantization/hvx_blocks.py), 4/8-bit codes in groups of 32, a
+# "hvx": the HVX GEMV's and GEMM's tiles of 32 rows (quantization/hvx_blocks.py), 4/8-bit codes in groups of 32, a
 # multiple of 32 rows: scales and mins are re-laid with the codes, so the whole weight is re-laid once it is made
 # (quantize_model.py); `order_codes` hands its codes out plain for that. Stored as q_weight [n, bytes] (the tiles'
 # records, hvx_blocks.HvxWeights.data) and q_scale [n, 2] float32 (row_factors), no q_min.

@@ -1,4 +1,4 @@
-"""Group-quantized weights re-laid once, at compile time, for the HVX decode GEMV (native/hexagon/hvx_gemv.c).
+"""Group-quantized weights re-laid once, at compile time, for the HVX GEMV and GEMM (native/hexagon/hvx_gemv.c).
 
 Any layout of 4- or 8-bit codes in groups of 32 along K (GGUF Q4_0, Q4_1, Q8_0 as gguf_blocks keeps them, our
 symmetric and asymmetric g32 schemes) becomes tiles of 32 rows, one row per 32-bit vector lane, each tile a run of

@@ -33,6 +33,10 @@ static const struct {
     {"hvx_gemv_4bit_mins", (void (*)(void))hvx_gemv_4bit_mins},
     {"hvx_gemv_8bit", (void (*)(void))hvx_gemv_8bit},
     {"hvx_gemv_8bit_mins", (void (*)(void))hvx_gemv_8bit_mins},
+    {"hvx_gemm_4bit", (void (*)(void))hvx_gemm_4bit},
+    {"hvx_gemm_4bit_mins", (void (*)(void))hvx_gemm_4bit_mins},
+    {"hvx_gemm_8bit", (void (*)(void))hvx_gemm_8bit},
+    {"hvx_gemm_8bit_mins", (void (*)(void))hvx_gemm_8bit_mins},
 };
 enum { N_KERNELS = sizeof KERNELS / sizeof KERNELS[0] };
 

@@ -1,4 +1,4 @@
-/* Decode GEMV y = W x on HVX integer instructions (no HVX float: qemu-hexagon cannot run it, and integer
+/* Decode GEMV y = W x and prefill GEMM Y = X W^T on HVX integer instructions (no HVX float: qemu-hexagon cannot run it, and integer
  * fixed point keeps the loop short). Layout: compiler/quantization/hvx_blocks.py, which says what each byte is. */
 #ifndef MOBILEC_HVX_GEMV_H
 #define MOBILEC_HVX_GEMV_H
@@ -6,7 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-enum { HVX_GEMV_ROWS = 32, HVX_GEMV_ACT_RECORD = 80 };
+enum { HVX_GEMV_ROWS = 32, HVX_GEMV_ACT_RECORD = 80, HVX_GEMM_ROWS = 2 };
 
 /* weights: the tiles of 32 rows, each n_pairs records of two 32-value blocks; row_factors: per row the dot
  * term's and the mins' power of two; activations: n_pairs records; y: n_tiles * 32 floats (padding rows
@@ -20,6 +20,13 @@ typedef void hvx_gemv_fn(const uint8_t *weights, const float *row_factors, const
  * symmetric 8-bit ones, 2^20 with mins. */
 static inline int hvx_gemv_dot_shift(int bits, int mins) { return bits == 4 ? 4 : mins ? 1 : 2; }
 
+/* The GEMM: activations n_rows rows of n_pairs records each, act_factors per row [dot_factor, min_factor]; y [n_rows,
+ * n_tiles * 32] (and acc_dot, acc_min likewise). HVX_GEMM_ROWS: activation rows per read of a tile's record. */
+typedef void hvx_gemm_fn(const uint8_t *weights, const float *row_factors, const uint8_t *activations,
+                         const float *act_factors, int32_t n_tiles, int32_t n_pairs, int32_t n_rows, int32_t zero,
+                         float *y, int32_t *acc_dot, int32_t *acc_min);
+
 hvx_gemv_fn hvx_gemv_4bit, hvx_gemv_4bit_mins, hvx_gemv_8bit, hvx_gemv_8bit_mins;
+hvx_gemm_fn hvx_gemm_4bit, hvx_gemm_4bit_mins, hvx_gemm_8bit, hvx_gemm_8bit_mins;
 
 #endif

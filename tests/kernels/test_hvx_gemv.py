@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 import tvm
+from tvm import tirx
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
@@ -103,6 +104,32 @@ def test_negative_controls(device, ggml_type):
     assert _check(device, permuted, w, x) > 10 * TOLERANCE
 
 
+@pytest.mark.parametrize("ggml_type", GGUF_TYPES)
+def test_gemm_rows_are_the_gemvs(device, ggml_type):
+    """The GEMM (prefill) on 1..9 activation rows (whole groups of HVX_GEMM_ROWS = 2 and the rest): each row's
+    integer sums equal the numpy model's of that row bit for bit, and its y the GEMV's of that row; y is within the
+    GEMV's tolerance of W x. Negative control: a record of the second row's activations given to the first moves
+    its sums (the rows are not mixed up)."""
+    rng = np.random.default_rng(17)
+    n, k = 64, 160
+    arrays, layout, w = _gguf_weight(ggml_type, n, k, rng)
+    weights = hvx_blocks.relayout(arrays, layout, k)
+    for m in (1, 4, 7, 9):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        y, acc, acc_mins = hvx_gemv.run_gemm(device, weights, x)
+        records, _ = hvx_gemv.quantize_rows(x)
+        for row in range(m):
+            model_acc, model_mins = hvx_gemv.model(weights, records[row])
+            np.testing.assert_array_equal(acc[row], model_acc)
+            np.testing.assert_array_equal(acc_mins[row], model_mins)
+            np.testing.assert_array_equal(y[row], hvx_gemv.run(device, weights, x[row])[0])
+            expected, scale = _reference(w, x[row])
+            assert np.max(np.abs(y[row] - expected) / scale) < TOLERANCE
+    swapped = records.copy()
+    swapped[0, :hvx_gemv.ACT_RECORD] = records[1, :hvx_gemv.ACT_RECORD]
+    assert np.any(hvx_gemv.model(weights, swapped[0])[0] != acc[0])
+
+
 def test_refuses_other_layouts():
     with pytest.raises(MobilecError, match="groups of 32"):
         hvx_blocks.relayout({}, GroupLayout(4, 128, True, "float16"), 256)
@@ -113,10 +140,10 @@ def _quantize_on_host(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     k = x.shape[0]
     func = hvx_gemv.tir_quantize_activations(k).with_attr("global_symbol", "main")
     built = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
-    records = tvm.runtime.tensor(np.zeros(-(-k // 64) * hvx_gemv.ACT_RECORD, np.uint8))
-    factors = tvm.runtime.tensor(np.zeros(2, np.float32))
+    records = tvm.runtime.tensor(np.zeros((1, -(-k // 64) * hvx_gemv.ACT_RECORD), np.uint8))
+    factors = tvm.runtime.tensor(np.zeros((1, 2), np.float32))
     built["main"](tvm.runtime.tensor(x.reshape(1, k)), records, factors)
-    return records.numpy(), factors.numpy()
+    return records.numpy()[0], factors.numpy()[0]
 
 
 def _record_values(records: np.ndarray, factors: np.ndarray) -> dict[str, np.ndarray]:
@@ -150,10 +177,10 @@ def test_tir_quantize_activations(k):
 
 
 def test_tir_kernel_calls_the_c_kernel(tmp_path):
-    """hvx_gemv.tir_kernel and tir_quantize_activations built by TVM for hexagon-npu (v73, as for emulation) and
-    linked with hvx_gemv.c into the kernel server, both run there on weights as the "hvx" code order stores them
-    (hvx_blocks.stored_arrays): y equals the C kernel called directly on numpy's activations, bit for bit, for each
-    GGUF format."""
+    """hvx_gemv.tir_kernel, tir_gemm_kernel (a symbolic row count) and tir_quantize_activations built by TVM for
+    hexagon-npu (v73, as for emulation) and linked with hvx_gemv.c into the kernel server, all run there on weights
+    as the "hvx" code order stores them (hvx_blocks.stored_arrays): y equals the C kernel called directly on numpy's
+    activations, bit for bit, for each GGUF format (the GEMM for Q4_1)."""
     n, k = 64, 160
     rng = np.random.default_rng(11)
     weights = {t: _gguf_weight(t, n, k, rng) for t in GGUF_TYPES}
@@ -161,17 +188,24 @@ def test_tir_kernel_calls_the_c_kernel(tmp_path):
     kernels = {f"gemv_{t}": hvx_gemv.tir_kernel(n, k, w.bits, w.mins, w.zero).with_attr("global_symbol", f"gemv_{t}")
                for t, w in relaid.items()}
     kernels["quantize"] = hvx_gemv.tir_quantize_activations(k).with_attr("global_symbol", "quantize")
+    kernels["quantize_rows"] = hvx_gemv.tir_quantize_activations(k, (tirx.Var("rows", "int64"), k)).with_attr(
+        "global_symbol", "quantize_rows")
+    gemm_type = "Q4_1"  # the GEMM's wrapper differs by format only in the C kernel's name: one format (with mins)
+    rows_weight = relaid[gemm_type]
+    kernels["gemm"] = hvx_gemv.tir_gemm_kernel(n, k, rows_weight.bits, rows_weight.mins, rows_weight.zero,
+                                               (tirx.Var("rows", "int64"), n)).with_attr("global_symbol", "gemm")
     hexagon.build_object(kernels, emulated_hexagon.emulation_spec(load_target("hexagon-npu")), tmp_path, link=False)
     program = emulated_hexagon.build_device(tmp_path, (tmp_path / hexagon.OBJECT,))
     x = rng.standard_normal(k).astype(np.float32)
+    xs = rng.standard_normal((6, k)).astype(np.float32)  # prefill's rows
     with emulated_hexagon.Device(program, 1 << 20) as device:
         for ggml_type, w in relaid.items():
             direct, _, _ = hvx_gemv.run(device, w, x)
             device.reset()
             x_dsp = device.array((1, k), np.float32)
             x_dsp[...] = x
-            records = device.array((-(-k // 64) * hvx_gemv.ACT_RECORD,), np.uint8)
-            factors = device.array((2,), np.float32)
+            records = device.array((1, -(-k // 64) * hvx_gemv.ACT_RECORD), np.uint8)
+            factors = device.array((1, 2), np.float32)
             device.call("quantize", x_dsp, records, factors)
             stored = hvx_blocks.stored_arrays(*weights[ggml_type][:2], k)
             placed = [device.array(a.shape, a.dtype) for a in (stored["q_weight"], stored["q_scale"])]
@@ -182,5 +216,20 @@ def test_tir_kernel_calls_the_c_kernel(tmp_path):
             np.testing.assert_array_equal(y[0], direct, err_msg=ggml_type)
             expected, scale = _reference(weights[ggml_type][2], x)
             assert np.max(np.abs(y[0] - expected) / scale) < TOLERANCE, ggml_type
+            if ggml_type != gemm_type:
+                continue
+            direct_rows, _, _ = hvx_gemv.run_gemm(device, w, xs)
+            device.reset()
+            placed = [device.array(a.shape, a.dtype) for a in (stored["q_weight"], stored["q_scale"])]
+            for dst, name in zip(placed, ("q_weight", "q_scale")):
+                dst[...] = stored[name]
+            x_rows = device.array(xs.shape, np.float32)
+            x_rows[...] = xs
+            records = device.array((len(xs), -(-k // 64) * hvx_gemv.ACT_RECORD), np.uint8)
+            factors = device.array((len(xs), 2), np.float32)
+            device.call("quantize_rows", x_rows, records, factors)
+            y_rows = device.array((len(xs), n), np.float32)
+            device.call("gemm", *placed, records, factors, y_rows)
+            np.testing.assert_array_equal(y_rows, direct_rows)
     with pytest.raises(MobilecError, match="multiple"):
         hvx_gemv.tir_kernel(40, k, 4, False, 8)

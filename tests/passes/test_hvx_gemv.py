@@ -1,6 +1,7 @@
-"""HvxGEMV: the IR it leaves for decode (structural equality with the kernels it adds), which matmuls it leaves
-alone, the build plans that have it, the tiny Llama's decode projections all on the HVX GEMV, and the "hvx" code
-order's dequantize (prefill, the embedding) against numpy, with a negative control."""
+"""HvxGEMV: the IR it leaves for decode and prefill (structural equality with the kernels it adds), which matmuls it
+leaves alone, the build plans that have it, the tiny Llama's decode projections all on the HVX GEMV and its prefill
+ones on the HVX GEMM, and the "hvx" code order's dequantize (the embedding) against numpy, with a negative
+control."""
 
 import re
 
@@ -14,7 +15,7 @@ from compiler.kernels import hvx_gemv
 from compiler.loaders import open_checkpoint
 from compiler.model_import.importer import import_model
 from compiler.passes.fuse_transpose_matmul import FuseTransposeMatmul
-from compiler.passes.hvx_gemv import GEMV_PREFIX, QUANTIZE_PREFIX, HvxGEMV
+from compiler.passes.hvx_gemv import GEMM_PREFIX, GEMV_PREFIX, QUANTIZE_PREFIX, HvxGEMV
 from compiler.quantization import hvx_blocks
 from compiler.quantization.dequantize_te import dequantize_te, take_dequantize_te
 from compiler.quantization.group import GroupLayout, dequantize, quantize
@@ -53,32 +54,47 @@ def _module(layout=LAYOUT):
 
 
 def _expected():
-    """_module() with decode written by hand: the activations quantized, then the HVX GEMV on the stored arrays."""
+    """_module() written by hand: each row's activations quantized, then the HVX GEMV (decode) or GEMM (prefill) on
+    the stored arrays."""
     before = _module()
     bb = relax.BlockBuilder(before)
     opaque = {"op_pattern": 8}
-    quantize_kernel = bb.add_func(hvx_gemv.tir_quantize_activations(K, (1, 1, K)).with_attrs(opaque),
-                                  f"{QUANTIZE_PREFIX}k{K}")
-    gemv = bb.add_func(hvx_gemv.tir_kernel(N, K, 4, False, 8, (1, 1, N)).with_attrs(opaque),
-                       f"{GEMV_PREFIX}4bit_z8_n{N}_k{K}")
-    x, stored = _params("decode", 1)
-    with bb.function("decode", [x, *stored]):
-        with bb.dataflow():
-            act = bb.emit(relax.call_tir(quantize_kernel, [x], [
-                relax.TensorType([2 * hvx_gemv.ACT_RECORD], "uint8"), relax.TensorType([2], "float32")]))
-            records, factors = bb.emit(relax.TupleGetItem(act, 0)), bb.emit(relax.TupleGetItem(act, 1))
-            out = bb.emit_output(relax.call_tir(gemv, [*stored, records, factors],
-                                                relax.TensorType([1, 1, N], "float32")))
-        bb.emit_func_output(out)
-    built = bb.get()  # the builder named the new function decode1: it replaces decode
-    functions = {gv: func for gv, func in built.functions_items() if gv.name_hint not in ("decode", "decode1")}
-    functions[tvm.ir.GlobalVar("decode")] = built["decode1"]
+    seq = tirx.Var("seq_len", "int64")  # each kernel's own
+    kernels = {
+        "decode": (bb.add_func(hvx_gemv.tir_quantize_activations(K, (1, 1, K)).with_attrs(opaque),
+                               f"{QUANTIZE_PREFIX}k{K}"),
+                   bb.add_func(hvx_gemv.tir_kernel(N, K, 4, False, 8, (1, 1, N)).with_attrs(opaque),
+                               f"{GEMV_PREFIX}4bit_z8_n{N}_k{K}")),
+        "prefill": (bb.add_func(hvx_gemv.tir_quantize_activations(K, (1, seq, K)).with_attrs(opaque),
+                                f"{QUANTIZE_PREFIX}k{K}_rows"),
+                    bb.add_func(hvx_gemv.tir_gemm_kernel(N, K, 4, False, 8, (1, tirx.Var("seq_len", "int64"), N))
+                                .with_attrs(opaque),
+                                f"{GEMM_PREFIX}4bit_z8_n{N}_k{K}")),
+    }
+    for name, rows in (("decode", 1), ("prefill", tirx.Var("seq_len", "int64"))):
+        quantize_kernel, product = kernels[name]
+        x, stored = _params(name, rows)
+        with bb.function(name, [x, *stored]):
+            with bb.dataflow():
+                act = bb.emit(relax.call_tir(quantize_kernel, [x], [
+                    relax.TensorType([1, rows, 2 * hvx_gemv.ACT_RECORD], "uint8"),
+                    relax.TensorType([1, rows, 2], "float32")]))
+                records, factors = bb.emit(relax.TupleGetItem(act, 0)), bb.emit(relax.TupleGetItem(act, 1))
+                out = bb.emit_output(relax.call_tir(product, [*stored, records, factors],
+                                                    relax.TensorType([1, rows, N], "float32")))
+            bb.emit_func_output(out)
+    built = bb.get()  # the builder named the new functions decode1, prefill1: they replace decode, prefill
+    functions = {gv: func for gv, func in built.functions_items()
+                 if gv.name_hint not in ("decode", "decode1", "prefill", "prefill1")}
+    for name in ("decode", "prefill"):
+        functions[tvm.ir.GlobalVar(name)] = built[f"{name}1"]
     return relax.transform.DeadCodeElimination()(tvm.IRModule(functions))
 
 
-def test_decode_becomes_quantize_plus_hvx_gemv():
-    """Before/Expected: decode's matmul becomes the DSP's activation quantize and the HVX GEMV reading the stored
-    arrays as they are (no dequantize left); prefill keeps the dequantize of the hvx order."""
+def test_matmuls_become_quantize_plus_hvx_gemv_or_gemm():
+    """Before/Expected: decode's matmul becomes the DSP's activation quantize and the HVX GEMV, prefill's (a
+    symbolic row count) the rows' quantize and the HVX GEMM, both reading the stored arrays as they are (no
+    dequantize left)."""
     after = relax.transform.DeadCodeElimination()(HvxGEMV()(_module()))
     tvm.ir.assert_structural_equal(after, _expected())
 
@@ -90,12 +106,12 @@ def test_other_code_orders_are_left_alone():
 
 
 def test_plans():
-    """hexagon-npu with int8 decode activations stores the hvx order and has the step; int16 (its default) keeps
+    """hexagon-npu with int8 decode activations (its default) stores the hvx order and has the step; int16 keeps
     TVM's float GEMVs, as the other targets do."""
     int8, int16 = (resolve_plan("hexagon-npu", decode_activations=a) for a in ("int8", "int16"))
     assert int8.hvx_gemv and int8.code_order == "hvx" and int8.integer_decode
     assert not int16.hvx_gemv and int16.code_order == "plain" and not int16.integer_decode
-    assert resolve_plan("hexagon-npu").decode_activations == "int16"
+    assert resolve_plan("hexagon-npu").decode_activations == "int8"
     for plan, has_step in ((int8, True), (int16, False), (resolve_plan("linux-arm64"), False)):
         assert ("hvx-gemv" in [step for step, _ in pipeline.steps(plan)]) == has_step
 
@@ -103,7 +119,8 @@ def test_plans():
 def test_tiny_llama_decode_projections_run_on_the_hvx_gemv(tmp_path):
     """The tiny Llama for hexagon-npu with int8 decode activations, through the pipeline up to hvx-gemv: every
     projection of decode (qkv, o, gate_up, down per layer; the tied lm_head) is an HVX GEMV after a quantize of its
-    activations, and no NT_matmul is left in decode; prefill keeps its matmuls."""
+    activations, and no NT_matmul is left in decode; prefill's and batch_decode's are HVX GEMMs (prefill's lm_head,
+    on its last row, a GEMV)."""
     checkpoint = save_compilable_checkpoint(build_model("llama_gqa"), tmp_path / "hf")
     plan = resolve_plan("hexagon-npu", "q4f16_g32", decode_activations="int8", host_target="host")
     with open_checkpoint(checkpoint) as ckpt:
@@ -119,8 +136,10 @@ def test_tiny_llama_decode_projections_run_on_the_hvx_gemv(tmp_path):
     assert len(gemvs) == 4 * layers + 1 and gemvs[-1].startswith(f"{GEMV_PREFIX}8bit")  # the 8-bit lm_head
     assert sum(c.startswith(QUANTIZE_PREFIX) for c in called) == len(gemvs)
     assert not [c for c in called if c.startswith("NT_matmul")]
-    assert any(c.startswith("NT_matmul") for c in re.findall(r"R\.call_tir\((?:cls\.)?(\w+)",
-                                                               mod["prefill"].script()))
+    for name, gemms in (("prefill", 4 * layers), ("batch_decode", 4 * layers + 1)):  # batch_decode: lm_head too
+        called = re.findall(r"R\.call_tir\((?:cls\.)?(\w+)", mod[name].script())
+        assert sum(c.startswith(GEMM_PREFIX) for c in called) == gemms, name
+        assert not [c for c in called if c.startswith("NT_matmul")], name
 
 
 def _built(func_of_tensors, arrays: list[np.ndarray], out_shape) -> np.ndarray:
@@ -135,9 +154,9 @@ def _built(func_of_tensors, arrays: list[np.ndarray], out_shape) -> np.ndarray:
 @pytest.mark.parametrize("layout", [GroupLayout(4, 32, True, "float16"), GroupLayout(4, 32, False, "float16"),
                                     GroupLayout(8, 32, True, "float16")], ids=lambda layout: layout.describe())
 def test_hvx_order_dequantize_matches_numpy(layout):
-    """dequantize_te and take_dequantize_te of the hvx order (prefill's matmuls, the tied embedding's lookup) give
-    numpy's dequantize of the same codes (scales within 2^4 of their row's largest keep every bit: exact here). A
-    flipped code byte of the stored records changes the weights (negative control)."""
+    """dequantize_te and take_dequantize_te of the hvx order (a matmul the HVX kernels leave, the tied embedding's
+    lookup) give numpy's dequantize of the same codes (scales within 2^4 of their row's largest keep every bit:
+    exact here). A flipped code byte of the stored records changes the weights (negative control)."""
     rng = np.random.default_rng(5)
     n, k = 64, 160
     hvx = layout.with_code_order("hvx", n)

@@ -103,10 +103,12 @@ def test_arm_targets_get_their_family(target, family):
 
 def test_code_order_follows_the_target():
     """The shards hold the codes in the order the target's GEMV reads (quantization/group.CODE_ORDERS): the ARM
-    dot-product order on ARM CPUs with one, K order elsewhere; a kernel is never built for the other order."""
+    dot-product order on ARM CPUs with one, the HVX GEMV's tiles on hexagon-npu (int8 activations, its default), K
+    order elsewhere; a kernel is never built for the other order."""
     names = ("host", "x86-64-v3", "linux-arm64", "android-arm64", "android-adreno", "hexagon-npu")
     orders = {name: resolve_plan(name).code_order for name in names}
-    assert orders == dict.fromkeys(names, "plain") | {"linux-arm64": "neon_pairs", "android-arm64": "neon_pairs"}
+    assert orders == dict.fromkeys(names, "plain") | {"linux-arm64": "neon_pairs", "android-arm64": "neon_pairs",
+                                                      "hexagon-npu": "hvx"}
     # NEON without dotprod: the float GEMV
     assert integer_dot_gemv.stored_code_order(integer_dot_gemv.family(cpu_isa(ARM))) == "plain"
     for bits, order in ((8, "neon"), (4, "neon"), (4, "neon_pairs")):  # 8-bit codes, odd rows: unpaired

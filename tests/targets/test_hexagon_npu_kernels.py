@@ -1,6 +1,8 @@
 """Every NPU kernel of a `hexagon-npu` artifact, executed on the emulated DSP: the artifact's lib/hexagon/kernels.o,
 built for emulation, linked into the kernel server (compiler/testing/emulated_hexagon.py) and called with random
-inputs, against the same kernel built for this machine's CPU by TVM, and a decode GEMV against numpy.
+inputs, against the same kernel built for this machine's CPU by TVM, and a decode GEMV against numpy. The artifact
+has int16 decode activations, so its matmuls are TVM's kernels too (with int8, the target's default, they are
+call_externs into native/hexagon/hvx_gemv.c, which no x86 build links: tests/kernels/test_hvx_gemv.py checks those).
 
 QEMU runs no HVX float instruction, and for v73 LLVM vectorizes some float16 conversions and adds into qf32/hf HVX
 (3 of the tiny Llama's 19 kernels); the emulation build (emulated_hexagon.emulation_spec) turns HVX float off, so
@@ -47,7 +49,7 @@ def npu(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(hexagon, "build_kernels", keep_lowered)
         compile_model(CompileOptions(str(checkpoint), "hexagon-npu", "q4f16_g32", str(root / "out"),
-                                     context_window=128, progress=False))
+                                     context_window=128, progress=False, decode_activations="int16"))
     kernels, _ = hexagon.partition(lowered["mod"])
     obj = root / "out" / "lib" / hexagon.OBJECT
     listing = subprocess.run([emulated_hexagon.llvm_tool("llvm-objdump"), "-d", "--no-show-raw-insn", "--mcpu=hexagonv69",

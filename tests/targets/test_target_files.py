@@ -27,7 +27,7 @@ def test_every_target_loads():
 
 def test_targets_command_lists_each_file_with_its_defaults():
     """`mobilec targets` (text and --json): every shipped file with its default scheme and, where its CPU has integer
-    decode GEMVs, the activations compile picks without --decode-activations (int8 on the ARM files, which say so;
+    decode GEMVs, the activations compile picks without --decode-activations (int8 on the ARM and Hexagon files, which say so;
     int16 on x86, whose files name none; none on a GPU)."""
     result = CliRunner().invoke(main, ["targets", "--json"])
     assert result.exit_code == 0, result.output
@@ -36,7 +36,7 @@ def test_targets_command_lists_each_file_with_its_defaults():
     assert {name: rows[name]["decode_activations"] for name in ("android-arm64", "linux-arm64", "x86-64-v3",
                                                                 "x86-64-v4", "android-adreno", "hexagon-npu")} == {
         "android-arm64": "int8", "linux-arm64": "int8", "x86-64-v3": "int16", "x86-64-v4": "int16",
-        "android-adreno": None, "hexagon-npu": None}
+        "android-adreno": None, "hexagon-npu": "int8"}
     assert all(row["default_quant"] == load_target(name).device["default_quant"] for name, row in rows.items())
     # a GGUF file's own blocks where integer-dot kernels take them
     assert [name for name, row in rows.items() if row["default_quant_gguf"] == "gguf"] == [

@@ -13,7 +13,7 @@ from tvm.support import cc
 from compiler.kernels.integer_dot_gemv import BATCH, GemvShape, family, gemv, quantize_activation
 from compiler.quantization import group
 from compiler.target.isa import cpu_isa
-from tests.helpers.cpu import X86_FAMILY_TARGETS, assembly, runs_here
+from tests.helpers.cpu import X86_FAMILY_TARGETS, assembly, innermost_loops, runs_here
 
 N = 48
 FAMILIES = list(X86_FAMILY_TARGETS)
@@ -259,6 +259,18 @@ def test_batched_rows_equal_one_row_each(bits, grp, symmetric, scale_dtype, k, a
     shape, arrays, _, _ = _case(bits, grp, symmetric, scale_dtype, k, act_bits=act_bits, dot_family=dot_family)
     lib = tvm.tirx.build(tvm.IRModule(_batched_module(shape)), target=X86_FAMILY_TARGETS[dot_family])
     _assert_batched_rows_are_the_one_row_results(lib, shape, arrays, k)
+
+def test_batched_tiles_keep_their_accumulators_in_registers():
+    """AVX2, int16 activations (the host default there), SmolLM2's Q4_1 rows: no inner loop of the batched kernel
+    stores a vector to the stack. A tile of 4 rows stepping both FMA chains together (8 accumulators beside 4 widened
+    code vectors) spilled 3 ymm per 2 steps; a pass per chain keeps 4 live (gemv's tile)."""
+    shape = GemvShape(N, 576, 4, 32, False, "float16", 16, "avx2")
+    func = gemv(shape, (1, BATCH, N)).with_attr("global_symbol", "gemv_batch")
+    asm = assembly(tvm.tirx.build(tvm.IRModule({"gemv_batch": func}), target=X86_FAMILY_TARGETS["avx2"]))
+    loops = [loop for loop in innermost_loops(asm) if any(line.startswith("vpmaddwd") for line in loop)]
+    spills = [line for loop in loops for line in loop if re.match(r"v\w*mov\w*\s+%ymm\d+, .*\(%rsp\)", line)]
+    assert loops and not spills, spills
+
 
 @pytest.mark.parametrize("bits,grp,k,symmetric", [(4, 32, 96, True), (4, 48, 192, True), (4, 16, 64, True),
                                                    (4, 32, 100, True), (3, 32, 64, True), (4, 64, 128, False)])

@@ -45,7 +45,7 @@ from ..target.targets import TargetSpec
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NATIVE_DIR = REPO_ROOT / "native" / "hexagon"
 # The kernel server and the kernels it links (its KERNELS table names them).
-DEVICE_SOURCES = ("device_server.c", "hvx_gemv.c")
+DEVICE_SOURCES = ("device_server.c", "hvx_gemv.c", "hvx_norms.c")
 ALIGNMENT = 128  # an HVX vector
 MAX_ARGS = 12
 KEPT_QEMU = REPO_ROOT / "build" / "hexagon-qemu" / "qemu-hexagon"
@@ -53,7 +53,9 @@ CPU = "v69"
 SETUP_HINT = "run `bash scripts/fetch_qemu_hexagon.sh` (or scripts/setup.sh)"
 # LLVM's Hexagon features for HVX float (qf32/qf16 and v68's IEEE sf/hf), which QEMU cannot run
 EMULATION_MATTR = ("-hvx-qfloat", "-hvx-ieee-fp")
+# -mno-hvx-*: EMULATION_MATTR for clang (v69 turns qfloat on, and LLVM vectorizes float into qf32 by default)
 CFLAGS = ("--target=hexagon-unknown-linux-musl", f"-mcpu=hexagon{CPU}", "-mhvx", "-mhvx-length=128b", "-O2",
+          "-mno-hvx-qfloat", "-mno-hvx-ieee-fp",
           "-ffreestanding", "-nostdlib", "-static", "-fuse-ld=lld")
 LLVM_VERSIONS = (19, 18, 17, 16, 15)  # Debian 13's and Debian 12's, newest first
 LLVM_TOOLS = ("clang", "ld.lld", "llvm-objdump", "llvm-nm")

@@ -7,7 +7,12 @@
  *               t q below. */
 #include "hvx_norms.h"
 
-enum { LANES = 32 };
+/* HVX_FLOAT_LANES: 32, an HVX vector of floats; the emulated DSP's build defines 1 (compiler/testing/emulated_hexagon.py),
+ * as LLVM takes ~25 s to scalarize the 32-lane code, which then runs the same operations lane by lane. */
+#ifndef HVX_FLOAT_LANES
+#define HVX_FLOAT_LANES 32
+#endif
+enum { LANES = HVX_FLOAT_LANES };
 /* aligned(4): the rows need not start on a 128-byte vector (unaligned HVX loads and stores, vmemu) */
 typedef float vfloat __attribute__((vector_size(4 * LANES), aligned(4)));
 typedef int32_t vint __attribute__((vector_size(4 * LANES), aligned(4)));

@@ -58,19 +58,14 @@ static inline vfloat sigmoid(vfloat x) {
     return select(x < 0.0f, t * q, q);
 }
 
-/* The values from `start` of a row of n: a whole vector, or the row's last values padded with zeros. */
-static inline vfloat load(const float *row, int32_t start, int32_t n) {
-    if (start + LANES <= n) return *(const vfloat *)(row + start);
+/* A row's last n - start (< LANES) values, padded with zeros; and their store. */
+static inline vfloat load_tail(const float *row, int32_t start, int32_t n) {
     vfloat v = {0};
     for (int32_t i = start; i < n; i++) v[i - start] = row[i];
     return v;
 }
 
-static inline void store(float *row, int32_t start, int32_t n, vfloat v) {
-    if (start + LANES <= n) {
-        *(vfloat *)(row + start) = v;
-        return;
-    }
+static inline void store_tail(float *row, int32_t start, int32_t n, vfloat v) {
     for (int32_t i = start; i < n; i++) row[i] = v[i - start];
 }
 
@@ -80,21 +75,33 @@ static inline float lane_sum(vfloat v) {
     return total;
 }
 
-/* out = row * rsqrt(mean(row^2) + eps) * weight; `sum`, if given, gets row = x + residual first. */
+/* out = row * rsqrt(mean(row^2) + eps) * weight; `sum`, if given, gets row = x + residual first. Whole vectors,
+ * then the row's tail. */
 static inline void norm_row(const float *x, const float *residual, const float *weight, float *sum, float *out,
                             int32_t n, float eps) {
     vfloat squares = {0};
-    for (int32_t i = 0; i < n; i += LANES) {
-        vfloat v = load(x, i, n);
+    int32_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        vfloat v = *(const vfloat *)(x + i);
         if (residual) {
-            v += load(residual, i, n);
-            store(sum, i, n, v);
+            v += *(const vfloat *)(residual + i);
+            *(vfloat *)(sum + i) = v;
+        }
+        squares += v * v;
+    }
+    if (i < n) {
+        vfloat v = load_tail(x, i, n);
+        if (residual) {
+            v += load_tail(residual, i, n);
+            store_tail(sum, i, n, v);
         }
         squares += v * v;
     }
     const float *row = residual ? sum : x;
     const float scale = rsqrt(lane_sum(squares) * (1.0f / (float)n) + eps);
-    for (int32_t i = 0; i < n; i += LANES) store(out, i, n, load(row, i, n) * scale * load(weight, i, n));
+    for (i = 0; i + LANES <= n; i += LANES)
+        *(vfloat *)(out + i) = *(const vfloat *)(row + i) * scale * *(const vfloat *)(weight + i);
+    if (i < n) store_tail(out, i, n, load_tail(row, i, n) * scale * load_tail(weight, i, n));
 }
 
 void hvx_add_rms_norm(const float *x, const float *residual, const float *weight, float *sum, float *out,
@@ -107,12 +114,15 @@ void hvx_rms_norm(const float *x, const float *weight, float *out, int32_t rows,
     for (int32_t r = 0; r < rows; r++) norm_row(x + r * n, 0, weight, 0, out + r * n, n, eps);
 }
 
+static inline vfloat swiglu(vfloat gate, vfloat up) { return gate * sigmoid(gate) * up; }
+
 void hvx_swiglu(const float *gate_up, float *out, int32_t rows, int32_t n) {
     for (int32_t r = 0; r < rows; r++) {
         const float *gate = gate_up + 2 * r * n, *up = gate + n;
-        for (int32_t i = 0; i < n; i += LANES) {
-            vfloat g = load(gate, i, n);
-            store(out + r * n, i, n, g * sigmoid(g) * load(up, i, n));
-        }
+        float *row_out = out + r * n;
+        int32_t i = 0;
+        for (; i + LANES <= n; i += LANES)
+            *(vfloat *)(row_out + i) = swiglu(*(const vfloat *)(gate + i), *(const vfloat *)(up + i));
+        if (i < n) store_tail(row_out, i, n, swiglu(load_tail(gate, i, n), load_tail(up, i, n)));
     }
 }

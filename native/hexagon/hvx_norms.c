@@ -50,8 +50,8 @@ static inline vfloat exp_negative(vfloat t) {
 }
 
 static inline vfloat sigmoid(vfloat x) {
-    vfloat magnitude = (vfloat)((vint)x & 0x7fffffff);
-    vfloat t = exp_negative(-magnitude);
+    /* -|x| as a select: LLVM scalarizes the sign-bit forms (fabs, fneg) lane by lane on HVX */
+    vfloat t = exp_negative(select(x < 0.0f, x, 0.0f - x));
     vfloat d = 1.0f + t;                          /* in [1, 2] */
     vfloat q = 24.0f / 17.0f - 8.0f / 17.0f * d;  /* within 1/17 of 1/d */
     for (int step = 0; step < 3; step++) q = q * (2.0f - d * q);

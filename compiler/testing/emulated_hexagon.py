@@ -15,7 +15,8 @@ vshuff, vand, vsplat ...), and none of the float ones. Every HVX float instructi
 ("decode_insns: code should not be reached"): the qfloat forms (vmpy(Vu.sf,Vv.sf) to qf32, the qf32 -> sf
 conversion) and the IEEE forms of v68's hvx-ieee-fp alike (Vd.sf = vadd / vsub / vmpy / vmax of sf vectors,
 Vd.hf = vcvt(Vu.h), Vdd.sf = vcvt(Vu.hf), vmpy(Vu.hf,Vv.hf) to sf, vdmpy to sf, vcmp.gt of sf). So kernels that
-must run here use integer HVX (fixed point) and scalar float only. An artifact's NPU kernels are built for
+must run here use integer HVX (fixed point) and scalar float only (native/hexagon/hvx_norms.c: float vector code
+built with one lane, `build_device`'s float_lanes). An artifact's NPU kernels are built for
 emulation by `emulation_spec`: its target with LLVM's HVX float features off (`EMULATION_MATTR`), so LLVM keeps
 float in scalar registers where, for v73, it vectorizes float16 conversions and adds into qf32/hf HVX (3 of a
 tiny Llama's 19 NPU kernels; -hvx-qfloat alone removed them all, -hvx-ieee-fp is off too since QEMU runs neither);

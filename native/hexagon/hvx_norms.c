@@ -75,8 +75,8 @@ static inline float lane_sum(vfloat v) {
     return total;
 }
 
-/* out = row * rsqrt(mean(row^2) + eps) * weight; `sum`, if given, gets row = x + residual first. Whole vectors,
- * then the row's tail. */
+/* out = row * rsqrt(mean(row^2) + eps) * weight with row = x + residual (residual given) or x. `sum`, if given,
+ * gets x + residual; else the second pass adds them again. Whole vectors, then the row's tail. */
 static inline void norm_row(const float *x, const float *residual, const float *weight, float *sum, float *out,
                             int32_t n, float eps) {
     vfloat squares = {0};
@@ -85,7 +85,7 @@ static inline void norm_row(const float *x, const float *residual, const float *
         vfloat v = *(const vfloat *)(x + i);
         if (residual) {
             v += *(const vfloat *)(residual + i);
-            *(vfloat *)(sum + i) = v;
+            if (sum) *(vfloat *)(sum + i) = v;
         }
         squares += v * v;
     }
@@ -93,15 +93,22 @@ static inline void norm_row(const float *x, const float *residual, const float *
         vfloat v = load_tail(x, i, n);
         if (residual) {
             v += load_tail(residual, i, n);
-            store_tail(sum, i, n, v);
+            if (sum) store_tail(sum, i, n, v);
         }
         squares += v * v;
     }
-    const float *row = residual ? sum : x;
     const float scale = rsqrt(lane_sum(squares) * (1.0f / (float)n) + eps);
-    for (i = 0; i + LANES <= n; i += LANES)
-        *(vfloat *)(out + i) = *(const vfloat *)(row + i) * scale * *(const vfloat *)(weight + i);
-    if (i < n) store_tail(out, i, n, load_tail(row, i, n) * scale * load_tail(weight, i, n));
+    const float *row = sum ? sum : x, *added = sum ? 0 : residual;
+    for (i = 0; i + LANES <= n; i += LANES) {
+        vfloat v = *(const vfloat *)(row + i);
+        if (added) v += *(const vfloat *)(added + i);
+        *(vfloat *)(out + i) = v * scale * *(const vfloat *)(weight + i);
+    }
+    if (i < n) {
+        vfloat v = load_tail(row, i, n);
+        if (added) v += load_tail(added, i, n);
+        store_tail(out, i, n, v * scale * load_tail(weight, i, n));
+    }
 }
 
 void hvx_add_rms_norm(const float *x, const float *residual, const float *weight, float *sum, float *out,

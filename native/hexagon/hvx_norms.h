@@ -8,7 +8,8 @@
 
 #include <stdint.h>
 
-/* sum[r] = x[r] + residual[r]; out[r] = sum[r] * rsqrt(mean(sum[r]^2) + eps) * weight, for rows r of n values. */
+/* sum[r] = x[r] + residual[r]; out[r] = sum[r] * rsqrt(mean(sum[r]^2) + eps) * weight, for rows r of n values;
+ * sum may be null (the sum is not written). */
 void hvx_add_rms_norm(const float *x, const float *residual, const float *weight, float *sum, float *out,
                       int32_t rows, int32_t n, float eps);
 /* out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight. */

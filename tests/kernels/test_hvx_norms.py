@@ -77,6 +77,12 @@ def test_add_rms_norm(dsp, rows, n):
     alone = dsp.array((rows, n), np.float32)
     dsp.call("hvx_rms_norm", _on_device(dsp, x), _on_device(dsp, weight), alone, rows, n, EPS)
     assert _relative_error(alone, _rms_norm(x, weight)) < TOLERANCE
+    # no sum wanted (a null pointer): the norm adds x and the residual again, to the same values
+    dsp.reset()
+    without_sum = dsp.array((rows, n), np.float32)
+    dsp.call("hvx_add_rms_norm", _on_device(dsp, x), _on_device(dsp, residual), _on_device(dsp, weight), 0,
+             without_sum, rows, n, EPS)
+    np.testing.assert_array_equal(without_sum, out)
 
 
 @pytest.mark.parametrize("rows,n", SWIGLU_SHAPES)

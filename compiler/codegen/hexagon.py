@@ -182,10 +182,17 @@ def build_kernels(lowered: tvm.IRModule, spec: TargetSpec, lib_dir: Path) -> tup
     return report["library"], report
 
 
+# A C-calling kernel's written parameters, where they are more than its last (written_params)
+WRITES_ATTR = "mobilec.npu_writes"
+
+
 def written_params(func: tirx.PrimFunc) -> list[int]:
     """The indices of the buffer parameters `func` stores into, directly or through a view of their memory (a
     decl_buffer on their data); a kernel that stores nothing itself (a call_extern into C, kernels/hvx_gemv.py)
-    writes its last one, the output as call_tir passes it."""
+    writes those its WRITES_ATTR lists (kernels/hvx_norms.py's two-output norm), else its last one, the output as
+    call_tir passes it."""
+    if func.attrs is not None and WRITES_ATTR in func.attrs:
+        return [int(i) for i in func.attrs[WRITES_ATTR]]
     statements = list(tir_statements(func.body))
     views = [(node.buffer, node.data.args[0]) for node in statements  # (view, the buffer whose memory it is)
              if isinstance(node, tirx.DeclBuffer) and isinstance(node.data, tvm.ir.expr.Call)

@@ -7,6 +7,8 @@ import tvm_ffi
 from tvm import relax, s_tir, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ..kernels import hvx_norms
+from .hvx_gemv import _dims, _kernel_dims
 from .ir_walk import rewrite_relax_functions
 
 _ADD = tvm.ir.Op.get("relax.add")
@@ -58,10 +60,11 @@ def _is_last_axis(axes, ndim: int) -> bool:
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule):
+    def __init__(self, mod: tvm.IRModule, hvx: bool):
         super().__init__(mod)
         self.uses: dict[relax.Var, int] = {}
-        self.kernels: set[tvm.ir.GlobalVar] = set()
+        self.kernels: set[tvm.ir.GlobalVar] = set()  # the TE ones, scheduled afterwards
+        self.hvx = hvx
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value
@@ -72,12 +75,17 @@ class _Rewriter(PyExprMutator):
         add_var, a, b = fused
         # The sum feeds the next residual add too; write it only where something else reads it.
         write_sum = self.uses.get(add_var, 0) > 1
-        call = self.builder_.call_te(
-            _add_rms_norm, self.visit_expr(a), self.visit_expr(b), self.visit_expr(value.args[1]),
-            float(value.attrs.epsilon), write_sum,
-            primfunc_name_hint="add_rms_norm", primfunc_attrs={"op_pattern": _OPAQUE},
-        )
-        self.kernels.add(call.args[0])
+        args = [self.visit_expr(a), self.visit_expr(b), self.visit_expr(value.args[1])]
+        shape = _dims(value.ty)
+        if self.hvx and shape is not None and value.ty.dtype == "float32":
+            kernel = self.builder_.add_func(hvx_norms.tir_add_rms_norm(
+                _kernel_dims(shape), float(value.attrs.epsilon), write_sum).with_attr("op_pattern", _OPAQUE),
+                "hvx_add_rms_norm_kernel")
+            call = relax.call_tir(kernel, args, [value.ty] * 2 if write_sum else value.ty)
+        else:
+            call = self.builder_.call_te(_add_rms_norm, *args, float(value.attrs.epsilon), write_sum,
+                                         primfunc_name_hint="add_rms_norm", primfunc_attrs={"op_pattern": _OPAQUE})
+            self.kernels.add(call.args[0])
         if write_sum:
             both = self.builder_.emit(call, "add_rms_norm")
             # The add binding was already emitted unchanged; later readers take the kernel's sum instead.
@@ -106,10 +114,14 @@ class _Rewriter(PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="FuseAddRMSNorm")
 class FuseAddRMSNorm:  # pylint: disable=too-few-public-methods
-    """Fuse the residual add into the following RMSNorm (last axis, no broadcasting); run before LegalizeOps."""
+    """Fuse the residual add into the following RMSNorm (last axis, no broadcasting); run before LegalizeOps.
+    `hvx` (BuildPlan.hvx_norms): float32 ones call the HVX C kernel (kernels/hvx_norms.py) instead."""
+
+    def __init__(self, hvx: bool = False):
+        self.hvx = hvx
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        rewriter = _Rewriter(mod)
+        rewriter = _Rewriter(mod, self.hvx)
         # The add bindings whose every reader moved to the fused kernel are dropped as dead.
         mod = rewrite_relax_functions(mod, rewriter, track_uses=True)
         for gv in rewriter.kernels:

@@ -6,6 +6,8 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ..kernels import hvx_norms
+from .hvx_gemv import _dims, _kernel_dims
 from .ir_walk import rewrite_relax_functions
 
 _SPLIT = tvm.ir.Op.get("relax.split")
@@ -13,6 +15,8 @@ _SILU = tvm.ir.Op.get("relax.nn.silu")
 _MULTIPLY = tvm.ir.Op.get("relax.multiply")
 # OpPatternKind::kInjective, as FuseOps treated the split it replaces: it is not fused into the matmuls around it.
 _INJECTIVE = 2
+# OpPatternKind::kOpaque: the C kernel's call stays a kernel of its own.
+_OPAQUE = 8
 
 
 def _swiglu(x: te.Tensor) -> te.Tensor:
@@ -28,15 +32,21 @@ def _swiglu(x: te.Tensor) -> te.Tensor:
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule):
+    def __init__(self, mod: tvm.IRModule, hvx: bool):
         super().__init__(mod)
         self.uses: dict[relax.Var, int] = {}
+        self.hvx = hvx
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = self.visit_expr_post_order(call)
         x = self._match(call)
         if x is None:
             return call
+        shape = _dims(x.ty)
+        if self.hvx and shape is not None and x.ty.dtype == "float32":
+            kernel = self.builder_.add_func(hvx_norms.tir_swiglu(_kernel_dims(shape)).with_attr(
+                "op_pattern", _OPAQUE), "hvx_swiglu_kernel")
+            return relax.call_tir(kernel, [x], call.ty)
         return self.builder_.call_te(_swiglu, x, primfunc_name_hint="swiglu", primfunc_attrs={"op_pattern": _INJECTIVE})
 
     def _binding(self, expr: relax.Expr, op=None):
@@ -76,8 +86,12 @@ class _Rewriter(PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="FuseSwiGLU")
 class FuseSwiGLU:  # pylint: disable=too-few-public-methods
-    """Replace the split / silu / multiply chain of a SwiGLU MLP by one kernel; run before LegalizeOps."""
+    """Replace the split / silu / multiply chain of a SwiGLU MLP by one kernel; run before LegalizeOps. `hvx`
+    (BuildPlan.hvx_norms): float32 ones call the HVX C kernel (kernels/hvx_norms.py) instead."""
+
+    def __init__(self, hvx: bool = False):
+        self.hvx = hvx
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         # The split, its items and the silu are dropped as dead once the multiply is replaced.
-        return rewrite_relax_functions(mod, _Rewriter(mod), track_uses=True)
+        return rewrite_relax_functions(mod, _Rewriter(mod, self.hvx), track_uses=True)

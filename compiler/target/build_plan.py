@@ -25,6 +25,7 @@ class BuildPlan:  # pylint: disable=too-many-instance-attributes
     gpu: bool  # GPU schedule rules (OpenCL)
     gemv_family: str | None  # integer-dot decode GEMVs' family (kernels/integer_dot_gemv/); None: float GEMVs
     hvx_gemv: bool  # hexagon-npu, int8 decode activations: decode GEMVs on the HVX GEMV (passes/hvx_gemv.py)
+    hvx_norms: bool  # hexagon, float32 compute: RMSNorm (+add) and SwiGLU on hvx_norms.c (kernels/hvx_norms.py)
     gemm_family: str | None  # integer-dot prefill GEMMs' family (kernels/integer_dot_gemm/); None: float GEMMs
     code_order: str  # how the weight shards order the codes (quantization/group.CODE_ORDERS)
     decode_activations: str  # integer width of the decode GEMVs' activations (choices.DECODE_ACTIVATIONS)
@@ -67,12 +68,13 @@ def resolve_plan(target: str | TargetSpec, quant: str | None = None, *, kv_dtype
     gemm_family = integer_dot_gemm.family(isa) if activations == "int8" else None
     # the KV cache's attention kernels run on the CPU the model is exported for (Hexagon: its ARM host)
     cpu_attention = cpu is not None and spec.model_target().kind.name == "llvm"
+    compute = scheme.float_dtype or spec.device["compute_dtype"]
     return BuildPlan(
         spec=spec, scheme=scheme, cpu=cpu, gpu=spec.schedule["rules"] == "gpu", gemv_family=gemv_family,
-        hvx_gemv=hvx_gemv, gemm_family=gemm_family,
+        hvx_gemv=hvx_gemv, hvx_norms=hexagon and compute == "float32", gemm_family=gemm_family,
         code_order="hvx" if hvx_gemv else integer_dot_gemv.stored_code_order(gemv_family),
         decode_activations=activations, kv_dtype=kv_cache_dtype.resolve(kv_dtype, spec, scheme),
-        compute_dtype=scheme.float_dtype or spec.device["compute_dtype"],
+        compute_dtype=compute,
         attention_lanes=cpu.float_lanes if cpu_attention else None,
         attention_registers=cpu.vector_registers if cpu_attention else None,
     )

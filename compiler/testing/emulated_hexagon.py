@@ -15,7 +15,8 @@ vshuff, vand, vsplat ...), and none of the float ones. Every HVX float instructi
 ("decode_insns: code should not be reached"): the qfloat forms (vmpy(Vu.sf,Vv.sf) to qf32, the qf32 -> sf
 conversion) and the IEEE forms of v68's hvx-ieee-fp alike (Vd.sf = vadd / vsub / vmpy / vmax of sf vectors,
 Vd.hf = vcvt(Vu.h), Vdd.sf = vcvt(Vu.hf), vmpy(Vu.hf,Vv.hf) to sf, vdmpy to sf, vcmp.gt of sf). So kernels that
-must run here use integer HVX (fixed point) and scalar float only. An artifact's NPU kernels are built for
+must run here use integer HVX (fixed point) and scalar float only (native/hexagon/hvx_norms.c: float vector code
+built with one lane, `build_device`'s float_lanes). An artifact's NPU kernels are built for
 emulation by `emulation_spec`: its target with LLVM's HVX float features off (`EMULATION_MATTR`), so LLVM keeps
 float in scalar registers where, for v73, it vectorizes float16 conversions and adds into qf32/hf HVX (3 of a
 tiny Llama's 19 NPU kernels; -hvx-qfloat alone removed them all, -hvx-ieee-fp is off too since QEMU runs neither);
@@ -45,7 +46,7 @@ from ..target.targets import TargetSpec
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NATIVE_DIR = REPO_ROOT / "native" / "hexagon"
 # The kernel server and the kernels it links (its KERNELS table names them).
-DEVICE_SOURCES = ("device_server.c", "hvx_gemv.c")
+DEVICE_SOURCES = ("device_server.c", "hvx_gemv.c", "hvx_norms.c")
 ALIGNMENT = 128  # an HVX vector
 MAX_ARGS = 12
 KEPT_QEMU = REPO_ROOT / "build" / "hexagon-qemu" / "qemu-hexagon"
@@ -53,7 +54,9 @@ CPU = "v69"
 SETUP_HINT = "run `bash scripts/fetch_qemu_hexagon.sh` (or scripts/setup.sh)"
 # LLVM's Hexagon features for HVX float (qf32/qf16 and v68's IEEE sf/hf), which QEMU cannot run
 EMULATION_MATTR = ("-hvx-qfloat", "-hvx-ieee-fp")
+# -mno-hvx-*: EMULATION_MATTR for clang (v69 turns qfloat on, and LLVM vectorizes float into qf32 by default)
 CFLAGS = ("--target=hexagon-unknown-linux-musl", f"-mcpu=hexagon{CPU}", "-mhvx", "-mhvx-length=128b", "-O2",
+          "-mno-hvx-qfloat", "-mno-hvx-ieee-fp",
           "-ffreestanding", "-nostdlib", "-static", "-fuse-ld=lld")
 LLVM_VERSIONS = (19, 18, 17, 16, 15)  # Debian 13's and Debian 12's, newest first
 LLVM_TOOLS = ("clang", "ld.lld", "llvm-objdump", "llvm-nm")
@@ -133,9 +136,10 @@ def emulation_spec(spec: TargetSpec) -> TargetSpec:
     return dataclasses.replace(spec, tvm_target_json=target)
 
 
-def build_device(folder: Path, tvm_objects: tuple[Path, ...] = ()) -> Path:
+def build_device(folder: Path, tvm_objects: tuple[Path, ...] = (), float_lanes: int = 1) -> Path:
     """The kernel server with our kernels and the TVM-compiled ones of `tvm_objects` (an artifact's
-    lib/hexagon/kernels.o), as the program `folder`/hexagon_device."""
+    lib/hexagon/kernels.o), as the program `folder`/hexagon_device. `float_lanes`: hvx_norms.c's vector width
+    (HVX_FLOAT_LANES); 1 builds in 0.2 s, 32 (a phone's HVX vector, scalarized here) in ~25 s."""
     nm = llvm_tool("llvm-nm")
     names = []
     for obj in tvm_objects:
@@ -146,7 +150,8 @@ def build_device(folder: Path, tvm_objects: tuple[Path, ...] = ()) -> Path:
     table = folder / "tvm_kernel_table.c"
     table.write_text(f'#include "tvm_kernels.h"\n{declarations}const struct tvm_kernel TVM_KERNELS[] = {{{entries}}};\n'
                      f"const int32_t N_TVM_KERNELS = {len(names)};\n")
-    return build([*(NATIVE_DIR / name for name in DEVICE_SOURCES), table, *tvm_objects], folder / "hexagon_device")
+    return build([*(NATIVE_DIR / name for name in DEVICE_SOURCES), table, *tvm_objects], folder / "hexagon_device",
+                 defines={"HVX_FLOAT_LANES": str(float_lanes)})
 
 
 def program_cpu(program: Path) -> str:

@@ -17,6 +17,7 @@
  * one call through a 12-word prototype serves every C kernel whose arguments are 32-bit. */
 #include "hexagon_sys.h"
 #include "hvx_gemv.h"
+#include "hvx_norms.h"
 #include "tvm_kernels.h"
 
 enum { SYS_OPENAT = 56, SYS_MUNMAP = 215, AT_FDCWD = -100, O_RDWR = 2, PROT_READ_WRITE = 3, MAP_SHARED = 1,
@@ -37,6 +38,9 @@ static const struct {
     {"hvx_gemm_4bit_mins", (void (*)(void))hvx_gemm_4bit_mins},
     {"hvx_gemm_8bit", (void (*)(void))hvx_gemm_8bit},
     {"hvx_gemm_8bit_mins", (void (*)(void))hvx_gemm_8bit_mins},
+    {"hvx_add_rms_norm", (void (*)(void))hvx_add_rms_norm},
+    {"hvx_rms_norm", (void (*)(void))hvx_rms_norm},
+    {"hvx_swiglu", (void (*)(void))hvx_swiglu},
 };
 enum { N_KERNELS = sizeof KERNELS / sizeof KERNELS[0] };
 

@@ -8,6 +8,7 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from compiler.codegen import pipeline
+from compiler.kernels import hvx_norms
 from compiler.passes.fuse_add_rmsnorm import FuseAddRMSNorm
 from compiler.target.build_plan import resolve_plan
 
@@ -111,3 +112,18 @@ def test_ir_in_ir_out():
     assert sorted(gv.name_hint for gv in mod.get_global_vars()) == ["add_rms_norm", "main"]
     # negative control: a broadcasting add is left as it was
     tvm.ir.assert_structural_equal(FuseAddRMSNorm()(_module(broadcast=True)), _module(broadcast=True))
+
+
+def test_hvx_calls_the_c_kernel():
+    """hexagon, float32 (BuildPlan.hvx_norms): the same rewrite, its kernel the call into hvx_norms.c that
+    kernels/hvx_norms.py builds, with both outputs listed as written; without other readers of the sum, the
+    one-output form."""
+    for sum_used_again in (True, False):
+        mod = FuseAddRMSNorm(hvx=True)(_module(sum_used_again=sum_used_again))
+        (kernel,) = [c for c in _ops(mod["main"]) if c.op.name == "relax.call_tir"]
+        func = mod[kernel.args[0]]
+        expected = hvx_norms.tir_add_rms_norm((1, tirx.Var("seq_len", "int64"), H), EPS, sum_used_again)
+        tvm.ir.assert_structural_equal(func.without_attr("op_pattern").without_attr("global_symbol"),
+                                       expected.without_attr("global_symbol"), map_free_vars=True)
+        assert kernel.args[0].name_hint.startswith("hvx_add_rms_norm") and int(func.attrs["op_pattern"]) == 8
+        assert not [c for c in _ops(mod["main"]) if c.op.name == "relax.nn.rms_norm"]

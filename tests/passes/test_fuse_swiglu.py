@@ -9,6 +9,7 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from compiler.codegen import pipeline
+from compiler.kernels import hvx_norms
 from compiler.passes.fuse_swiglu import FuseSwiGLU
 from compiler.target.build_plan import resolve_plan
 from compiler.target.targets import load_target
@@ -108,3 +109,15 @@ def test_ir_in_ir_out():
     tvm.ir.assert_structural_equal(FuseSwiGLU()(_module()), _Expected)
     # negative control: with the up half read elsewhere the chain stays as it was
     tvm.ir.assert_structural_equal(FuseSwiGLU()(_module(up_used_again=True)), _module(up_used_again=True))
+
+
+def test_hvx_calls_the_c_kernel():
+    """hexagon, float32 (BuildPlan.hvx_norms): the chain becomes the call into hvx_norms.c that kernels/hvx_norms.py
+    builds (x [1, seq, 2I] -> [1, seq, I])."""
+    mod = FuseSwiGLU(hvx=True)(_module())
+    text = mod["main"].script()
+    assert "R.split" not in text and "R.nn.silu" not in text and "R.multiply" not in text
+    func = _kernel(mod)
+    expected = hvx_norms.tir_swiglu((1, tirx.Var("seq_len", "int64"), 2 * INTER))
+    tvm.ir.assert_structural_equal(func.without_attr("op_pattern").without_attr("global_symbol"),
+                                   expected.without_attr("global_symbol"), map_free_vars=True)

@@ -42,7 +42,7 @@ def test_qemu_runs_no_hvx_float(tmp_path, form):
     source = tmp_path / "probe.c"
     source.write_text(FLOAT_PROBE)
     program = emulated_hexagon.build([source], tmp_path / "probe", defines={"PROBE(v)": FLOAT_FORMS[form]},
-                                     flags=["-mhvx-ieee-fp"])
+                                     flags=["-mhvx-ieee-fp", "-mhvx-qfloat"])
     with pytest.raises(MobilecError, match="code should not be reached"):
         emulated_hexagon.run(program)
     control = emulated_hexagon.build([source], tmp_path / "control", defines={"PROBE(v)": "Q6_Vw_vadd_VwVw(v, v)"})

@@ -12,12 +12,10 @@ from tvm import relax, s_tir, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..kernels.integer_dot_gemv import is_batch
-from .ir_walk import UniqueKernels, packed_weights
+from .ir_walk import OPAQUE, UniqueKernels, packed_weights
 
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 _CALL_PURE_PACKED = tvm.ir.Op.get("relax.call_pure_packed")
-# OpPatternKind::kOpaque, as the kernels it chains.
-_OPAQUE = 8
 
 
 @dataclasses.dataclass
@@ -223,7 +221,7 @@ def chained_func(mod: tvm.IRModule, chain: Chain, items: dict, read: set
     # s_tir: the kernels' blocks are s_tir blocks, as each part says of itself
     marks = {key: True for key in ("s_tir",) if any(mod[b.value.args[0]].attrs.get(key) for b in chain.bindings)}
     merged = tirx.PrimFunc([*input_params, *output_params], s_tir.SBlockRealize([], True, root)).with_attrs(
-        {"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": _OPAQUE, **marks})
+        {"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": OPAQUE, **marks})
     return merged, inputs, results
 
 

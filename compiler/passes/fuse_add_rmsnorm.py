@@ -8,13 +8,10 @@ from tvm import relax, s_tir, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..kernels import hvx_norms
-from .hvx_gemv import _dims, _kernel_dims
-from .ir_walk import rewrite_relax_functions
+from .ir_walk import OPAQUE, kernel_dims, rewrite_relax_functions, tensor_dims
 
 _ADD = tvm.ir.Op.get("relax.add")
 _RMS_NORM = tvm.ir.Op.get("relax.nn.rms_norm")
-# OpPatternKind::kOpaque: FuseOps leaves the two-output kernel alone instead of fusing it with a matmul.
-_OPAQUE = 8
 
 
 def _add_rms_norm(a: te.Tensor, b: te.Tensor, weight: te.Tensor, eps: float, write_sum: bool):
@@ -76,15 +73,15 @@ class _Rewriter(PyExprMutator):
         # The sum feeds the next residual add too; write it only where something else reads it.
         write_sum = self.uses.get(add_var, 0) > 1
         args = [self.visit_expr(a), self.visit_expr(b), self.visit_expr(value.args[1])]
-        shape = _dims(value.ty)
+        shape = tensor_dims(value.ty)
         if self.hvx and shape is not None and value.ty.dtype == "float32":
             kernel = self.builder_.add_func(hvx_norms.tir_add_rms_norm(
-                _kernel_dims(shape), float(value.attrs.epsilon), write_sum).with_attr("op_pattern", _OPAQUE),
+                kernel_dims(shape), float(value.attrs.epsilon), write_sum).with_attr("op_pattern", OPAQUE),
                 "hvx_add_rms_norm_kernel")
             call = relax.call_tir(kernel, args, [value.ty] * 2 if write_sum else value.ty)
         else:
             call = self.builder_.call_te(_add_rms_norm, *args, float(value.attrs.epsilon), write_sum,
-                                         primfunc_name_hint="add_rms_norm", primfunc_attrs={"op_pattern": _OPAQUE})
+                                         primfunc_name_hint="add_rms_norm", primfunc_attrs={"op_pattern": OPAQUE})
             self.kernels.add(call.args[0])
         if write_sum:
             both = self.builder_.emit(call, "add_rms_norm")

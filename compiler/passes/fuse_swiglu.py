@@ -7,16 +7,13 @@ from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..kernels import hvx_norms
-from .hvx_gemv import _dims, _kernel_dims
-from .ir_walk import rewrite_relax_functions
+from .ir_walk import OPAQUE, kernel_dims, rewrite_relax_functions, tensor_dims
 
 _SPLIT = tvm.ir.Op.get("relax.split")
 _SILU = tvm.ir.Op.get("relax.nn.silu")
 _MULTIPLY = tvm.ir.Op.get("relax.multiply")
 # OpPatternKind::kInjective, as FuseOps treated the split it replaces: it is not fused into the matmuls around it.
 _INJECTIVE = 2
-# OpPatternKind::kOpaque: the C kernel's call stays a kernel of its own.
-_OPAQUE = 8
 
 
 def _swiglu(x: te.Tensor) -> te.Tensor:
@@ -42,10 +39,10 @@ class _Rewriter(PyExprMutator):
         x = self._match(call)
         if x is None:
             return call
-        shape = _dims(x.ty)
+        shape = tensor_dims(x.ty)
         if self.hvx and shape is not None and x.ty.dtype == "float32":
-            kernel = self.builder_.add_func(hvx_norms.tir_swiglu(_kernel_dims(shape)).with_attr(
-                "op_pattern", _OPAQUE), "hvx_swiglu_kernel")
+            kernel = self.builder_.add_func(hvx_norms.tir_swiglu(kernel_dims(shape)).with_attr(
+                "op_pattern", OPAQUE), "hvx_swiglu_kernel")
             return relax.call_tir(kernel, [x], call.ty)
         return self.builder_.call_te(_swiglu, x, primfunc_name_hint="swiglu", primfunc_attrs={"op_pattern": _INJECTIVE})
 

@@ -10,29 +10,13 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..kernels import hvx_gemv
 from ..quantization.hvx_blocks import BLOCK
-from .integer_dot_gemv import _OPAQUE, quantized_nt_matmul
-from .ir_walk import rewrite_relax_functions
+from .integer_dot_gemv import quantized_nt_matmul
+from .ir_walk import OPAQUE, kernel_dims, rewrite_relax_functions, tensor_dims
 
 # The kernels' names start with these (the C kernels' own symbols are hvx_gemv_<bits>bit...: other names).
 GEMV_PREFIX = "hvx_decode_gemv_"
 GEMM_PREFIX = "hvx_prefill_gemm_"
 QUANTIZE_PREFIX = "hvx_quantize_activations_"
-
-
-def _dims(ty) -> tuple | None:
-    """A tensor type's dimensions: ints, and tirx.Var for symbolic ones (prefill's sequence length, batch_decode's
-    rows); None for other shapes."""
-    if not isinstance(ty, relax.TensorType) or ty.shape is None:
-        return None
-    dims = tuple(ty.shape.values if hasattr(ty.shape, "values") else ty.shape)
-    if not all(isinstance(d, (tirx.IntImm, tirx.Var)) for d in dims):
-        return None
-    return tuple(int(d) if isinstance(d, tirx.IntImm) else d for d in dims)
-
-
-def _kernel_dims(dims: tuple) -> tuple:
-    """`dims` with a new TIR variable, of the same name, for each symbolic dimension (a kernel's own)."""
-    return tuple(d if isinstance(d, int) else tirx.Var(d.name, "int64") for d in dims)
 
 
 @mutator
@@ -47,7 +31,7 @@ class _Rewriter(PyExprMutator):
         numbers a name's others)."""
         key = (name, tuple(d if isinstance(d, int) else d.name for d in shape))
         if key not in self.kernels:
-            self.kernels[key] = self.builder_.add_func(build().with_attr("op_pattern", _OPAQUE), name)
+            self.kernels[key] = self.builder_.add_func(build().with_attr("op_pattern", OPAQUE), name)
         return self.kernels[key]
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
@@ -56,7 +40,7 @@ class _Rewriter(PyExprMutator):
         if matched is None or matched[2]["code_order"] != "hvx":
             return call
         x, stored, layout = matched
-        x_shape, y_shape = _dims(x.ty), _dims(call.ty)
+        x_shape, y_shape = tensor_dims(x.ty), tensor_dims(call.ty)
         if x_shape is None or y_shape is None:
             return call
         n, k, bits, mins = y_shape[-1], x_shape[-1], int(layout["bits"]), not bool(layout["symmetric"])
@@ -64,14 +48,14 @@ class _Rewriter(PyExprMutator):
         one_row = all(d == 1 for d in x_shape[:-1])
         rows = "" if one_row else "_rows"
         quantize = self._kernel(f"{QUANTIZE_PREFIX}k{k}{rows}", x_shape,
-                                lambda: hvx_gemv.tir_quantize_activations(k, _kernel_dims(x_shape)))
+                                lambda: hvx_gemv.tir_quantize_activations(k, kernel_dims(x_shape)))
         suffix = f"{bits}bit{'_mins' if mins else ''}_z{zero}_n{n}_k{k}"
         if one_row:
             product = self._kernel(f"{GEMV_PREFIX}{suffix}", y_shape,
                                    lambda: hvx_gemv.tir_kernel(n, k, bits, mins, zero, y_shape))
         else:
             product = self._kernel(f"{GEMM_PREFIX}{suffix}", y_shape,
-                                   lambda: hvx_gemv.tir_gemm_kernel(n, k, bits, mins, zero, _kernel_dims(y_shape)))
+                                   lambda: hvx_gemv.tir_gemm_kernel(n, k, bits, mins, zero, kernel_dims(y_shape)))
         leading = list(x.ty.shape.values)[:-1]
         pairs = -(-k // (2 * BLOCK))
         act = self.builder_.emit(relax.call_tir(quantize, [x], [

@@ -8,8 +8,8 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..kernels.integer_dot_gemm import TILE_M, GemmShape, gemm, quantize_rows
-from .integer_dot_gemv import _OPAQUE, quantized_nt_matmul
-from .ir_walk import rewrite_relax_functions
+from .integer_dot_gemv import quantized_nt_matmul
+from .ir_walk import OPAQUE, rewrite_relax_functions
 
 
 def _dims(ty) -> list | None:
@@ -27,7 +27,7 @@ class _Rewriter(PyExprMutator):
 
     def _kernel(self, name: str, build) -> relax.GlobalVar:
         if name not in self.kernels:
-            self.kernels[name] = self.builder_.add_func(build().with_attr("op_pattern", _OPAQUE), name)
+            self.kernels[name] = self.builder_.add_func(build().with_attr("op_pattern", OPAQUE), name)
         return self.kernels[name]
 
     def _match(self, call: relax.Call):

@@ -17,11 +17,9 @@ from ..kernels.integer_dot_gemv import (
     quantize_activation,
 )
 from ..quantization.modules import LAYOUT_ATTR
-from .ir_walk import rewrite_relax_functions
+from .ir_walk import OPAQUE, rewrite_relax_functions
 
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
-# relax OpPatternKind::kOpaque: FuseOps leaves the hand-written kernels alone.
-_OPAQUE = 8
 
 
 def _gemv_shape(ty) -> tuple[int | str, ...] | None:
@@ -61,7 +59,7 @@ class _Rewriter(PyExprMutator):
 
     def _kernel(self, name: str, build) -> relax.GlobalVar:
         if name not in self.kernels:
-            func = build().with_attr("op_pattern", _OPAQUE)
+            func = build().with_attr("op_pattern", OPAQUE)
             self.kernels[name] = self.builder_.add_func(func, name)
         return self.kernels[name]
 

@@ -10,6 +10,8 @@ import tvm_ffi
 from tvm import relax, s_tir, tirx
 
 _CHILDREN = ("body", "seq", "block", "then_case", "else_case", "init")
+# relax OpPatternKind::kOpaque: FuseOps leaves a kernel with this pattern alone (hand-written and two-output kernels)
+OPAQUE = 8
 
 
 def tir_statements(node) -> Iterator:
@@ -129,3 +131,19 @@ def emit_fused_binding(rewriter, binding: relax.VarBinding) -> bool:
     rewriter.set_var_remap(second_result, builder.emit(relax.TupleGetItem(results, 0), second_result.name))
     rewriter.set_var_remap(binding.var, emit(relax.TupleGetItem(results, 1), binding.var.name))
     return True
+
+
+def tensor_dims(ty) -> tuple | None:
+    """A tensor type's dimensions: ints, and tirx.Var for symbolic ones (prefill's sequence length, batch_decode's
+    rows); None for other shapes."""
+    if not isinstance(ty, relax.TensorType) or ty.shape is None:
+        return None
+    dims = tuple(ty.shape.values if hasattr(ty.shape, "values") else ty.shape)
+    if not all(isinstance(d, (tirx.IntImm, tirx.Var)) for d in dims):
+        return None
+    return tuple(int(d) if isinstance(d, tirx.IntImm) else d for d in dims)
+
+
+def kernel_dims(dims: tuple) -> tuple:
+    """`dims` with a new TIR variable, of the same name, for each symbolic dimension (a kernel's own)."""
+    return tuple(d if isinstance(d, int) else tirx.Var(d.name, "int64") for d in dims)

@@ -188,9 +188,10 @@ def targets(as_json):
 @click.option("--no-tuning", is_flag=True,
               help="Ignore tuning_logs/<target>/ (`mobilec tune`): every kernel gets the default schedule rules.")
 @click.option("--decode-activations", type=click.Choice(DECODE_ACTIVATIONS), default=None,
-              help="CPU targets with an integer dot product (x86 AVX2 / AVX-512, ARM dotprod / i8mm) and hexagon-npu: "
-                   "the integer width decode GEMVs quantize activations to (one scale per 32 values). int16 matches the float "
-                   "model (~2e-5); int8 is llama.cpp's rounding, ~1.4x (AVX-512) to ~2x (AVX2, ARM) faster GEMVs, "
+              help="CPU targets with an integer dot product (x86 AVX2 / AVX-512, ARM dotprod / i8mm) and "
+                   "hexagon-npu: the integer width decode GEMVs quantize activations to (one scale per 32 values). "
+                   "int16 matches the float model (~2e-5); int8 is llama.cpp's rounding, ~1.4x (AVX-512) to ~2x "
+                   "(AVX2, ARM) faster GEMVs, "
                    "and may change greedy output after some tokens; on ARM it also takes prefill to the integer "
                    "GEMM (smmla / sdot), on hexagon-npu to the HVX GEMV and GEMM. Default: the target file's "
                    "device.decode_activations (int8 on android-arm64, linux-arm64 and hexagon-npu), else int16.")

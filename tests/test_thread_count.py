@@ -1,5 +1,6 @@
 """host.set_threads: without --threads, TVM's own default count is written into TVM_NUM_THREADS (TVM otherwise
-re-reads the CPU count from sysfs at every parallel kernel launch); a count the user set is kept."""
+re-reads the CPU count from sysfs at every parallel kernel launch); a count the user set is kept. bench's local
+device sizes threads the same way (TVM runs a kernel serially where that variable's count is 1)."""
 
 import subprocess
 import sys
@@ -42,3 +43,16 @@ def test_threads_option_leaves_the_process_on_every_core():
     before, after = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                    check=True).stdout.split()
     assert after == before
+
+
+def test_bench_threads_on_this_machine_set_the_variable_too():
+    """`mobilec bench --threads N` without --rpc: the local device's set_threads writes TVM_NUM_THREADS and leaves the
+    process on every core. Sizing only the pool (runtime.config_threadpool) ran every kernel on one thread on a
+    2-core x86 machine, whose default count is its one physical core: bench decoded at the 1-thread rate."""
+    code = ("import os; from compiler.runtime.remote import local_device; before = len(os.sched_getaffinity(0)); "
+            "local_device().set_threads(2); print(os.environ.get('TVM_NUM_THREADS'), before, "
+            "len(os.sched_getaffinity(0)))")
+    clean = {k: v for k, v in __import__("os").environ.items() if k not in ("TVM_NUM_THREADS", "OMP_NUM_THREADS")}
+    variable, before, after = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                             check=True, env=clean).stdout.split()
+    assert variable == "2" and after == before

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from tvm import rpc
 
 from .. import rpc_peers, validate
+from ..target import host
 from ..artifacts.artifact import PARAMS_DIR, Artifact
 from ..errors import MobilecError
 from ..rpc_peers import check_key, deadline, last_line, open_tracker
@@ -200,7 +201,13 @@ class Device:
         return lib
 
     def set_threads(self, threads: int) -> None:
-        # mode 0 = no core pinning, as session.set_threads (pinning fights other processes)
+        if self.session is None:
+            # this process: TVM_NUM_THREADS too, as generate and profile size it. TVM runs a parallel kernel on one
+            # thread when that variable's count (by default: x86's physical cores, 1 on a 2-core VM) is 1, whatever
+            # the pool was sized to.
+            host.set_threads(threads)
+            return
+        # mode 0 = no core pinning (pinning fights other processes); the device's own TVM_NUM_THREADS still caps it
         self.function("runtime.config_threadpool")(0, threads)
 
     def stage(self, artifact: Artifact, progress: bool) -> Staged:

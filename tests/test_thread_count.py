@@ -14,9 +14,10 @@ print(os.environ.get("TVM_NUM_THREADS"), tvm.get_global_func("runtime.NumThreads
 """
 
 
-def _run(threads, **env):
+def _run(threads, code=CODE, **env):
+    """What `code` (CODE with `threads`) prints, split, in a process without the thread-count variables (plus `env`)."""
     clean = {k: v for k, v in __import__("os").environ.items() if k not in ("TVM_NUM_THREADS", "OMP_NUM_THREADS")}
-    done = subprocess.run([sys.executable, "-c", CODE.format(threads=threads)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", code.format(threads=threads)], capture_output=True, text=True,
                           check=True, env={**clean, **env})
     return done.stdout.split()
 
@@ -50,9 +51,7 @@ def test_bench_threads_on_this_machine_set_the_variable_too():
     process on every core. Sizing only the pool (runtime.config_threadpool) ran every kernel on one thread on a
     2-core x86 machine, whose default count is its one physical core: bench decoded at the 1-thread rate."""
     code = ("import os; from compiler.runtime.remote import local_device; before = len(os.sched_getaffinity(0)); "
-            "local_device().set_threads(2); print(os.environ.get('TVM_NUM_THREADS'), before, "
+            "local_device().set_threads({threads}); print(os.environ.get('TVM_NUM_THREADS'), before, "
             "len(os.sched_getaffinity(0)))")
-    clean = {k: v for k, v in __import__("os").environ.items() if k not in ("TVM_NUM_THREADS", "OMP_NUM_THREADS")}
-    variable, before, after = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                             check=True, env=clean).stdout.split()
+    variable, before, after = _run(2, code)
     assert variable == "2" and after == before

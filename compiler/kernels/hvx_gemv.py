@@ -108,21 +108,27 @@ KERNELS = {(4, False): "hvx_gemv_4bit", (4, True): "hvx_gemv_4bit_mins", (8, Fal
 GEMM_KERNELS = {key: name.replace("gemv", "gemm") for key, name in KERNELS.items()}
 
 
+def _staged(device: emulated_hexagon.Device, weights: HvxWeights, *arrays: np.ndarray) -> list:
+    """The emulated DSP's shared region reset (earlier arrays there are freed), then copies there of the weights,
+    their row factors and `arrays`, in that order."""
+    device.reset()
+    staged = []
+    for host in (weights.data, weights.row_factors.astype(np.float32).reshape(-1), *arrays):
+        staged.append(device.array(host.shape, host.dtype))
+        staged[-1][...] = host
+    return staged
+
+
 def run(device: emulated_hexagon.Device, weights: HvxWeights, x: np.ndarray
         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """y [n] and the kernel's integer row sums (dot, mins) [n_tiles * 32], computed on the emulated DSP (its shared
     region is reset: earlier arrays there are freed)."""
     records, dot_factor, min_factor = quantize_activations(x)
-    device.reset()
-    buffers = {}
-    for name, host in (("weights", weights.data), ("factors", weights.row_factors.astype(np.float32).reshape(-1)),
-                       ("activations", records)):
-        buffers[name] = device.array(host.shape, host.dtype)
-        buffers[name][...] = host
+    stored, factors, activations = _staged(device, weights, records)
     rows = weights.n_tiles * ROWS
     y, acc, acc_mins = device.array(rows, np.float32), device.array(rows, np.int32), device.array(rows, np.int32)
-    device.call(KERNELS[weights.bits, weights.mins], buffers["weights"], buffers["factors"], buffers["activations"],
-                weights.n_tiles, weights.n_pairs, weights.zero, dot_factor, min_factor, y, acc, acc_mins)
+    device.call(KERNELS[weights.bits, weights.mins], stored, factors, activations, weights.n_tiles, weights.n_pairs,
+                weights.zero, dot_factor, min_factor, y, acc, acc_mins)
     return y[:weights.n].copy(), acc.copy(), acc_mins.copy()
 
 
@@ -130,25 +136,21 @@ def run_gemm(device: emulated_hexagon.Device, weights: HvxWeights, x: np.ndarray
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Y [m, n] = x [m, k] W^T and the kernel's integer row sums (dot, mins) [m, n_tiles * 32] on the emulated DSP's
     GEMM (its shared region is reset)."""
-    records, factors = quantize_rows(x)
-    device.reset()
-    buffers = {}
-    for name, host in (("weights", weights.data), ("factors", weights.row_factors.astype(np.float32).reshape(-1)),
-                       ("activations", records), ("act_factors", factors)):
-        buffers[name] = device.array(host.shape, host.dtype)
-        buffers[name][...] = host
+    stored, factors, activations, act_factors = _staged(device, weights, *quantize_rows(x))
     shape = (x.shape[0], weights.n_tiles * ROWS)
     y, acc, acc_mins = device.array(shape, np.float32), device.array(shape, np.int32), device.array(shape, np.int32)
-    device.call(GEMM_KERNELS[weights.bits, weights.mins], buffers["weights"], buffers["factors"],
-                buffers["activations"], buffers["act_factors"], weights.n_tiles, weights.n_pairs, x.shape[0],
-                weights.zero, y, acc, acc_mins)
+    device.call(GEMM_KERNELS[weights.bits, weights.mins], stored, factors, activations, act_factors,
+                weights.n_tiles, weights.n_pairs, x.shape[0], weights.zero, y, acc, acc_mins)
     return y[:, :weights.n].copy(), acc.copy(), acc_mins.copy()
 
 
-def _whole_tiles(n: int) -> None:
+def _tir_layout(n: int, k: int, bits: int, mins: bool) -> tuple[int, int, int]:
+    """(tiles, pairs of blocks, stored bytes per weight row) the C kernels take for W [n, k]."""
     if n % ROWS:
         raise MobilecError(f"the HVX GEMV's TIR kernel writes whole tiles of {ROWS} rows; N = {n} is not a multiple: "
                            "leave this weight to TVM's GEMV")
+    pairs = -(-k // (2 * BLOCK))
+    return n // ROWS, pairs, pairs * record_bytes(bits, mins) // ROWS
 
 
 def tir_kernel(n: int, k: int, bits: int, mins: bool, zero: int,
@@ -157,10 +159,8 @@ def tir_kernel(n: int, k: int, bits: int, mins: bool, zero: int,
     (hvx_blocks.stored_arrays: `weights` [n, bytes], `row_factors` [n, 2]), x's records (`activations`) and
     `factors` = [dot_factor, min_factor] (quantize_activations, tir_quantize_activations, whose shapes have y's
     leading dimensions, all 1); y_shape None: [1, n]."""
-    _whole_tiles(n)
+    tiles, pairs, row_bytes = _tir_layout(n, k, bits, mins)
     y_shape = y_shape or (1, n)
-    tiles, pairs = n // ROWS, -(-k // (2 * BLOCK))
-    row_bytes = pairs * record_bytes(bits, mins) // ROWS
     name = KERNELS[bits, mins]
     null = T.reinterpret("handle", T.uint64(0))  # no integer sums wanted
     leading = tuple(y_shape[:-1])
@@ -182,9 +182,7 @@ def tir_gemm_kernel(n: int, k: int, bits: int, mins: bool, zero: int, y_shape: t
     records (`activations` [..., pairs * 80]) and `factors` [..., 2] (tir_quantize_activations of X [..., k]);
     y_shape's leading dimensions (ints, or tirx.Var for prefill's sequence length and batch_decode's rows) are the
     activation rows."""
-    _whole_tiles(n)
-    tiles, pairs = n // ROWS, -(-k // (2 * BLOCK))
-    row_bytes = pairs * record_bytes(bits, mins) // ROWS
+    tiles, pairs, row_bytes = _tir_layout(n, k, bits, mins)
     name = GEMM_KERNELS[bits, mins]
     null = T.reinterpret("handle", T.uint64(0))
     leading = tuple(y_shape[:-1])

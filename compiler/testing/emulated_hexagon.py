@@ -54,9 +54,9 @@ CPU = "v69"
 SETUP_HINT = "run `bash scripts/fetch_qemu_hexagon.sh` (or scripts/setup.sh)"
 # LLVM's Hexagon features for HVX float (qf32/qf16 and v68's IEEE sf/hf), which QEMU cannot run
 EMULATION_MATTR = ("-hvx-qfloat", "-hvx-ieee-fp")
-# -mno-hvx-*: EMULATION_MATTR for clang (v69 turns qfloat on, and LLVM vectorizes float into qf32 by default)
+# EMULATION_MATTR as clang's -mno-hvx-* (v69 turns qfloat on, and LLVM vectorizes float into qf32 by default)
 CFLAGS = ("--target=hexagon-unknown-linux-musl", f"-mcpu=hexagon{CPU}", "-mhvx", "-mhvx-length=128b", "-O2",
-          "-mno-hvx-qfloat", "-mno-hvx-ieee-fp",
+          *(f"-mno-{feature[1:]}" for feature in EMULATION_MATTR),
           "-ffreestanding", "-nostdlib", "-static", "-fuse-ld=lld")
 LLVM_VERSIONS = (19, 18, 17, 16, 15)  # Debian 13's and Debian 12's, newest first
 LLVM_TOOLS = ("clang", "ld.lld", "llvm-objdump", "llvm-nm")

@@ -15,6 +15,14 @@ from . import npu
 from .remote import Device, check_runs_on, local_device
 
 
+def host_copy(tensor) -> np.ndarray:
+    """A numpy copy of a tensor. One in this process's memory is copied through a DLPack view: Tensor.numpy() took
+    2-3x as long for SmolLM2's logits right after a decode step (0.17-0.31 vs 0.06-0.10 ms, 2 threads, Zen 3)."""
+    if tensor.device.dlpack_device_type() == tvm.cpu().dlpack_device_type():
+        return np.from_dlpack(tensor).copy()
+    return tensor.numpy()
+
+
 class LoadedArtifact:
     """An artifact loaded on a device: the Relax VM, its weights, the model's functions and the KV-cache builtins.
     Session (one sequence) and the serving engine (several sequences in one cache) both start from it.
@@ -77,7 +85,7 @@ class LoadedArtifact:
 
     def first_output(self, out) -> np.ndarray:
         """The first output of a model function (its logits), on the host."""
-        return self._item(out, 0).numpy()
+        return host_copy(self._item(out, 0))
 
 
 class Session(LoadedArtifact):

@@ -19,13 +19,12 @@ from typing import Any
 
 import numpy as np
 import psutil
-import tvm
 
 from ..errors import MobilecError
 from ..kernels import integer_dot_gemv
 from ..model_import import kv_cache_dtype
 from ..runtime.generate import log_probabilities, sample
-from ..runtime.session import LoadedArtifact
+from ..runtime.session import LoadedArtifact, device_tensor
 from .metrics import Metrics
 
 MAX_SESSIONS = 8  # sequences decoded together at most: beyond ~4, decode is bandwidth-bound and memory grows
@@ -358,7 +357,7 @@ class Engine:
     def _forward(self, func, seqs: list[_Sequence], chunks: list[list[int]]):
         ids = np.concatenate([np.asarray(c, "int32") for c in chunks])
         dev = self.model.device
-        out = self.model.forward(func, tvm.runtime.tensor(ids, dev.dev), self.kv_cache,
+        out = self.model.forward(func, device_tensor(ids, dev.dev), self.kv_cache,
                                  dev.shape(*[s.seq_id for s in seqs]), dev.shape(*[len(c) for c in chunks]))
         for seq, chunk in zip(seqs, chunks):
             seq.kv_tokens.extend(chunk)

@@ -3,7 +3,7 @@
     .venv/bin/pip install -e ".[bench]"     # llama-cpp-python: compiles llama.cpp, several minutes
     .venv/bin/python bench/decode_vs_peers.py --artifact build/smollm2-host --threads 1
 
-Each round runs every runtime once (A B C A B C ...), so a noisy neighbour slows all of them alike;
+Each round runs every runtime once (A B C, B C A, ...), so a noisy neighbour slows all of them alike;
 the table shows medians and the ratios of each runtime to llama.cpp and to the first --artifact (pass
 several, e.g. q0f32 then q4f16_g32, to compare schemes). Every runtime gets the same prompt token ids and
 decodes greedily; the token agreement with the first artifact is printed as a sanity check.
@@ -333,7 +333,8 @@ def main() -> None:  # pylint: disable=too-many-locals,too-many-statements
 
     results = {r.name: {"prefill": [], "decode": [], "tokens": None} for r in runners}
     for rnd in range(args.rounds):
-        for runner in runners:
+        # each round starts one runtime later (A B C, B C A, ...): none always runs right after the same neighbour
+        for runner in runners[rnd % len(runners):] + runners[:rnd % len(runners)]:
             prefill_s, decode_s, toks = runner.run(ids, args.gen_len)
             res = results[runner.name]
             res["prefill"].append(len(ids) / prefill_s)

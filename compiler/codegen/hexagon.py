@@ -188,9 +188,9 @@ WRITES_ATTR = "mobilec.npu_writes"
 
 def written_params(func: tirx.PrimFunc) -> list[int]:
     """The indices of the buffer parameters `func` stores into, directly or through a view of their memory (a
-    decl_buffer on their data); a kernel that stores nothing itself (a call_extern into C, kernels/hvx_gemv.py)
-    writes those its WRITES_ATTR lists (kernels/hvx_norms.py's two-output norm), else its last one, the output as
-    call_tir passes it."""
+    decl_buffer on their data); a kernel that stores into none itself (a call_extern into C, kernels/hvx_gemv.py,
+    whatever it stores into local scalars) writes those its WRITES_ATTR lists (kernels/hvx_norms.py's two-output
+    norm), else its last one, the output as call_tir passes it."""
     if func.attrs is not None and WRITES_ATTR in func.attrs:
         return [int(i) for i in func.attrs[WRITES_ATTR]]
     statements = list(tir_statements(func.body))
@@ -198,10 +198,9 @@ def written_params(func: tirx.PrimFunc) -> list[int]:
              if isinstance(node, tirx.DeclBuffer) and isinstance(node.data, tvm.ir.expr.Call)
              and node.data.op.name == "tirx.buffer_data"]
     stored = [node.buffer for node in statements if isinstance(node, tirx.BufferStore)]
-    if not stored:
-        return [len(func.params) - 1]
     stored += [source for view, source in views if any(view.same_as(buffer) for buffer in stored)]
-    return [i for i, param in enumerate(func.params) if any(param.same_as(buffer) for buffer in stored)]
+    written = [i for i, param in enumerate(func.params) if any(param.same_as(buffer) for buffer in stored)]
+    return written or [len(func.params) - 1]
 
 
 @mutator

@@ -127,3 +127,15 @@ def test_installed_copy_packages_the_native_runner(installed):
     run = subprocess.run(["/usr/bin/env", "-i", str(runner), str(work / "tiny-app"), "--prompt", "the cat"],
                          capture_output=True, text=True, timeout=TIMEOUT_S)
     assert run.returncode == 2 and "WordLevel" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+
+
+def test_installed_copy_ships_the_emulated_dsps_sources(installed):
+    """Running a hexagon-npu artifact here compiles the DSP side from native/hexagon: the installed copy finds the
+    sources the wheel installed (share/mobilec/native/hexagon), not a checkout's."""
+    venv, work, env = installed
+    shipped = venv / "share" / "mobilec" / "native" / "hexagon"
+    assert sorted(p.name for p in shipped.iterdir()) == sorted(
+        p.name for p in (CHECKOUT / "native" / "hexagon").iterdir() if p.suffix in (".h", ".c"))
+    found = _run([str(venv / "bin" / "python"), "-c",
+                  "from compiler.testing.emulated_hexagon import NATIVE_DIR; print(NATIVE_DIR)"], work, env).stdout
+    assert Path(found.strip()).resolve() == shipped.resolve()

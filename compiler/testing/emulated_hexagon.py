@@ -40,11 +40,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..data_files import data_dir
 from ..errors import MobilecError
 from ..target.targets import TargetSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-NATIVE_DIR = REPO_ROOT / "native" / "hexagon"
+NATIVE_DIR = data_dir("native") / "hexagon"  # a checkout's, or the installed copy's (pyproject's data-files)
 # The kernel server and the kernels it links (its KERNELS table names them).
 DEVICE_SOURCES = ("device_server.c", "hvx_gemv.c", "hvx_norms.c")
 ALIGNMENT = 128  # an HVX vector

@@ -27,7 +27,9 @@ MAX_SEED = 2**63 - 1
 THREADS_ENV = "TVM_NUM_THREADS"
 # The cores this process may use, read when it starts (host.usable_cores' rule): TVM's thread pool, once sized,
 # pins the calling thread to as many cores as it was given, after which the thread sees only those.
-USABLE_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+USABLE_CPUS = frozenset(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else
+                        range(os.cpu_count() or 1))
+USABLE_CORES = len(USABLE_CPUS)
 
 
 def _is_int(value: Any) -> bool:

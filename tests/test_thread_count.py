@@ -1,7 +1,9 @@
-"""host.set_threads: without --threads, TVM's own default count is written into TVM_NUM_THREADS (TVM otherwise
+"""host.set_threads: without --threads, one thread per physical core, written into TVM_NUM_THREADS (TVM otherwise
 re-reads the CPU count from sysfs at every parallel kernel launch); a count the user set is kept. bench's local
 device sizes threads the same way (TVM runs a kernel serially where that variable's count is 1)."""
 
+import os
+import shutil
 import subprocess
 import sys
 
@@ -22,9 +24,20 @@ def _run(threads, code=CODE, **env):
     return done.stdout.split()
 
 
-def test_default_count_is_pinned_in_the_variable():
-    variable, default = _run(None)
-    assert variable == default and int(default) >= 1
+def _physical_cores_by_lscpu() -> int:
+    """The (core, socket) pairs of the CPUs this process may use, as lscpu lists them."""
+    rows = subprocess.run(["lscpu", "-p=CPU,CORE,SOCKET"], capture_output=True, text=True, check=True).stdout
+    usable = os.sched_getaffinity(0)
+    return len({tuple(row.split(",")[1:]) for row in rows.splitlines()
+                if not row.startswith("#") and int(row.split(",")[0]) in usable})
+
+
+@pytest.mark.skipif(shutil.which("lscpu") is None, reason="no lscpu (util-linux) to count the cores with")
+def test_default_count_is_one_per_physical_core_and_pinned_in_the_variable():
+    """TVM's own default halves x86's logical CPUs whether or not they are SMT siblings (1 thread on a 2-core VM
+    without SMT, where this count is 2)."""
+    variable, threads = _run(None)
+    assert variable == threads == str(_physical_cores_by_lscpu())
 
 
 @pytest.mark.parametrize("env,expected", [({"TVM_NUM_THREADS": "1"}, "1"), ({"OMP_NUM_THREADS": "1"}, "None")])
@@ -55,3 +68,4 @@ def test_bench_threads_on_this_machine_set_the_variable_too():
             "len(os.sched_getaffinity(0)))")
     variable, before, after = _run(2, code)
     assert variable == "2" and after == before
+

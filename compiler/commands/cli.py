@@ -130,7 +130,7 @@ def main():
                          a GGUF file keeps its own blocks, `gguf`, on CPUs with integer-dot kernels)
       --context-window   tokens the KV cache holds, fixed when the model is compiled
       --context-len      tokens already in the sequence when a measurement starts (profile)
-      --threads          CPU threads of the compiled model (default: TVM_NUM_THREADS or one per core)
+      --threads          CPU threads of the compiled model (default: TVM_NUM_THREADS or one per physical core)
       ARTIFACT           the directory `mobilec compile` wrote
     Errors are one line (`mobilec: error: ...`) with exit code 2.
     """
@@ -377,7 +377,8 @@ def evaluate(as_json, **options):
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence (for benchmarks).")
-@click.option("--threads", type=int, default=None, help="CPU threads (default: TVM_NUM_THREADS or one per core).")
+@click.option("--threads", type=int, default=None,
+              help="CPU threads (default: TVM_NUM_THREADS or one per physical core).")
 @json_option("the text, tokens and timings (not streamed)")
 def generate(as_json, **options):
     """Load ARTIFACT and generate text from --prompt, streaming tokens as they come."""
@@ -417,7 +418,8 @@ def generate(as_json, **options):
               help="Largest request body accepted (413 beyond).")
 @click.option("--shutdown-timeout", "shutdown_timeout_s", type=float, default=10.0, show_default=True,
               help="Seconds in-flight streams may run after SIGTERM or Ctrl-C before they are cancelled.")
-@click.option("--threads", type=int, default=None, help="CPU threads (default: TVM_NUM_THREADS or one per core).")
+@click.option("--threads", type=int, default=None,
+              help="CPU threads (default: TVM_NUM_THREADS or one per physical core).")
 @json_option("the address and model id once the server listens")
 def serve(as_json, **options):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API until SIGTERM or Ctrl-C.
@@ -530,7 +532,8 @@ def bench(as_json, **options):
 
 @main.command()
 @click.argument("artifact", type=click.Path())
-@click.option("--threads", type=int, default=None, help="CPU threads (default: TVM_NUM_THREADS or one per core).")
+@click.option("--threads", type=int, default=None,
+              help="CPU threads (default: TVM_NUM_THREADS or one per physical core).")
 @click.option("--context-len", type=int, default=128, show_default=True,
               help="Tokens in the sequence (KV cache) before the profiled decode steps.")
 @click.option("--steps", type=int, default=16, show_default=True,

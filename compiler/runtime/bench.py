@@ -210,9 +210,8 @@ def run_bench(artifact: Artifact, device: Device, options: BenchOptions, progres
 def _run_bench(artifact: Artifact, device: Device, options: BenchOptions, progress: bool,
                facts: dict[str, Any] | None) -> dict[str, Any]:
     cfg = artifact.config
-    if options.threads is not None:
-        with device.errors("setting the thread count"):
-            device.set_threads(options.threads)
+    with device.errors("setting the thread count"):
+        device.set_threads(options.threads)
     session = Session(artifact, device, progress)
     staged = session.staged
     ids = prompt_ids(int(cfg["model"]["config"]["vocab_size"]), options.prompt_len, options.seed)

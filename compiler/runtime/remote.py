@@ -200,12 +200,14 @@ class Device:
         self.note_loaded(artifact)
         return lib
 
-    def set_threads(self, threads: int) -> None:
+    def set_threads(self, threads: int | None) -> None:
+        """Size the device's thread pool; None: this process's default (host.set_threads), a remote device's own."""
         if self.session is None:
             # this process: TVM_NUM_THREADS too, as generate and profile size it. TVM runs a parallel kernel on one
-            # thread when that variable's count (by default: x86's physical cores, 1 on a 2-core VM) is 1, whatever
-            # the pool was sized to.
+            # thread when that variable's count is 1, whatever the pool was sized to.
             host.set_threads(threads)
+            return
+        if threads is None:
             return
         # mode 0 = no core pinning (pinning fights other processes); the device's own TVM_NUM_THREADS still caps it
         self.function("runtime.config_threadpool")(0, threads)

@@ -151,8 +151,8 @@ def run(device: emulated_hexagon.Device, weights: HvxWeights, x: np.ndarray
     stored, factors, activations = _staged(device, weights, records)
     rows = weights.n_tiles * ROWS
     y, acc, acc_mins = device.array(rows, np.float32), device.array(rows, np.int32), device.array(rows, np.int32)
-    device.call(KERNELS[weights.bits, weights.mins, weights.halves], stored, factors, activations, weights.n_tiles, weights.n_pairs,
-                weights.zero, dot_factor, min_factor, y, acc, acc_mins)
+    device.call(KERNELS[weights.bits, weights.mins, weights.halves], stored, factors, activations, weights.n_tiles,
+                weights.n_pairs, weights.zero, dot_factor, min_factor, y, acc, acc_mins)
     return y[:weights.n].copy(), acc.copy(), acc_mins.copy()
 
 
@@ -242,11 +242,11 @@ def _rounded(value):
 def tir_quantize_activations(k: int, x_shape: tuple | None = None, halves: bool = False) -> tirx.PrimFunc:
     """quantize_activations of each row as a TIR kernel that runs on the DSP (no float division, no float64, no
     libm): x [..., k] (x_shape; its leading dimensions, ints or tirx.Var, are the rows; None: [1, k]) float32 ->
-    records uint8 [..., pairs * act_record(halves)] and factors float32 [..., 2] = [dot_factor, min_factor] per row. Its results
-    differ from numpy's by roundings only: q = x * 127 (1 / amax) by a reciprocal within an ulp, ties away from zero
-    (a code off by one at a near tie), xs = amax * (1 / 127); the fixed-point exponent floor(log2(largest)) - 14
-    (largest / 2^E in [2^14, 2^15), 32768 clamped), which keeps 15 bits as numpy's ceil(log2(largest / 32767))
-    does. Blocks whose largest |x| is below 2^-126 (denormal) quantize to zero."""
+    records uint8 [..., pairs * act_record(halves)] and factors float32 [..., 2] = [dot_factor, min_factor] per row.
+    Its results differ from numpy's by roundings only: q = x * 127 (1 / amax) by a reciprocal within an ulp, ties
+    away from zero (a code off by one at a near tie), xs = amax * (1 / 127); the fixed-point exponent
+    floor(log2(largest)) - 14 (largest / 2^E in [2^14, 2^15), 32768 clamped), which keeps 15 bits as numpy's
+    ceil(log2(largest / 32767)) does. Blocks whose largest |x| is below 2^-126 (denormal) quantize to zero."""
     x_shape = x_shape or (1, k)
     leading = tuple(x_shape[:-1])
     rows = functools.reduce(operator.mul, leading, 1)

@@ -10,7 +10,9 @@
  * and at the end y_r = acc 2^(E_r + G + 30 - s) + accm 2^(F_r + H + 8) in scalar float (row_factors, dot_factor,
  * min_factor). The shift s (dot_shift) gives the rounding of each block's term 2^-s of a unit of the dot
  * product while |dot 2^s| stays under 2^21, so that 1024 blocks (K = 32768) cannot overflow acc. The weights' scales become 16-bit fixed point per row at compile time (exact when a block's scale
- * is within 2^4 of the row's largest), the activations' per vector when they are quantized. */
+ * is within 2^4 of the row's largest), the activations' per vector when they are quantized. With a scale per 16
+ * values ("halves": 8-bit codes, GGUF Q6_K) each half block has its own dot, z S, P (its D, the block's X) and mins'
+ * term (its Tq): twice the factor and vmpyo work of a pair, the same vrmpy. */
 #include "hvx_gemv.h"
 
 #include <hexagon_types.h>
@@ -190,23 +192,23 @@ static inline __attribute__((always_inline)) void gemm(int bits, int mins, int h
 #pragma unroll
         for (int rest = 1; rest < HVX_GEMM_ROWS; rest++)
             if (n_rows - first == rest)
-                gemm_rows(bits, mins, halves, rest, tile_w, row_factors, activations, act_factors, tile, n_tiles, n_pairs,
-                          first, zero, y, acc_dot, acc_min);
+                gemm_rows(bits, mins, halves, rest, tile_w, row_factors, activations, act_factors, tile, n_tiles,
+                          n_pairs, first, zero, y, acc_dot, acc_min);
     }
 }
 
-#define VARIANT(suffix, bits, mins, halves)                                                                              \
+#define VARIANT(suffix, bits, mins, halves)                                                                      \
     void hvx_gemv_##suffix(const uint8_t *weights, const float *row_factors, const uint8_t *activations,         \
                            int32_t n_tiles, int32_t n_pairs, int32_t zero, float dot_factor, float min_factor,   \
                            float *y, int32_t *acc_dot, int32_t *acc_min) {                                       \
-        gemv(bits, mins, halves, weights, row_factors, activations, n_tiles, n_pairs, zero, dot_factor, min_factor, y,   \
-             acc_dot, acc_min);                                                                                   \
+        gemv(bits, mins, halves, weights, row_factors, activations, n_tiles, n_pairs, zero, dot_factor,          \
+             min_factor, y, acc_dot, acc_min);                                                                    \
     }                                                                                                             \
     void hvx_gemm_##suffix(const uint8_t *weights, const float *row_factors, const uint8_t *activations,         \
                            const float *act_factors, int32_t n_tiles, int32_t n_pairs, int32_t n_rows,           \
                            int32_t zero, float *y, int32_t *acc_dot, int32_t *acc_min) {                         \
-        gemm(bits, mins, halves, weights, row_factors, activations, act_factors, n_tiles, n_pairs, n_rows, zero, y,       \
-             acc_dot, acc_min);                                                                                   \
+        gemm(bits, mins, halves, weights, row_factors, activations, act_factors, n_tiles, n_pairs, n_rows, zero, \
+             y, acc_dot, acc_min);                                                                                \
     }
 VARIANT(4bit, 4, 0, 0)
 VARIANT(4bit_mins, 4, 1, 0)

@@ -40,6 +40,7 @@ def device(tmp_path_factory):
 
 
 K_QUANT_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
+ROWS_Q6 = 32  # the Q6_K rows of _mixed_weight
 
 
 def _raw_blocks(ggml_type: str, n: int, k: int, rng) -> np.ndarray:
@@ -64,9 +65,6 @@ def _mixed_weight(n: int, k: int, rng) -> tuple[dict[str, np.ndarray], GroupLayo
     layout = layout_for({t: t for t, _ in parts}, "qkv")
     w = np.concatenate([gguf_dequantize(raw, GGMLQuantizationType[t]) for t, raw in parts])
     return convert_joined(parts, layout), layout, w
-
-
-ROWS_Q6 = 32  # the Q6_K rows of _mixed_weight
 
 
 def _reference(w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

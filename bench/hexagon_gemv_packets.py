@@ -32,6 +32,11 @@ The prefill table counts the GEMMs' loops the same way per 32x32 tile (32 weight
 32-value block, i.e. loop packets x 256 / vrmpy: ours (`hvx_gemm_*`, hvx_gemv.h's HVX_GEMM_ROWS activation rows a
 loop) against llama.cpp's `tiled_vec_dot_{q4_0,q4_1,q8_0}_32x2` (two activation rows a loop), which its tiled
 matmul (`hvx_mm_2d_repacked_*` in matmul-ops.c) runs over pairs of rows.
+
+The K-quants (and a Q4_K_M file's q/k/v joined with a Q6_K v) are printed for ours only: llama.cpp has no HVX
+kernels for them to compare with. Q4_K runs Q4_1's kernel (asymmetric 4-bit codes, float32 scales in the same
+fixed point), Q5_K the 8-bit one with mins, Q6_K and the joined q/k/v the _g16 ones (a scale per 16 values); our
+g128 schemes run Q4_0's and Q8_0's (the scale repeated per 32-value block).
 """
 
 from __future__ import annotations
@@ -64,6 +69,10 @@ KERNELS = {"Q4_0": ("hvx_gemv_4bit", "llama_q4_0"), "Q4_1": ("hvx_gemv_4bit_mins
 # `hvx_mm_2d_repacked_*` runs over the activation rows in pairs)
 GEMM_KERNELS = {"Q4_0": ("hvx_gemm_4bit", "llama_q4_0_32x2"), "Q4_1": ("hvx_gemm_4bit_mins", "llama_q4_1_32x2"),
                 "Q8_0": ("hvx_gemm_8bit", "llama_q8_0_32x2")}
+# formats llama.cpp has no HVX kernel for: ours only (GEMV, GEMM)
+OURS_ONLY = {"Q4_K": ("hvx_gemv_4bit_mins", "hvx_gemm_4bit_mins"), "Q5_K": ("hvx_gemv_8bit_mins", "hvx_gemm_8bit_mins"),
+             "Q6_K": ("hvx_gemv_8bit_g16", "hvx_gemm_8bit_g16"),
+             "Q4_K+Q6_K": ("hvx_gemv_8bit_mins_g16", "hvx_gemm_8bit_mins_g16")}
 VRMPY_PER_TILE_BLOCK = 32 * 32 * 32 // (4 * 32)  # a 32x32 tile (weight rows x activation rows) times a 32-value block
 GOAL = 0.8
 GEMM_GOAL = 1.0
@@ -107,9 +116,14 @@ _FUNCTION = re.compile(r"^[0-9a-f]+ <([^>]+)>:")
 _LOOP0 = re.compile(r"loop0\(0x([0-9a-f]+),")
 
 
-def compile_object(source: Path, output: Path, include: list[Path]) -> Path:
-    """`source` compiled (not linked) as the emulator's programs are: v69, HVX 128B, -O2."""
-    flags = [f for f in emulated_hexagon.CFLAGS if f not in ("-static", "-nostdlib", "-fuse-ld=lld")]
+def compile_object(source: Path, output: Path, include: list[Path], hvx_float: bool = False) -> Path:
+    """`source` compiled (not linked) as the emulator's programs are: v69, HVX 128B, -O2; with `hvx_float` the HVX
+    float features the emulator lacks kept on (llama.cpp's kernels call qfloat intrinsics, which a real DSP has;
+    nothing here runs them)."""
+    dropped = {"-static", "-nostdlib", "-fuse-ld=lld"}
+    if hvx_float:
+        dropped |= {f"-mno-{feature[1:]}" for feature in emulated_hexagon.EMULATION_MATTR}
+    flags = [f for f in emulated_hexagon.CFLAGS if f not in dropped]
     clang = emulated_hexagon.llvm_tool("clang")
     done = subprocess.run([clang, *flags, *[f"-I{i}" for i in include], "-w", "-c", str(source), "-o",
                            str(output)], capture_output=True, text=True, check=False)
@@ -180,11 +194,12 @@ def build_llama(ggml: Path, work: Path) -> Path:
         (stubs / name).write_text(text)
     wrapper = work / "llama_hvx_gemv.c"
     wrapper.write_text(LLAMA_WRAPPER)
-    return compile_object(wrapper, work / "llama_hvx_gemv.o", [stubs, htp, htp.parent])
+    return compile_object(wrapper, work / "llama_hvx_gemv.o", [stubs, htp, htp.parent], hvx_float=True)
 
 
-def measure(ggml: Path, work: Path = WORK) -> tuple[list[dict], list[dict]]:
-    """The GEMV rows (packets per 32 weights) and the GEMM rows (packets per 32x32 tile and block)."""
+def measure(ggml: Path, work: Path = WORK) -> tuple[list[dict], list[dict], list[dict]]:
+    """The GEMV rows (packets per 32 weights), the GEMM rows (packets per 32x32 tile and block) and the rows of
+    formats llama.cpp has no kernel for (ours only, both figures)."""
     work.mkdir(parents=True, exist_ok=True)
     ours = functions(disassemble(compile_object(emulated_hexagon.NATIVE_DIR / "hvx_gemv.c", work / "hvx_gemv.o",
                                                 [emulated_hexagon.NATIVE_DIR])))
@@ -201,8 +216,16 @@ def measure(ggml: Path, work: Path = WORK) -> tuple[list[dict], list[dict]]:
                          "ratio": round(our[2] / their[2], 3)})
         return rows
 
+    only = []
+    for fmt, (gemv, gemm) in OURS_ONLY.items():
+        (loop, vrmpy, per_32), (gemm_loop, gemm_vrmpy, per_tile) = (
+            packets_per_32_weights(inner_loop(ours[gemv])), packets_per_tile_block(inner_loop(ours[gemm])))
+        only.append({"format": fmt, "gemv": {"function": gemv, "loop_packets": loop, "vrmpy": vrmpy,
+                                             "packets_per_32_weights": round(per_32, 4)},
+                     "gemm": {"function": gemm, "loop_packets": gemm_loop, "vrmpy": gemm_vrmpy,
+                              "packets_per_tile_block": round(per_tile, 4)}})
     return (table(KERNELS, packets_per_32_weights, "packets_per_32_weights"),
-            table(GEMM_KERNELS, packets_per_tile_block, "packets_per_tile_block"))
+            table(GEMM_KERNELS, packets_per_tile_block, "packets_per_tile_block"), only)
 
 
 def default_gguf() -> Path:
@@ -213,9 +236,11 @@ def default_gguf() -> Path:
     return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
 
 
-def decode_token(rows: list[dict], gguf: Path, context: int) -> dict:
-    """The modelled GEMV compute of one decode token of `gguf` on the hexagon-npu target, beside its floor."""
+def decode_token(rows: list[dict], only: list[dict], gguf: Path, context: int) -> dict:
+    """The modelled GEMV compute of one decode token of `gguf` on the hexagon-npu target, beside its floor (each
+    tensor at its own type's kernel: a Q6_K v joined with Q4_K q/k runs the joined kernel, counted as Q6_K)."""
     per_32 = {row["format"]: row["ours"]["packets_per_32_weights"] for row in rows}
+    per_32 |= {row["format"]: row["gemv"]["packets_per_32_weights"] for row in only if "+" not in row["format"]}
     spec = load_target("hexagon-npu")
     threads = int(spec.tvm_target_json["num-cores"])
     bandwidth = float(spec.device["memory_bandwidth_gbs"])
@@ -247,13 +272,13 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
     try:
-        rows, gemm_rows = measure(args.llama_cpp)
-        token = decode_token(rows, args.gguf or default_gguf(), args.context)
+        rows, gemm_rows, only = measure(args.llama_cpp)
+        token = decode_token(rows, only, args.gguf or default_gguf(), args.context)
     except MobilecError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"gemv": rows, "gemm": gemm_rows, "decode_token": token}, indent=2))
+        print(json.dumps({"gemv": rows, "gemm": gemm_rows, "ours_only": only, "decode_token": token}, indent=2))
         return 0
     print(f"{'format':7} {'ours: packets/loop, vrmpy':>26} {'per 32 w':>9} {'llama.cpp: packets, vrmpy':>26} "
           f"{'per 32 w':>9} {'ratio':>6}  goal <= {GOAL}")
@@ -270,6 +295,13 @@ def main() -> int:
               f"{ours['packets_per_tile_block']:>9.1f} {theirs['loop_packets']:>23} {theirs['vrmpy']:>7} "
               f"{theirs['packets_per_tile_block']:>9.1f} "
               f"{row['ratio']:>6.2f}")
+    print(f"\nno llama.cpp HVX kernel to compare: ours only {'GEMV packets/loop, vrmpy':>26} {'per 32 w':>9} "
+          f"{'GEMM packets/loop, vrmpy':>26} {'per tile':>9}")
+    for row in only:
+        gemv, gemm = row["gemv"], row["gemm"]
+        print(f"{row['format']:36} {gemv['loop_packets']:>18} {gemv['vrmpy']:>7} "
+              f"{gemv['packets_per_32_weights']:>9.3f} {gemm['loop_packets']:>18} {gemm['vrmpy']:>7} "
+              f"{gemm['packets_per_tile_block']:>9.1f}")
     print(f"\none decode token of {token['gguf']} on hexagon-npu: GEMVs {token['gemv_packets']:,} packets, "
           f"{token['cycles_per_thread']:,} cycles on each of {token['hvx_threads']} HVX threads; floor "
           f"{token['floor_ms']} ms ({token['bytes_per_token']:,} bytes at {token['bandwidth_gbs']} GB/s, "

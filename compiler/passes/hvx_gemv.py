@@ -9,7 +9,7 @@ from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..kernels import hvx_gemv
-from ..quantization.hvx_blocks import BLOCK
+from ..quantization.hvx_blocks import BLOCK, HALF
 from .integer_dot_gemv import quantized_nt_matmul
 from .ir_walk import OPAQUE, kernel_dims, rewrite_relax_functions, tensor_dims
 
@@ -45,21 +45,23 @@ class _Rewriter(PyExprMutator):
             return call
         n, k, bits, mins = y_shape[-1], x_shape[-1], int(layout["bits"]), not bool(layout["symmetric"])
         zero = 0 if mins else int(layout["offset"])
+        halves = int(layout["group"]) == HALF  # a scale per 16 values: its own records and activation records
+        g16 = "_g16" if halves else ""
         one_row = all(d == 1 for d in x_shape[:-1])
         rows = "" if one_row else "_rows"
-        quantize = self._kernel(f"{QUANTIZE_PREFIX}k{k}{rows}", x_shape,
-                                lambda: hvx_gemv.tir_quantize_activations(k, kernel_dims(x_shape)))
-        suffix = f"{bits}bit{'_mins' if mins else ''}_z{zero}_n{n}_k{k}"
+        quantize = self._kernel(f"{QUANTIZE_PREFIX}k{k}{g16}{rows}", x_shape,
+                                lambda: hvx_gemv.tir_quantize_activations(k, kernel_dims(x_shape), halves))
+        suffix = f"{bits}bit{'_mins' if mins else ''}{g16}_z{zero}_n{n}_k{k}"
         if one_row:
             product = self._kernel(f"{GEMV_PREFIX}{suffix}", y_shape,
-                                   lambda: hvx_gemv.tir_kernel(n, k, bits, mins, zero, y_shape))
+                                   lambda: hvx_gemv.tir_kernel(n, k, bits, mins, zero, halves, y_shape))
         else:
-            product = self._kernel(f"{GEMM_PREFIX}{suffix}", y_shape,
-                                   lambda: hvx_gemv.tir_gemm_kernel(n, k, bits, mins, zero, kernel_dims(y_shape)))
+            product = self._kernel(f"{GEMM_PREFIX}{suffix}", y_shape, lambda: hvx_gemv.tir_gemm_kernel(
+                n, k, bits, mins, zero, halves, kernel_dims(y_shape)))
         leading = list(x.ty.shape.values)[:-1]
         pairs = -(-k // (2 * BLOCK))
         act = self.builder_.emit(relax.call_tir(quantize, [x], [
-            relax.TensorType([*leading, pairs * hvx_gemv.ACT_RECORD], "uint8"),
+            relax.TensorType([*leading, pairs * hvx_gemv.act_record(halves)], "uint8"),
             relax.TensorType([*leading, 2], "float32")]))
         records, factors = (self.builder_.emit(relax.TupleGetItem(act, i)) for i in range(2))
         return relax.call_tir(product, [*stored, records, factors], call.ty)
@@ -67,8 +69,9 @@ class _Rewriter(PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="HvxGEMV")
 class HvxGEMV:  # pylint: disable=too-few-public-methods
-    """NT_matmuls of weights stored in the "hvx" code order (4/8-bit codes in groups of 32: GGUF Q4_0, Q4_1, Q8_0,
-    our g32 schemes; the hexagon-npu target with int8 decode activations) -> activation quantize + the HVX GEMV
+    """NT_matmuls of weights stored in the "hvx" code order (4/8-bit codes in groups of a multiple of 32, 8-bit ones
+    in groups of 16: GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, our g32 and g128 schemes; the hexagon-npu target with
+    int8 decode activations) -> activation quantize + the HVX GEMV
     (one row) or GEMM (several: prefill, batch_decode). After FuseTransposeMatmul and before FuseDequantizeMatmul
     (which fuses the dequantizes still left: the embedding's)."""
 

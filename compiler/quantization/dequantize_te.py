@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
-from .group import HVX_ROWS, INTERLEAVE, NIBBLE_BLOCK, GroupLayout, interleaved_bytes, paired_position
+from .group import HVX_HALF_GROUP, HVX_ROWS, INTERLEAVE, NIBBLE_BLOCK, GroupLayout, interleaved_bytes, paired_position
 from .hvx_blocks import VECTOR_BYTES, record_bytes
 
 
@@ -54,7 +54,8 @@ def _hvx_value(q: te.Tensor, factors: te.Tensor, row, col, layout: GroupLayout, 
     """Weight (row, col) of the "hvx" order (quantization/hvx_blocks.py): tile t's record of the pair of blocks col
     falls in, at byte (t * pairs + pair) * record_bytes + offset of the flat records, q [n, row_bytes]."""
     row_bytes = int(q.shape[1])
-    record = record_bytes(layout.bits, not layout.symmetric)
+    halves = layout.group == HVX_HALF_GROUP  # a scale vector per block, its halfwords the half blocks'
+    record = record_bytes(layout.bits, not layout.symmetric, halves)
     tile, lane = row // HVX_ROWS, row % HVX_ROWS
     pair, block, in_block = col // (2 * NIBBLE_BLOCK), col // NIBBLE_BLOCK % 2, col % NIBBLE_BLOCK
 
@@ -62,8 +63,11 @@ def _hvx_value(q: te.Tensor, factors: te.Tensor, row, col, layout: GroupLayout, 
         at = pair * record + offset
         return q[tile * HVX_ROWS + at // row_bytes, at % row_bytes].astype("int32")
 
-    def fixed(vector: int):  # the int16 of this row and block in scale (0) or min (1) vector
-        at = vector * VECTOR_BYTES + 4 * lane + 2 * block
+    def fixed(which: int):  # the int16 of this row and block (halves: half block) among the scales (0) or mins (1)
+        if halves:
+            at = (2 * which + block) * VECTOR_BYTES + 4 * lane + 2 * (in_block // HVX_HALF_GROUP)
+        else:
+            at = which * VECTOR_BYTES + 4 * lane + 2 * block
         low, high = byte(at), byte(at + 1)
         return (low | (high << 8)) - ((high >> 7) << 16)
 
@@ -71,7 +75,7 @@ def _hvx_value(q: te.Tensor, factors: te.Tensor, row, col, layout: GroupLayout, 
         at = which * HVX_ROWS + lane
         return factors[tile * HVX_ROWS + at // 2, at % 2]
 
-    codes = (2 - layout.symmetric) * VECTOR_BYTES + block * layout.bits * VECTOR_BYTES
+    codes = (2 - layout.symmetric) * (1 + halves) * VECTOR_BYTES + block * layout.bits * VECTOR_BYTES
     if layout.bits == 4:  # vector in_block // 8, code 8 v + j low and 8 v + 4 + j high
         code = (byte(codes + in_block // 8 * VECTOR_BYTES + 4 * lane + in_block % 4) >> (in_block % 8 // 4 * 4)) & 0xF
     else:  # vector in_block // 4

@@ -28,8 +28,9 @@ NIBBLE_BLOCK = 32
 # Codes about 128 are stored signed, c ^ 0x80 (GGUF Q8_0's own bytes), which `sdot` and `smmla` take as they are.
 # The prefill GEMM re-lays a task's rows into its own order first (kernels/integer_dot_gemm): its `smmla` operands
 # are 8-byte runs of one block, which a set interleaved by 4 bytes splits.
-# "hvx": the HVX GEMV's and GEMM's tiles of 32 rows (quantization/hvx_blocks.py), 4/8-bit codes in groups of 32, a
-# multiple of 32 rows: scales and mins are re-laid with the codes, so the whole weight is re-laid once it is made
+# "hvx": the HVX GEMV's and GEMM's tiles of 32 rows (quantization/hvx_blocks.py), 4/8-bit codes in groups of a
+# multiple of 32 (a scale per 32-value block) or 8-bit codes in groups of 16 (a scale per 16 values), a multiple of
+# 32 rows: scales and mins are re-laid with the codes, so the whole weight is re-laid once it is made
 # (quantize_model.py); `order_codes` hands its codes out plain for that. Stored as q_weight [n, bytes] (the tiles'
 # records, hvx_blocks.HvxWeights.data) and q_scale [n, 2] float32 (row_factors), no q_min.
 # "neon_pairs": 4-bit codes of an even number of rows, the neon order of rows 2p and 2p + 1 merged a nibble each:
@@ -43,7 +44,8 @@ CODE_ORDERS = ("plain", "neon", "neon_pairs", "hvx")
 INTERLEAVE = {8: (4, 4), 4: (4, 4)}  # bits -> (blocks per set, bytes per chunk) of the "neon" order
 # an order -> the order used where codes cannot take it (with_code_order)
 FALLBACK = {"neon_pairs": "neon", "neon": "plain", "hvx": "plain"}
-HVX_ROWS = 32  # the hvx order's rows per tile, and its group (hvx_blocks.ROWS, BLOCK)
+HVX_ROWS = 32  # the hvx order's rows per tile, and its block (hvx_blocks.ROWS, BLOCK)
+HVX_HALF_GROUP = 16  # the hvx order's other group: a scale per half block (hvx_blocks.HALF)
 PAIRED_BYTES = 16  # bytes per chunk of a row in neon_pairs: the pair's chunk is twice that
 # an order -> its mark in the names of the kernels that read it
 ORDER_MARKS = {"plain": "", "neon": "_neon", "neon_pairs": "_neonpairs", "hvx": "_hvx"}
@@ -52,10 +54,11 @@ ORDER_MARKS = {"plain": "", "neon": "_neon", "neon_pairs": "_neonpairs", "hvx": 
 def takes_code_order(order: str, bits: int, group: int, rows: int | None = None) -> bool:
     """Whether codes of `bits` in groups of `group` (of `rows` rows, where known) are stored in `order` (neon: whole
     blocks a group; neon_pairs: also 4-bit and an even number of rows); the kernels that read an order ask this
-    too; hvx: 4/8-bit codes in groups of 32, rows a multiple of 32."""
+    too; hvx: 4/8-bit codes in groups of a multiple of 32 or 8-bit ones in groups of 16, rows a multiple of 32."""
     whole_blocks = bits in INTERLEAVE and group % NIBBLE_BLOCK == 0
     if order == "hvx":
-        return bits in (4, 8) and group == HVX_ROWS and rows is not None and rows % HVX_ROWS == 0
+        groups = group % HVX_ROWS == 0 or (group == HVX_HALF_GROUP and bits == 8)
+        return bits in (4, 8) and groups and rows is not None and rows % HVX_ROWS == 0
     if order == "neon_pairs":
         return whole_blocks and bits == 4 and (rows is None or rows % 2 == 0)
     return order == "plain" or (order == "neon" and whole_blocks)
@@ -115,7 +118,8 @@ class GroupLayout:
         """Parameter suffix -> (shape, dtype) of the stored arrays for an [n, k] weight."""
         groups = self.padded_k(k) // self.group
         if self.code_order == "hvx":  # hvx_blocks.relayout: 2-block records, 4 bytes a row per 128-byte vector
-            record_row_bytes = 4 * (1 + (not self.symmetric) + 2 * self.bits)
+            scale_vectors = (1 + (not self.symmetric)) * (1 + (self.group == HVX_HALF_GROUP))
+            record_row_bytes = 4 * (scale_vectors + 2 * self.bits)
             return {"q_weight": ((n, -(-k // (2 * HVX_ROWS)) * record_row_bytes), "uint8"),
                     "q_scale": ((n, 2), "float32")}
         out = {"q_weight": ((n, self.stored_k(k) * self.bits // 8), "uint8"), "q_scale": ((n, groups), self.scale_dtype)}

@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from tvm import relax, te, tirx
 
 from compiler.codegen import pipeline
@@ -34,9 +35,9 @@ def _dequantize(bb, layout, stored):
                               primfunc_attrs=attrs))
 
 
-def _params(name, rows):
+def _params(name, rows, layout=LAYOUT):
     x = relax.Var("x", relax.TensorType([1, rows, K], "float32"))
-    stored = [relax.Var(s, relax.TensorType(shape, dtype)) for s, (shape, dtype) in LAYOUT.shapes(N, K).items()]
+    stored = [relax.Var(s, relax.TensorType(shape, dtype)) for s, (shape, dtype) in layout.shapes(N, K).items()]
     return x, stored
 
 
@@ -44,7 +45,7 @@ def _module(layout=LAYOUT):
     """decode(x[1, 1, K]) and prefill(x[1, seq, K]): x @ dequantize(q).T, as QuantizedLinear emits it."""
     bb = relax.BlockBuilder()
     for name, rows in (("decode", 1), ("prefill", tirx.Var("seq_len", "int64"))):
-        x, stored = _params(name, rows)
+        x, stored = _params(name, rows, layout)
         with bb.function(name, [x, *stored]):
             with bb.dataflow():
                 w = _dequantize(bb, layout, stored)
@@ -53,31 +54,37 @@ def _module(layout=LAYOUT):
     return FuseTransposeMatmul()(bb.get())
 
 
-def _expected():
-    """_module() written by hand: each row's activations quantized, then the HVX GEMV (decode) or GEMM (prefill) on
-    the stored arrays."""
-    before = _module()
+# Q6_K's layout: 8-bit codes about 32, a float32 scale per 16 values (the "_g16" kernels, their own records)
+Q6_K_LAYOUT = GroupLayout(8, 16, True, "float32", zero_code=32).with_code_order("hvx", N)
+
+
+def _expected(layout=LAYOUT, name_suffix="4bit_z8", halves=False):
+    """_module(layout) written by hand: each row's activations quantized, then the HVX GEMV (decode) or GEMM
+    (prefill) on the stored arrays."""
+    before = _module(layout)
     bb = relax.BlockBuilder(before)
     opaque = {"op_pattern": 8}
     seq = tirx.Var("seq_len", "int64")  # each kernel's own
+    g16 = "_g16" if halves else ""
+    bits, zero = layout.bits, layout.offset
     kernels = {
-        "decode": (bb.add_func(hvx_gemv.tir_quantize_activations(K, (1, 1, K)).with_attrs(opaque),
-                               f"{QUANTIZE_PREFIX}k{K}"),
-                   bb.add_func(hvx_gemv.tir_kernel(N, K, 4, False, 8, (1, 1, N)).with_attrs(opaque),
-                               f"{GEMV_PREFIX}4bit_z8_n{N}_k{K}")),
-        "prefill": (bb.add_func(hvx_gemv.tir_quantize_activations(K, (1, seq, K)).with_attrs(opaque),
-                                f"{QUANTIZE_PREFIX}k{K}_rows"),
-                    bb.add_func(hvx_gemv.tir_gemm_kernel(N, K, 4, False, 8, (1, tirx.Var("seq_len", "int64"), N))
-                                .with_attrs(opaque),
-                                f"{GEMM_PREFIX}4bit_z8_n{N}_k{K}")),
+        "decode": (bb.add_func(hvx_gemv.tir_quantize_activations(K, (1, 1, K), halves).with_attrs(opaque),
+                               f"{QUANTIZE_PREFIX}k{K}{g16}"),
+                   bb.add_func(hvx_gemv.tir_kernel(N, K, bits, False, zero, halves, (1, 1, N)).with_attrs(opaque),
+                               f"{GEMV_PREFIX}{name_suffix}_n{N}_k{K}")),
+        "prefill": (bb.add_func(hvx_gemv.tir_quantize_activations(K, (1, seq, K), halves).with_attrs(opaque),
+                                f"{QUANTIZE_PREFIX}k{K}{g16}_rows"),
+                    bb.add_func(hvx_gemv.tir_gemm_kernel(N, K, bits, False, zero, halves,
+                                                         (1, tirx.Var("seq_len", "int64"), N)).with_attrs(opaque),
+                                f"{GEMM_PREFIX}{name_suffix}_n{N}_k{K}")),
     }
     for name, rows in (("decode", 1), ("prefill", tirx.Var("seq_len", "int64"))):
         quantize_kernel, product = kernels[name]
-        x, stored = _params(name, rows)
+        x, stored = _params(name, rows, layout)
         with bb.function(name, [x, *stored]):
             with bb.dataflow():
                 act = bb.emit(relax.call_tir(quantize_kernel, [x], [
-                    relax.TensorType([1, rows, 2 * hvx_gemv.ACT_RECORD], "uint8"),
+                    relax.TensorType([1, rows, 2 * hvx_gemv.act_record(halves)], "uint8"),
                     relax.TensorType([1, rows, 2], "float32")]))
                 records, factors = bb.emit(relax.TupleGetItem(act, 0)), bb.emit(relax.TupleGetItem(act, 1))
                 out = bb.emit_output(relax.call_tir(product, [*stored, records, factors],
@@ -97,6 +104,14 @@ def test_matmuls_become_quantize_plus_hvx_gemv_or_gemm():
     dequantize left)."""
     after = relax.transform.DeadCodeElimination()(HvxGEMV()(_module()))
     tvm.ir.assert_structural_equal(after, _expected())
+
+
+def test_a_scale_per_16_values_takes_the_g16_kernels():
+    """Before/Expected for Q6_K's layout: the g16 GEMV and GEMM, after the quantize that writes the records with
+    sums per half block (96 bytes a pair). Negative control: the g32 kernels' IR is not that."""
+    after = relax.transform.DeadCodeElimination()(HvxGEMV()(_module(Q6_K_LAYOUT)))
+    tvm.ir.assert_structural_equal(after, _expected(Q6_K_LAYOUT, "8bit_g16_z32", halves=True))
+    assert not tvm_ffi.structural_equal(after, _expected(Q6_K_LAYOUT, "8bit_g16_z32", halves=False))
 
 
 def test_other_code_orders_are_left_alone():
@@ -152,11 +167,14 @@ def _built(func_of_tensors, arrays: list[np.ndarray], out_shape) -> np.ndarray:
 
 
 @pytest.mark.parametrize("layout", [GroupLayout(4, 32, True, "float16"), GroupLayout(4, 32, False, "float16"),
-                                    GroupLayout(8, 32, True, "float16")], ids=lambda layout: layout.describe())
+                                    GroupLayout(8, 32, True, "float16"), GroupLayout(4, 128, False, "float16"),
+                                    GroupLayout(8, 16, True, "float32", zero_code=32),
+                                    GroupLayout(8, 16, False, "float32")], ids=lambda layout: layout.describe())
 def test_hvx_order_dequantize_matches_numpy(layout):
     """dequantize_te and take_dequantize_te of the hvx order (a matmul the HVX kernels leave, the tied embedding's
-    lookup) give numpy's dequantize of the same codes (scales within 2^4 of their row's largest keep every bit:
-    exact here). A flipped code byte of the stored records changes the weights (negative control)."""
+    lookup) give numpy's dequantize of the same codes (float16 scales within 2^4 of their row's largest keep every
+    bit: exact here; float32 ones, as K-quants have, round to 16-bit fixed point: within 2^-15 of the row's
+    largest weight). A flipped code byte of the stored records changes the weights (negative control)."""
     rng = np.random.default_rng(5)
     n, k = 64, 160
     hvx = layout.with_code_order("hvx", n)
@@ -165,10 +183,14 @@ def test_hvx_order_dequantize_matches_numpy(layout):
     stored = hvx_blocks.stored_arrays(arrays, hvx, k)
     assert {key: (a.shape, str(a.dtype)) for key, a in stored.items()} == hvx.shapes(n, k)
     weights = [stored["q_weight"], stored["q_scale"]]
-    np.testing.assert_array_equal(_built(dequantize_te(hvx, k, "float32"), weights, (n, k)), expected)
+    tolerance = 0 if layout.scale_dtype == "float16" else 2**-15 * np.abs(expected).max(axis=1, keepdims=True)
+
+    def close(got, want, rows):
+        assert np.all(np.abs(got - want) <= tolerance if np.isscalar(tolerance) else tolerance[rows])
+
+    close(_built(dequantize_te(hvx, k, "float32"), weights, (n, k)), expected, slice(None))
     ids = np.array([5, 40, 63], np.int32)
-    np.testing.assert_array_equal(_built(take_dequantize_te(hvx, k, "float32"), [ids, *weights], (3, k)),
-                                  expected[ids])
+    close(_built(take_dequantize_te(hvx, k, "float32"), [ids, *weights], (3, k)), expected[ids], ids)
     wrong = stored["q_weight"].copy()
     wrong[33, -1] ^= 0xFF  # a code byte of the second tile's last record
     assert np.any(_built(dequantize_te(hvx, k, "float32"), [wrong, stored["q_scale"]], (n, k)) != expected)

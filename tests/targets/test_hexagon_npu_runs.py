@@ -11,7 +11,9 @@ import json
 
 import numpy as np
 import pytest
+import torch
 import tvm
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from compiler.artifacts.artifact import CONFIG_FILE, load_artifact
 from compiler.codegen.hexagon import NPU_FUNCTION
@@ -22,8 +24,12 @@ from compiler.runtime import remote
 from compiler.runtime.session import LoadedArtifact, Session
 from compiler.target.cpu_check import check_cpu, this_cpu
 from compiler.testing import emulated_hexagon
+from tests.helpers import k_quants
 from tests.helpers.reference import artifact_greedy
-from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
+from tests.helpers.tiny_models import build_model, save_compilable_checkpoint, write_gguf
+from tests.test_k_quant_llama_gguf import CONFIG as K_QUANT_CONFIG
+from tests.test_k_quant_llama_gguf import PROMPT as K_QUANT_PROMPT
+from tests.test_k_quant_llama_gguf import TYPES as K_QUANT_TYPES
 
 pytestmark = pytest.mark.skipif(not emulated_hexagon.ready(), reason="scripts/fetch_qemu_hexagon.sh installs it")
 PROMPT = [1, 17, 42, 99, 5]
@@ -111,6 +117,73 @@ def test_the_hvx_gemv_gives_the_host_int8_builds_tokens(tmp_path, monkeypatch):
 
     monkeypatch.setattr(emulated_hexagon.Device, "call", corrupted)
     wrong_logits, _, _ = artifact_greedy(tmp_path / "hexagon-npu", PROMPT, TOKENS)
+    assert np.abs(wrong_logits - host_logits).max() > tolerance
+
+
+def _logits_along(artifact, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """The logits after the prompt and after each of `tokens` fed in turn (teacher forcing)."""
+    session = Session(load_artifact(artifact))
+    logits = [np.asarray(session.prefill(prompt)).reshape(-1)]
+    logits += [np.asarray(session.decode(token)).reshape(-1) for token in tokens]
+    return np.stack(logits)
+
+
+@pytest.mark.extended
+def test_k_quants_run_on_the_hvx_kernels(tmp_path, monkeypatch):
+    """A tiny Llama stored as GGUF K-quants the way Q4_K_M / Q5_K_M files mix them (test_k_quant_llama_gguf's types:
+    Q4_K, Q5_K, Q6_K, q/k Q4_K joined with a Q6_K v; weights 0.25 N(0, 1)), compiled for hexagon-npu with int8
+    decode activations: every decode matmul is an HVX GEMV (Q6_K's and the joined q/k/v's the _g16 kernels, a scale
+    per 16 values) and every prefill one an HVX GEMM, no weight byte read on the CPU. Against the host gguf build
+    with int8 activations: the same greedy tokens before the first near-tie of the host's (its top-2 logits within
+    1% of the largest; this random model's logits are flat: a tie at the 6th token), and along the host's 12 greedy
+    tokens every step's logits within 8% of the largest (3.7% seen: the NPU's prefill rounds activations to int8,
+    and on x86 without VNNI the host build keeps 8-bit asymmetric codes, Q5_K and the joined q/k/v, in float: the
+    NPU's int8 rounding of the q/k/v is the rest). Negative control: one record of layer 0's Q6_K down_proj, its
+    scales made 100x on the way to the DSP, moves the logits past that. ~90 s of compiling."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**K_QUANT_CONFIG)).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.25)
+
+    def quantize(name: str, data: np.ndarray):
+        qtype = K_QUANT_TYPES.get(name)
+        return None if qtype is None else (qtype, k_quants.quantize(data, qtype))
+
+    path = write_gguf(model, tmp_path / "model.gguf", tokenizer=True, quantize=quantize)
+    for target, host_target in (("hexagon-npu", "host"), ("host", None)):
+        compile_model(CompileOptions(str(path), target, "gguf", str(tmp_path / target), context_window=64,
+                                     progress=False, host_target=host_target, kv_dtype="f32",
+                                     decode_activations="int8"))
+    report = json.loads((tmp_path / "hexagon-npu" / CONFIG_FILE).read_text())["npu_coverage"]
+    gemvs = {name: calls for name, calls in report["decode_calls"]["npu"].items() if name.startswith("hvx_decode_gemv")}
+    assert sum(gemvs.values()) == 4 * 2 + 1  # qkv, o, gate_up, down of 2 layers; the lm_head
+    assert {"hvx_decode_gemv_8bit_g16_z32_n320_k256", "hvx_decode_gemv_8bit_mins_g16_z0_n512_k256",
+            "hvx_decode_gemv_4bit_mins_z0_n1024_k256", "hvx_decode_gemv_8bit_mins_z0_n512_k256"} <= set(gemvs)
+    assert not [name for name in report["decode_calls"]["npu"] if "NT_matmul" in name]
+    assert sum(calls for name, calls in report["prefill_calls"]["npu"].items()
+               if name.startswith("hvx_prefill_gemm")) == 4 * 2
+    assert report["decode_weight_bytes"]["cpu"] == 0 and report["prefill_weight_bytes"]["cpu"] == 0
+
+    host_logits, host_tokens, _ = artifact_greedy(tmp_path / "host", K_QUANT_PROMPT, 12)
+    _, npu_tokens, _ = artifact_greedy(tmp_path / "hexagon-npu", K_QUANT_PROMPT, 12)
+    top2 = np.sort(host_logits, axis=1)[:, -2:]
+    tie = np.argmax(np.append(top2[:, 1] - top2[:, 0] < 0.01 * np.abs(host_logits).max(), True))  # first near-tie
+    assert tie >= 4 and npu_tokens[:tie] == host_tokens[:tie]
+    tolerance = 0.08 * float(np.abs(host_logits).max())
+    npu_logits = _logits_along(tmp_path / "hexagon-npu", K_QUANT_PROMPT, host_tokens[:-1])
+    assert np.abs(npu_logits - host_logits).max() < tolerance
+    call = emulated_hexagon.Device.call
+
+    def corrupted(device, kernel, *args):
+        if kernel.startswith("hvx_") and kernel.endswith("8bit_g16_z32_n256_k512"):  # layer 0's down_proj
+            scales = args[0].reshape(-1)[:256].view(np.int16)  # the first record's two scale vectors (halves)
+            scales[...] = np.clip(scales.astype(np.int32) * 100, -32767, 32767).astype(np.int16)
+        return call(device, kernel, *args)
+
+    monkeypatch.setattr(emulated_hexagon.Device, "call", corrupted)
+    wrong_logits = _logits_along(tmp_path / "hexagon-npu", K_QUANT_PROMPT, host_tokens[:-1])
     assert np.abs(wrong_logits - host_logits).max() > tolerance
 
 

@@ -418,10 +418,12 @@ class GEMV(dlight.gpu.GEMV):
         sch.bind(t_s, tag_s)
         sch.bind(t_r, tag_r)
         sch.vectorize(v)
-        weights = sch.cache_read(rf, read_buffer_index=_matrix_read(sch, rf), storage_scope="local",
-                                 consumer_blocks=[rf])
-        sch.compute_at(weights, r, preserve_unit_loops=True)
-        if code_loads.code_read_index(sch, rf) is not None:
+        codes = code_loads.code_read_index(sch, rf)
+        matrix = _matrix_read(sch, rf)
+        if matrix != codes:  # the scales (read at every iterator); where K fits in one group, the codes are that
+            weights = sch.cache_read(rf, read_buffer_index=matrix, storage_scope="local", consumer_blocks=[rf])
+            sch.compute_at(weights, r, preserve_unit_loops=True)
+        if codes is not None:
             code_loads.stage_codes(sch, rf, r)
             # Constant indices into the staged codes let the device compiler keep them in registers.
             sch.unroll(tile_r_vec_n)

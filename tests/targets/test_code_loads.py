@@ -24,6 +24,10 @@ TARGETS = ["android-adreno", "android-mali"]
 # SmolLM2's gate_up projection (K=576 -> 1536) at 4 bits group 32, 8 bits group 128 and 4 bits group 128 (its
 # qkv projection, 576 -> 960): 16, 128 and 64 code bytes per thread per GEMV step.
 CASES = [("q4f16_g32", 1536, 576), ("q8f16_g128", 1536, 576), ("q4f16_g128", 960, 576)]
+# K within one group (a tiny model's 64 < 128): the scales do not vary along K, and the GEMV's staging of the
+# weights took the codes for them and staged those twice (an internal compiler error); too few code bytes per
+# thread for 128-bit loads, so only the numerics are checked.
+ONE_GROUP_K = ("q8f16_g128", 96, 64)
 PREFILL = 7  # not a multiple of any tile: the padding paths run
 
 
@@ -90,7 +94,7 @@ def _pocl_available() -> bool:
 
 
 @pytest.mark.skipif(not _pocl_available(), reason="PoCL missing: apt-get install pocl-opencl-icd")
-@pytest.mark.parametrize("quant,n,k", CASES)
+@pytest.mark.parametrize("quant,n,k", [*CASES, ONE_GROUP_K])
 @pytest.mark.parametrize("target_name", TARGETS)
 def test_staged_kernels_match_cpu_on_pocl(target_name, quant, n, k):
     """fp32 (PoCL has no fp16): decode and a 7-token prefill against the unscheduled PrimFunc on llvm,

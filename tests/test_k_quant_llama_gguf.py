@@ -44,21 +44,25 @@ TYPES = {
 PROMPT = [5, 17, 3, 29, 40, 11, 8, 200]
 
 
-@pytest.fixture(scope="module")
-def path(tmp_path_factory):
+def write_k_quant_llama(path, std: float = 0.5):
+    """The tiny Llama of CONFIG, weights std * N(0, 1) (seed 0), written to `path` as a GGUF of TYPES' K-quants."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+            p.copy_(torch.randn(p.shape, generator=generator) * std)
 
     def quantize(name: str, data: np.ndarray):
         qtype = TYPES.get(name)
         return None if qtype is None else (qtype, k_quants.quantize(data, qtype))
 
-    folder = tmp_path_factory.mktemp("k_quant_llama")
-    return write_gguf(model, folder / "model.gguf", tokenizer=True, quantize=quantize)
+    return write_gguf(model, path, tokenizer=True, quantize=quantize)
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return write_k_quant_llama(tmp_path_factory.mktemp("k_quant_llama") / "model.gguf")
 
 
 @pytest.fixture(scope="module")

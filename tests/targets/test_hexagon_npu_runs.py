@@ -11,9 +11,7 @@ import json
 
 import numpy as np
 import pytest
-import torch
 import tvm
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from compiler.artifacts.artifact import CONFIG_FILE, load_artifact
 from compiler.codegen.hexagon import NPU_FUNCTION
@@ -24,12 +22,10 @@ from compiler.runtime import remote
 from compiler.runtime.session import LoadedArtifact, Session
 from compiler.target.cpu_check import check_cpu, this_cpu
 from compiler.testing import emulated_hexagon
-from tests.helpers import k_quants
 from tests.helpers.reference import artifact_greedy
-from tests.helpers.tiny_models import build_model, save_compilable_checkpoint, write_gguf
-from tests.test_k_quant_llama_gguf import CONFIG as K_QUANT_CONFIG
+from tests.helpers.tiny_models import build_model, save_compilable_checkpoint
 from tests.test_k_quant_llama_gguf import PROMPT as K_QUANT_PROMPT
-from tests.test_k_quant_llama_gguf import TYPES as K_QUANT_TYPES
+from tests.test_k_quant_llama_gguf import write_k_quant_llama
 
 pytestmark = pytest.mark.skipif(not emulated_hexagon.ready(), reason="scripts/fetch_qemu_hexagon.sh installs it")
 PROMPT = [1, 17, 42, 99, 5]
@@ -140,18 +136,7 @@ def test_k_quants_run_on_the_hvx_kernels(tmp_path, monkeypatch):
     and on x86 without VNNI the host build keeps 8-bit asymmetric codes, Q5_K and the joined q/k/v, in float: the
     NPU's int8 rounding of the q/k/v is the rest). Negative control: one record of layer 0's Q6_K down_proj, its
     scales made 100x on the way to the DSP, moves the logits past that. ~90 s of compiling."""
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**K_QUANT_CONFIG)).eval()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.25)
-
-    def quantize(name: str, data: np.ndarray):
-        qtype = K_QUANT_TYPES.get(name)
-        return None if qtype is None else (qtype, k_quants.quantize(data, qtype))
-
-    path = write_gguf(model, tmp_path / "model.gguf", tokenizer=True, quantize=quantize)
+    path = write_k_quant_llama(tmp_path / "model.gguf", std=0.25)
     for target, host_target in (("hexagon-npu", "host"), ("host", None)):
         compile_model(CompileOptions(str(path), target, "gguf", str(tmp_path / target), context_window=64,
                                      progress=False, host_target=host_target, kv_dtype="f32",

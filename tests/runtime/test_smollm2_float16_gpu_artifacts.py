@@ -84,15 +84,18 @@ def _mobilec_process(*args, platform: dict[str, str] = FP16_PLATFORM) -> subproc
 
 
 # `mobilec ARGS` for each ARGS of a JSON list on stdin, one after another in this process, their exit codes and
-# output written as a JSON list to the file argv[1]. The first command on Intel's runtime loads it and builds the
-# kernels: a second generate in the same process took a third of the first's time (33 vs 101 s, loaded 2-core VM).
+# output (with the traceback of an exception) written as a JSON list to the file argv[1]. The first command on
+# Intel's runtime loads it and builds the kernels: a second generate in the same process took a third of the first's
+# time (33 vs 101 s, loaded 2-core VM).
 ON_ONE_PROCESS = """
-import json, sys
+import json, sys, traceback
 from click.testing import CliRunner
 from compiler.commands.cli import main
 runs = [CliRunner().invoke(main, args) for args in json.load(sys.stdin)]
 with open(sys.argv[1], "w") as out:
-    json.dump([{"exit_code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr} for r in runs], out)
+    json.dump([{"exit_code": r.exit_code, "stdout": r.stdout,
+                "stderr": r.stderr + ("" if r.exc_info is None or isinstance(r.exception, SystemExit)
+                                      else "".join(traceback.format_exception(*r.exc_info)))} for r in runs], out)
 """
 
 

@@ -174,7 +174,23 @@ def libraries(args: argparse.Namespace) -> tuple[list[str], str]:
     return [*loaded, str(library)], said
 
 
+def physical_cores(cpus) -> int:
+    """The physical cores among `cpus` (Linux's CPU numbers): SMT siblings count once; where Linux does not say which
+    are siblings, every CPU."""
+    cores = set()
+    for cpu in cpus:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
+        except OSError:
+            return len(cpus)
+    return len(cores)
+
+
 def serve(args: argparse.Namespace) -> None:
+    # TVM's default thread count halves an x86 device's CPUs whether or not they are SMT siblings (1 on a 2-core VM),
+    # and a client's --threads only resizes the pool up to it
+    if "TVM_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in os.environ and hasattr(os, "sched_getaffinity"):
+        os.environ["TVM_NUM_THREADS"] = str(physical_cores(os.sched_getaffinity(0)))
     import tvm.rpc  # pylint: disable=import-outside-toplevel
 
     if args.tracker is not None:

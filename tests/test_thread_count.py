@@ -24,7 +24,7 @@ def _run(threads, code=CODE, **env):
     return done.stdout.split()
 
 
-def _physical_cores_by_lscpu() -> int:
+def physical_cores_by_lscpu() -> int:
     """The (core, socket) pairs of the CPUs this process may use, as lscpu lists them."""
     rows = subprocess.run(["lscpu", "-p=CPU,CORE,SOCKET"], capture_output=True, text=True, check=True).stdout
     usable = os.sched_getaffinity(0)
@@ -37,7 +37,7 @@ def test_default_count_is_one_per_physical_core_and_pinned_in_the_variable():
     """TVM's own default halves x86's logical CPUs whether or not they are SMT siblings (1 thread on a 2-core VM
     without SMT, where this count is 2)."""
     variable, threads = _run(None)
-    assert variable == threads == str(_physical_cores_by_lscpu())
+    assert variable == threads == str(physical_cores_by_lscpu())
 
 
 @pytest.mark.parametrize("env,expected", [({"TVM_NUM_THREADS": "1"}, "1"), ({"OMP_NUM_THREADS": "1"}, "None")])

@@ -508,7 +508,9 @@ def package(as_json, artifact, target, output, overwrite, tvm_runtime):
 @click.option("--repeat", type=int, default=3, show_default=True, help="Timed runs after one warm-up.")
 @click.option("--sustained", "sustained_s", type=float, default=None, metavar="SECONDS",
               help="Then decode this long and record tok/s per second (throttling shows as a falling rate).")
-@click.option("--threads", type=int, default=None, help="CPU threads on the device (default: its TVM default).")
+@click.option("--threads", type=int, default=None,
+              help="CPU threads (default: one per physical core here or on a mobilec device-server; other RPC "
+                   "servers: their TVM default).")
 @click.option("--device-ram-mb", type=float, default=None,
               help="The device's RAM (default: the target's ram_gb); a larger memory estimate is refused before upload.")
 @json_option("every figure")

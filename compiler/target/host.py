@@ -17,6 +17,7 @@ import numpy as np
 import tvm
 from tvm.target.codegen import llvm_get_cpu_features, llvm_get_system_cpu, llvm_is_valid_cpu
 
+from ..device_server import physical_cores
 from ..errors import MobilecError
 from ..user_cache import cache_path
 from ..validate import USABLE_CORES, USABLE_CPUS
@@ -52,20 +53,6 @@ def usable_cores() -> int:
     narrows the calling thread's affinity once sized, and a count read after it (1 instead of 2 here) gave
     another target (num-cores) and another cached bandwidth than the same machine's earlier in the process."""
     return USABLE_CORES
-
-
-def physical_cores() -> int:
-    """The physical cores among those this process may use (usable_cores): SMT siblings count once. Where Linux does
-    not say which are siblings, every usable core. (TVM's own default halves x86's logical CPUs whether or not they
-    are siblings: 1 thread on a 2-core VM without SMT.)"""
-    cores = set()
-    for cpu in USABLE_CPUS:
-        try:
-            siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text()
-        except OSError:
-            return USABLE_CORES
-        cores.add(siblings.strip())
-    return len(cores)
 
 
 def target_json_for(arch: str, cpu: str, flags: set[str], cores: int) -> dict[str, Any]:
@@ -129,13 +116,14 @@ def available_bytes() -> int | None:
 
 def set_threads(threads: int | None) -> None:
     """Size TVM's thread pool; None keeps TVM_NUM_THREADS (or OMP_NUM_THREADS) where set, else one thread per
-    physical core (physical_cores). The count always goes into TVM_NUM_THREADS: without it TVM asks glibc for the CPU
+    physical core this process may use (TVM's own default halves x86's CPUs whether or not they are SMT siblings:
+    1 thread on a 2-core VM). The count always goes into TVM_NUM_THREADS: without it TVM asks glibc for the CPU
     count at every parallel kernel launch, which reads /sys/devices/system/cpu/online (~185 times per SmolLM2 decode
     step)."""
     if threads is None:
         if "TVM_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in os.environ:
             return
-        threads = physical_cores()
+        threads = physical_cores(USABLE_CPUS)
     if threads < 1:
         raise MobilecError(f"--threads must be at least 1, got {threads}")
     os.environ["TVM_NUM_THREADS"] = str(threads)

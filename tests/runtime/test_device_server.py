@@ -20,6 +20,7 @@ from compiler import board_folder, device_server
 from compiler.commands.cli import main
 from compiler.testing.local_rpc import HOST, LocalProcess, free_port, start_tracker, wait_until_free
 from tests.helpers.pocl_device import NEEDS_OPENCL
+from tests.test_thread_count import physical_cores_by_lscpu
 
 KEY = "device-server-test"
 
@@ -64,6 +65,20 @@ def test_without_the_library_it_serves_the_cpu_and_says_why(tmp_path, tracker_po
         first = server.text().splitlines()[0]
         assert first == f"device-server: serving the CPU only: {missing} is missing (mobilec board-folder writes it)"
         assert not _session_has_opencl(tracker_port, f"{KEY}-cpu")
+    finally:
+        server.kill()
+
+
+def test_the_servers_default_thread_count_is_its_physical_cores(tmp_path, tracker_port, monkeypatch):
+    """Without TVM_NUM_THREADS the server sets one thread per physical core: TVM's own default halves an x86
+    machine's CPUs whether or not they are SMT siblings (1 on a 2-core VM), and a client's --threads cannot size the
+    pool past it."""
+    for variable in ("TVM_NUM_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(variable, raising=False)
+    server = _serve(tmp_path, tracker_port, f"{KEY}-threads", "--opencl-library", str(tmp_path / "absent.so"))
+    try:
+        session = rpc.connect_tracker(HOST, tracker_port).request(f"{KEY}-threads", session_timeout=60)
+        assert session.get_function("runtime.NumThreads")() == physical_cores_by_lscpu()
     finally:
         server.kill()
 

@@ -38,6 +38,12 @@ ACT_RECORD = 80  # hvx_gemv.h's hvx_gemv_act_record
 ACT_RECORD_HALVES = 96
 
 
+def leading_rows(shape: tuple):
+    """The rows of an array of `shape` [..., k]: the product of its leading dimensions (ints, or tirx.Var for
+    prefill's sequence length and batch_decode's sequences)."""
+    return functools.reduce(operator.mul, shape[:-1], 1)
+
+
 def act_record(halves: bool) -> int:
     """Bytes of a pair of blocks' activation record for weights with a scale per 32 values, or per 16 (halves)."""
     return ACT_RECORD_HALVES if halves else ACT_RECORD
@@ -211,7 +217,7 @@ def tir_gemm_kernel(n: int, k: int, bits: int, mins: bool, zero: int, halves: bo
     name = GEMM_KERNELS[bits, mins, halves]
     null = T.reinterpret("handle", T.uint64(0))
     leading = tuple(y_shape[:-1])
-    rows = functools.reduce(operator.mul, leading, 1)
+    rows = leading_rows(y_shape)
 
     @T.prim_func(private=True)
     def gemm(weights: T.Buffer((n, row_bytes), "uint8"), row_factors: T.Buffer((n, 2), "float32"),
@@ -249,7 +255,7 @@ def tir_quantize_activations(k: int, x_shape: tuple | None = None, halves: bool 
     ceil(log2(largest / 32767)) does. Blocks whose largest |x| is below 2^-126 (denormal) quantize to zero."""
     x_shape = x_shape or (1, k)
     leading = tuple(x_shape[:-1])
-    rows = functools.reduce(operator.mul, leading, 1)
+    rows = leading_rows(x_shape)
     pairs = -(-k // (2 * BLOCK))
     blocks, parts = 2 * pairs, 1 + halves
     record = act_record(halves)

@@ -3,15 +3,14 @@ native/hexagon/hvx_norms.c (call_extern), which the emulated DSP's kernel server
 
 from __future__ import annotations
 
-import functools
-import operator
-
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .hvx_gemv import leading_rows
+
 
 def _rows(shape: tuple) -> tirx.PrimExpr:
-    return T.Cast("int32", functools.reduce(operator.mul, shape[:-1], 1))
+    return T.Cast("int32", leading_rows(shape))
 
 
 def tir_add_rms_norm(shape: tuple, eps: float, write_sum: bool) -> tirx.PrimFunc:

@@ -263,6 +263,15 @@ def decode_token(rows: list[dict], only: list[dict], gguf: Path, context: int) -
             "clock_ghz_for_half_the_floor": round(cycles / (0.5 * floor_ms * 1e-3) / 1e9, 3)}
 
 
+PER_32, PER_TILE = ("packets_per_32_weights", ".3f"), ("packets_per_tile_block", ".1f")
+
+
+def _figures(kernel: dict, per: tuple[str, str], width: int = 18) -> str:
+    """A kernel's table cells: packets a loop, vrmpy a loop, and the per-32-weights or per-tile figure."""
+    key, fmt = per
+    return f"{kernel['loop_packets']:>{width}} {kernel['vrmpy']:>7} {kernel[key]:>9{fmt}}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--llama-cpp", required=True, type=Path,
@@ -283,25 +292,17 @@ def main() -> int:
     print(f"{'format':7} {'ours: packets/loop, vrmpy':>26} {'per 32 w':>9} {'llama.cpp: packets, vrmpy':>26} "
           f"{'per 32 w':>9} {'ratio':>6}  goal <= {GOAL}")
     for row in rows:
-        ours, theirs = row["ours"], row["llama_cpp"]
-        print(f"{row['format']:7} {ours['loop_packets']:>18} {ours['vrmpy']:>7} {ours['packets_per_32_weights']:>9.3f} "
-              f"{theirs['loop_packets']:>18} {theirs['vrmpy']:>7} {theirs['packets_per_32_weights']:>9.3f} "
+        print(f"{row['format']:7} {_figures(row['ours'], PER_32)} {_figures(row['llama_cpp'], PER_32)} "
               f"{row['ratio']:>6.2f}")
     print(f"\nprefill GEMM  {'ours: packets/loop, vrmpy':>26} {'per tile':>9} {'llama.cpp 32x2: packets, vrmpy':>31} "
           f"{'per tile':>9} {'ratio':>6}  (per 32x32 tile and block) goal <= {GEMM_GOAL}")
     for row in gemm_rows:
-        ours, theirs = row["ours"], row["llama_cpp"]
-        print(f"{row['format']:13} {ours['loop_packets']:>18} {ours['vrmpy']:>7} "
-              f"{ours['packets_per_tile_block']:>9.1f} {theirs['loop_packets']:>23} {theirs['vrmpy']:>7} "
-              f"{theirs['packets_per_tile_block']:>9.1f} "
+        print(f"{row['format']:13} {_figures(row['ours'], PER_TILE)} {_figures(row['llama_cpp'], PER_TILE, 23)} "
               f"{row['ratio']:>6.2f}")
     print(f"\nno llama.cpp HVX kernel to compare: ours only {'GEMV packets/loop, vrmpy':>26} {'per 32 w':>9} "
           f"{'GEMM packets/loop, vrmpy':>26} {'per tile':>9}")
     for row in only:
-        gemv, gemm = row["gemv"], row["gemm"]
-        print(f"{row['format']:36} {gemv['loop_packets']:>18} {gemv['vrmpy']:>7} "
-              f"{gemv['packets_per_32_weights']:>9.3f} {gemm['loop_packets']:>18} {gemm['vrmpy']:>7} "
-              f"{gemm['packets_per_tile_block']:>9.1f}")
+        print(f"{row['format']:36} {_figures(row['gemv'], PER_32)} {_figures(row['gemm'], PER_TILE)}")
     print(f"\none decode token of {token['gguf']} on hexagon-npu: GEMVs {token['gemv_packets']:,} packets, "
           f"{token['cycles_per_thread']:,} cycles on each of {token['hvx_threads']} HVX threads; floor "
           f"{token['floor_ms']} ms ({token['bytes_per_token']:,} bytes at {token['bandwidth_gbs']} GB/s, "

@@ -31,7 +31,8 @@ from tvm.script import tirx as T
 
 from ..errors import MobilecError
 from ..passes.expand_npu_math import reciprocal_1_to_2
-from ..quantization.hvx_blocks import BLOCK, FIXED_MAX, ROWS, HvxWeights, fixed_point, record_bytes
+from ..quantization.group import hvx_record_bytes
+from ..quantization.hvx_blocks import BLOCK, FIXED_MAX, ROWS, HvxWeights, fixed_point
 from ..testing import emulated_hexagon
 
 ACT_RECORD = 80  # hvx_gemv.h's hvx_gemv_act_record
@@ -180,7 +181,7 @@ def _tir_layout(n: int, k: int, bits: int, mins: bool, halves: bool) -> tuple[in
         raise MobilecError(f"the HVX GEMV's TIR kernel writes whole tiles of {ROWS} rows; N = {n} is not a multiple: "
                            "leave this weight to TVM's GEMV")
     pairs = -(-k // (2 * BLOCK))
-    return n // ROWS, pairs, pairs * record_bytes(bits, mins, halves) // ROWS
+    return n // ROWS, pairs, pairs * hvx_record_bytes(bits, mins, halves) // ROWS
 
 
 def tir_kernel(n: int, k: int, bits: int, mins: bool, zero: int, halves: bool = False,

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
-from .group import HVX_HALF_GROUP, HVX_ROWS, INTERLEAVE, NIBBLE_BLOCK, GroupLayout, interleaved_bytes, paired_position
-from .hvx_blocks import VECTOR_BYTES, record_bytes
+from .group import (HVX_HALF_GROUP, HVX_ROWS, INTERLEAVE, NIBBLE_BLOCK, GroupLayout, hvx_record_bytes,
+                    interleaved_bytes, paired_position)
+from .hvx_blocks import VECTOR_BYTES
 
 
 def _byte_index(col, layout: GroupLayout, row_bytes: int):
@@ -52,10 +53,10 @@ def _value(code, scale, minv, layout: GroupLayout, dtype: str):
 
 def _hvx_value(q: te.Tensor, factors: te.Tensor, row, col, layout: GroupLayout, dtype: str):
     """Weight (row, col) of the "hvx" order (quantization/hvx_blocks.py): tile t's record of the pair of blocks col
-    falls in, at byte (t * pairs + pair) * record_bytes + offset of the flat records, q [n, row_bytes]."""
+    falls in, at byte (t * pairs + pair) * hvx_record_bytes + offset of the flat records, q [n, row_bytes]."""
     row_bytes = int(q.shape[1])
-    halves = layout.group == HVX_HALF_GROUP  # a scale vector per block, its halfwords the half blocks'
-    record = record_bytes(layout.bits, not layout.symmetric, halves)
+    halves = layout.hvx_halves  # a scale vector per block, its halfwords the half blocks'
+    record = hvx_record_bytes(layout.bits, not layout.symmetric, halves)
     tile, lane = row // HVX_ROWS, row % HVX_ROWS
     pair, block, in_block = col // (2 * NIBBLE_BLOCK), col // NIBBLE_BLOCK % 2, col % NIBBLE_BLOCK
 

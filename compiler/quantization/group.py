@@ -46,9 +46,16 @@ INTERLEAVE = {8: (4, 4), 4: (4, 4)}  # bits -> (blocks per set, bytes per chunk)
 FALLBACK = {"neon_pairs": "neon", "neon": "plain", "hvx": "plain"}
 HVX_ROWS = 32  # the hvx order's rows per tile, and its block (hvx_blocks.ROWS, BLOCK)
 HVX_HALF_GROUP = 16  # the hvx order's other group: a scale per half block (hvx_blocks.HALF)
+HVX_VECTOR_BYTES = 128  # an HVX vector: the hvx order's records are made of them (hvx_blocks.VECTOR_BYTES)
 PAIRED_BYTES = 16  # bytes per chunk of a row in neon_pairs: the pair's chunk is twice that
 # an order -> its mark in the names of the kernels that read it
 ORDER_MARKS = {"plain": "", "neon": "_neon", "neon_pairs": "_neonpairs", "hvx": "_hvx"}
+
+
+def hvx_record_bytes(bits: int, mins: bool, halves: bool) -> int:
+    """Bytes of one hvx tile's record of a pair of blocks (hvx_blocks.py): the scale vectors (two in halves), the
+    mins' (asymmetric codes), the codes of two blocks."""
+    return ((1 + mins) * (1 + halves) + 2 * bits) * HVX_VECTOR_BYTES
 
 
 def takes_code_order(order: str, bits: int, group: int, rows: int | None = None) -> bool:
@@ -91,6 +98,11 @@ class GroupLayout:
         return 1 << (self.bits - 1) if self.zero_code is None else self.zero_code
 
     @property
+    def hvx_halves(self) -> bool:
+        """In the hvx order: a scale (and min) per 16 values, not per 32-value block (hvx_blocks' "halves")."""
+        return self.group == HVX_HALF_GROUP
+
+    @property
     def signed_codes(self) -> bool:
         """8-bit codes about 128 stored as c - 128 (the "neon" order)."""
         return signed_codes(self.code_order, self.bits, self.symmetric, self.offset)
@@ -117,9 +129,8 @@ class GroupLayout:
     def shapes(self, n: int, k: int) -> dict[str, tuple[tuple[int, int], str]]:
         """Parameter suffix -> (shape, dtype) of the stored arrays for an [n, k] weight."""
         groups = self.padded_k(k) // self.group
-        if self.code_order == "hvx":  # hvx_blocks.relayout: 2-block records, 4 bytes a row per 128-byte vector
-            scale_vectors = (1 + (not self.symmetric)) * (1 + (self.group == HVX_HALF_GROUP))
-            record_row_bytes = 4 * (scale_vectors + 2 * self.bits)
+        if self.code_order == "hvx":  # hvx_blocks.relayout: each tile's 2-block records spread over its 32 rows
+            record_row_bytes = hvx_record_bytes(self.bits, not self.symmetric, self.hvx_halves) // HVX_ROWS
             return {"q_weight": ((n, -(-k // (2 * HVX_ROWS)) * record_row_bytes), "uint8"),
                     "q_scale": ((n, 2), "float32")}
         out = {"q_weight": ((n, self.stored_k(k) * self.bits // 8), "uint8"), "q_scale": ((n, groups), self.scale_dtype)}

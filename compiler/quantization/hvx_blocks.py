@@ -31,21 +31,15 @@ import dataclasses
 import numpy as np
 
 from ..errors import MobilecError
-from .group import HVX_HALF_GROUP, HVX_ROWS, GroupLayout, plain_codes, takes_code_order, unpack_codes
+from .group import HVX_HALF_GROUP, HVX_ROWS, HVX_VECTOR_BYTES, GroupLayout, plain_codes, takes_code_order, unpack_codes
 
 ROWS = HVX_ROWS  # vector lanes: rows per tile
 BLOCK = 32  # values per activation block, and per scale but in halves
 HALF = HVX_HALF_GROUP  # values per scale in halves
-VECTOR_BYTES = 128
+VECTOR_BYTES = HVX_VECTOR_BYTES
 FIXED_MAX = (1 << 15) - 1
 # The kernel's int32 row sums cannot overflow up to this K (hvx_gemv.c: each block's term is under 2^21).
 MAX_K = 32768
-
-
-def record_bytes(bits: int, mins: bool, halves: bool) -> int:
-    """Bytes of one tile's record of a pair of blocks: the scale vectors (two in halves), the mins' (asymmetric
-    codes), the codes of two blocks."""
-    return ((1 + mins) * (1 + halves) + 2 * bits) * VECTOR_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +109,7 @@ def relayout(arrays: dict[str, np.ndarray], layout: GroupLayout, k: int) -> HvxW
     # -> [tiles, pairs, block, vector, rows, j]: lane i of a vector holds row i's 4 codes
     code_vectors = planes.transpose(0, 2, 3, 4, 1, 5).reshape(n_tiles, n_pairs, -1, VECTOR_BYTES)
 
-    halves = layout.group == HALF
+    halves = layout.hvx_halves
     vectors = 1 + halves  # scale vectors a record: [block, half] in halves, else [block]
 
     def per_block(name: str) -> tuple[np.ndarray, np.ndarray]:

@@ -65,6 +65,7 @@ from tvm.target import Target
 from ..model_import.kv_cache_dtype import Carrier, carrier_for
 from ..target.isa import cpu_isa
 from . import paged_kv_signatures as signatures
+from . import parse_cache
 from .lane_sums import lane_sum, pairwise_sum
 
 DECODE_SYMBOL = "batch_decode_paged_kv_cpu"  # TVM's global symbols of the CPU kernels replaced here
@@ -333,9 +334,8 @@ def _window_checks(sliding: bool):
     return checks
 
 
-# Built once per process (functools.cache): parsing a kernel's TVMScript takes ~0.5 s, and tests and estimate
-# compile many models in one process. The PrimFuncs are immutable IR, shared safely.
-@functools.cache
+# Parsed once (parse_cache): parsing a kernel's TVMScript takes ~0.5 s. The PrimFuncs are immutable IR, shared safely.
+@parse_cache.cached
 def attention_decode(shape: AttentionShape, lanes: int, *, chunk_pages: int = CHUNK_PAGES, sliding: bool = False,
                      window: int = 0, logit_cap: float = 0.0) -> tirx.PrimFunc:
     """The paged-KV decode kernel: TVM's `batch_decode_paged_kv_cpu` signature, or (`sliding`) its
@@ -761,7 +761,7 @@ def _prefill_tile_macro(shape: AttentionShape, lanes: int, paged: bool, block: i
     return query_tile
 
 
-@functools.cache
+@parse_cache.cached
 def attention_prefill_ragged(shape: AttentionShape, lanes: int, *, registers: int = MIN_VECTOR_REGISTERS,
                              block: int = 16, window: int = 0, logit_cap: float = 0.0) -> tirx.PrimFunc:
     """Self-attention among the new tokens of a prefill: TVM's `batch_prefill_ragged_kv` signature (its CPU
@@ -791,7 +791,7 @@ def attention_prefill_ragged(shape: AttentionShape, lanes: int, *, registers: in
     return func.with_attr("global_symbol", RAGGED_SYMBOL)
 
 
-@functools.cache
+@parse_cache.cached
 def attention_prefill_paged(shape: AttentionShape, lanes: int, *, registers: int = MIN_VECTOR_REGISTERS,
                             sliding_window: int = 0, window: int = 0, logit_cap: float = 0.0) -> tirx.PrimFunc:
     """New tokens against the KV cache's pages (a prefill after earlier tokens, or a chunked one): TVM's
@@ -918,6 +918,7 @@ def param_padding_zeroer(shape: AttentionShape, kv: int):
     return zero_padding
 
 
+@parse_cache.cached
 def quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale: float = 1.0,
                            rope_scaling: dict[str, Any] | None = None) -> tirx.PrimFunc:
     """A quantized cache's `tir_split_rotary` (TVM's `fused_rope` signature: qkv, position_map, q, k, v, apply_rope),
@@ -969,6 +970,7 @@ def quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale:
     return split_rotary_signature(shape, body)
 
 
+@parse_cache.cached
 def float_split_rotary(num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: str, rope_theta: float,
                        rope_scale: float = 1.0, rope_scaling: dict[str, Any] | None = None) -> tirx.PrimFunc:
     """A float cache's `tir_split_rotary` (TVM's `fused_rope`: qkv, position_map, q, k, v, apply_rope): q, k and v
@@ -1074,6 +1076,7 @@ def _llama3_constants(rope_scaling: dict[str, Any]) -> tuple[float, float, float
     return 1.0 / factor, original / (2 * math.pi) / (high - low), low / (high - low)
 
 
+@parse_cache.cached
 def carrier_merge_state(shape: AttentionShape) -> tirx.PrimFunc:
     """A quantized cache's `tir_attention_merge_state_cpu` (carrier_merge_signature): one parallel task per row."""
     H_qo, D = shape.num_qo_heads, shape.head_dim

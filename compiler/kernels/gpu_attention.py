@@ -30,12 +30,12 @@ host: the models store K after RoPE (cpu_attention.ROTARY_REFUSAL).
 
 from __future__ import annotations
 
-import functools
 
 from tvm import tirx
 from tvm.script import tirx as T
 
 from . import paged_kv_signatures as signatures
+from . import parse_cache
 from .cpu_attention import (
     DECODE_SYMBOL,
     LOG2E,
@@ -180,7 +180,7 @@ def _paged_keys(length_info, b, begin, end, sliding: bool, page_size: int):
     return T.if_then_else(end > begin, (end - begin - 1) * page_size + last + extra, 0)
 
 
-@functools.cache
+@parse_cache.cached
 def gpu_attention_decode(shape: AttentionShape, *, sliding: bool = False, window: int = 0,
                          logit_cap: float = 0.0) -> tirx.PrimFunc:
     """TVM's GPU `batch_decode_paged_kv` (or, `sliding`, its `_sliding_window` variant for the "mha_sliding"
@@ -281,7 +281,7 @@ def _prefill_rows(shape: AttentionShape, logit_cap: float, window: int):
     return rows
 
 
-@functools.cache
+@parse_cache.cached
 def gpu_attention_prefill_ragged(shape: AttentionShape, *, window: int = 0,
                                  logit_cap: float = 0.0) -> tirx.PrimFunc:
     """TVM's GPU `batch_prefill_ragged_kv` (the new tokens among themselves; head_dim the same for q/k and v) with
@@ -306,7 +306,7 @@ def gpu_attention_prefill_ragged(shape: AttentionShape, *, window: int = 0,
     return func.with_attr("global_symbol", GPU_RAGGED_SYMBOL)
 
 
-@functools.cache
+@parse_cache.cached
 def gpu_attention_prefill_paged(shape: AttentionShape, *, sliding: bool = False, window: int = 0,
                                 logit_cap: float = 0.0) -> tirx.PrimFunc:
     """TVM's GPU `batch_prefill_paged_kv` (new tokens against the cached pages) or (`sliding`) its `_sliding_window`
@@ -364,7 +364,7 @@ def _merge(V, S, V_other, S_other, N, H, D):
                         S[n, h] = T.log2(st[1] + st[2]) + st[0]
 
 
-@functools.cache
+@parse_cache.cached
 def gpu_merge_state(dtype: str) -> tirx.PrimFunc:
     """TVM's GPU `merge_state_inplace` (V, S <- the merge of attention states (V, S) and (V_other, S_other), S in log2
     units), without its race: there every work-item of a head reads S and then writes the merged S back, so one
@@ -387,7 +387,7 @@ def gpu_merge_state(dtype: str) -> tirx.PrimFunc:
     return merge_state_inplace.with_attr("global_symbol", GPU_MERGE_SYMBOL)
 
 
-@functools.cache
+@parse_cache.cached
 def gpu_carrier_merge_state(shape: AttentionShape) -> tirx.PrimFunc:
     """gpu_merge_state for a quantized cache's carrier (cpu_attention.carrier_merge_signature: the real query heads'
     states only)."""
@@ -399,6 +399,7 @@ def gpu_carrier_merge_state(shape: AttentionShape) -> tirx.PrimFunc:
     return carrier_merge_signature(shape, body).with_attr("global_symbol", GPU_MERGE_SYMBOL)
 
 
+@parse_cache.cached
 def gpu_quantized_split_rotary(shape: AttentionShape, rope_theta: float, rope_scale: float = 1.0,
                                rope_scaling: dict | None = None) -> tirx.PrimFunc:
     """A quantized cache's split + RoPE + quantize (cpu_attention.quantized_split_rotary's work, TVM's `fused_rope`

@@ -34,6 +34,7 @@ from ..passes.expand_npu_math import reciprocal_1_to_2
 from ..quantization.group import hvx_record_bytes
 from ..quantization.hvx_blocks import BLOCK, FIXED_MAX, ROWS, HvxWeights, fixed_point
 from ..testing import emulated_hexagon
+from . import parse_cache
 
 ACT_RECORD = 80  # hvx_gemv.h's hvx_gemv_act_record
 ACT_RECORD_HALVES = 96
@@ -184,6 +185,7 @@ def _tir_layout(n: int, k: int, bits: int, mins: bool, halves: bool) -> tuple[in
     return n // ROWS, pairs, pairs * hvx_record_bytes(bits, mins, halves) // ROWS
 
 
+@parse_cache.cached
 def tir_kernel(n: int, k: int, bits: int, mins: bool, zero: int, halves: bool = False,
                y_shape: tuple[int, ...] | None = None) -> tirx.PrimFunc:
     """y [..., n] = W x for a hexagon target: the C kernel called on W as the "hvx" code order stores it
@@ -208,6 +210,7 @@ def tir_kernel(n: int, k: int, bits: int, mins: bool, zero: int, halves: bool = 
     return gemv
 
 
+@parse_cache.cached
 def tir_gemm_kernel(n: int, k: int, bits: int, mins: bool, zero: int, halves: bool, y_shape: tuple
                     ) -> tirx.PrimFunc:
     """Y [..., n] = X W^T for a hexagon target: the C GEMM called on W as the "hvx" code order stores it, the rows'
@@ -246,6 +249,7 @@ def _rounded(value):
     return T.Cast("int32", value + T.if_then_else(value < T.float32(0), T.float32(-0.5), T.float32(0.5)))
 
 
+@parse_cache.cached
 def tir_quantize_activations(k: int, x_shape: tuple | None = None, halves: bool = False) -> tirx.PrimFunc:
     """quantize_activations of each row as a TIR kernel that runs on the DSP (no float division, no float64, no
     libm): x [..., k] (x_shape; its leading dimensions, ints or tirx.Var, are the rows; None: [1, k]) float32 ->

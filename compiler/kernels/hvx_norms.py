@@ -6,6 +6,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from . import parse_cache
 from .hvx_gemv import leading_rows
 
 
@@ -13,6 +14,7 @@ def _rows(shape: tuple) -> tirx.PrimExpr:
     return T.Cast("int32", leading_rows(shape))
 
 
+@parse_cache.cached
 def tir_add_rms_norm(shape: tuple, eps: float, write_sum: bool) -> tirx.PrimFunc:
     """(sum, norm) of a, b [..., n] and weight [n] (norm alone without `write_sum`): hvx_add_rms_norm; `shape`'s
     leading dimensions are ints or tirx.Var (prefill's sequence length)."""
@@ -38,6 +40,7 @@ def tir_add_rms_norm(shape: tuple, eps: float, write_sum: bool) -> tirx.PrimFunc
     return add_rms_norm_sum if write_sum else add_rms_norm
 
 
+@parse_cache.cached
 def tir_swiglu(shape: tuple) -> tirx.PrimFunc:
     """out [..., d] = silu(x[..., :d]) * x[..., d:] of x `shape` [..., 2d]: hvx_swiglu."""
     d, rows = shape[-1] // 2, _rows(shape)

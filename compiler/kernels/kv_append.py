@@ -6,9 +6,12 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from . import parse_cache
+
 KV_APPEND_SYMBOL = "tir_kv_cache_transpose_append"
 
 
+@parse_cache.cached
 def kv_append(kv_heads: int, head_dim: int, page_size: int, dtype: str) -> tirx.PrimFunc:
     """pages[position // page_size, 0 / 1, h, position % page_size, :] = K / V of each token whose position is not
     -1. The position test sits inside each block: a GPU schedule binds the token loop to padded thread groups and

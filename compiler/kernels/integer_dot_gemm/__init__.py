@@ -31,13 +31,13 @@ spilled and modelled slower.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 from tvm import tirx
 from tvm.script import tirx as T
 
 from ...quantization.group import ORDER_MARKS, signed_codes, takes_code_order
 from ...target.isa import CpuIsa
+from .. import parse_cache
 from . import arm
 
 BLOCK = 32  # activation values per scale, and the values of one block product
@@ -139,7 +139,7 @@ def activation_offset(shape: GemmShape, row, value):
 
 
 # Once per process, as cpu_attention's kernels (TVMScript parsing is the cost).
-@functools.cache
+@parse_cache.cached
 def quantize_rows(shape: GemmShape) -> tirx.PrimFunc:
     """x [1, M, k] float32 -> xq int8 [panels, TILE_M k] (activation_offset's order), xs float32 [panels,
     terms_per_panel] (per block and activation vector 4 lanes, lane l for row l // columns_per_tile of it) and,
@@ -214,7 +214,7 @@ def _block_term(shape: GemmShape, xq, xs, xo, w, lane_scales, lane_mins, p, n, l
     return dot * xs[p, terms] * scale + xo[p, terms] * lane_mins[T.ramp(lane_term, 1, arm.LANES)]
 
 
-@functools.cache
+@parse_cache.cached
 def gemm(shape: GemmShape) -> tirx.PrimFunc:
     """(xq, xs, codes, scales) or (xq, xs, xo, codes, scales, mins) -> y [1, M, n] float32; tasks of task_n W
     rows in parallel."""

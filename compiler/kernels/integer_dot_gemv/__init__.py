@@ -34,7 +34,6 @@ on skylake).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 from tvm import tirx
@@ -44,6 +43,7 @@ from ...choices import DECODE_ACTIVATIONS
 from ...quantization.group import FALLBACK, ORDER_MARKS, signed_codes, takes_code_order
 from ...target.isa import CpuIsa
 from ..lane_sums import lane_sum, pairwise_sum
+from .. import parse_cache
 from . import arm, x86
 
 BLOCK = 32  # activation values per scale, and codes per int32 block sum
@@ -243,7 +243,7 @@ class GemvShape:
 
 
 # Once per process, as cpu_attention's kernels (TVMScript parsing is the cost).
-@functools.cache
+@parse_cache.cached
 def quantize_activation(shape: GemvShape, x_shape: tuple[int | str, ...]) -> tirx.PrimFunc:
     """x [..., K] float32 (one row; BATCH rows where x_shape holds BATCH, each quantized alone, every output with a
     leading dimension of them) -> xq [K] (int16 or int8) in the GEMV's code order, xs float32 [lane_terms]
@@ -476,7 +476,7 @@ def _with_mins(row_lanes, m, xo, n, groups: int, lanes: int):
     return pairwise_sum(terms)
 
 
-@functools.cache
+@parse_cache.cached
 def gemv(shape: GemvShape, y_shape: tuple[int | str, ...]) -> tirx.PrimFunc:
     """(xq, xs, xo, codes, scales[, mins]) -> y [..., N] float32; rows in parallel tasks of 16. Where y_shape holds
     BATCH, the activations have a leading dimension of that many rows (quantize_activation's), each row's sums

@@ -27,8 +27,7 @@ SLOW_FIXTURES = frozenset({"smollm2_reference", "smollm2_q0f32", "smollm2_gguf_e
 # 139, 112, 100, 94, 84, 84, 69, 69, 60), sent to the workers first so that the run does not end on one of them
 # while the other worker idles. A stale entry costs only time.
 LONGEST_FILES = (  # worker-seconds in a whole run (`--durations`), longest first
-    "targets/test_smollm2_on_emulated_arm.py", "runtime/test_smollm2_float16_gpu_artifacts.py",
-    "targets/test_oclgrind.py", "kernels/test_integer_dot_gemv.py", "test_kv_cache_dtype.py", "test_estimate.py",
+    "runtime/test_smollm2_float16_gpu_artifacts.py", "targets/test_oclgrind.py", "kernels/test_integer_dot_gemv.py", "test_kv_cache_dtype.py", "test_estimate.py",
     "test_notebooks.py", "passes/test_chain_kernels.py", "test_architectures_mistral_phi3.py",
     "test_mobile_artifacts.py", "test_random_llama_gguf.py", "runtime/test_gpu_over_rpc.py",
     "test_quantized_cache_windows.py", "quantization/test_quantized_models.py", "test_architectures_gemma.py",

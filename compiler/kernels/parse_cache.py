@@ -6,7 +6,8 @@ Parsing TVMScript was about a third of a tiny model's compile (a tiny Llama, one
 android-adreno 5.6 of 15 s); loading the same kernel from its JSON takes a sixth of parsing it (integer GEMV:
 0.03 against 0.2 s). A call whose arguments have no stable key (a callable, an IR object) is parsed as before. Any
 change to a file of the `compiler` package or another TVM starts a new set of kept kernels; the oldest sets beyond
-KEPT_SETS are deleted."""
+KEPT_SETS are deleted. A test that patches what a factory reads calls the factory itself (`factory.__wrapped__`):
+through the cache it would get the unpatched kernel, or keep a patched one for every later compile."""
 
 from __future__ import annotations
 

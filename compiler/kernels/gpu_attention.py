@@ -30,7 +30,6 @@ host: the models store K after RoPE (cpu_attention.ROTARY_REFUSAL).
 
 from __future__ import annotations
 
-
 from tvm import tirx
 from tvm.script import tirx as T
 

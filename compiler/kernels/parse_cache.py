@@ -12,7 +12,6 @@ through the cache it would get the unpatched kernel, or keep a patched one for e
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import hashlib
 import os
@@ -22,7 +21,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import tvm
-from tvm import tirx
 from tvm_ffi.serialization import from_json_graph_str, to_json_graph_str
 
 from ..user_cache import cache_path
@@ -40,8 +38,6 @@ def _text(value: Any) -> str:
     """A text that two calls share exactly when their argument values are equal."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return f"{type(value).__name__}:{value!r}"
-    if isinstance(value, enum.Enum):
-        return f"{type(value).__qualname__}.{value.name}"
     if isinstance(value, (tuple, list)):
         return f"{type(value).__name__}[{','.join(_text(v) for v in value)}]"
     if isinstance(value, dict):
@@ -51,8 +47,6 @@ def _text(value: Any) -> str:
         return f"{type(value).__module__}.{type(value).__qualname__}({fields})"
     if isinstance(value, tvm.target.Target):
         return f"target:{value}"  # its whole JSON
-    if isinstance(value, tirx.IntImm):
-        return f"{value.dtype}:{int(value)}"
     raise _NoKey(type(value).__qualname__)
 
 

@@ -56,7 +56,7 @@ def test_other_arguments_get_their_own_kernel(cache_dir):
     assert len(_kept_files(cache_dir)) == 3
 
 
-def test_arguments_without_a_stable_key_are_parsed_every_time(cache_dir, monkeypatch):
+def test_arguments_without_a_stable_key_are_parsed_every_time(cache_dir):
     calls = []
     factory = parse_cache.cached(lambda shape: calls.append(shape) or kv_append.kv_append.__wrapped__(2, 16, 16,
                                                                                                     "float16"))

@@ -138,7 +138,7 @@ def activation_offset(shape: GemmShape, row, value):
     return (value // width * shape.vectors_per_panel + row // rows) * 16 + row % rows * width + value % width
 
 
-# Once per process, as cpu_attention's kernels (TVMScript parsing is the cost).
+# Parsed once (parse_cache), as cpu_attention's kernels: TVMScript parsing is the cost.
 @parse_cache.cached
 def quantize_rows(shape: GemmShape) -> tirx.PrimFunc:
     """x [1, M, k] float32 -> xq int8 [panels, TILE_M k] (activation_offset's order), xs float32 [panels,

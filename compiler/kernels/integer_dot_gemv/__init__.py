@@ -242,7 +242,7 @@ class GemvShape:
                 f"_n{self.n}_k{self.k}")
 
 
-# Once per process, as cpu_attention's kernels (TVMScript parsing is the cost).
+# Parsed once (parse_cache), as cpu_attention's kernels: TVMScript parsing is the cost.
 @parse_cache.cached
 def quantize_activation(shape: GemvShape, x_shape: tuple[int | str, ...]) -> tirx.PrimFunc:
     """x [..., K] float32 (one row; BATCH rows where x_shape holds BATCH, each quantized alone, every output with a

@@ -40,7 +40,7 @@ if ! [ -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 # llama-cpp-python (the `bench` extra's pin) for the llama.cpp reference tests (tests/helpers/reference.py). It
-# compiles llama.cpp (10-20 min on 2 cores), so its wheel is built once per machine into ~/.cache/mobilec/wheels/, one
+# compiles llama.cpp (4-10 min on 2 cores), so its wheel is built once per machine into ~/.cache/mobilec/wheels/, one
 # folder per version, machine and flags, and installed from there. Never -march=native (GGML_NATIVE): the wheel
 # must run on every machine of its kind (some x86 ones have AVX2 and no AVX-512; native builds crash on AMX ones),
 # so x86 builds for x86-64-v3. LLAVA_BUILD=OFF: the multimodal library is not needed (llama_cpp imports it lazily).
@@ -49,7 +49,7 @@ llama_cmake="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF"
 if [ "$(uname -m)" = x86_64 ]; then
   llama_cmake="$llama_cmake -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF"
 fi
-llama_key=$(printf '%s\n' "$llama_version" "$(uname -m)" "$llama_cmake" | sha256sum | cut -c1-12)
+llama_key=$(printf '%s\n' "$llama_version" "$(uname -m)" "$llama_cmake" "without common" | sha256sum | cut -c1-12)
 llama_stamp=.venv/.llama-cpp-python
 if [ "$(cat "$llama_stamp" 2>/dev/null)" != "$llama_key" ]; then
   wheels=${XDG_CACHE_HOME:-$HOME/.cache}/mobilec/wheels
@@ -59,12 +59,23 @@ if [ "$(cat "$llama_stamp" 2>/dev/null)" != "$llama_key" ]; then
   exec 9>"$wheels/llama-cpp-python.lock"
   flock 9
   if ! ls "$built"/*.whl >/dev/null 2>&1; then
-    echo "building llama-cpp-python $llama_version once for this machine (CMAKE_ARGS=$llama_cmake; 10-20 min)" >&2
-    rm -rf "$built.partial" && mkdir -p "$built.partial"
+    echo "building llama-cpp-python $llama_version once for this machine (CMAKE_ARGS=$llama_cmake; 4-10 min)" >&2
+    rm -rf "$built.partial" && mkdir -p "$built.partial/src"
+    # Only the libraries llama_cpp loads (llama, ggml): its CMakeLists forces on llama.cpp's `common` library (chat
+    # templates, JSON, an HTTP client; 57 of 140 build steps, about half the build's CPU time), which its Python
+    # never loads and CMAKE_ARGS cannot turn off, so the sdist is built with that line turned off.
+    .venv/bin/pip download --quiet --no-deps --no-binary :all: --disable-pip-version-check -d "$built.partial" \
+      "llama-cpp-python==$llama_version" < /dev/null
+    tar xzf "$built.partial"/llama_cpp_python-*.tar.gz -C "$built.partial/src" --strip-components=1
+    sed -i 's/set(LLAMA_BUILD_COMMON ON CACHE BOOL/set(LLAMA_BUILD_COMMON OFF CACHE BOOL/' "$built.partial/src/CMakeLists.txt"
+    if grep -q 'LLAMA_BUILD_COMMON ON' "$built.partial/src/CMakeLists.txt"; then
+      echo "llama-cpp-python $llama_version's CMakeLists.txt sets LLAMA_BUILD_COMMON in a way scripts/setup.sh does not know" >&2
+      exit 1
+    fi
     # --no-cache-dir: pip's own wheel cache is keyed by the source, not by CMAKE_ARGS, so it could hand back a
     # native build made earlier on this machine.
     CMAKE_ARGS="$llama_cmake" CMAKE_BUILD_PARALLEL_LEVEL=2 .venv/bin/pip wheel --no-cache-dir --no-deps -v \
-      --disable-pip-version-check --no-binary llama-cpp-python -w "$built.partial" "llama-cpp-python==$llama_version" \
+      --disable-pip-version-check -w "$built.partial" "$built.partial/src" \
       > "$built.partial/build.log" 2>&1 < /dev/null &
     build=$! started=$SECONDS shown=
     trap 'kill "$build" 2>/dev/null' EXIT  # a setup that is stopped stops its build
@@ -83,6 +94,7 @@ if [ "$(cat "$llama_stamp" 2>/dev/null)" != "$llama_key" ]; then
     fi
     trap - EXIT
     echo "  llama-cpp-python built in $((SECONDS - started)) s" >&2
+    rm -rf "$built.partial/src" "$built.partial"/*.tar.gz
     mv "$built.partial" "$built"
   fi
   .venv/bin/pip install --quiet --disable-pip-version-check --force-reinstall --no-deps "$built"/*.whl

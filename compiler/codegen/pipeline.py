@@ -37,6 +37,7 @@ from ..schedules import cpu as cpu_schedules
 from ..schedules import gpu as gpu_schedules
 from ..target.build_plan import BuildPlan
 from ..target.targets import TargetSpec
+from . import object_cache
 
 Step = tuple[str, tvm.transform.Pass]
 # `mobilec tune` takes its kernels from the IR right before this step, so its database keys match at compile time.
@@ -168,6 +169,8 @@ def generate(lowered: tvm.IRModule, spec: TargetSpec) -> tvm.runtime.Executable:
     with tvm.transform.PassContext(opt_level=current.opt_level, config=current.config,
                                    instruments=[*current.instruments, _CheckKernels(spec)]), half_pointers, \
             naming_failures("code generation", spec, lowered, lambda one: tvm.tirx.build(one, target=target)):
+        if object_cache.applies(target):
+            lowered = object_cache.as_objects(lowered, target, spec.device)
         return tvm.compile(lowered, target=target, relax_pipeline=None)
 
 

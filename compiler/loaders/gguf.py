@@ -5,6 +5,7 @@ The file is memory-mapped (gguf_file.py); tensors are dequantized one at a time 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -388,7 +389,9 @@ class GGUFCheckpoint(Checkpoint):
     def save_tokenizer(self, out_dir: str | os.PathLike) -> None:
         if "tokenizer.ggml.model" not in self._reader.fields:
             raise MobilecError(f"{self.description} carries no tokenizer; use a GGUF converted with its tokenizer")
-        save_auto_tokenizer(self._path.parent, out_dir, self.description, cache_for=self._path,
+        # transformers converts the vocabulary from the tokenizer fields, with a class chosen by the architecture
+        read = {k: v for k, v in self._reader.fields.items() if k.startswith("tokenizer.") or k == "general.architecture"}
+        save_auto_tokenizer(self._path.parent, out_dir, self.description, cache_key=json.dumps(read, sort_keys=True),
                             gguf_file=self._path.name)
 
     def close(self) -> None:

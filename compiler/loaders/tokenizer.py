@@ -15,15 +15,15 @@ from ..user_cache import cache_path, keep_directory
 from .checkpoint import one_line
 
 
-def save_auto_tokenizer(source: Path, out_dir: str | os.PathLike, what: str, cache_for: Path | None = None,
+def save_auto_tokenizer(source: Path, out_dir: str | os.PathLike, what: str, cache_key: str | None = None,
                         **kwargs: Any) -> None:
     """Let transformers build the tokenizer and write it, so the saved files are exactly what it reloads.
 
-    With `cache_for` (the file the tokenizer is converted from), the files are kept in mobilec's cache under that
-    file's path, size, modification time and the transformers version, and copied from there the next time:
-    transformers takes ~20 s to convert a GGUF vocabulary, on every compile.
+    With `cache_key` (the text of everything the conversion reads), the files are kept in mobilec's cache under that
+    text and the transformers and tokenizers versions, and copied from there the next time: transformers takes
+    ~20 s to convert a GGUF vocabulary, on every compile, and every quantization of a model carries the same one.
     """
-    entry = _cache_entry(cache_for) if cache_for is not None else None
+    entry = _cache_entry(cache_key) if cache_key is not None else None
     if entry is not None and entry.is_dir():
         shutil.copytree(entry, out_dir, dirs_exist_ok=True)
         return
@@ -38,10 +38,8 @@ def save_auto_tokenizer(source: Path, out_dir: str | os.PathLike, what: str, cac
         keep_directory(Path(out_dir), entry)
 
 
-def _cache_entry(converted_from: Path) -> Path:
-    stat = converted_from.stat()
-    key = "|".join([str(converted_from.resolve()), str(stat.st_size), str(stat.st_mtime_ns),
-                    importlib.metadata.version("transformers"), importlib.metadata.version("tokenizers")])
+def _cache_entry(cache_key: str) -> Path:
+    key = "\0".join([cache_key, importlib.metadata.version("transformers"), importlib.metadata.version("tokenizers")])
     return cache_path("tokenizers", hashlib.sha256(key.encode()).hexdigest()[:24])
 
 

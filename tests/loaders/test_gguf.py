@@ -294,8 +294,11 @@ def test_gguf_file_refuses_other_formats(tiny, tmp_path, change, message):
 
 
 def test_tokenizer_is_converted_once_then_copied_from_the_cache(smollm2_path, tmp_path, monkeypatch):
+    """Keyed by what the conversion reads: another file of the same vocabulary (another quantization, other
+    weights) is copied too; another vocabulary is converted."""
     monkeypatch.setenv("MOBILEC_CACHE_DIR", str(tmp_path / "cache"))
-    copy = tmp_path / smollm2_path.name
+    copy = tmp_path / "first" / smollm2_path.name
+    copy.parent.mkdir()
     shutil.copy(smollm2_path, copy)
     calls = []
     convert = AutoTokenizer.from_pretrained
@@ -303,12 +306,19 @@ def test_tokenizer_is_converted_once_then_copied_from_the_cache(smollm2_path, tm
     with open_checkpoint(copy) as ckpt:
         ckpt.save_tokenizer(tmp_path / "converted")
         ckpt.save_tokenizer(tmp_path / "copied")
+    other = tmp_path / "other" / "model.gguf"  # another path and modification time, the same metadata
+    other.parent.mkdir()
+    shutil.copy(smollm2_path, other)
+    with open_checkpoint(other) as ckpt:
+        ckpt.save_tokenizer(tmp_path / "copied-for-another-file")
     assert len(calls) == 1
     converted = {p.name: p.read_bytes() for p in (tmp_path / "converted").iterdir()}
-    assert converted and converted == {p.name: p.read_bytes() for p in (tmp_path / "copied").iterdir()}
-    # Negative control: the same file changed (a new modification time) is converted again.
-    os.utime(copy, ns=(copy.stat().st_atime_ns, copy.stat().st_mtime_ns + 10**9))
+    for name in ("copied", "copied-for-another-file"):
+        assert converted and converted == {p.name: p.read_bytes() for p in (tmp_path / name).iterdir()}
+    # Negative control: another vocabulary (one token changed) is converted again.
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(a) or 1 / 0)
     with open_checkpoint(copy) as ckpt:
+        tokens = ckpt._reader.fields["tokenizer.ggml.tokens"]  # pylint: disable=protected-access
+        tokens[100] = tokens[100] + "x"
         assert_mobilec_error(lambda: ckpt.save_tokenizer(tmp_path / "again"), "could not build the tokenizer")
     assert len(calls) == 2

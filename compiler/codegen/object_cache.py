@@ -14,15 +14,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import tvm
 from tvm import tirx
 from tvm_ffi.structural import structural_hash
 
-from ..user_cache import cache_path
+from ..user_cache import cache_path, drop_older_folders, keep_file
 
 KEPT_BYTES = 1 << 30  # the oldest objects beyond this are deleted after a compile that added some
 KEPT_TOOLCHAINS = 2  # other TVM/LLVM versions' folders kept (a developer moving between two environments)
@@ -64,7 +62,7 @@ def as_objects(lowered: tvm.IRModule, target: tvm.target.Target, limits: dict) -
         key = hashlib.sha256(f"{settings}\0{symbol}\0{structural_hash(func)}".encode()).hexdigest()[:32]
         path = folder / f"{key}.o"
         if not _kept(path):
-            if not _keep(tvm.tirx.build(tvm.IRModule({gv: func}), target=target), path):
+            if not keep_file(path, tvm.tirx.build(tvm.IRModule({gv: func}), target=target).write_to_file):
                 return lowered
             built = True
         objects.append(tvm.runtime.load_static_library(str(path), [symbol]))
@@ -86,29 +84,11 @@ def _kept(path: Path) -> bool:
         return False
 
 
-def _keep(module: tvm.runtime.Module, path: Path) -> bool:
-    """Write the module's object to `path` whole (readers see all of it or none); False where it cannot be."""
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".o", dir=path.parent)
-        os.close(fd)
-        module.write_to_file(tmp)
-        os.replace(tmp, path)
-        return True
-    except OSError:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        return False
-
-
 def _trim(folder: Path) -> None:
     """Delete the least recently used objects beyond KEPT_BYTES, and other toolchains' folders beyond
     KEPT_TOOLCHAINS."""
+    drop_older_folders(folder, KEPT_TOOLCHAINS)
     try:
-        others = sorted((p for p in folder.parent.iterdir() if p.is_dir() and p != folder),
-                        key=lambda p: p.stat().st_mtime, reverse=True)
-        for old in others[KEPT_TOOLCHAINS:]:
-            shutil.rmtree(old, ignore_errors=True)
         objects = sorted(((p.stat().st_mtime, p.stat().st_size, p) for p in folder.glob("*.o")), reverse=True)
         total = 0
         for _, size, path in objects:

@@ -14,16 +14,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import tvm
 from tvm_ffi.serialization import from_json_graph_str, to_json_graph_str
 
-from ..user_cache import cache_path
+from ..user_cache import cache_path, drop_older_folders, keep_file
 
 KEPT_SETS = 8  # fingerprints kept on disk (branches a developer moves between)
 _PACKAGE = Path(__file__).resolve().parent.parent
@@ -65,18 +62,10 @@ def _kept_set() -> Path:
     if not folder.is_dir():
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            _drop_old_sets(folder)
+            drop_older_folders(folder, KEPT_SETS - 1)
         except OSError:  # a cache that cannot be written: parse every time
             pass
     return folder
-
-
-def _drop_old_sets(folder: Path) -> None:
-    """Delete the sets of other fingerprints beyond the KEPT_SETS - 1 most recently made."""
-    others = sorted((p for p in folder.parent.iterdir() if p.is_dir() and p != folder),
-                    key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in others[KEPT_SETS - 1:]:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _load(path: Path):
@@ -86,16 +75,6 @@ def _load(path: Path):
         return from_json_graph_str(path.read_text())
     except (OSError, ValueError):  # absent, or not JSON: parse it again
         return None
-
-
-def _keep(path: Path, func) -> None:
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            f.write(to_json_graph_str(func))
-        os.replace(tmp, path)  # readers see the whole file or none
-    except OSError:
-        pass
 
 
 def cached(factory: Callable) -> Callable:
@@ -117,7 +96,7 @@ def cached(factory: Callable) -> Callable:
         if func is None:
             func = factory(*args, **kwargs)
             if isinstance(func, tvm.runtime.Object):
-                _keep(path, func)
+                keep_file(path, lambda tmp: Path(tmp).write_text(to_json_graph_str(func)))
         _MEMORY[name, key] = func
         return func
 

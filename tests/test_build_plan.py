@@ -29,6 +29,7 @@ def test_every_target_file_resolves(name):
     assert (plan.attention_lanes is None) == plan.gpu
     assert plan.decode_activations == plan.spec.decode_activations
     assert plan.gemm_family is None or (plan.gemv_family is not None and plan.decode_activations == "int8")
+    assert not (plan.gemm_family and plan.gemv_prefill)  # one integer prefill path at most
     assert plan.kv_dtype in kv_cache_dtype.TVM_DTYPES.values()
 
 
@@ -38,10 +39,12 @@ def test_facts_of_the_x86_arm_gpu_and_npu_targets():
     assert (v3.code_order, v3.decode_activations, v3.attention_lanes) == ("plain", "int16", 8)
     assert (v3.scheme.name, v3.compute_dtype, v3.kv_dtype) == ("q4f16_g32", "float32", "float16")
     assert resolve_plan("x86-64-v4").attention_lanes == 16
+    # prefill in integers with int8 activations only; x86 has no integer GEMM, so its batched GEMV takes prefill
+    assert not v3.gemv_prefill and resolve_plan("x86-64-v3", decode_activations="int8").gemv_prefill
     arm = resolve_plan("android-arm64")
     assert (arm.isa.arch, arm.gemv_family, arm.gemm_family, arm.code_order) == ("aarch64", "i8mm", "i8mm",
                                                                                  "neon_pairs")
-    assert (arm.decode_activations, arm.attention_lanes) == ("int8", 4)
+    assert (arm.decode_activations, arm.attention_lanes, arm.gemv_prefill) == ("int8", 4, False)
     # int16 activations keep the float prefill: no integer GEMM
     assert resolve_plan("android-arm64", decode_activations="int16").gemm_family is None
     adreno = resolve_plan("android-adreno")

@@ -63,9 +63,9 @@ def steps(plan: BuildPlan, tuning: bool = False) -> list[Step]:
         ("drop-tree-attention", DropTreeAttention(), every_target),
         ("fuse-transpose-matmul", FuseTransposeMatmul(), every_target),
         # CPUs with an integer dot product (x86 AVX2 / AVX-512, ARM dotprod / i8mm): decode GEMVs of quantized
-        # weights multiply int16 (or int8) activations by the codes in integers.
-        ("integer-dot-gemv", IntegerDotGEMV(int(plan.decode_activations.removeprefix("int")), plan.gemv_family),
-         plan.gemv_family is not None),
+        # weights multiply int16 (or int8) activations by the codes in integers; x86 with int8, prefill's too.
+        ("integer-dot-gemv", IntegerDotGEMV(int(plan.decode_activations.removeprefix("int")), plan.gemv_family,
+                                            plan.gemv_prefill), plan.gemv_family is not None),
         # hexagon-npu with int8 decode activations: decode GEMVs of weights stored for the HVX GEMV run on it.
         ("hvx-gemv", HvxGEMV(), plan.hvx_gemv),
         # aarch64 with i8mm (smmla) or dotprod (sdot), int8 decode activations: prefill matmuls of quantized weights

@@ -80,6 +80,22 @@ def test_decode_matmul_becomes_activation_quantize_plus_integer_gemv():
     assert any(c.startswith("dequantize") for c in _callees(mod["prefill"]))
 
 
+def test_x86_int8_prefill_runs_on_the_batched_gemv():
+    """x86 with int8 activations (no integer GEMM there): prefill's matmul becomes the activation quantize (its rows
+    in parallel, a kernel of its own) + batch_decode's GEMV kernel; ARM's int8 prefill is left to IntegerDotGEMM."""
+    plan = resolve_plan("x86-64-v3", decode_activations="int8")
+    mod = IntegerDotGEMV(8, plan.gemv_family, plan.gemv_prefill)(FuseTransposeMatmul()(_module()))
+    prefill = [c for c in _callees(mod["prefill"]) if not c.startswith("add")]
+    batched = [c for c in _callees(mod["batch_decode"]) if not c.startswith("add")]
+    assert prefill == [batched[0] + "_parallel", batched[1]] and batched[1].endswith("_batch")
+    quantize = mod.get_global_var(prefill[0])
+    assert "T.parallel" in mod[quantize].script() and "T.parallel" not in mod[batched[0]].script()
+    arm = resolve_plan("linux-arm64")
+    assert not arm.gemv_prefill
+    mod = IntegerDotGEMV(8, arm.gemv_family, arm.gemv_prefill)(FuseTransposeMatmul()(_module(code_order="neon_pairs")))
+    assert any(c.startswith("NT_matmul") for c in _callees(mod["prefill"]))
+
+
 @pytest.mark.parametrize("act_bits", [16, 8])
 def test_activation_width_selects_the_kernels(act_bits):
     mod = _rewrite(_module(), HOST, act_bits)
@@ -156,6 +172,35 @@ def test_compiled_decode_matches_numpy():
                 alone = vm["decode"](tvm.runtime.tensor(x[:, row:row + 1]), tvm.runtime.tensor(r[:, row:row + 1]),
                                      *stored).numpy()
                 np.testing.assert_array_equal(got[:, row:row + 1], alone)
+
+
+def test_x86_int8_prefill_rows_are_decode_rows():
+    """An x86 int8 build's prefill gives each row what decode gives it alone, bit for bit: 5 rows, and 1030 (two
+    chunks of activation rows, kernels/integer_dot_gemv CHUNK_BYTES, and a tail of 2). Negative control: the int16
+    build's float prefill is not its decode bit for bit."""
+    rng = np.random.default_rng(1)
+    arrays = quantize(rng.standard_normal((N, K)).astype("float32"), LAYOUT)
+    w = dequantize(arrays, LAYOUT, K)
+    stored = [tvm.runtime.tensor(arrays[s]) for s in LAYOUT.shapes(N, K)]
+    assert integer_dot_gemv.CHUNK_BYTES // (4 * K) * 4 < 1030
+
+    def prefill_and_decode_rows(plan, rows):
+        vm = relax.VirtualMachine(pipeline.build(_module(), plan), tvm.cpu())
+        x = rng.standard_normal((1, rows, K)).astype("float32")
+        r = rng.standard_normal((1, rows, N)).astype("float32")
+        got = vm["prefill"](tvm.runtime.tensor(x), tvm.runtime.tensor(r), *stored).numpy()
+        alone = np.concatenate([vm["decode"](tvm.runtime.tensor(x[:, i:i + 1]), tvm.runtime.tensor(r[:, i:i + 1]),
+                                             *stored).numpy() for i in range(rows)], axis=1)
+        ref = x @ w.T + r
+        np.testing.assert_allclose(got, ref, atol=2e-2 * np.abs(ref).max())  # int8: ~1e-2 of the largest
+        return got, alone
+
+    int8 = resolve_plan("host", decode_activations="int8")
+    for rows in (5, 1030):
+        got, alone = prefill_and_decode_rows(int8, rows)
+        np.testing.assert_array_equal(got, alone)
+    got, alone = prefill_and_decode_rows(resolve_plan("host", decode_activations="int16"), 5)
+    assert not np.array_equal(got, alone)
 
 
 @pytest.mark.parametrize("quant,down_rewritten", [("q4f16_g32", False), ("q4f16_g32_asym", False), ("q8f16_g128", True)])

@@ -75,10 +75,10 @@ def test_the_default_scheme_gives_the_host_builds_tokens(tmp_path):
 def test_the_hvx_gemv_gives_the_host_int8_builds_tokens(tmp_path, monkeypatch):
     """q4f16_g32 with int8 decode activations (hexagon-npu's default): every decode GEMV is the integer HVX GEMV and
     every prefill matmul the HVX GEMM (passes/hvx_gemv.py) after its activations are quantized on the DSP, against
-    the host build's integer-dot GEMVs with int8 activations and float prefill. The two round activations to int8
-    each their own way (and the HVX kernels' scales are 16-bit fixed point), and the NPU's prefill rounds them too,
-    so their logits differ by int8's own error: 0.44 of a largest logit of 7.2 seen (0.19 with a float prefill),
-    where the host's int8 and int16 builds differ by 0.23; the tolerance is 8% of the largest. The same tokens; a
+    the host build's integer-dot GEMVs with int8 activations, prefill's too (x86: the batched GEMV). The two round
+    activations to int8 each their own way (and the HVX kernels' scales are 16-bit fixed point), so their logits
+    differ by int8's own error: 0.23 of a largest logit of 7.3 seen (0.44 while the host prefilled in float), where
+    the host's int8 and int16 builds differ by 0.23; the tolerance is 5% of the largest. The same tokens; a
     decode step and a prefill chunk leave the DSP only for attention, and every weight byte of them is read there.
     batch_decode's rows are each sequence's decode (_batch_decode_rows_are_each_sequences_decode). Negative control:
     one record of the down_proj's re-laid weight, its scales made 100x on their way to the DSP (GEMV and GEMM),
@@ -90,7 +90,7 @@ def test_the_hvx_gemv_gives_the_host_int8_builds_tokens(tmp_path, monkeypatch):
                                      decode_activations="int8"))
     npu_logits, npu_tokens, _ = artifact_greedy(tmp_path / "hexagon-npu", PROMPT, TOKENS)
     host_logits, host_tokens, _ = artifact_greedy(tmp_path / "host", PROMPT, TOKENS)
-    tolerance = 0.08 * float(np.abs(host_logits).max())
+    tolerance = 0.05 * float(np.abs(host_logits).max())
     assert npu_tokens == host_tokens
     assert np.abs(npu_logits - host_logits).max() < tolerance
     report = json.loads((tmp_path / "hexagon-npu" / CONFIG_FILE).read_text())["npu_coverage"]
@@ -132,10 +132,10 @@ def test_k_quants_run_on_the_hvx_kernels(tmp_path, monkeypatch):
     per 16 values) and every prefill one an HVX GEMM, no weight byte read on the CPU. Against the host gguf build
     with int8 activations: the same greedy tokens before the first near-tie of the host's (its top-2 logits within
     1% of the largest; this random model's logits are flat: a tie at the 6th token), and along the host's 12 greedy
-    tokens every step's logits within 8% of the largest (3.7% seen: the NPU's prefill rounds activations to int8,
-    and on x86 without VNNI the host build keeps 8-bit asymmetric codes, Q5_K and the joined q/k/v, in float: the
-    NPU's int8 rounding of the q/k/v is the rest). Negative control: one record of layer 0's Q6_K down_proj, its
-    scales made 100x on the way to the DSP, moves the logits past that. ~90 s of compiling."""
+    tokens every step's logits within 5% of the largest (2.7% seen, 3.7% while the host prefilled in float: on x86
+    without VNNI the host build keeps 8-bit asymmetric codes, Q5_K and the joined q/k/v, in float, where the NPU
+    rounds their activations to int8). Negative control: one record of layer 0's Q6_K down_proj, its scales made
+    100x on the way to the DSP, moves the logits past that. ~90 s of compiling."""
     path = write_k_quant_llama(tmp_path / "model.gguf", std=0.25)
     for target, host_target in (("hexagon-npu", "host"), ("host", None)):
         compile_model(CompileOptions(str(path), target, "gguf", str(tmp_path / target), context_window=64,
@@ -156,7 +156,7 @@ def test_k_quants_run_on_the_hvx_kernels(tmp_path, monkeypatch):
     top2 = np.sort(host_logits, axis=1)[:, -2:]
     tie = np.argmax(np.append(top2[:, 1] - top2[:, 0] < 0.01 * np.abs(host_logits).max(), True))  # first near-tie
     assert tie >= 4 and npu_tokens[:tie] == host_tokens[:tie]
-    tolerance = 0.08 * float(np.abs(host_logits).max())
+    tolerance = 0.05 * float(np.abs(host_logits).max())
     npu_logits = _logits_along(tmp_path / "hexagon-npu", K_QUANT_PROMPT, host_tokens[:-1])
     assert np.abs(npu_logits - host_logits).max() < tolerance
     call = emulated_hexagon.Device.call
@@ -170,6 +170,36 @@ def test_k_quants_run_on_the_hvx_kernels(tmp_path, monkeypatch):
     monkeypatch.setattr(emulated_hexagon.Device, "call", corrupted)
     wrong_logits = _logits_along(tmp_path / "hexagon-npu", K_QUANT_PROMPT, host_tokens[:-1])
     assert np.abs(wrong_logits - host_logits).max() > tolerance
+
+
+# SmolLM2's tokens for "The capital of France is" (its tokenizer)
+SMOLLM2_PROMPT = [504, 3575, 282, 4649, 314]
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # two SmolLM2 compiles (~90 and ~70 s) and 16 tokens on the emulated DSP
+def test_smollm2_on_the_emulated_npu_gives_the_host_int8_builds_tokens(tmp_path, smollm2_gguf):
+    """SmolLM2 gguf for hexagon-npu (int8, its default: every decode and prefill matmul on the HVX kernels) against
+    the host gguf build with int8 activations, which rounds prefill to int8 too (x86: the batched GEMV), 16 greedy
+    tokens: the same ones before the host's first near-tie (top-2 logits within 1% of the largest), and along the
+    host's tokens the NPU's top token is the host's wherever the host's is not a near-tie, its logits within 8% of
+    the largest. Seen (Zen 3): 15 of 16 the same, the 15th a near-tie (0.033 apart of 37.9; the NPU picks the other
+    one); logits 0.51-2.11 apart. Two int8 builds whose float parts round differently drift that far: a last-bit
+    difference flips an int8 rounding (tests/targets/test_smollm2_on_emulated_arm.py measured 0.48 between the
+    aarch64 and x86 builds after one step). With the host's prefill in float the 6th token differed."""
+    for target, host_target in (("hexagon-npu", "host"), ("host", None)):
+        compile_model(CompileOptions(str(smollm2_gguf), target, "gguf", str(tmp_path / target), context_window=256,
+                                     progress=False, host_target=host_target, decode_activations="int8"))
+    host_logits, host_tokens, _ = artifact_greedy(tmp_path / "host", SMOLLM2_PROMPT, 16)
+    _, npu_tokens, _ = artifact_greedy(tmp_path / "hexagon-npu", SMOLLM2_PROMPT, 16)
+    largest = float(np.abs(host_logits).max())
+    top2 = np.sort(host_logits, axis=1)[:, -2:]
+    near_ties = top2[:, 1] - top2[:, 0] < 0.01 * largest
+    tie = int(np.argmax(np.append(near_ties, True)))
+    assert tie >= 8 and npu_tokens[:tie] == host_tokens[:tie]
+    npu_logits = _logits_along(tmp_path / "hexagon-npu", SMOLLM2_PROMPT, host_tokens[:-1])
+    assert (npu_logits.argmax(axis=1) == host_tokens)[~near_ties].all()
+    assert np.abs(npu_logits - host_logits).max() < 0.08 * largest
 
 
 def _batch_decode_rows_are_each_sequences_decode(artifact):

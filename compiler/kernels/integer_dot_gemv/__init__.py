@@ -52,6 +52,8 @@ ROWS_PER_TASK = 16
 # down_proj 0.044 -> 0.036 ms, qkv 0.034 -> 0.030, gate_up 0.071 -> 0.068; the 8-bit lm_head, already at ~23 GB/s
 # with the hardware prefetcher alone, went 1.29 -> 1.44 ms with it.
 PREFETCH_BYTES = 2048
+# A batched GEMV's activation rows go through each weight row in chunks of about this many bytes (an L2's share).
+CHUNK_BYTES = 128 * 1024
 ACTIVATION_BITS = tuple(int(name.removeprefix("int")) for name in DECODE_ACTIVATIONS)  # (16, 8)
 # architecture -> the variant file with its families (compiler/target/isa.py INT_DOT_FAMILIES) and dot step
 VARIANTS = {"x86_64": x86, "aarch64": arm}
@@ -244,12 +246,13 @@ class GemvShape:
 
 # Parsed once (parse_cache), as cpu_attention's kernels: TVMScript parsing is the cost.
 @parse_cache.cached
-def quantize_activation(shape: GemvShape, x_shape: tuple[int | str, ...]) -> tirx.PrimFunc:
+def quantize_activation(shape: GemvShape, x_shape: tuple[int | str, ...], parallel: bool = False) -> tirx.PrimFunc:
     """x [..., K] float32 (one row; BATCH rows where x_shape holds BATCH, each quantized alone, every output with a
-    leading dimension of them) -> xq [K] (int16 or int8) in the GEMV's code order, xs float32 [lane_terms]
-    (per lane, its block's scale) and xo float32 [sum_terms] (symmetric codes: per lane, -offset * xs * the sum of q
-    over the lane's group / its lanes, the offset less 128 for centred codes; asymmetric: per lane with mins per
-    step, xs * the sum over its group / its lanes, else per group of 32 or 16 values, xs * its sum of q)."""
+    leading dimension of them, in parallel tasks with `parallel`) -> xq [K] (int16 or int8) in the GEMV's code
+    order, xs float32 [lane_terms] (per lane, its block's scale) and xo float32 [sum_terms] (symmetric codes: per
+    lane, -offset * xs * the sum of q over the lane's group / its lanes, the offset less 128 for centred codes;
+    asymmetric: per lane with mins per step, xs * the sum over its group / its lanes, else per group of 32 or 16
+    values, xs * its sum of q)."""
     k, lanes, qmax, act = shape.k, shape.lanes_per_block, float(shape.qmax), shape.act_dtype
     halves = 2 if shape.half_block_groups else 1  # groups per block: each half of the lanes sums its own
     # centred codes (c - 128) leave 128 - offset of each code's offset to the sums
@@ -313,6 +316,9 @@ def quantize_activation(shape: GemvShape, x_shape: tuple[int | str, ...]) -> tir
             qsum = T.alloc_buffer((halves,), "int32", scope="local")
             if batch is None:
                 quantize_row(x, xq, xs, xo, amax, qsum, 0)
+            elif parallel:
+                for row in T.parallel(batch):
+                    quantize_row(x, xq, xs, xo, amax, qsum, row)
             else:
                 for row in range(batch):
                     quantize_row(x, xq, xs, xo, amax, qsum, row)
@@ -504,6 +510,7 @@ def gemv(shape: GemvShape, y_shape: tuple[int | str, ...]) -> tirx.PrimFunc:
     row_tile = _variant(shape.family).ACTIVATION_ROW_TILE
     assert row_tile in (1, 2, 4), row_tile
     row_values, row_dtype = (act_bytes, "int8") if split else (k, act)  # one row of xq as the steps read it
+    chunk_tiles = max(1, CHUNK_BYTES // (row_tile * act_bytes))
 
     def slot(t, chain, i, width=lanes):
         """The accumulator lanes of activation row t (of its tile), chain `chain`, weight row i (of `together`)."""
@@ -610,14 +617,21 @@ def gemv(shape: GemvShape, y_shape: tuple[int | str, ...]) -> tirx.PrimFunc:
         xb = T.decl_buffer((act_bytes,), "int8", data=xq.data)  # the planes of split int16
         wp = T.decl_buffer((n_rows // 2, 2 * code_bytes), "uint8", data=w.data)  # rows in pairs (row_pairs)
         for task in T.parallel(n_rows // rows):
-            for r in range(rows // together):
-                if batch is None:
+            if batch is None:
+                for r in range(rows // together):
                     tile(xb if split else xq, xs, xo, wp if row_pairs else w, d, m, yf, task * rows + r * together,
                          0, 1)
-                else:  # whole tiles, then the rest in one tile; a row of codes stays in L1 across them
-                    for first in range(batch // row_tile):
-                        tile(xb if split else xq, xs, xo, wp if row_pairs else w, d, m, yf,
-                             task * rows + r * together, first * row_tile, row_tile)
+            else:
+                # whole tiles in chunks of activation rows that stay in L2 while each weight row of the task goes
+                # through them (prefill's rows are many; a weight row stays in L1 across a chunk), then the rest of
+                # each weight row in one tile
+                for chunk in range((batch // row_tile + chunk_tiles - 1) // chunk_tiles):
+                    for r in range(rows // together):
+                        for first in range(chunk * chunk_tiles,
+                                           T.min(batch // row_tile, chunk * chunk_tiles + chunk_tiles)):
+                            tile(xb if split else xq, xs, xo, wp if row_pairs else w, d, m, yf,
+                                 task * rows + r * together, first * row_tile, row_tile)
+                for r in range(rows // together):
                     if row_tile == 4 and batch % 4 == 3:
                         tile(xb if split else xq, xs, xo, wp if row_pairs else w, d, m, yf,
                              task * rows + r * together, batch - 3, 3)

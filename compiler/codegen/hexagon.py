@@ -29,7 +29,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..errors import MobilecError
 from ..passes.expand_npu_math import expand_float_math
-from ..passes.ir_walk import tir_statements
+from ..passes.ir_walk import relax_nodes, tir_statements
 from ..target.targets import TargetSpec
 from ..testing import emulated_hexagon
 from .pipeline import naming_failures
@@ -69,17 +69,9 @@ def sdk_linker() -> Path | None:
 def _called_kernels(mod: tvm.IRModule) -> set[str]:
     """Kernels a Relax function calls itself; the others are handed to the KV cache, whose C++ code runs
     them on the CPU, or are the VM's shape functions."""
-    called: set[str] = set()
-
-    def visit(expr):
-        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.GlobalVar):
-            if isinstance(mod[expr.op], tirx.PrimFunc) and not _is_host_function(mod[expr.op]):
-                called.add(expr.op.name_hint)
-
-    for func in mod.functions.values():
-        if isinstance(func, relax.Function):
-            relax.analysis.post_order_visit(func, visit)
-    return called
+    return {call.op.name_hint for func in mod.functions.values() if isinstance(func, relax.Function)
+            for call in relax_nodes(func) if isinstance(call.op, tvm.ir.GlobalVar)
+            and isinstance(mod[call.op], tirx.PrimFunc) and not _is_host_function(mod[call.op])}
 
 
 def _math_ops(func: tirx.PrimFunc) -> set[str]:
@@ -255,18 +247,12 @@ def _step_coverage(mod: tvm.IRModule, functions: tuple[str, ...], npu: set[str],
                    ) -> dict[str, Any]:
     """coverage's figures for one call of each of `functions`, in order."""
     sequence: list[tuple[str, str]] = []  # (side, kernel or builtin) in the order they run
-
-    def visit(expr):
-        if not isinstance(expr, relax.Call):
-            return
-        if isinstance(expr.op, tvm.ir.GlobalVar) and expr.op.name_hint in npu | set(cpu):
-            if not _is_host_function(mod[expr.op]):
-                sequence.append(("npu" if expr.op.name_hint in npu else "cpu", expr.op.name_hint))
-        elif isinstance(expr.op, relax.ExternFunc) and not _is_shape_builtin(str(expr.op.global_symbol)):
-            sequence.append(("cpu", str(expr.op.global_symbol)))  # attention over the paged KV cache
-
-    for name in functions:
-        relax.analysis.post_order_visit(mod[name], visit)
+    for call in (call for name in functions for call in relax_nodes(mod[name])):
+        if isinstance(call.op, tvm.ir.GlobalVar) and call.op.name_hint in npu | set(cpu):
+            if not _is_host_function(mod[call.op]):
+                sequence.append(("npu" if call.op.name_hint in npu else "cpu", call.op.name_hint))
+        elif isinstance(call.op, relax.ExternFunc) and not _is_shape_builtin(str(call.op.global_symbol)):
+            sequence.append(("cpu", str(call.op.global_symbol)))  # attention over the paged KV cache
     sides = ["cpu", *(side for side, _ in sequence), "cpu"]
     weight_bytes = {"npu": 0, "cpu": 0}
     for nbytes, rows, readers in _weight_readers(mod, functions, npu, set(cpu)).values():

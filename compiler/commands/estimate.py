@@ -27,7 +27,7 @@ from ..loaders import Checkpoint, ConfigCheckpoint
 from ..model_import import kv_cache_dtype
 from ..model_import.importer import PAGE_SIZE, ImportedModel, import_model, keeps_gguf_blocks, open_model, tensor_bytes
 from ..models.llama import LlamaConfig
-from ..passes.ir_walk import tir_statements
+from ..passes.ir_walk import relax_nodes, tir_statements
 from ..quantization import awq, group
 from ..quantization.schemes import SCHEMES, Scheme
 from ..target import host
@@ -129,15 +129,8 @@ def _bound(size: tirx.PrimExpr, value: int) -> int:
 
 def _storage_sizes(func: relax.Function) -> list[tirx.PrimExpr]:
     """The bytes of every storage allocation in `func` (alloc_storage's shape is a byte count)."""
-    sizes = []
-
-    def visit(expr) -> None:
-        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) \
-                and expr.op.name == "relax.memory.alloc_storage":
-            sizes.append(functools.reduce(operator.mul, expr.args[0].values))
-
-    relax.analysis.post_order_visit(func, visit)
-    return sizes
+    return [functools.reduce(operator.mul, call.args[0].values) for call in relax_nodes(func)
+            if isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.memory.alloc_storage"]
 
 
 def scratch_bytes(func: tirx.PrimFunc) -> tirx.PrimExpr:
@@ -165,14 +158,10 @@ def scratch_bytes(func: tirx.PrimFunc) -> tirx.PrimExpr:
 def _kernel_scratch(mod: tvm.IRModule, func: relax.Function) -> list[tirx.PrimExpr]:
     """The scratch of each kernel `func` calls."""
     called = {}
-
-    def visit(expr) -> None:
-        if isinstance(expr, relax.Call):
-            for gv in (expr.op, *expr.args[:1]):
-                if isinstance(gv, tvm.ir.GlobalVar) and isinstance(mod[gv], tirx.PrimFunc):
-                    called[gv.name_hint] = mod[gv]
-
-    relax.analysis.post_order_visit(func, visit)
+    for call in relax_nodes(func):
+        for gv in (call.op, *call.args[:1]):
+            if isinstance(gv, tvm.ir.GlobalVar) and isinstance(mod[gv], tirx.PrimFunc):
+                called[gv.name_hint] = mod[gv]
     return [scratch_bytes(kernel) for kernel in called.values()]
 
 

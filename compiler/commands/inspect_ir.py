@@ -15,6 +15,7 @@ from ..codegen import pipeline
 from ..codegen.call_sites import ATTENTION_BUILTIN
 from ..errors import MobilecError
 from ..model_import.importer import import_model, keeps_gguf_blocks, open_model
+from ..passes.ir_walk import relax_nodes
 from ..target.build_plan import BuildPlan, resolve_plan
 
 
@@ -30,20 +31,12 @@ def kernel_launches(mod: tvm.IRModule, function: str = "decode") -> int | None:
     if gv is None or not isinstance(mod[gv], relax.Function):
         return None
     count = 0
-
-    def visit(expr) -> None:
-        nonlocal count
-        if not isinstance(expr, relax.Call):
-            return
-        op, args = expr.op, expr.args
-        if op in (_CALL_TIR, _CALL_DPS_PACKED):
-            op = args[0]
+    for call in relax_nodes(mod[gv]):
+        op = call.args[0] if call.op in (_CALL_TIR, _CALL_DPS_PACKED) else call.op
         if isinstance(op, tvm.ir.GlobalVar):
             count += isinstance(mod[op], tirx.PrimFunc)
         elif isinstance(op, relax.ExternFunc):
             count += op.global_symbol.startswith(ATTENTION_BUILTIN)
-
-    relax.analysis.post_order_visit(mod[gv], visit)
     return count
 
 

@@ -39,6 +39,7 @@ from ..choices import TUNE_FUNCTIONS
 from ..codegen import link, pipeline
 from ..errors import MobilecError
 from ..model_import.importer import import_model, keeps_gguf_blocks, open_model
+from ..passes.ir_walk import relax_nodes
 from ..rpc_peers import check_key, last_line, open_tracker
 from ..target.build_plan import BuildPlan, resolve_plan
 from ..target.targets import TargetSpec
@@ -103,14 +104,8 @@ def kernel_module(model: str | None, plan: BuildPlan) -> tvm.IRModule:
 
 
 def _call_sites(func: relax.Function) -> Counter[str]:
-    sites: Counter[str] = Counter()
-
-    def visit(expr) -> None:
-        if isinstance(expr, relax.Call) and expr.args and isinstance(expr.args[0], tvm.ir.GlobalVar):
-            sites[expr.args[0].name_hint] += 1
-
-    relax.analysis.post_order_visit(func, visit)
-    return sites
+    return Counter(call.args[0].name_hint for call in relax_nodes(func)
+                   if call.args and isinstance(call.args[0], tvm.ir.GlobalVar))
 
 
 def _static_shapes(func: tirx.PrimFunc) -> bool:

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import tvm
 from tvm import relax, tirx
 
-from .ir_walk import tir_statements
+from .ir_walk import relax_nodes, tir_statements
 
 ALIGNMENT = 64
 # Calls that place a tensor at a byte offset: (op name, index of the offset argument).
@@ -47,11 +47,5 @@ def declared_buffers(func: tirx.PrimFunc) -> Iterator:
 
 def placement_offsets(func: relax.Function) -> list[tuple[relax.Call, relax.Expr]]:
     """(call, offset argument) for every Relax call that places a tensor at a byte offset in storage."""
-    found: list[tuple[relax.Call, relax.Expr]] = []
-
-    def visit(expr):
-        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in OFFSET_OPS:
-            found.append((expr, expr.args[OFFSET_OPS[expr.op.name]]))
-
-    relax.analysis.post_order_visit(func, visit)
-    return found
+    return [(call, call.args[OFFSET_OPS[call.op.name]]) for call in relax_nodes(func)
+            if isinstance(call.op, tvm.ir.Op) and call.op.name in OFFSET_OPS]

@@ -28,6 +28,39 @@ def tir_statements(node) -> Iterator:
             yield from tir_statements(getattr(node, field))
 
 
+def relax_nodes(expr, node_type: type = relax.Call) -> list:
+    """Every Relax call (or If: `node_type`) in `expr`, a function or any expression, in the order
+    relax.analysis.post_order_visit meets them, found by walking where the normal form holds them (binding values,
+    an If's branches, a call's arguments) instead of calling back into Python at every node: on SmolLM2's lowered
+    functions ~0.1 s a walk instead of ~0.8 s, and the last steps of every compile walk them several times."""
+    found: list = []
+
+    def walk(node) -> None:
+        if isinstance(node, relax.Call):
+            for part in (node.op, *node.args):
+                walk(part)
+        elif isinstance(node, relax.SeqExpr):
+            for block in node.blocks:
+                for binding in block.bindings:
+                    walk(binding.value)
+            walk(node.body)
+        elif isinstance(node, relax.If):
+            for part in (node.cond, node.true_branch, node.false_branch):
+                walk(part)
+        elif isinstance(node, relax.Tuple):
+            for field in node.fields:
+                walk(field)
+        elif isinstance(node, relax.TupleGetItem):
+            walk(node.tuple_value)
+        elif isinstance(node, relax.Function):
+            walk(node.body)
+        if isinstance(node, node_type):
+            found.append(node)
+
+    walk(expr)
+    return found
+
+
 def is_reduction(block: s_tir.SBlock) -> bool:
     """Whether `block` has a reduction iterator."""
     return any(v.iter_type == tirx.IterVar.CommReduce for v in block.iter_vars)

@@ -66,6 +66,7 @@ from ..kernels.cpu_attention import (
     quantized_split_rotary,
 )
 from ..model_import.kv_cache_dtype import CODE_FORMATS, KV_FORMAT_ATTR, ROPE_ATTR
+from .ir_walk import relax_nodes
 
 
 def rope_of(mod: tvm.IRModule) -> tuple[float, dict[str, Any]]:
@@ -123,17 +124,10 @@ CREATE_ROPE_MODE_ARG = 8
 
 def cache_rope_modes(mod: tvm.IRModule) -> set[int]:
     """The RopeMode of each paged KV cache the module's Relax functions create."""
-    modes = set()
-
-    def visit(expr):
-        if (isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == "relax.call_pure_packed"
-                and isinstance(expr.args[0], relax.ExternFunc) and expr.args[0].global_symbol == CACHE_CREATE):
-            modes.add(int(expr.args[1 + CREATE_ROPE_MODE_ARG].value))
-
-    for func in mod.functions.values():
-        if isinstance(func, relax.Function):
-            relax.analysis.post_order_visit(func, visit)
-    return modes
+    return {int(call.args[1 + CREATE_ROPE_MODE_ARG].value)
+            for func in mod.functions.values() if isinstance(func, relax.Function) for call in relax_nodes(func)
+            if isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.call_pure_packed"
+            and isinstance(call.args[0], relax.ExternFunc) and call.args[0].global_symbol == CACHE_CREATE}
 
 
 def global_symbol(func) -> str | None:

@@ -7,6 +7,8 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .ir_walk import relax_nodes
+
 
 @mutator
 class _Rewriter(PyExprMutator):
@@ -42,6 +44,4 @@ class ReuseHostScalars:  # pylint: disable=too-few-public-methods
 
 
 def _branches(func: relax.Function) -> bool:
-    found = []
-    relax.analysis.post_order_visit(func, lambda e: found.append(e) if isinstance(e, relax.If) else None)
-    return bool(found)
+    return bool(relax_nodes(func, relax.If))

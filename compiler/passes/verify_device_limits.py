@@ -17,7 +17,7 @@ import tvm
 from tvm import relax, tirx
 
 from ..errors import MobilecError
-from .ir_walk import tir_statements
+from .ir_walk import relax_nodes, tir_statements
 
 _KERNEL_LAUNCH = 2  # CallingConv::kDeviceKernelLaunch
 _LOCAL_SCOPES = ("shared", "shared.dyn")
@@ -78,14 +78,11 @@ def _check_buffers(name: str, func: relax.Function, max_bytes: int) -> None:
     sizes: list[tuple[int, str]] = []
     for param in func.params:
         sizes += [(s, f"parameter {param.name}") for s in _tensor_sizes(param.ty)]
-
-    def visit(expr):
-        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in _ALLOC_STORAGE:
-            size = expr.args[0]
+    for call in relax_nodes(func):
+        if isinstance(call.op, tvm.ir.Op) and call.op.name in _ALLOC_STORAGE:
+            size = call.args[0]
             if isinstance(size, relax.ShapeExpr) and all(isinstance(v, tirx.IntImm) for v in size.values):
                 sizes.append((math.prod(int(v) for v in size.values), "a storage allocation"))
-
-    relax.analysis.post_order_visit(func, visit)
     for size, what in sizes:
         if size > max_bytes:
             raise MobilecError(

@@ -247,12 +247,14 @@ def _step_coverage(mod: tvm.IRModule, functions: tuple[str, ...], npu: set[str],
                    ) -> dict[str, Any]:
     """coverage's figures for one call of each of `functions`, in order."""
     sequence: list[tuple[str, str]] = []  # (side, kernel or builtin) in the order they run
-    for call in (call for name in functions for call in relax_nodes(mod[name])):
-        if isinstance(call.op, tvm.ir.GlobalVar) and call.op.name_hint in npu | set(cpu):
-            if not _is_host_function(mod[call.op]):
-                sequence.append(("npu" if call.op.name_hint in npu else "cpu", call.op.name_hint))
-        elif isinstance(call.op, relax.ExternFunc) and not _is_shape_builtin(str(call.op.global_symbol)):
-            sequence.append(("cpu", str(call.op.global_symbol)))  # attention over the paged KV cache
+    kernels = npu | set(cpu)
+    for name in functions:
+        for call in relax_nodes(mod[name]):
+            if isinstance(call.op, tvm.ir.GlobalVar) and call.op.name_hint in kernels:
+                if not _is_host_function(mod[call.op]):
+                    sequence.append(("npu" if call.op.name_hint in npu else "cpu", call.op.name_hint))
+            elif isinstance(call.op, relax.ExternFunc) and not _is_shape_builtin(str(call.op.global_symbol)):
+                sequence.append(("cpu", str(call.op.global_symbol)))  # attention over the paged KV cache
     sides = ["cpu", *(side for side, _ in sequence), "cpu"]
     weight_bytes = {"npu": 0, "cpu": 0}
     for nbytes, rows, readers in _weight_readers(mod, functions, npu, set(cpu)).values():

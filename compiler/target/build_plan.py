@@ -27,7 +27,6 @@ class BuildPlan:  # pylint: disable=too-many-instance-attributes
     hvx_gemv: bool  # hexagon-npu, int8 decode activations: decode GEMVs on the HVX GEMV (passes/hvx_gemv.py)
     hvx_norms: bool  # hexagon, float32 compute: RMSNorm (+add) and SwiGLU on hvx_norms.c (kernels/hvx_norms.py)
     gemm_family: str | None  # integer-dot prefill GEMMs' family (kernels/integer_dot_gemm/); None: float GEMMs
-    gemv_prefill: bool  # int8 activations, no integer GEMM variant (x86): prefill matmuls on the batched GEMV
     code_order: str  # how the weight shards order the codes (quantization/group.CODE_ORDERS)
     decode_activations: str  # integer width of the decode GEMVs' activations (choices.DECODE_ACTIVATIONS)
     kv_dtype: str  # the KV cache's TVM dtype (kv_cache_dtype.resolve)
@@ -39,6 +38,12 @@ class BuildPlan:  # pylint: disable=too-many-instance-attributes
     def isa(self) -> CpuIsa | None:
         """The instruction set of the target's own kernels: LLVM CPU targets; None for GPU and Hexagon targets."""
         return self.cpu if self.spec.tvm_target_json["kind"] == "llvm" else None
+
+    @property
+    def gemv_prefill(self) -> bool:
+        """Whether prefill's matmuls run on the decode GEMV's batched kernel: int8 activations where there is no
+        integer GEMM (x86), so that an int8 build rounds prefill as the ARM and hexagon-npu int8 builds do."""
+        return self.decode_activations == "int8" and self.gemv_family is not None and self.gemm_family is None
 
     @property
     def integer_decode(self) -> bool:
@@ -67,16 +72,12 @@ def resolve_plan(target: str | TargetSpec, quant: str | None = None, *, kv_dtype
     # Prefill in integers only where decode already rounds activations to int8 as llama.cpp does (the ARM targets'
     # default): with int16 decode activations, which keep the float model's results, prefill stays float.
     gemm_family = integer_dot_gemm.family(isa) if activations == "int8" else None
-    # x86 has no integer GEMM: its prefill rows go through the decode GEMV's batched kernel, so that an int8 build
-    # rounds prefill as ARM and hexagon-npu int8 builds do (their tokens the same as this one's)
-    gemv_prefill = activations == "int8" and gemv_family is not None and gemm_family is None
     # the KV cache's attention kernels run on the CPU the model is exported for (Hexagon: its ARM host)
     cpu_attention = cpu is not None and spec.model_target().kind.name == "llvm"
     compute = scheme.float_dtype or spec.device["compute_dtype"]
     return BuildPlan(
         spec=spec, scheme=scheme, cpu=cpu, gpu=spec.schedule["rules"] == "gpu", gemv_family=gemv_family,
         hvx_gemv=hvx_gemv, hvx_norms=hexagon and compute == "float32", gemm_family=gemm_family,
-        gemv_prefill=gemv_prefill,
         code_order="hvx" if hvx_gemv else integer_dot_gemv.stored_code_order(gemv_family),
         decode_activations=activations, kv_dtype=kv_cache_dtype.resolve(kv_dtype, spec, scheme),
         compute_dtype=compute,

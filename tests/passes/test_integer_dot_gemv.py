@@ -184,8 +184,7 @@ def test_x86_int8_prefill_rows_are_decode_rows():
     stored = [tvm.runtime.tensor(arrays[s]) for s in LAYOUT.shapes(N, K)]
     assert integer_dot_gemv.CHUNK_BYTES // (4 * K) * 4 < 1030
 
-    def prefill_and_decode_rows(plan, rows):
-        vm = relax.VirtualMachine(pipeline.build(_module(), plan), tvm.cpu())
+    def prefill_and_decode_rows(vm, rows):
         x = rng.standard_normal((1, rows, K)).astype("float32")
         r = rng.standard_normal((1, rows, N)).astype("float32")
         got = vm["prefill"](tvm.runtime.tensor(x), tvm.runtime.tensor(r), *stored).numpy()
@@ -195,11 +194,12 @@ def test_x86_int8_prefill_rows_are_decode_rows():
         np.testing.assert_allclose(got, ref, atol=2e-2 * np.abs(ref).max())  # int8: ~1e-2 of the largest
         return got, alone
 
-    int8 = resolve_plan("host", decode_activations="int8")
+    int8, int16 = (relax.VirtualMachine(pipeline.build(_module(), resolve_plan("host", decode_activations=bits)),
+                                        tvm.cpu()) for bits in ("int8", "int16"))
     for rows in (5, 1030):
         got, alone = prefill_and_decode_rows(int8, rows)
         np.testing.assert_array_equal(got, alone)
-    got, alone = prefill_and_decode_rows(resolve_plan("host", decode_activations="int16"), 5)
+    got, alone = prefill_and_decode_rows(int16, 5)
     assert not np.array_equal(got, alone)
 
 

@@ -8,9 +8,11 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
   exit 2
 fi
 # linux-arm64 artifacts link with Debian's cross compiler; tests check OpenCL kernels with clang; `mobilec package`
-# builds the native runner with g++ (and the cross compiler).
-if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v clang >/dev/null || ! command -v g++ >/dev/null; then
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ g++-aarch64-linux-gnu clang >/dev/null
+# builds the native runner with g++ (and the cross compiler), whose thread pool and file reads tests watch with strace.
+if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v clang >/dev/null || ! command -v g++ >/dev/null \
+    || ! command -v strace >/dev/null; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ g++-aarch64-linux-gnu clang strace \
+    >/dev/null
 fi
 # OpenCL kernels and GPU artifacts run on the CPU with PoCL (Debian's, 3.1: fp32 only), through our OpenCL device
 # for TVM's runtime (native/opencl/, built below against the ICD loader and headers); Oclgrind checks GPU kernels

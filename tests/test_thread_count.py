@@ -1,6 +1,7 @@
 """host.set_threads: without --threads, one thread per physical core, written into TVM_NUM_THREADS (TVM otherwise
 re-reads the CPU count from sysfs at every parallel kernel launch); a count the user set is kept. bench's local
-device sizes threads the same way (TVM runs a kernel serially where that variable's count is 1)."""
+device sizes threads the same way (TVM runs a kernel serially where that variable's count is 1). The pool's threads
+share its cores (host.pool_cpus) instead of TVM's one core per worker."""
 
 import os
 import shutil
@@ -69,3 +70,58 @@ def test_bench_threads_on_this_machine_set_the_variable_too():
     variable, before, after = _run(2, code)
     assert variable == "2" and after == before
 
+
+
+def test_a_count_that_is_not_a_number_is_refused():
+    done = subprocess.run([sys.executable, "-c", "import compiler.target.host as host; host.set_threads(None)"],
+                          capture_output=True, text=True, env={**os.environ, "TVM_NUM_THREADS": "", "OMP_NUM_THREADS": "two"})
+    assert done.returncode != 0 and "OMP_NUM_THREADS='two' is not a thread count" in done.stderr
+
+
+def test_pool_cpus_are_one_per_physical_core_first():
+    from compiler.target.host import pool_cpus  # pylint: disable=import-outside-toplevel
+    usable = sorted(os.sched_getaffinity(0))
+    for threads in range(1, len(usable) + 2):
+        cpus = pool_cpus(threads)
+        assert len(cpus) == min(threads, len(usable)) and len(set(cpus)) == len(cpus) and set(cpus) <= set(usable)
+        cores = [core_of(cpu) for cpu in cpus[:physical_cores_by_lscpu()]]
+        assert len(set(cores)) == len(cores), (cpus, cores)
+
+
+def core_of(cpu: int) -> str:
+    path = f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
+    return open(path, encoding="utf-8").read().strip() if os.path.exists(path) else str(cpu)
+
+
+AFFINITIES = """
+import glob, compiler.target.host as host
+host.set_threads({threads})
+for status in glob.glob("/proc/self/task/*/status"):
+    print(next(line for line in open(status) if line.startswith("Cpus_allowed_list")).split(":")[1].strip())
+"""
+
+
+def cpu_list(text: str) -> set[int]:
+    """A Linux CPU list ("0-3,6") as a set."""
+    cpus = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores for a pool of two threads")
+@pytest.mark.parametrize("bind", [None, "1"])
+def test_pool_threads_share_its_cores(bind):
+    """TVM pins each worker to one core and lets the calling thread, which runs each launch's first share, roam over
+    all of them: where Linux left it on the worker's core (2 of 6 processes on a 2-core VM) the shares ran one after
+    the other. After set_threads no thread of the pool is held to one core. Negative control: TVM_BIND_THREADS keeps
+    TVM's placement, a worker on one core."""
+    from compiler.target.host import pool_cpus  # pylint: disable=import-outside-toplevel
+    env = {} if bind is None else {"TVM_BIND_THREADS": bind}
+    threads = [cpu_list(line) for line in _run(2, AFFINITIES, **env)]
+    assert len(threads) >= 2  # the calling thread and TVM's worker
+    if bind is None:
+        assert all(set(pool_cpus(2)) <= cpus for cpus in threads), threads
+    else:
+        assert any(len(cpus) == 1 for cpus in threads), threads

@@ -209,7 +209,7 @@ class Device:
             return
         if threads is None:
             return
-        # mode 0 = no core pinning (pinning fights other processes); the device's own TVM_NUM_THREADS still caps it
+        # mode 0: the placement the device's TVM made (its CPUs are not known here); its TVM_NUM_THREADS still caps it
         self.function("runtime.config_threadpool")(0, threads)
 
     def stage(self, artifact: Artifact, progress: bool) -> Staged:

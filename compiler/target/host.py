@@ -23,6 +23,8 @@ from ..user_cache import cache_path
 from ..validate import USABLE_CORES, USABLE_CPUS
 from .isa import arch_of_triple, feature_flags
 
+# TVM's ThreadGroup::AffinityMode kSpecifyThreadShareAllCore: every thread of the pool may run on each of the given CPUs
+SHARE_ALL_CORES = -3
 TRIPLES = {"x86_64": "x86_64-unknown-linux-gnu", "aarch64": "aarch64-linux-gnu"}
 # When LLVM does not know the CPU's name: a baseline the features from /proc/cpuinfo are added to.
 BASELINE_CPU = {"x86_64": "x86-64", "aarch64": "generic"}
@@ -114,24 +116,63 @@ def available_bytes() -> int | None:
     return None if kib is None else kib * 1024
 
 
+def pool_cpus(threads: int, cpus=USABLE_CPUS) -> list[int]:
+    """The CPUs a pool of `threads` runs on: one per physical core first, the highest capacity first (a phone's
+    big cores: /sys cpu_capacity, else cpufreq's maximum; equal where Linux says neither), then lower numbers; SMT
+    siblings only once every core has one."""
+    def number(path: str) -> int:
+        try:
+            return int(Path(path).read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    def rank(cpu: int) -> tuple[int, int, int]:
+        base = f"/sys/devices/system/cpu/cpu{cpu}"
+        return -number(f"{base}/cpu_capacity"), -number(f"{base}/cpufreq/cpuinfo_max_freq"), cpu
+
+    firsts, siblings, seen = [], [], set()
+    for cpu in sorted(cpus, key=rank):
+        try:
+            core = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+        except OSError:
+            core = str(cpu)
+        (siblings if core in seen else firsts).append(cpu)
+        seen.add(core)
+    return (firsts + siblings)[:threads]
+
+
 def set_threads(threads: int | None) -> None:
-    """Size TVM's thread pool; None keeps TVM_NUM_THREADS (or OMP_NUM_THREADS) where set, else one thread per
-    physical core this process may use (TVM's own default halves x86's CPUs whether or not they are SMT siblings:
-    1 thread on a 2-core VM). The count always goes into TVM_NUM_THREADS: without it TVM asks glibc for the CPU
-    count at every parallel kernel launch, which reads /sys/devices/system/cpu/online (~185 times per SmolLM2 decode
-    step)."""
-    if threads is None:
-        if "TVM_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in os.environ:
-            return
+    """Size TVM's thread pool and let its threads share its cores; None keeps TVM_NUM_THREADS (or OMP_NUM_THREADS)
+    where set, else one thread per physical core this process may use (TVM's own default halves x86's CPUs whether
+    or not they are SMT siblings: 1 thread on a 2-core VM). The count always goes into TVM_NUM_THREADS: without it
+    TVM asks glibc for the CPU count at every parallel kernel launch, which reads /sys/devices/system/cpu/online
+    (~185 times per SmolLM2 decode step).
+
+    TVM pins each worker to a core of its own and lets the calling thread, which runs a launch's first share, roam
+    over all of them: when Linux leaves it on a worker's core, each launch runs its shares one after the other (a
+    2-core VM, SmolLM2's o_proj GEMV: the worker started its share ~14 us late instead of ~0.8, in 2 of 6 processes).
+    So the pool's threads, the calling one included, share the pool's cores (pool_cpus) and Linux spreads them.
+    TVM_BIND_THREADS, where set, keeps TVM's own placement."""
+    name = next((n for n in ("TVM_NUM_THREADS", "OMP_NUM_THREADS") if os.environ.get(n, "").strip()), None)
+    users = threads is None and name is not None  # the user's count, which TVM reads as it is
+    if users:
+        if not re.fullmatch(r"\s*\d+\s*", os.environ[name]):
+            raise MobilecError(f"{name}={os.environ[name]!r} is not a thread count; fix or unset it, or pass --threads")
+        threads = int(os.environ[name])
+    elif threads is None:
         threads = physical_cores(USABLE_CPUS)
     if threads < 1:
         raise MobilecError(f"--threads must be at least 1, got {threads}")
-    os.environ["TVM_NUM_THREADS"] = str(threads)
-    # mode 0 = no core pinning: pinning fights with other processes on a shared machine. TVM still pins the
-    # calling thread to `threads` cores (and never widens it again); undone, so that processes started from this
-    # one later (bench's RPC server, tests' subprocesses) get every core this one had.
+    if not users:
+        os.environ["TVM_NUM_THREADS"] = str(threads)
+    # TVM also sets the calling thread's cores (and never widens them again); undone, so that processes started
+    # from this one later (bench's RPC server, tests' subprocesses) get every core this one had.
     mask = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    tvm.get_global_func("runtime.config_threadpool")(0, threads)
+    configure = tvm.get_global_func("runtime.config_threadpool")
+    if "TVM_BIND_THREADS" in os.environ:
+        configure(0, threads)  # mode 0: the placement as TVM made it
+    else:
+        configure(SHARE_ALL_CORES, threads, [str(cpu) for cpu in pool_cpus(threads)])
     if mask is not None:
         os.sched_setaffinity(0, mask)
 

@@ -92,7 +92,9 @@ MOBILEC_API void mobilec_close(mobilec_model* model);
 /* Size TVM's CPU thread pool (process-wide: every handle shares it) and set TVM_NUM_THREADS to match, as
  * `mobilec generate --threads` does. Without a call: TVM_NUM_THREADS, else OMP_NUM_THREADS, else TVM's default
  * (one per physical core), which mobilec_open then writes into TVM_NUM_THREADS (TVM otherwise reads
- * /sys/devices/system/cpu/online at every parallel kernel launch). No core pinning (it fights other processes). */
+ * /sys/devices/system/cpu/online at every parallel kernel launch). The pool's threads, the calling one included, share
+ * its cores (the fastest, one per physical core): no thread is pinned to one (TVM_BIND_THREADS, where set, keeps TVM's
+ * placement). */
 MOBILEC_API mobilec_status mobilec_set_threads(mobilec_model* model, int32_t threads);
 
 /* The artifact's context window (tokens the KV cache holds), the length of the logits vectors, and the

@@ -16,6 +16,7 @@
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/string.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -902,16 +903,86 @@ void CheckFits(int64_t prompt_tokens, int64_t new_tokens, int64_t context_window
   }
 }
 
+// A number at the start of a /sys file; 0 where there is none.
+long SysNumber(const std::string& path) {
+  std::ifstream file(path);
+  long value = 0;
+  return file >> value ? value : 0;
+}
+
+// The CPUs this process may use in the order a pool takes them (as compiler/target/host.py pool_cpus): one per
+// physical core first, the highest capacity (then maximum clock) first, then lower numbers; SMT siblings once every
+// core has one. `cores`: how many physical cores they are.
+std::vector<int> PoolOrder(int* cores) {
+  cpu_set_t usable;
+  std::vector<int> order;
+  *cores = 0;
+  if (sched_getaffinity(0, sizeof(usable), &usable) != 0) return order;
+  struct Ranked {
+    long capacity, clock;
+    int cpu;
+    std::string core;
+  };
+  std::vector<Ranked> ranked;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (!CPU_ISSET(cpu, &usable)) continue;
+    const std::string base = "/sys/devices/system/cpu/cpu" + std::to_string(cpu);
+    std::ifstream siblings(base + "/topology/thread_siblings_list");
+    std::string core;
+    if (!std::getline(siblings, core)) core = std::to_string(cpu);
+    ranked.push_back({SysNumber(base + "/cpu_capacity"), SysNumber(base + "/cpufreq/cpuinfo_max_freq"), cpu, core});
+  }
+  std::stable_sort(ranked.begin(), ranked.end(), [](const Ranked& a, const Ranked& b) {
+    return a.capacity != b.capacity ? a.capacity > b.capacity : a.clock > b.clock;
+  });
+  std::vector<int> siblings;
+  std::unordered_set<std::string> seen;
+  for (const Ranked& r : ranked) (seen.insert(r.core).second ? order : siblings).push_back(r.cpu);
+  *cores = static_cast<int>(order.size());
+  order.insert(order.end(), siblings.begin(), siblings.end());
+  return order;
+}
+
 constexpr const char* kThreadsVariable = "TVM_NUM_THREADS";
 
-// TVM's parallel kernel launches ask how many threads to use every time; without TVM_NUM_THREADS (or
-// OMP_NUM_THREADS) the answer is std::thread::hardware_concurrency(), which glibc gets by reading
-// /sys/devices/system/cpu/online: ~185 file opens per SmolLM2 decode step, a fifth of its time. Setting the
-// variable to the thread count TVM chose keeps that count and drops the reads.
+// TVM sizes its pool once, when first asked, to TVM_NUM_THREADS (else OMP_NUM_THREADS, else half of an x86 machine's
+// CPUs whether or not they are SMT siblings: 1 on a 2-core VM), and mobilec_set_threads cannot grow it past that
+// (`mobilec-run --threads 2` ran on one thread there). Without either variable: one thread per physical core, set
+// before the pool exists. The variable also spares TVM reading /sys/devices/system/cpu/online (glibc's CPU count) at
+// every parallel kernel launch, ~185 times per SmolLM2 decode step.
 void PinThreadCountVariable() {
   if (std::getenv(kThreadsVariable) != nullptr || std::getenv("OMP_NUM_THREADS") != nullptr) return;
-  const int threads = ffi::Function::GetGlobalRequired("runtime.NumThreads")().cast<int>();
-  setenv(kThreadsVariable, std::to_string(threads).c_str(), 0);
+  int cores = 0;
+  PoolOrder(&cores);
+  setenv(kThreadsVariable, std::to_string(std::max(cores, 1)).c_str(), 0);
+}
+
+// TVM's ThreadGroup::AffinityMode kSpecifyThreadShareAllCore: every thread of the pool may run on each given CPU.
+constexpr int kShareAllCores = -3;
+
+// As compiler/target/host.py set_threads: TVM pins each worker to a core of its own and lets the calling thread, which
+// runs a launch's first share, roam over all of them, so that where Linux leaves it on a worker's core each launch
+// runs its shares one after the other; the pool's threads share the pool's cores instead (TVM_BIND_THREADS, where
+// set, keeps TVM's placement). TVM also narrows the calling thread's cores; restored.
+void SharePoolCores(int threads) {
+  const ffi::Function configure = ffi::Function::GetGlobalRequired("runtime.config_threadpool");
+  if (std::getenv("TVM_BIND_THREADS") != nullptr) {
+    configure(0, threads);
+    return;
+  }
+  int cores = 0;
+  std::vector<int> order = PoolOrder(&cores);
+  if (static_cast<int>(order.size()) > threads) order.resize(threads);
+  ffi::Array<ffi::String> cpus;
+  for (int cpu : order) cpus.push_back(std::to_string(cpu));
+  cpu_set_t mask;
+  const bool saved = sched_getaffinity(0, sizeof(mask), &mask) == 0;
+  if (cpus.empty()) {
+    configure(0, threads);
+  } else {
+    configure(kShareAllCores, threads, cpus);
+  }
+  if (saved) sched_setaffinity(0, sizeof(mask), &mask);
 }
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {
@@ -1270,6 +1341,7 @@ mobilec_status mobilec_open_verified(const char* artifact_dir, mobilec_verify ve
     model->eos_token_id = eos.empty() ? -1 : model->tokenizer->TokenId(eos);
     model->chat_prompt = mobilec::ChatPrompt::FromConfig(model->artifact.config);
     PinThreadCountVariable();
+    SharePoolCores(ffi::Function::GetGlobalRequired("runtime.NumThreads")().cast<int>());
     model->LoadModel();
     *out_model = model.release();
   });
@@ -1283,9 +1355,9 @@ mobilec_status mobilec_set_threads(mobilec_model* model, int32_t threads) {
     if (threads < 1) {
       Fail(MOBILEC_ERROR_INVALID_ARGUMENT, "--threads must be at least 1, got " + std::to_string(threads));
     }
-    // As compiler/target/host.py set_threads: the variable too (see PinThreadCountVariable), mode 0 = no core pinning.
+    // As compiler/target/host.py set_threads: the variable too (see PinThreadCountVariable)
     setenv(kThreadsVariable, std::to_string(threads).c_str(), 1);
-    ffi::Function::GetGlobalRequired("runtime.config_threadpool")(0, threads);
+    SharePoolCores(threads);
   });
 }
 

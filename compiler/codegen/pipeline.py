@@ -84,7 +84,7 @@ def steps(plan: BuildPlan, tuning: bool = False) -> list[Step]:
         # CPU rules: on high-level ops, before LegalizeOps; takes the residual add that FuseOps would put in the
         # matmul epilogue, and schedules its kernel for CPU threads itself (GPUs leave it to FuseOps and dlight).
         ("fuse-add-rmsnorm", FuseAddRMSNorm(plan.hvx_norms), not gpu),
-        ("fuse-swiglu", FuseSwiGLU(plan.hvx_norms), every_target),
+        ("fuse-swiglu", FuseSwiGLU(plan.hvx_norms, arithmetic_sigmoid=not gpu), every_target),
         ("dispatch-library", _seq(cpu_generic.library_dispatch_passes(target)), every_target),
         ("legalize", relax.transform.LegalizeOps(), every_target),
         ("annotate-op-pattern", relax.transform.AnnotateTIROpPattern(), every_target),

@@ -162,6 +162,11 @@ def _scaled(value: tirx.PrimExpr, n: tirx.PrimExpr) -> tirx.PrimExpr:
     return value * _power_of_two(half) * _power_of_two(n - half)
 
 
+def float_sigmoid(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """sigmoid(x) for float32 or float16 x (the latter through float32)."""
+    return _in_float32(x, sigmoid)
+
+
 def sigmoid(x: tirx.PrimExpr) -> tirx.PrimExpr:
     """1 / (1 + e^-x) for float32 x."""
     return _let("sigmoid_x", x, lambda v: _let(

@@ -7,6 +7,7 @@ from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..kernels import hvx_norms
+from .expand_npu_math import float_sigmoid
 from .ir_walk import OPAQUE, kernel_dims, rewrite_relax_functions, tensor_dims
 
 _SPLIT = tvm.ir.Op.get("relax.split")
@@ -16,23 +17,27 @@ _MULTIPLY = tvm.ir.Op.get("relax.multiply")
 _INJECTIVE = 2
 
 
-def _swiglu(x: te.Tensor) -> te.Tensor:
-    """out[..., i] = silu(x[..., i]) * x[..., i + d]; silu(g) = g * sigmoid(g), TOPI's order of operations."""
+def _swiglu(x: te.Tensor, arithmetic: bool) -> te.Tensor:
+    """out[..., i] = silu(x[..., i]) * x[..., i + d]; silu(g) = g * sigmoid(g), TOPI's order of operations.
+    `arithmetic`: the sigmoid as expand_npu_math's arithmetic, which vectorizes (LLVM's CPU code calls libm's expf
+    for each lane of a vector exp: SmolLM2's down_proj prologue, SwiGLU and quantize of 1536 values, took 6.7 us
+    with it and 4.4 us without, on one Zen 3 core)."""
     d = x.shape[-1] // 2
 
     def value(*i):
         gate = x(*i[:-1], i[-1])
-        return gate * tirx.sigmoid(gate) * x(*i[:-1], i[-1] + d)
+        return gate * (float_sigmoid(gate) if arithmetic else tirx.sigmoid(gate)) * x(*i[:-1], i[-1] + d)
 
     return te.compute((*x.shape[:-1], d), value, name="swiglu")
 
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, hvx: bool):
+    def __init__(self, mod: tvm.IRModule, hvx: bool, arithmetic_sigmoid: bool):
         super().__init__(mod)
         self.uses: dict[relax.Var, int] = {}
         self.hvx = hvx
+        self.arithmetic_sigmoid = arithmetic_sigmoid
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = self.visit_expr_post_order(call)
@@ -44,7 +49,8 @@ class _Rewriter(PyExprMutator):
             kernel = self.builder_.add_func(hvx_norms.tir_swiglu(kernel_dims(shape)).with_attr(
                 "op_pattern", OPAQUE), "hvx_swiglu_kernel")
             return relax.call_tir(kernel, [x], call.ty)
-        return self.builder_.call_te(_swiglu, x, primfunc_name_hint="swiglu", primfunc_attrs={"op_pattern": _INJECTIVE})
+        return self.builder_.call_te(_swiglu, x, self.arithmetic_sigmoid, primfunc_name_hint="swiglu",
+                                     primfunc_attrs={"op_pattern": _INJECTIVE})
 
     def _binding(self, expr: relax.Expr, op=None):
         """The value bound to `expr` if it is a single-use dataflow var (and a call to `op`, if given)."""
@@ -84,11 +90,13 @@ class _Rewriter(PyExprMutator):
 @tvm.transform.module_pass(opt_level=0, name="FuseSwiGLU")
 class FuseSwiGLU:  # pylint: disable=too-few-public-methods
     """Replace the split / silu / multiply chain of a SwiGLU MLP by one kernel; run before LegalizeOps. `hvx`
-    (BuildPlan.hvx_norms): float32 ones call the HVX C kernel (kernels/hvx_norms.py) instead."""
+    (BuildPlan.hvx_norms): float32 ones call the HVX C kernel (kernels/hvx_norms.py) instead. `arithmetic_sigmoid`
+    (CPU targets): the sigmoid in arithmetic that vectorizes (_swiglu); GPUs keep their exp."""
 
-    def __init__(self, hvx: bool = False):
+    def __init__(self, hvx: bool = False, arithmetic_sigmoid: bool = False):
         self.hvx = hvx
+        self.arithmetic_sigmoid = arithmetic_sigmoid
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         # The split, its items and the silu are dropped as dead once the multiply is replaced.
-        return rewrite_relax_functions(mod, _Rewriter(mod, self.hvx), track_uses=True)
+        return rewrite_relax_functions(mod, _Rewriter(mod, self.hvx, self.arithmetic_sigmoid), track_uses=True)

@@ -121,3 +121,20 @@ def test_hvx_calls_the_c_kernel():
     expected = hvx_norms.tir_swiglu((1, tirx.Var("seq_len", "int64"), 2 * INTER))
     tvm.ir.assert_structural_equal(func.without_attr("op_pattern").without_attr("global_symbol"),
                                    expected.without_attr("global_symbol"), map_free_vars=True)
+
+
+def test_cpu_sigmoid_is_arithmetic():
+    """CPU targets (arithmetic_sigmoid): no sigmoid intrinsic, whose vector exp LLVM's CPU code turns into a libm
+    expf call per lane; GPU targets keep it (negative control)."""
+    assert "T.sigmoid" not in FuseSwiGLU(arithmetic_sigmoid=True)(_module()).script()
+    assert "T.sigmoid" in FuseSwiGLU()(_module()).script()
+
+
+def test_arithmetic_sigmoid_numerics_over_its_range():
+    """The host build (arithmetic sigmoid) against numpy from where e^-x overflows to where it underflows."""
+    vm = relax.VirtualMachine(pipeline.build(_module(), resolve_plan("host")), tvm.cpu())
+    g = np.concatenate([np.linspace(-100, 100, INTER // 2), np.linspace(-4, 4, INTER // 2)]).astype("float32")
+    x = np.concatenate([g, np.full(INTER, 1.5, "float32")]).reshape(1, 1, 2 * INTER)
+    got = vm["main"](tvm.runtime.tensor(x)).numpy().reshape(-1)
+    expected = (g.astype("float64") / (1 + np.exp(-g.astype("float64"))) * 1.5).astype("float32")
+    np.testing.assert_allclose(got, expected, rtol=2e-7 * 8, atol=1e-30)

@@ -116,7 +116,7 @@ def available_bytes() -> int | None:
     return None if kib is None else kib * 1024
 
 
-def pool_cpus(threads: int, cpus=USABLE_CPUS) -> list[int]:
+def pool_cpus(threads: int) -> list[int]:
     """The CPUs a pool of `threads` runs on: one per physical core first, the highest capacity first (a phone's
     big cores: /sys cpu_capacity, else cpufreq's maximum; equal where Linux says neither), then lower numbers; SMT
     siblings only once every core has one."""
@@ -131,7 +131,7 @@ def pool_cpus(threads: int, cpus=USABLE_CPUS) -> list[int]:
         return -number(f"{base}/cpu_capacity"), -number(f"{base}/cpufreq/cpuinfo_max_freq"), cpu
 
     firsts, siblings, seen = [], [], set()
-    for cpu in sorted(cpus, key=rank):
+    for cpu in sorted(USABLE_CPUS, key=rank):
         try:
             core = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
         except OSError:
@@ -144,8 +144,8 @@ def pool_cpus(threads: int, cpus=USABLE_CPUS) -> list[int]:
 def set_threads(threads: int | None) -> None:
     """Size TVM's thread pool and let its threads share its cores; None keeps TVM_NUM_THREADS (or OMP_NUM_THREADS)
     where set, else one thread per physical core this process may use (TVM's own default halves x86's CPUs whether
-    or not they are SMT siblings: 1 thread on a 2-core VM). The count always goes into TVM_NUM_THREADS: without it
-    TVM asks glibc for the CPU count at every parallel kernel launch, which reads /sys/devices/system/cpu/online
+    or not they are SMT siblings: 1 thread on a 2-core VM). A count not read from those goes into TVM_NUM_THREADS:
+    without either TVM asks glibc for the CPU count at every parallel kernel launch, which reads /sys/devices/system/cpu/online
     (~185 times per SmolLM2 decode step).
 
     TVM pins each worker to a core of its own and lets the calling thread, which runs a launch's first share, roam

@@ -954,7 +954,9 @@ void PinThreadCountVariable() {
   if (std::getenv(kThreadsVariable) != nullptr || std::getenv("OMP_NUM_THREADS") != nullptr) return;
   int cores = 0;
   PoolOrder(&cores);
-  setenv(kThreadsVariable, std::to_string(std::max(cores, 1)).c_str(), 0);
+  // where Linux does not say which CPUs this process may use: TVM's own count
+  const int threads = cores > 0 ? cores : ffi::Function::GetGlobalRequired("runtime.NumThreads")().cast<int>();
+  setenv(kThreadsVariable, std::to_string(threads).c_str(), 0);
 }
 
 // TVM's ThreadGroup::AffinityMode kSpecifyThreadShareAllCore: every thread of the pool may run on each given CPU.

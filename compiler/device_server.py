@@ -174,16 +174,19 @@ def libraries(args: argparse.Namespace) -> tuple[list[str], str]:
     return [*loaded, str(library)], said
 
 
+def core_of(cpu: int) -> str:
+    """The physical core of CPU `cpu` (Linux's number), as the list of its SMT siblings; where Linux does not say, the
+    CPU alone."""
+    try:
+        return Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+    except OSError:
+        return str(cpu)
+
+
 def physical_cores(cpus) -> int:
     """The physical cores among `cpus` (Linux's CPU numbers): SMT siblings count once; where Linux does not say which
     are siblings, every CPU."""
-    cores = set()
-    for cpu in cpus:
-        try:
-            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
-        except OSError:
-            return len(cpus)
-    return len(cores)
+    return len({core_of(cpu) for cpu in cpus})
 
 
 def serve(args: argparse.Namespace) -> None:

@@ -71,10 +71,10 @@ def test_bench_threads_on_this_machine_set_the_variable_too():
     assert variable == "2" and after == before
 
 
-
 def test_a_count_that_is_not_a_number_is_refused():
     done = subprocess.run([sys.executable, "-c", "import compiler.target.host as host; host.set_threads(None)"],
-                          capture_output=True, text=True, env={**os.environ, "TVM_NUM_THREADS": "", "OMP_NUM_THREADS": "two"})
+                          capture_output=True, text=True,
+                          env={**os.environ, "TVM_NUM_THREADS": "", "OMP_NUM_THREADS": "two"})
     assert done.returncode != 0 and "OMP_NUM_THREADS='two' is not a thread count" in done.stderr
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import tvm
 from tvm.target.codegen import llvm_get_cpu_features, llvm_get_system_cpu, llvm_is_valid_cpu
 
-from ..device_server import physical_cores
+from ..device_server import core_of, physical_cores
 from ..errors import MobilecError
 from ..user_cache import cache_path
 from ..validate import USABLE_CORES, USABLE_CPUS
@@ -132,10 +132,7 @@ def pool_cpus(threads: int) -> list[int]:
 
     firsts, siblings, seen = [], [], set()
     for cpu in sorted(USABLE_CPUS, key=rank):
-        try:
-            core = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
-        except OSError:
-            core = str(cpu)
+        core = core_of(cpu)
         (siblings if core in seen else firsts).append(cpu)
         seen.add(core)
     return (firsts + siblings)[:threads]
@@ -145,8 +142,8 @@ def set_threads(threads: int | None) -> None:
     """Size TVM's thread pool and let its threads share its cores; None keeps TVM_NUM_THREADS (or OMP_NUM_THREADS)
     where set, else one thread per physical core this process may use (TVM's own default halves x86's CPUs whether
     or not they are SMT siblings: 1 thread on a 2-core VM). A count not read from those goes into TVM_NUM_THREADS:
-    without either TVM asks glibc for the CPU count at every parallel kernel launch, which reads /sys/devices/system/cpu/online
-    (~185 times per SmolLM2 decode step).
+    without either TVM asks glibc for the CPU count at every parallel kernel launch, which reads
+    /sys/devices/system/cpu/online (~185 times per SmolLM2 decode step).
 
     TVM pins each worker to a core of its own and lets the calling thread, which runs a launch's first share, roam
     over all of them: when Linux leaves it on a worker's core, each launch runs its shares one after the other (a

@@ -912,12 +912,16 @@ long SysNumber(const std::string& path) {
 
 // The CPUs this process may use in the order a pool takes them (as compiler/target/host.py pool_cpus): one per
 // physical core first, the highest capacity (then maximum clock) first, then lower numbers; SMT siblings once every
-// core has one. `cores`: how many physical cores they are.
-std::vector<int> PoolOrder(int* cores) {
-  cpu_set_t usable;
+// core has one. `cores`: how many physical cores they are (0 where Linux does not say which CPUs this process may use).
+struct UsableCpus {
   std::vector<int> order;
-  *cores = 0;
-  if (sched_getaffinity(0, sizeof(usable), &usable) != 0) return order;
+  int cores = 0;
+};
+
+UsableCpus ReadUsableCpus() {
+  cpu_set_t usable;
+  UsableCpus cpus;
+  if (sched_getaffinity(0, sizeof(usable), &usable) != 0) return cpus;
   struct Ranked {
     long capacity, clock;
     int cpu;
@@ -937,10 +941,10 @@ std::vector<int> PoolOrder(int* cores) {
   });
   std::vector<int> siblings;
   std::unordered_set<std::string> seen;
-  for (const Ranked& r : ranked) (seen.insert(r.core).second ? order : siblings).push_back(r.cpu);
-  *cores = static_cast<int>(order.size());
-  order.insert(order.end(), siblings.begin(), siblings.end());
-  return order;
+  for (const Ranked& r : ranked) (seen.insert(r.core).second ? cpus.order : siblings).push_back(r.cpu);
+  cpus.cores = static_cast<int>(cpus.order.size());
+  cpus.order.insert(cpus.order.end(), siblings.begin(), siblings.end());
+  return cpus;
 }
 
 constexpr const char* kThreadsVariable = "TVM_NUM_THREADS";
@@ -950,12 +954,11 @@ constexpr const char* kThreadsVariable = "TVM_NUM_THREADS";
 // (`mobilec-run --threads 2` ran on one thread there). Without either variable: one thread per physical core, set
 // before the pool exists. The variable also spares TVM reading /sys/devices/system/cpu/online (glibc's CPU count) at
 // every parallel kernel launch, ~185 times per SmolLM2 decode step.
-void PinThreadCountVariable() {
+void PinThreadCountVariable(const UsableCpus& cpus) {
   if (std::getenv(kThreadsVariable) != nullptr || std::getenv("OMP_NUM_THREADS") != nullptr) return;
-  int cores = 0;
-  PoolOrder(&cores);
   // where Linux does not say which CPUs this process may use: TVM's own count
-  const int threads = cores > 0 ? cores : ffi::Function::GetGlobalRequired("runtime.NumThreads")().cast<int>();
+  const int threads =
+      cpus.cores > 0 ? cpus.cores : ffi::Function::GetGlobalRequired("runtime.NumThreads")().cast<int>();
   setenv(kThreadsVariable, std::to_string(threads).c_str(), 0);
 }
 
@@ -964,26 +967,21 @@ constexpr int kShareAllCores = -3;
 
 // As compiler/target/host.py set_threads: TVM pins each worker to a core of its own and lets the calling thread, which
 // runs a launch's first share, roam over all of them, so that where Linux leaves it on a worker's core each launch
-// runs its shares one after the other; the pool's threads share the pool's cores instead (TVM_BIND_THREADS, where
-// set, keeps TVM's placement). TVM also narrows the calling thread's cores; restored.
-void SharePoolCores(int threads) {
+// runs its shares one after the other; the pool's threads share the pool's first `threads` CPUs instead
+// (TVM_BIND_THREADS, where set, keeps TVM's placement). TVM also narrows the calling thread's cores; restored.
+void SharePoolCores(int threads, const UsableCpus& usable) {
   const ffi::Function configure = ffi::Function::GetGlobalRequired("runtime.config_threadpool");
-  if (std::getenv("TVM_BIND_THREADS") != nullptr) {
+  if (std::getenv("TVM_BIND_THREADS") != nullptr || usable.order.empty()) {
     configure(0, threads);
     return;
   }
-  int cores = 0;
-  std::vector<int> order = PoolOrder(&cores);
-  if (static_cast<int>(order.size()) > threads) order.resize(threads);
   ffi::Array<ffi::String> cpus;
-  for (int cpu : order) cpus.push_back(std::to_string(cpu));
+  for (size_t i = 0; i < usable.order.size() && static_cast<int>(i) < threads; ++i) {
+    cpus.push_back(std::to_string(usable.order[i]));
+  }
   cpu_set_t mask;
   const bool saved = sched_getaffinity(0, sizeof(mask), &mask) == 0;
-  if (cpus.empty()) {
-    configure(0, threads);
-  } else {
-    configure(kShareAllCores, threads, cpus);
-  }
+  configure(kShareAllCores, threads, cpus);
   if (saved) sched_setaffinity(0, sizeof(mask), &mask);
 }
 
@@ -1342,8 +1340,9 @@ mobilec_status mobilec_open_verified(const char* artifact_dir, mobilec_verify ve
     const std::string eos = TokenContent(Field(tokenizer_config, "eos_token"));
     model->eos_token_id = eos.empty() ? -1 : model->tokenizer->TokenId(eos);
     model->chat_prompt = mobilec::ChatPrompt::FromConfig(model->artifact.config);
-    PinThreadCountVariable();
-    SharePoolCores(ffi::Function::GetGlobalRequired("runtime.NumThreads")().cast<int>());
+    const UsableCpus cpus = ReadUsableCpus();
+    PinThreadCountVariable(cpus);
+    SharePoolCores(ffi::Function::GetGlobalRequired("runtime.NumThreads")().cast<int>(), cpus);
     model->LoadModel();
     *out_model = model.release();
   });
@@ -1359,7 +1358,7 @@ mobilec_status mobilec_set_threads(mobilec_model* model, int32_t threads) {
     }
     // As compiler/target/host.py set_threads: the variable too (see PinThreadCountVariable)
     setenv(kThreadsVariable, std::to_string(threads).c_str(), 1);
-    SharePoolCores(threads);
+    SharePoolCores(threads, ReadUsableCpus());
   });
 }
 
